@@ -1,0 +1,54 @@
+"""The constants and small pieces of the checksum's definition (scheme 1, docs/checksum.md)."""
+
+from __future__ import annotations
+
+from .errors import UnsupportedGroupError
+
+SCHEME_VERSION = 1
+MAX_KV_HEADS_PER_LAYER = 65536
+MOD64 = 1 << 64
+MASK64 = MOD64 - 1
+
+ReplicaKey = tuple[int, int]
+"""``(replicas, replica_index)``: the ranks that hold the same heads, and which of them."""
+
+
+def slice_number(layer_number: int, head: int) -> int:
+    """``L * H + h``: a slice's place among every (layer, global head) of the model."""
+    return layer_number * MAX_KV_HEADS_PER_LAYER + head
+
+
+def slice_factor(layer_number: int, head: int) -> int:
+    """``m(L, h) = 2 * (L * H + h) + 1`` mod 2**64, the odd factor of a slice."""
+    return (2 * slice_number(layer_number, head) + 1) & MASK64
+
+
+def to_signed(value: int) -> int:
+    """A uint64 as the int64 with the same bits."""
+    value &= MASK64
+    return value - MOD64 if value >= 1 << 63 else value
+
+
+def to_hex(value: int) -> str:
+    """A 64-bit value as 16 lowercase hex digits."""
+    return f"{value & MASK64:016x}"
+
+
+def from_hex(text: str) -> int:
+    """16 hex digits as an unsigned 64-bit value."""
+    return int(text, 16) & MASK64
+
+
+def layer_module(layer_name: str) -> tuple[int, str]:
+    """A layer's number (its one integer name component) and its module name (up to it).
+
+    Raises:
+        UnsupportedGroupError: The name has no integer component, or several.
+
+    """
+    parts = layer_name.split(".")
+    numbered = [i for i, part in enumerate(parts) if part.isdigit()]
+    if len(numbered) != 1:
+        raise UnsupportedGroupError(f"layer {layer_name} has no single layer number")
+    index = numbered[0]
+    return int(parts[index]), ".".join(parts[: index + 1])
