@@ -6,13 +6,22 @@ engine (a dump set) and is what ``kvaudit checksum --format json`` writes (docs/
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import numpy as np
 
-from .scheme import ReplicaKey
+from .errors import KvauditError
+from .scheme import MASK64, ReplicaKey, from_hex, to_hex
+from .wire import WireGroup
 
 POSITION_NUMBERINGS = ("request", "block")
+ROLES = ("producer", "consumer", "offload")
+RECORD_FORMAT = "kvaudit.record/1"
+CSV_HEADER = ("request", "group", "position", "replica_key", "value")
 
 
 @dataclass
@@ -33,12 +42,21 @@ class GroupChecksums:
     def count(self) -> int:
         return int(self.values.shape[0])
 
+    @property
+    def end(self) -> int:
+        """One past the last position held."""
+        return self.start + self.count
+
     def totals(self) -> np.ndarray:
         """Per position, the sum of the columns whose replica index is 0 (uint64)."""
         columns = [k for k, (_, index) in enumerate(self.replica_keys) if index == 0]
         if not columns:
             return np.zeros(self.count, dtype=np.uint64)
         return self.values[:, columns].sum(axis=1, dtype=np.uint64)
+
+    def to_wire(self, group_id: int) -> WireGroup:
+        """The group's totals as a producer sends them."""
+        return WireGroup(group_id, self.fingerprint, self.block_size, self.start, self.totals())
 
 
 @dataclass
@@ -47,6 +65,10 @@ class RequestChecksums:
 
     num_tokens: int
     groups: dict[int, GroupChecksums] = field(default_factory=dict)
+
+    def to_wire(self) -> list[WireGroup]:
+        """The request's totals per group, in group id order, for ``encode_wire``."""
+        return [self.groups[gid].to_wire(gid) for gid in sorted(self.groups)]
 
 
 @dataclass(frozen=True)
@@ -71,3 +93,462 @@ class WorkerRecord:
     fingerprints: dict[int, int]
     not_covered: dict[int, str]
     requests: dict[str, RequestChecksums]
+
+
+@dataclass
+class WorkerSummary:
+    """One worker of a record: who it is, its group fingerprints and uncovered groups."""
+
+    worker: WorkerInfo
+    fingerprints: dict[int, int] = field(default_factory=dict)
+    not_covered: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class Record:
+    """One engine's checksums, summed over its workers.
+
+    ``missing_workers`` lists the ``(pp_rank, tp_rank)`` of the engine's layout that the
+    set lacks; ``complete`` is true when there are none.
+    """
+
+    positions: str
+    workers: list[WorkerSummary]
+    complete: bool
+    requests: dict[str, RequestChecksums]
+    missing_workers: list[tuple[int, int]] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        """The record as ``checksum --format json`` writes it (docs/cli.md)."""
+        return {
+            "format": RECORD_FORMAT,
+            "positions": self.positions,
+            "workers": [_worker_to_json(summary) for summary in self.workers],
+            "complete": self.complete,
+            "requests": {
+                request_id: {
+                    "num_tokens": int(request.num_tokens),
+                    "groups": {
+                        str(gid): _group_to_json(request.groups[gid])
+                        for gid in sorted(request.groups)
+                    },
+                }
+                for request_id, request in self.requests.items()
+            },
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping, source: str) -> Record:
+        """A record read back from its JSON form, validated strictly.
+
+        Raises:
+            KvauditError: A wrong format tag, a missing or unknown key, a value of the
+                wrong type, bad hex, rows of the wrong width, or totals that are not the
+                sums of the replica-0 values; the message names the source and key path.
+
+        """
+        reader = _Reader(source)
+        reader.keys(data, "", ("format", "positions", "workers", "complete", "requests"))
+        if data["format"] != RECORD_FORMAT:
+            reader.fail("format", f"expected {RECORD_FORMAT!r}, got {_short(data['format'])}")
+        positions = data["positions"]
+        if positions not in POSITION_NUMBERINGS:
+            reader.fail(
+                "positions", f"expected one of {POSITION_NUMBERINGS}, got {_short(positions)}"
+            )
+        workers_data = reader.array(data["workers"], "workers")
+        if not workers_data:
+            reader.fail("workers", "expected at least one worker")
+        workers = [
+            _worker_from_json(reader, item, f"workers[{index}]")
+            for index, item in enumerate(workers_data)
+        ]
+        try:
+            missing = _check_layout([summary.worker for summary in workers])
+        except KvauditError as error:
+            reader.fail("workers", error.message)
+        complete = data["complete"]
+        if not isinstance(complete, bool):
+            reader.fail("complete", f"expected true or false, got {_short(complete)}")
+        if complete and missing:
+            reader.fail("complete", f"is true but workers (pp_rank, tp_rank) {missing} are missing")
+        if not complete and not missing:
+            reader.fail("complete", "is false but no worker is missing")
+        requests_data = reader.obj(data["requests"], "requests")
+        requests = {
+            request_id: _request_from_json(reader, item, _item("requests", request_id))
+            for request_id, item in requests_data.items()
+        }
+        return cls(positions, workers, complete, requests, missing)
+
+    def to_csv_rows(self) -> list[list[str]]:
+        """A header and, per request, group and position, one row per replica key and a
+        ``total`` row."""
+        rows = [list(CSV_HEADER)]
+        for request_id, request in self.requests.items():
+            for gid in sorted(request.groups):
+                group = request.groups[gid]
+                keys = [f"{replicas}:{index}" for replicas, index in group.replica_keys]
+                values = group.values.tolist()
+                totals = group.totals().tolist()
+                for i, row in enumerate(values):
+                    position = str(group.start + i)
+                    for key, value in zip(keys, row, strict=True):
+                        rows.append([request_id, str(gid), position, key, to_hex(value)])
+                    rows.append([request_id, str(gid), position, "total", to_hex(totals[i])])
+        return rows
+
+
+def _describe(worker: WorkerInfo) -> str:
+    """A worker's name in messages: its source, else its ranks."""
+    return worker.source or f"worker pp_rank={worker.pp_rank} tp_rank={worker.tp_rank}"
+
+
+def _check_layout(workers: Sequence[WorkerInfo]) -> list[tuple[int, int]]:
+    """The ``(pp_rank, tp_rank)`` missing from one engine's workers.
+
+    Raises:
+        KvauditError: Workers that disagree on the TP or PP size, ranks out of range, or
+            two workers with the same ranks.
+
+    """
+    first = workers[0]
+    seen: dict[tuple[int, int], WorkerInfo] = {}
+    for worker in workers:
+        for name in ("tp_size", "pp_size"):
+            if getattr(worker, name) != getattr(first, name):
+                raise KvauditError(
+                    f"workers disagree on {name}: {_describe(first)} has "
+                    f"{getattr(first, name)}, {_describe(worker)} has {getattr(worker, name)}"
+                )
+        if not (0 <= worker.tp_rank < worker.tp_size and 0 <= worker.pp_rank < worker.pp_size):
+            raise KvauditError(
+                f"{_describe(worker)}: rank tp {worker.tp_rank}/{worker.tp_size}, "
+                f"pp {worker.pp_rank}/{worker.pp_size} out of range"
+            )
+        ranks = (worker.pp_rank, worker.tp_rank)
+        if ranks in seen:
+            raise KvauditError(
+                f"{_describe(seen[ranks])} and {_describe(worker)} are both "
+                f"pp_rank {ranks[0]}, tp_rank {ranks[1]}"
+            )
+        seen[ranks] = worker
+    return [
+        (pp, tp)
+        for pp in range(first.pp_size)
+        for tp in range(first.tp_size)
+        if (pp, tp) not in seen
+    ]
+
+
+def combine_workers(records: Sequence[WorkerRecord]) -> Record:
+    """Sums the partial checksums of one engine's workers.
+
+    Each request and group covers the union of the workers' positions and replica keys;
+    a worker's absent positions and keys count as 0. A group's fingerprint sums, over PP
+    stages, the one reported by each stage's lowest TP rank present.
+
+    Raises:
+        KvauditError: No records, workers that disagree on the position numbering, TP or
+            PP size, a request's token count or a group's block size, or two workers with
+            the same ranks; the message names the sources.
+
+    """
+    if not records:
+        raise KvauditError("no worker records to combine")
+    first = records[0]
+    for record in records:
+        if record.positions not in POSITION_NUMBERINGS:
+            raise KvauditError(
+                f"{_describe(record.worker)}: unknown position numbering {record.positions!r}"
+            )
+        if record.positions != first.positions:
+            raise KvauditError(
+                f"workers disagree on positions: {_describe(first.worker)} numbers them by "
+                f"{first.positions}, {_describe(record.worker)} by {record.positions}"
+            )
+    missing = _check_layout([record.worker for record in records])
+
+    # Per PP stage, the worker of lowest TP rank present reports the stage's fingerprints.
+    stage_reporters: dict[int, WorkerRecord] = {}
+    for record in records:
+        current = stage_reporters.get(record.worker.pp_rank)
+        if current is None or record.worker.tp_rank < current.worker.tp_rank:
+            stage_reporters[record.worker.pp_rank] = record
+
+    requests: dict[str, RequestChecksums] = {}
+    for request_id in dict.fromkeys(rid for record in records for rid in record.requests):
+        holders = [record for record in records if request_id in record.requests]
+        requests[request_id] = _combine_request(request_id, holders, stage_reporters)
+
+    workers = [
+        WorkerSummary(record.worker, dict(record.fingerprints), dict(record.not_covered))
+        for record in records
+    ]
+    return Record(first.positions, workers, not missing, requests, missing)
+
+
+def _combine_request(
+    request_id: str, holders: Sequence[WorkerRecord], stage_reporters: Mapping[int, WorkerRecord]
+) -> RequestChecksums:
+    """One request summed over the workers that hold it."""
+    first = holders[0]
+    num_tokens = first.requests[request_id].num_tokens
+    for record in holders:
+        if record.requests[request_id].num_tokens != num_tokens:
+            raise KvauditError(
+                f"request {request_id}: {_describe(first.worker)} has {num_tokens} tokens, "
+                f"{_describe(record.worker)} has {record.requests[request_id].num_tokens}"
+            )
+    group_ids = sorted({gid for record in holders for gid in record.requests[request_id].groups})
+    groups: dict[int, GroupChecksums] = {}
+    for gid in group_ids:
+        parts = [
+            (record, record.requests[request_id].groups[gid])
+            for record in holders
+            if gid in record.requests[request_id].groups
+        ]
+        groups[gid] = _combine_group(request_id, gid, parts, stage_reporters)
+    return RequestChecksums(num_tokens, groups)
+
+
+def _combine_group(
+    request_id: str,
+    gid: int,
+    parts: Sequence[tuple[WorkerRecord, GroupChecksums]],
+    stage_reporters: Mapping[int, WorkerRecord],
+) -> GroupChecksums:
+    """One request's group summed over the workers that hold it."""
+    first_record, first_group = parts[0]
+    for record, group in parts:
+        if group.block_size != first_group.block_size:
+            raise KvauditError(
+                f"request {request_id} group {gid}: {_describe(first_record.worker)} has "
+                f"block size {first_group.block_size}, {_describe(record.worker)} has "
+                f"{group.block_size}"
+            )
+    keys = sorted({tuple(key) for _, group in parts for key in group.replica_keys})
+    column = {key: k for k, key in enumerate(keys)}
+    start = min(group.start for _, group in parts)
+    end = max(group.end for _, group in parts)
+    values = np.zeros((end - start, len(keys)), dtype=np.uint64)
+    for _, group in parts:
+        columns = [column[tuple(key)] for key in group.replica_keys]
+        rows = slice(group.start - start, group.end - start)
+        # uint64 addition wraps modulo 2**64, as the definition requires.
+        values[rows, columns] += np.asarray(group.values, dtype=np.uint64)
+
+    held = {id(record): group for record, group in parts}
+    fingerprint = 0
+    for reporter in stage_reporters.values():
+        if gid in reporter.fingerprints:
+            fingerprint += reporter.fingerprints[gid]
+        elif id(reporter) in held:
+            fingerprint += held[id(reporter)].fingerprint
+    return GroupChecksums(
+        block_size=first_group.block_size,
+        start=start,
+        replica_keys=[(int(r), int(i)) for r, i in keys],
+        values=values,
+        fingerprint=fingerprint & MASK64,
+    )
+
+
+def _worker_to_json(summary: WorkerSummary) -> dict:
+    worker = summary.worker
+    return {
+        "source": worker.source,
+        "tp_rank": worker.tp_rank,
+        "tp_size": worker.tp_size,
+        "pp_rank": worker.pp_rank,
+        "pp_size": worker.pp_size,
+        "role": worker.role,
+        "engine": worker.engine,
+        "fingerprints": {str(gid): to_hex(fp) for gid, fp in sorted(summary.fingerprints.items())},
+        "not_covered": {str(gid): reason for gid, reason in sorted(summary.not_covered.items())},
+    }
+
+
+def _group_to_json(group: GroupChecksums) -> dict:
+    return {
+        "block_size": int(group.block_size),
+        "start": int(group.start),
+        "fingerprint": to_hex(group.fingerprint),
+        "replica_keys": [[int(replicas), int(index)] for replicas, index in group.replica_keys],
+        "values": [[to_hex(int(value)) for value in row] for row in group.values.tolist()],
+        "totals": [to_hex(int(value)) for value in group.totals().tolist()],
+    }
+
+
+_HEX = re.compile(r"[0-9a-f]{16}")
+_WORKER_KEYS = (
+    "source",
+    "tp_rank",
+    "tp_size",
+    "pp_rank",
+    "pp_size",
+    "role",
+    "fingerprints",
+    "not_covered",
+)
+_GROUP_KEYS = ("block_size", "start", "fingerprint", "replica_keys", "values", "totals")
+
+
+def _short(value: object) -> str:
+    """A value for a one-line message: its JSON (or repr), cut short."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _item(path: str, key: str | int) -> str:
+    return f"{path}[{key}]" if isinstance(key, int) else f"{path}[{json.dumps(key)}]"
+
+
+def _field(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+class _Reader:
+    """Typed access to a record's JSON with errors that name the source and key path."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, path: str, problem: str) -> NoReturn:
+        raise KvauditError(f"{path}: {problem}", source=self.source)
+
+    def obj(self, value: object, path: str) -> Mapping:
+        if not isinstance(value, Mapping):
+            self.fail(path, f"expected an object, got {_short(value)}")
+        return value
+
+    def array(self, value: object, path: str) -> list:
+        if not isinstance(value, list):
+            self.fail(path, f"expected a list, got {_short(value)}")
+        return value
+
+    def keys(
+        self, value: object, path: str, required: Sequence[str], optional: Sequence[str] = ()
+    ) -> Mapping:
+        data = self.obj(value, path or "record")
+        for key in required:
+            if key not in data:
+                self.fail(_field(path, key), "missing")
+        for key in data:
+            if key not in required and key not in optional:
+                self.fail(_field(path, str(key)), "unknown key")
+        return data
+
+    def integer(self, value: object, path: str, minimum: int = 0) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            self.fail(path, f"expected an integer >= {minimum}, got {_short(value)}")
+        return value
+
+    def string(self, value: object, path: str) -> str:
+        if not isinstance(value, str):
+            self.fail(path, f"expected a string, got {_short(value)}")
+        return value
+
+    def hex64(self, value: object, path: str) -> int:
+        if not isinstance(value, str) or not _HEX.fullmatch(value):
+            self.fail(path, f"expected 16 lowercase hex digits, got {_short(value)}")
+        return from_hex(value)
+
+    def group_id(self, key: object, path: str) -> int:
+        if not isinstance(key, str) or not key.isdigit() or str(int(key)) != key:
+            self.fail(_item(path, str(key)), "expected a group id (a decimal integer)")
+        return int(key)
+
+
+def _worker_from_json(reader: _Reader, value: object, path: str) -> WorkerSummary:
+    data = reader.keys(value, path, _WORKER_KEYS, ("engine",))
+    role = reader.string(data["role"], _field(path, "role"))
+    if role not in ROLES:
+        reader.fail(_field(path, "role"), f"expected one of {ROLES}, got {_short(role)}")
+    info = WorkerInfo(
+        tp_rank=reader.integer(data["tp_rank"], _field(path, "tp_rank")),
+        tp_size=reader.integer(data["tp_size"], _field(path, "tp_size"), minimum=1),
+        pp_rank=reader.integer(data["pp_rank"], _field(path, "pp_rank")),
+        pp_size=reader.integer(data["pp_size"], _field(path, "pp_size"), minimum=1),
+        role=role,
+        engine=reader.string(data.get("engine", ""), _field(path, "engine")),
+        source=reader.string(data["source"], _field(path, "source")),
+    )
+    fp_path = _field(path, "fingerprints")
+    fingerprints = {
+        reader.group_id(key, fp_path): reader.hex64(fp, _item(fp_path, key))
+        for key, fp in reader.obj(data["fingerprints"], fp_path).items()
+    }
+    nc_path = _field(path, "not_covered")
+    not_covered = {
+        reader.group_id(key, nc_path): reader.string(reason, _item(nc_path, key))
+        for key, reason in reader.obj(data["not_covered"], nc_path).items()
+    }
+    return WorkerSummary(info, fingerprints, not_covered)
+
+
+def _request_from_json(reader: _Reader, value: object, path: str) -> RequestChecksums:
+    data = reader.keys(value, path, ("num_tokens", "groups"))
+    num_tokens = reader.integer(data["num_tokens"], _field(path, "num_tokens"))
+    groups_path = _field(path, "groups")
+    groups = {
+        reader.group_id(key, groups_path): _group_from_json(reader, item, _item(groups_path, key))
+        for key, item in reader.obj(data["groups"], groups_path).items()
+    }
+    return RequestChecksums(num_tokens, groups)
+
+
+def _group_from_json(reader: _Reader, value: object, path: str) -> GroupChecksums:
+    data = reader.keys(value, path, _GROUP_KEYS)
+    block_size = reader.integer(data["block_size"], _field(path, "block_size"), minimum=1)
+    start = reader.integer(data["start"], _field(path, "start"))
+    fingerprint = reader.hex64(data["fingerprint"], _field(path, "fingerprint"))
+
+    keys_path = _field(path, "replica_keys")
+    keys: list[ReplicaKey] = []
+    for k, item in enumerate(reader.array(data["replica_keys"], keys_path)):
+        key_path = _item(keys_path, k)
+        pair = reader.array(item, key_path)
+        if len(pair) != 2:
+            reader.fail(key_path, f"expected [replicas, replica_index], got {_short(pair)}")
+        replicas = reader.integer(pair[0], _item(key_path, 0), minimum=1)
+        index = reader.integer(pair[1], _item(key_path, 1))
+        if index >= replicas:
+            reader.fail(key_path, f"replica index {index} is not below {replicas} replicas")
+        if (replicas, index) in keys:
+            reader.fail(key_path, f"replica key {_short(pair)} repeated")
+        keys.append((replicas, index))
+    if not keys:
+        reader.fail(keys_path, "expected at least one replica key")
+
+    values_path = _field(path, "values")
+    rows = reader.array(data["values"], values_path)
+    values = np.zeros((len(rows), len(keys)), dtype=np.uint64)
+    for i, row in enumerate(rows):
+        row_path = _item(values_path, i)
+        reader.array(row, row_path)
+        if len(row) != len(keys):
+            reader.fail(
+                row_path, f"expected {len(keys)} values (one per replica key), got {len(row)}"
+            )
+        values[i] = [reader.hex64(item, _item(row_path, k)) for k, item in enumerate(row)]
+    group = GroupChecksums(block_size, start, keys, values, fingerprint)
+
+    totals_path = _field(path, "totals")
+    totals = reader.array(data["totals"], totals_path)
+    if len(totals) != len(rows):
+        reader.fail(
+            totals_path, f"expected {len(rows)} totals (one per position), got {len(totals)}"
+        )
+    expected = group.totals().tolist()
+    for i, item in enumerate(totals):
+        total = reader.hex64(item, _item(totals_path, i))
+        if total != expected[i]:
+            reader.fail(
+                _item(totals_path, i),
+                f"{item} is not the sum of the replica-0 values, {to_hex(expected[i])}",
+            )
+    return group

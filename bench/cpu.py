@@ -1,0 +1,106 @@
+"""CPU path throughput against baselines on the same bytes, in one run.
+
+    python bench/cpu.py [--layers 8] [--blocks 1024] [--repeats 3]
+
+Prints GB/s of: hashlib.sha256 (the issue's baseline), numpy's sum (about memory
+bandwidth), and kvaudit's CPU path on a Llama-shaped cache (8 KV heads, head size 128,
+bf16, 16-token blocks) in two layouts, with the ratios of kvaudit to each baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvaudit.checksummer import Checksummer, RequestBlocks
+from kvaudit.description import parse_description
+
+
+def best_seconds(run: Callable[[], object], repeats: int) -> float:
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def llama_description(layers: int, blocks: int, layout: str) -> dict:
+    return {
+        "kvaudit": 1,
+        "num_blocks": blocks,
+        "groups": [
+            {
+                "spec": {
+                    "type": "full_attention",
+                    "block_size": 16,
+                    "num_kv_heads": 8,
+                    "head_size": 128,
+                    "dtype": "bfloat16",
+                    "layout": layout,
+                },
+                "layers": [f"model.layers.{i}.self_attn.attn" for i in range(layers)],
+            }
+        ],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--blocks", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    generator = torch.Generator().manual_seed(0)
+    shapes = {"NTHC": (args.blocks, 16, 8, 256), "KNTHD": (2, args.blocks, 16, 8, 128)}
+    caches = {
+        layout: {
+            f"model.layers.{i}.self_attn.attn": torch.randint(
+                -(2**15), 2**15, shape, dtype=torch.int16, generator=generator
+            ).view(torch.bfloat16)
+            for i in range(args.layers)
+        }
+        for layout, shape in shapes.items()
+    }
+    nbytes = sum(t.numel() * t.element_size() for t in caches["NTHC"].values())
+    raw = b"".join(t.view(torch.uint8).numpy().tobytes() for t in caches["NTHC"].values())
+    words = [t.view(torch.int64).numpy() for t in caches["NTHC"].values()]
+    order = torch.randperm(args.blocks, generator=generator).tolist()
+    requests = {"bench": RequestBlocks(args.blocks * 16, {0: (0, order)})}
+
+    results = {
+        "hashlib.sha256": best_seconds(lambda: hashlib.sha256(raw).digest(), args.repeats),
+        "numpy sum": best_seconds(lambda: [w.sum() for w in words], args.repeats),
+    }
+    for layout, tensors in caches.items():
+        description = parse_description(
+            llama_description(args.layers, args.blocks, layout), "bench"
+        )
+        checksummer = Checksummer(description, tensors, backend="torch")
+        results[f"kvaudit torch {layout}"] = best_seconds(
+            lambda c=checksummer: c.checksum(requests), args.repeats
+        )
+
+    print(
+        f"{nbytes / 2**20:.0f} MiB of KV ({args.layers} layers, {args.blocks} blocks of 16 "
+        f"tokens, 8 heads x 128, bf16), {torch.get_num_threads()} torch threads, best of "
+        f"{args.repeats}"
+    )
+    for name, seconds in results.items():
+        print(f"  {name:24s} {nbytes / seconds / 1e9:7.2f} GB/s")
+    for layout in caches:
+        ours = results[f"kvaudit torch {layout}"]
+        print(
+            f"  ratio {layout}: {results['hashlib.sha256'] / ours:.2f}x sha256, "
+            f"{results['numpy sum'] / ours:.2f}x numpy sum"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""kvaudit: audit LLM KV caches with per-block checksums that add up across TP ranks and
+PP stages and ignore block ids and memory layout.
+
+The library's main entry points: ``load_description``/``parse_description`` (the cache
+description), ``Checksummer`` (a worker's checksums of live tensors), ``combine_workers``
+(sum one engine's workers into a ``Record``).
+"""
+
+from .checksummer import Checksummer, RequestBlocks
+from .description import CacheDescription, load_description, parse_description
+from .errors import KvauditError
+from .records import Record, WorkerInfo, WorkerRecord, combine_workers
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheDescription",
+    "Checksummer",
+    "KvauditError",
+    "Record",
+    "RequestBlocks",
+    "WorkerInfo",
+    "WorkerRecord",
+    "__version__",
+    "combine_workers",
+    "load_description",
+    "parse_description",
+]

@@ -1,0 +1,203 @@
+"""The library's entry point: a worker's checksums of some requests' blocks.
+
+``Checksummer`` takes a cache description, the worker's layer tensors (live, any strides,
+on the CPU or a GPU; or a dump's memory-mapped rows) and its rank, builds the views and
+plans once, then checksums requests into a ``WorkerRecord``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .description import CacheDescription
+from .errors import KvauditError
+from .plans import GroupPlan
+from .records import (
+    POSITION_NUMBERINGS,
+    ROLES,
+    GroupChecksums,
+    RequestChecksums,
+    WorkerInfo,
+    WorkerRecord,
+)
+from .views import GroupViews, LayerTensor, build_group_views
+
+
+@dataclass
+class RequestBlocks:
+    """A request's blocks in a worker's cache: its token count and, per group, the
+    position of the first listed block and the block ids of consecutive positions."""
+
+    num_tokens: int
+    groups: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
+
+
+class Checksummer:
+    """Checksums one worker's KV cache blocks, as its description and rank say.
+
+    A producer checksums replica 0 of each layer (any replica describes the same KV);
+    a consumer or offload tier checksums every replica, so each can be checked.
+    """
+
+    def __init__(
+        self,
+        description: CacheDescription,
+        tensors: Mapping[str, LayerTensor],
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        role: str = "consumer",
+        backend: str = "auto",
+        num_blocks: int | None = None,
+        engine: str = "",
+        source: str = "",
+    ) -> None:
+        if role not in ROLES:
+            raise KvauditError(f"unknown role {role!r}, expected one of {', '.join(ROLES)}")
+        if not 0 <= pp_rank < pp_size:
+            raise KvauditError(f"pp_rank {pp_rank} is not in 0..{pp_size - 1}", source or None)
+        if not 0 <= tp_rank < tp_size:
+            raise KvauditError(f"tp_rank {tp_rank} is not in 0..{tp_size - 1}", source or None)
+        self.description = description
+        self.worker = WorkerInfo(tp_rank, tp_size, pp_rank, pp_size, role, engine, source)
+        self.num_blocks = description.num_blocks if num_blocks is None else num_blocks
+        self.groups: dict[int, GroupViews] = build_group_views(
+            description, tensors, tp_rank=tp_rank, tp_size=tp_size, num_blocks=self.num_blocks
+        )
+        self.plans: dict[int, GroupPlan] = {}
+        for group_id, group_views in self.groups.items():
+            if not group_views.covered:
+                continue
+            plan = GroupPlan.create(
+                group_views.views, first_replica_only=role == "producer", backend=backend
+            )
+            if plan is not None:
+                plan.warm_up()
+                self.plans[group_id] = plan
+
+    @property
+    def fingerprints(self) -> dict[int, int]:
+        """Each group's fingerprint on this worker."""
+        return {group_id: views.fingerprint for group_id, views in self.groups.items()}
+
+    @property
+    def not_covered(self) -> dict[int, str]:
+        """The groups that cannot be checksummed, with the reason."""
+        return {
+            group_id: views.reason
+            for group_id, views in self.groups.items()
+            if views.reason is not None
+        }
+
+    def checksum(
+        self, requests: Mapping[str, RequestBlocks], positions: str = "request"
+    ) -> WorkerRecord:
+        """This worker's partial checksums of the requests' blocks in every covered group.
+
+        ``positions="block"`` numbers pieces from each block's first token instead of the
+        request's.
+        """
+        if positions not in POSITION_NUMBERINGS:
+            raise KvauditError(
+                f"unknown position numbering {positions!r}, expected request or block"
+            )
+        record = WorkerRecord(
+            self.worker, positions, self.fingerprints, self.not_covered, requests={}
+        )
+        # One pass per group over the rows of all requests.
+        batches: dict[int, list[tuple[str, int, list[int], int]]] = {}
+        for req_id, blocks in requests.items():
+            _check_request(req_id, blocks, self.groups, self.num_blocks, self.worker.source)
+            record.requests[req_id] = RequestChecksums(blocks.num_tokens)
+            for group_id, (start, block_ids) in blocks.groups.items():
+                if group_id in self.plans:
+                    batches.setdefault(group_id, []).append(
+                        (req_id, start, list(block_ids), blocks.num_tokens)
+                    )
+        for group_id, segments in batches.items():
+            plan = self.plans[group_id]
+            block_size = self.groups[group_id].group.block_size
+            ids, first_tokens, valid_tokens = _rows(segments, block_size, positions)
+            values = plan.checksum(
+                *(torch.from_numpy(a).to(plan.device) for a in (ids, first_tokens, valid_tokens))
+            )
+            values = values.cpu().numpy().view(np.uint64)
+            row = 0
+            for req_id, start, block_ids, _ in segments:
+                record.requests[req_id].groups[group_id] = GroupChecksums(
+                    block_size=block_size,
+                    start=start,
+                    replica_keys=list(plan.replica_keys),
+                    values=values[row : row + len(block_ids)].copy(),
+                    fingerprint=self.groups[group_id].fingerprint,
+                )
+                row += len(block_ids)
+        return record
+
+
+def _rows(
+    segments: list[tuple[str, int, list[int], int]], block_size: int, positions: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The ``block_ids, first_tokens, valid_tokens`` of a group's rows."""
+    ids = np.array([i for _, _, block_ids, _ in segments for i in block_ids], dtype=np.int64)
+    lengths = np.array([len(block_ids) for _, _, block_ids, _ in segments], dtype=np.int64)
+    starts = np.repeat(np.array([s for _, s, _, _ in segments], dtype=np.int64), lengths)
+    num_tokens = np.repeat(np.array([n for _, _, _, n in segments], dtype=np.int64), lengths)
+    first_rows = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    block_positions = starts + np.arange(len(ids), dtype=np.int64) - first_rows
+    first_tokens = block_positions * block_size
+    valid_tokens = np.clip(num_tokens - first_tokens, 0, block_size)
+    if positions == "block":
+        first_tokens = np.zeros_like(first_tokens)
+    return ids, first_tokens, valid_tokens
+
+
+def _check_request(
+    req_id: str,
+    blocks: RequestBlocks,
+    groups: Mapping[int, GroupViews],
+    num_blocks: int,
+    source: str,
+) -> None:
+    """Reject a request whose token count, positions or block ids cannot be right."""
+    where = source or None
+    if not _is_int(blocks.num_tokens) or blocks.num_tokens < 0:
+        raise KvauditError(
+            f"request {req_id}: num_tokens must be a non-negative integer, "
+            f"got {blocks.num_tokens!r}",
+            where,
+        )
+    for group_id, (start, block_ids) in blocks.groups.items():
+        if group_id not in groups:
+            raise KvauditError(f"request {req_id}: unknown group {group_id}", where)
+        if not _is_int(start) or start < 0:
+            raise KvauditError(
+                f"request {req_id} group {group_id}: start position must be a non-negative "
+                f"integer, got {start!r}",
+                where,
+            )
+        seen: set[int] = set()
+        for block_id in block_ids:
+            if not _is_int(block_id) or not 0 <= block_id < num_blocks:
+                raise KvauditError(
+                    f"request {req_id} group {group_id}: block id {block_id!r} is not in the "
+                    f"cache (0..{num_blocks - 1})",
+                    where,
+                )
+            if block_id in seen:
+                raise KvauditError(
+                    f"request {req_id} group {group_id}: block {block_id} is listed at two "
+                    "positions",
+                    where,
+                )
+            seen.add(block_id)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)

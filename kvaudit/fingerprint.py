@@ -1,0 +1,99 @@
+"""Group fingerprints and the tags of stored checksums (docs/checksum.md).
+
+A group's fingerprint identifies the layers its checksums cover: the sum of a hash of
+each layer's identity (name, spec type, dtypes, global state shapes), so that two
+engines whose layers differ are reported as not comparable rather than corrupted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+from .description import GroupDescription, LayerEntry
+from .dtypes import dtype_name
+from .scheme import MASK64
+
+_U64 = struct.Struct("<Q")
+
+
+def _uint64_le(digest: bytes) -> int:
+    """The first 8 bytes of a digest as a little-endian unsigned integer."""
+    return int(_U64.unpack_from(digest)[0])
+
+
+def layer_identity(entry: LayerEntry, tp_size: int) -> list:
+    """What identifies one layer in a fingerprint: the same on every TP rank and PP layout.
+
+    Attention: ``[name, type, dtype]``. Unsplit state: ``[name, "mamba", shapes, dtypes]``
+    of the checksummed states. TP-split state: ``[name, "mamba", [[global segment rows,
+    other dims] per state], dtypes]``.
+    """
+    spec = entry.spec
+    if not spec.is_state:
+        return [entry.name, spec.type, dtype_name(spec.dtype)]
+    if spec.state_splits is None:
+        covered = spec.covered_states
+        return [
+            entry.name,
+            "mamba",
+            [[int(size) for size in shape] for shape in spec.shapes[:covered]],
+            [dtype_name(dtype) for dtype in spec.dtypes[:covered]],
+        ]
+    states = []
+    for shape, split in zip(spec.shapes, spec.state_splits, strict=True):
+        # Global rows, not local ones: the identity must not depend on the TP size.
+        rows = [
+            int(local_rows) * tp_size // int(replicas) for local_rows, replicas in split.segments
+        ]
+        others = [int(size) for axis, size in enumerate(shape) if axis != split.axis]
+        states.append([rows, others])
+    return [entry.name, "mamba", states, [dtype_name(dtype) for dtype in spec.dtypes]]
+
+
+def canonical_json(value: object) -> bytes:
+    """``json.dumps(value, separators=(",", ":"))`` as UTF-8 bytes."""
+    return json.dumps(value, separators=(",", ":")).encode("utf-8")
+
+
+def layer_fingerprint(identity: object) -> int:
+    """``uint64_le(sha256(canonical JSON of identity)[:8])``."""
+    return _uint64_le(hashlib.sha256(canonical_json(identity)).digest())
+
+
+def group_fingerprint(
+    group: GroupDescription, tp_size: int, draft_layers: frozenset[str] = frozenset()
+) -> int:
+    """The sum mod 2**64 of the fingerprints of the group's layers on this worker.
+
+    Every layer counts, aliases (``shares``) included; drafter layers do not.
+    """
+    total = 0
+    for entry in group.layers:
+        if entry.name in draft_layers:
+            continue
+        total += layer_fingerprint(layer_identity(entry, tp_size))
+    return total & MASK64
+
+
+def block_checksum_tag(block_hash: bytes, fingerprint: int) -> int:
+    """``uint64_le(sha256(block_hash || uint64_le(fingerprint))[:8])``: binds a stored
+    checksum to the block it belongs to."""
+    message = bytes(block_hash) + _U64.pack(fingerprint & MASK64)
+    return _uint64_le(hashlib.sha256(message).digest())
+
+
+def block_checksum_tags(hashes: Sequence[bytes], fingerprint: int) -> np.ndarray:
+    """The tags of several block hashes under one fingerprint (uint64 array)."""
+    suffix = _U64.pack(fingerprint & MASK64)
+    prefixes = b"".join(hashlib.sha256(bytes(h) + suffix).digest()[:8] for h in hashes)
+    return np.frombuffer(prefixes, dtype="<u8").astype(np.uint64)
+
+
+def stored_checksum(partial_sum: int, block_hash: bytes, fingerprint: int) -> int:
+    """What a connector stores with an offloaded block: its partial sum XOR its tag."""
+    return (partial_sum & MASK64) ^ block_checksum_tag(block_hash, fingerprint)

@@ -1,0 +1,356 @@
+"""The GPU backend: one Triton launch adds the checksums of many layer parts into their columns.
+
+The contract is the one of docs/architecture.md ("The kernel contract"): for each row ``i``
+(block id, first token, valid tokens), table entry ``e``, kernel block ``k``, local head
+``h``, token ``t`` and piece ``p``, with ``u = k * T + t``::
+
+    if u < valid_tokens[i]:
+        j = (first_tokens[i] + u) * cell_pieces[e] + piece_offset[e] + p
+        out[i, column[e]] += (2 * (first_slice[e] + h) + 1) * x * (2 * j + 1)   (mod 2**64)
+
+Every entry is a view with the template's shape, strides and dtype, placed by its element
+offset from the template's first element. With ``TRITON_INTERPRET=1`` set before Triton is
+imported, the same code runs on CPU tensors (slowly, for tests).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import KvauditError
+
+TABLE_FIELDS = 5
+"""Columns of the entry table: element offset, first slice, column, piece offset, cell pieces."""
+
+_SOURCE = "triton kernel"
+_PIECE_BITS = {torch.int64: 64, torch.int32: 32, torch.int16: 16}
+# Elements one program holds in registers per tile; 4096 int64 are 32 KB, 16 per thread at
+# 8 warps, enough loads in flight per SM to cover memory latency at full bandwidth.
+_TILE_ELEMENTS = 4096
+# A program walks at most this many tiles, so that a very large cell (a Mamba state) is
+# spread over several programs instead of being read by one.
+_MAX_TILES_PER_PROGRAM = 8
+# A tile's piece segment per cell row is at least this many bytes (two 32-byte sectors),
+# so that splitting long rows into piece tiles keeps every memory sector fully used.
+_MIN_SEGMENT_BYTES = 64
+_MAX_GRID_YZ = 65535
+
+
+@triton.jit
+def _accumulate_kernel(
+    template_ptr,
+    table_ptr,
+    block_ids_ptr,
+    first_tokens_ptr,
+    valid_tokens_ptr,
+    out_ptr,
+    num_columns,
+    stride_block,
+    stride_kernel_block,
+    stride_head,
+    stride_token,
+    stride_piece,
+    KERNEL_BLOCKS: tl.constexpr,
+    HEADS: tl.constexpr,
+    TOKENS: tl.constexpr,
+    PIECES: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    PIECE_TILES: tl.constexpr,
+    TILES_PER_PROGRAM: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr,
+    EVEN_PIECES: tl.constexpr,
+    PIECE_BITS: tl.constexpr,
+    VEC: tl.constexpr,
+):
+    """One program: one row, one table entry, one chunk of that entry's (cell row, piece) tiles.
+
+    A tile is ``BLOCK_R`` cell rows (kernel block, head, token) by ``BLOCK_P`` pieces. Each
+    element is weighed by ``m_h * (2 * j + 1) = alpha_r + beta_r * p`` with per-row
+    ``alpha_r = m_h * (2 * j0_r + 1)``, ``beta_r = 2 * m_h``; products add up elementwise in
+    registers and are reduced once, then added into the output with one atomic.
+    """
+    row = tl.program_id(0)
+    entry = tl.program_id(1)
+    chunk = tl.program_id(2)
+    valid = tl.load(valid_tokens_ptr + row)
+    if valid <= 0:
+        return
+    first = tl.load(first_tokens_ptr + row)
+    block = tl.load(block_ids_ptr + row)
+    fields = table_ptr + entry.to(tl.int64) * 5
+    element_offset = tl.load(fields)
+    first_slice = tl.load(fields + 1)
+    column = tl.load(fields + 2)
+    piece_offset = tl.load(fields + 3)
+    cell_pieces = tl.load(fields + 4)
+    base = element_offset + block * stride_block
+
+    rows_local = tl.arange(0, BLOCK_R)
+    pieces_local = tl.arange(0, BLOCK_P)
+    acc = tl.zeros([BLOCK_R, BLOCK_P], dtype=tl.int64)
+    for step in range(TILES_PER_PROGRAM):
+        tile = chunk * TILES_PER_PROGRAM + step
+        r = (tile // PIECE_TILES) * BLOCK_R + rows_local
+        p = (tile % PIECE_TILES) * BLOCK_P + pieces_local
+        if HEADS_FASTEST:
+            h = r % HEADS
+            t = (r // HEADS) % TOKENS
+        else:
+            t = r % TOKENS
+            h = (r // TOKENS) % HEADS
+        k = r // (HEADS * TOKENS)
+        u = k * TOKENS + t
+        live = (u < valid) & (r < KERNEL_BLOCKS * HEADS * TOKENS)
+        start = (
+            base
+            + k.to(tl.int64) * stride_kernel_block
+            + h.to(tl.int64) * stride_head
+            + t.to(tl.int64) * stride_token
+        )
+        if VEC > 1:
+            # The caller vouched that every cell row starts 16 bytes aligned with contiguous
+            # pieces: this lets the compiler emit 16-byte loads.
+            start = tl.multiple_of(start, VEC)
+            pointers = template_ptr + (start[:, None] + p[None, :])
+        else:
+            pointers = template_ptr + (start[:, None] + p.to(tl.int64)[None, :] * stride_piece)
+        if EVEN_PIECES:
+            mask = live[:, None]
+        else:
+            mask = live[:, None] & (p < PIECES)[None, :]
+        x = tl.load(pointers, mask=mask, other=0, eviction_policy="evict_first")
+        if PIECE_BITS == 16:
+            x = x.to(tl.uint16, bitcast=True).to(tl.int64)
+        elif PIECE_BITS == 32:
+            x = x.to(tl.uint32, bitcast=True).to(tl.int64)
+        factor = 2 * (first_slice + h) + 1
+        j0 = (first + u) * cell_pieces + piece_offset
+        alpha = factor * (2 * j0 + 1)
+        beta = 2 * factor
+        acc += x * (alpha[:, None] + beta[:, None] * p.to(tl.int64)[None, :])
+    total = tl.sum(tl.sum(acc, axis=1), axis=0)
+    tl.atomic_add(out_ptr + row.to(tl.int64) * num_columns + column, total, sem="relaxed")
+
+
+_INTERPRETED = type(_accumulate_kernel).__name__ == "InterpretedFunction"
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """The tiling chosen for one template shape, dtype and alignment."""
+
+    block_rows: int
+    block_pieces: int
+    piece_tiles: int
+    tiles_per_program: int
+    chunks: int
+    heads_fastest: bool
+    vec: int
+    num_warps: int
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _piece_block(pieces: int, piece_bytes: int) -> int:
+    """The tile width in pieces: a power of two that pads a cell row by at most 1/8 if possible."""
+    widest = min(triton.next_power_of_2(pieces), _TILE_ELEMENTS)
+    narrowest = min(widest, max(1, _MIN_SEGMENT_BYTES // piece_bytes))
+    best = widest
+    width = widest
+    while width >= narrowest:
+        padded = _cdiv(pieces, width) * width
+        if padded * 8 <= pieces * 9:
+            return width
+        if padded < _cdiv(pieces, best) * best:
+            best = width
+        width //= 2
+    return best
+
+
+@functools.lru_cache(maxsize=256)
+def launch_config(
+    shape: tuple[int, int, int, int, int],
+    strides: tuple[int, int, int, int, int],
+    piece_bytes: int,
+    aligned: bool,
+) -> LaunchConfig:
+    """The tiling for a ``[blocks, kernel_blocks, heads, tokens, pieces]`` template.
+
+    It depends only on the layout, never on the number of rows, so that ``warm_up``
+    compiles the variant that later launches use.
+    """
+    _, kernel_blocks, heads, tokens, pieces = shape
+    cell_rows = kernel_blocks * heads * tokens
+    block_pieces = _piece_block(pieces, piece_bytes)
+    block_rows = min(triton.next_power_of_2(cell_rows), max(1, _TILE_ELEMENTS // block_pieces))
+    piece_tiles = _cdiv(pieces, block_pieces)
+    tiles = _cdiv(cell_rows, block_rows) * piece_tiles
+    tiles_per_program = max(min(tiles, _MAX_TILES_PER_PROGRAM), _cdiv(tiles, _MAX_GRID_YZ))
+    vec = 16 // piece_bytes if aligned else 1
+    return LaunchConfig(
+        block_rows=block_rows,
+        block_pieces=block_pieces,
+        piece_tiles=piece_tiles,
+        tiles_per_program=tiles_per_program,
+        chunks=_cdiv(tiles, tiles_per_program),
+        heads_fastest=heads > 1 and tokens > 1 and strides[2] < strides[3],
+        vec=vec,
+        num_warps=max(1, min(8, block_rows * block_pieces // 512)),
+    )
+
+
+def _layout_is_aligned(template: torch.Tensor) -> bool:
+    """Whether the template itself allows 16-byte loads: aligned start, rows and pieces."""
+    itemsize = template.element_size()
+    if template.data_ptr() % 16 or (template.shape[4] > 1 and template.stride(4) != 1):
+        return False
+    return all(
+        size == 1 or stride * itemsize % 16 == 0
+        for size, stride in zip(template.shape[:4], template.stride()[:4])
+    )
+
+
+def _check_inputs(
+    template: torch.Tensor,
+    table: torch.Tensor,
+    block_ids: torch.Tensor,
+    first_tokens: torch.Tensor,
+    valid_tokens: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Raises KvauditError on arguments that break the kernel contract (metadata only)."""
+    if template.dim() != 5 or template.dtype not in _PIECE_BITS:
+        raise KvauditError(
+            "template must be a 5-d int64, int32 or int16 view "
+            f"[blocks, kernel_blocks, heads, tokens, pieces], got {template.dtype} "
+            f"of shape {tuple(template.shape)}",
+            source=_SOURCE,
+        )
+    device = template.device
+    if device.type != "cuda" and not _INTERPRETED:
+        raise KvauditError(
+            f"tensors on {device} need CUDA (or TRITON_INTERPRET=1 set before importing triton)",
+            source=_SOURCE,
+        )
+    if table.dim() != 2 or table.shape[1] != TABLE_FIELDS or table.dtype != torch.int64:
+        raise KvauditError(
+            f"table must be int64 [entries, {TABLE_FIELDS}], got {table.dtype} "
+            f"of shape {tuple(table.shape)}",
+            source=_SOURCE,
+        )
+    rows = block_ids.shape[0] if block_ids.dim() == 1 else -1
+    for name, tensor in (
+        ("block_ids", block_ids),
+        ("first_tokens", first_tokens),
+        ("valid_tokens", valid_tokens),
+    ):
+        if tensor.dim() != 1 or tensor.dtype != torch.int64 or tensor.shape[0] != rows:
+            raise KvauditError(
+                f"{name} must be int64 [rows] like block_ids, got {tensor.dtype} "
+                f"of shape {tuple(tensor.shape)}",
+                source=_SOURCE,
+            )
+    if out.dim() != 2 or out.dtype != torch.int64 or out.shape[0] != rows:
+        raise KvauditError(
+            f"out must be int64 [rows={rows}, columns], got {out.dtype} "
+            f"of shape {tuple(out.shape)}",
+            source=_SOURCE,
+        )
+    if not out.is_contiguous():
+        raise KvauditError("out must be contiguous", source=_SOURCE)
+    for name, tensor in (
+        ("table", table),
+        ("block_ids", block_ids),
+        ("first_tokens", first_tokens),
+        ("valid_tokens", valid_tokens),
+        ("out", out),
+    ):
+        if tensor.device != device:
+            raise KvauditError(
+                f"{name} is on {tensor.device}, the template on {device}", source=_SOURCE
+            )
+
+
+def accumulate_triton(
+    template: torch.Tensor,
+    table: torch.Tensor,
+    block_ids: torch.Tensor,
+    first_tokens: torch.Tensor,
+    valid_tokens: torch.Tensor,
+    out: torch.Tensor,
+    aligned: bool = False,
+) -> None:
+    """Adds every table entry's checksums of the given blocks into ``out`` (mod 2**64).
+
+    ``template`` is a ``[blocks, kernel_blocks, heads, tokens, pieces]`` view (any strides)
+    of int64 pieces, or of int32/int16 pieces read zero-extended; each ``table`` row
+    ``(element offset from template's first element, first slice, column, piece offset,
+    cell pieces)`` names a view with the same shape, strides and dtype. ``aligned`` promises
+    that every entry's first element and every cell row start on 16 bytes with contiguous
+    pieces; it is ignored where the template's own layout already rules that out. Block ids
+    and columns are trusted to be in range. Nothing is read back to the host.
+
+    Raises:
+        KvauditError: The arguments' shapes, dtypes or devices break the contract.
+
+    """
+    _check_inputs(template, table, block_ids, first_tokens, valid_tokens, out)
+    rows = block_ids.shape[0]
+    entries = table.shape[0]
+    if rows == 0 or entries == 0 or out.shape[1] == 0 or any(s == 0 for s in template.shape[1:]):
+        return
+    if entries > _MAX_GRID_YZ:
+        raise KvauditError(
+            f"{entries} table entries exceed one launch's {_MAX_GRID_YZ}", source=_SOURCE
+        )
+    config = launch_config(
+        tuple(template.shape),
+        tuple(template.stride()),
+        template.element_size(),
+        aligned and _layout_is_aligned(template),
+    )
+    _, kernel_blocks, heads, tokens, pieces = template.shape
+    _accumulate_kernel[(rows, entries, config.chunks)](
+        template,
+        table.contiguous(),
+        block_ids.contiguous(),
+        first_tokens.contiguous(),
+        valid_tokens.contiguous(),
+        out,
+        out.shape[1],
+        *template.stride(),
+        KERNEL_BLOCKS=kernel_blocks,
+        HEADS=heads,
+        TOKENS=tokens,
+        PIECES=pieces,
+        BLOCK_R=config.block_rows,
+        BLOCK_P=config.block_pieces,
+        PIECE_TILES=config.piece_tiles,
+        TILES_PER_PROGRAM=config.tiles_per_program,
+        HEADS_FASTEST=config.heads_fastest,
+        EVEN_PIECES=pieces % config.block_pieces == 0,
+        PIECE_BITS=_PIECE_BITS[template.dtype],
+        VEC=config.vec,
+        num_warps=config.num_warps,
+        num_stages=1,
+    )
+
+
+def warm_up(template: torch.Tensor, num_columns: int, aligned: bool = False) -> None:
+    """Compiles the kernel variant for this template layout now, not in a serving step.
+
+    Launches once with one row whose ``valid_tokens`` is 0, which adds nothing.
+    """
+    device = template.device
+    zero = torch.zeros(1, dtype=torch.int64, device=device)
+    table = torch.zeros((1, TABLE_FIELDS), dtype=torch.int64, device=device)
+    out = torch.zeros((1, max(1, num_columns)), dtype=torch.int64, device=device)
+    accumulate_triton(template, table, zero, zero, zero, out, aligned)

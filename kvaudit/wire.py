@@ -1,0 +1,174 @@
+"""Producer checksums on the wire: a request's totals per group as bytes (docs/checksum.md).
+
+Layout, little-endian: magic ``KVC1``, ``num_groups`` u16; per group ``group_id`` u32,
+``fingerprint`` u64, ``block_size`` u32, ``start`` u32, ``count`` u32, then ``count``
+u64 totals. Decoding is strict: anything malformed is a ``WireFormatError``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import WireFormatError
+from .scheme import MASK64
+
+MAGIC = b"KVC1"
+_HEADER = struct.Struct("<4sH")
+_GROUP = struct.Struct("<IQIII")
+_TOTAL_BYTES = 8
+_U16_MAX = (1 << 16) - 1
+_U32_MAX = (1 << 32) - 1
+
+
+@dataclass(eq=False)
+class WireGroup:
+    """One group's producer totals: positions ``start .. start + len(totals) - 1``."""
+
+    group_id: int
+    fingerprint: int
+    block_size: int
+    start: int
+    totals: np.ndarray
+
+    def __post_init__(self) -> None:
+        # Same bits whatever integer type the caller had (int64 wrap-around included).
+        self.totals = np.ascontiguousarray(self.totals, dtype=np.uint64)
+
+    @property
+    def count(self) -> int:
+        return int(self.totals.shape[0])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, WireGroup):
+            return NotImplemented
+        return (
+            self.group_id == other.group_id
+            and self.fingerprint == other.fingerprint
+            and self.block_size == other.block_size
+            and self.start == other.start
+            and np.array_equal(self.totals, other.totals)
+        )
+
+
+def _check_field(name: str, value: int, limit: int, group_id: int) -> None:
+    if not 0 <= value <= limit:
+        raise WireFormatError(
+            f"group {group_id}: {name} {value} does not fit in {limit.bit_length()} bits",
+            source="<wire>",
+        )
+
+
+def encode_wire(groups: Sequence[WireGroup]) -> bytes:
+    """The wire bytes of one request's groups.
+
+    Raises:
+        WireFormatError: Too many groups, a duplicate group id, or a field out of range.
+
+    """
+    if len(groups) > _U16_MAX:
+        raise WireFormatError(f"{len(groups)} groups do not fit in 16 bits", source="<wire>")
+    parts = [_HEADER.pack(MAGIC, len(groups))]
+    seen: set[int] = set()
+    for group in groups:
+        _check_field("group_id", group.group_id, _U32_MAX, group.group_id)
+        if group.group_id in seen:
+            raise WireFormatError(f"group {group.group_id} appears twice", source="<wire>")
+        seen.add(group.group_id)
+        _check_field("fingerprint", group.fingerprint, MASK64, group.group_id)
+        _check_field("block_size", group.block_size, _U32_MAX, group.group_id)
+        _check_field("start", group.start, _U32_MAX, group.group_id)
+        if group.totals.ndim != 1:
+            raise WireFormatError(
+                f"group {group.group_id}: totals must be one-dimensional", source="<wire>"
+            )
+        _check_field("count", group.count, _U32_MAX, group.group_id)
+        parts.append(
+            _GROUP.pack(
+                int(group.group_id),
+                int(group.fingerprint),
+                int(group.block_size),
+                int(group.start),
+                group.count,
+            )
+        )
+        parts.append(group.totals.astype("<u8", copy=False).tobytes())
+    return b"".join(parts)
+
+
+def decode_wire(data: bytes, source: str = "<wire>") -> list[WireGroup]:
+    """The groups in wire bytes.
+
+    Raises:
+        WireFormatError: A wrong magic, a truncated or over-long buffer, a count that
+            does not fit in the bytes left, a zero block size or a duplicate group id;
+            the message names the source and the byte offset.
+
+    """
+    data = bytes(data)
+    size = len(data)
+    if size < _HEADER.size:
+        raise WireFormatError(
+            f"truncated: {size} bytes, the header needs {_HEADER.size}", source=source
+        )
+    magic, num_groups = _HEADER.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise WireFormatError(f"wrong magic {magic!r} at byte 0, expected {MAGIC!r}", source)
+    offset = _HEADER.size
+    groups: list[WireGroup] = []
+    seen: set[int] = set()
+    for index in range(num_groups):
+        if size - offset < _GROUP.size:
+            raise WireFormatError(
+                f"truncated at byte {offset}: group {index} of {num_groups} needs a "
+                f"{_GROUP.size}-byte header, {size - offset} bytes left",
+                source,
+            )
+        group_id, fingerprint, block_size, start, count = _GROUP.unpack_from(data, offset)
+        if group_id in seen:
+            raise WireFormatError(f"group id {group_id} repeated at byte {offset}", source)
+        if block_size == 0:
+            raise WireFormatError(f"group {group_id} at byte {offset}: block size 0", source)
+        offset += _GROUP.size
+        needed = count * _TOTAL_BYTES
+        if size - offset < needed:
+            raise WireFormatError(
+                f"count {count} of group {group_id} does not fit: at byte {offset} it needs "
+                f"{needed} bytes, {size - offset} left",
+                source,
+            )
+        # A copy: the caller owns the totals, not a read-only view of the buffer.
+        totals = np.frombuffer(data, dtype="<u8", count=count, offset=offset).astype(np.uint64)
+        groups.append(WireGroup(group_id, fingerprint, block_size, start, totals))
+        seen.add(group_id)
+        offset += needed
+    if offset != size:
+        raise WireFormatError(
+            f"over-long: {size - offset} trailing bytes after the last group at byte {offset}",
+            source,
+        )
+    return groups
+
+
+def encode_wire_base64(groups: Sequence[WireGroup]) -> str:
+    """The wire bytes as base64 text (a dump's ``received``)."""
+    return base64.b64encode(encode_wire(groups)).decode("ascii")
+
+
+def decode_wire_base64(text: str, source: str = "<wire>") -> list[WireGroup]:
+    """The groups in base64 wire text.
+
+    Raises:
+        WireFormatError: The text is not valid base64, or its bytes are malformed.
+
+    """
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError, TypeError) as error:
+        raise WireFormatError(f"invalid base64: {error}", source) from error
+    return decode_wire(data, source)
