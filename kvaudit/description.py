@@ -538,7 +538,8 @@ class _Validator:
         self, value: object, path: str, index: int, layers: dict[str, _RawLayer]
     ) -> GroupDescription:
         raw = self.mapping(value, path, _GROUP_KEYS, "id, transfer, host_resident, spec, layers")
-        group_id = self.field_int(raw, path, "id", default=index, minimum=0)
+        # The wire format carries group ids as u32.
+        group_id = self.field_int(raw, path, "id", default=index, minimum=0, maximum=2**32 - 1)
         transfer = self.boolean(raw, path, "transfer", True)
         host_resident = self.boolean(raw, path, "host_resident", False)
         spec_path = _join(path, "spec")

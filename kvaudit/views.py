@@ -297,8 +297,11 @@ def _rows(
             f"{dtype_name(spec.dtype)}"
         )
     if "H" not in layout:
-        tensor = tensor.unsqueeze(-1)
-        layout += "H"
+        # A one-head axis just outside the row axis, so its stride is the row's length and
+        # the row can still be viewed as 8-byte pieces.
+        row = layout.index("C" if "C" in layout else "D")
+        tensor = tensor.unsqueeze(row)
+        layout = layout[:row] + "H" + layout[row:]
     row_axis = "C" if "C" in layout else "D"
     order = [letter for letter in ("N", "K", "H", "T", row_axis) if letter in layout]
     return tensor.permute([layout.index(letter) for letter in order])

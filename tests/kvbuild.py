@@ -14,9 +14,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
-
 import reference
+import torch
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -137,6 +136,7 @@ class Engine:
     num_blocks: int | None = None
     share_mode: str = "description"  # "description": shares:, "tensor": one tensor object
     state_dtype: str = "uint8"  # the dtype a Mamba layer's page tensor is viewed as
+    state_rows: int = 1  # > 1: each page as [state_rows, -1] (a 3-D page tensor)
     seed: int = 0
 
     def block_size(self, group: GroupModel) -> int:
@@ -380,7 +380,13 @@ def to_layout(
     return arrange(t, src)
 
 
-def _local_states(layer: Mamba, value, position: int, tp_rank: int, tp_size: int) -> bytes:
+def _local_states(
+    layer: Mamba,
+    value: np.ndarray | tuple[np.ndarray, ...],
+    position: int,
+    tp_rank: int,
+    tp_size: int,
+) -> bytes:
     """The bytes a rank's page holds for one position: its states back to back."""
     if layer.splits is None:
         head = 0 if layer.tp_replicated else tp_rank
@@ -533,7 +539,7 @@ def _layer_tensor(
     tp_size = engine.tp_size
     if isinstance(layer, Mamba):
         local = _state_bytes(local_state_shapes(layer, tp_size), layer.dtypes)
-        page = -(-(local + layer.page_pad) // 8) * 8
+        page = -(-(local + layer.page_pad) // 16) * 16
         pages = rng.integers(0, 256, (num_blocks, page), dtype=np.uint8)
         for rid, request in requests.items():
             start, ids = tables[rid][group.id]
@@ -541,11 +547,12 @@ def _layer_tensor(
                 position = start + i
                 if position * block_size >= request.num_tokens:
                     continue
-                states = _local_states(
-                    layer, request.data[layer.name], position, tp_rank, tp_size
-                )
+                states = _local_states(layer, request.data[layer.name], position, tp_rank, tp_size)
                 pages[block_id, : len(states)] = np.frombuffer(states, dtype=np.uint8)
-        return torch.from_numpy(pages).view(DTYPES[engine.state_dtype])
+        tensor = torch.from_numpy(pages).view(DTYPES[engine.state_dtype])
+        if engine.state_rows > 1:
+            tensor = tensor.reshape(num_blocks, engine.state_rows, -1)
+        return tensor
     heads = _head_range(layer, tp_rank, tp_size)
     n = heads.stop - heads.start
     cells = rng.integers(0, 256, (num_blocks, block_size, n, layer.cell_bytes), dtype=np.uint8)

@@ -157,11 +157,13 @@ def group_slices(group: Group) -> list[Slices]:
         base = next_head[number]
         for part in _cache_slices(number, cache):
             result.append(
-                Slices(part.number, base + part.first_head, part.replicas, part.pieces,
-                       part.per_block)
+                Slices(
+                    part.number, base + part.first_head, part.replicas, part.pieces, part.per_block
+                )
             )
-            next_head[number] = max(next_head[number], base + part.first_head
-                                    + part.pieces.shape[1])
+            next_head[number] = max(
+                next_head[number], base + part.first_head + part.pieces.shape[1]
+            )
     if any(heads > MAX_HEADS for heads in next_head.values()):
         raise ValueError("a layer has more than 65536 heads")
     return result

@@ -413,7 +413,7 @@ ERROR_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("unknown group key", set_(("groups", 1, "tranfer"), 1), "groups[1].tranfer", "unknown key"),
     ("duplicate id", set_(("groups", 2, "id"), 5), "groups[2].id", "already the id of groups[1]"),
     ("implicit id clash", set_(("groups", 1, "id"), 3), "groups[3].id", "already the id"),
-    ("negative id", set_(("groups", 1, "id"), -1), "groups[1].id", "non-negative integer"),
+    ("negative id", set_(("groups", 1, "id"), -1), "groups[1].id", "from 0 to 4294967295"),
     ("bool id", set_(("groups", 1, "id"), True), "groups[1].id", "got True"),
     ("transfer str", set_(("groups", 1, "transfer"), "no"), "groups[1].transfer", "true or false"),
     (

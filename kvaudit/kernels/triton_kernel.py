@@ -89,7 +89,13 @@ def _accumulate_kernel(
     column = tl.load(fields + 2)
     piece_offset = tl.load(fields + 3)
     cell_pieces = tl.load(fields + 4)
-    base = element_offset + block * stride_block
+    if VEC > 1:
+        # Offsets are counted in 16-byte units (the host divided the strides by VEC; the
+        # caller vouched for the entries' offsets), so that the compiler can prove every cell
+        # row starts 16 bytes aligned and emit 16-byte loads.
+        base = element_offset // VEC + block * stride_block
+    else:
+        base = element_offset + block * stride_block
 
     rows_local = tl.arange(0, BLOCK_R)
     pieces_local = tl.arange(0, BLOCK_P)
@@ -114,16 +120,10 @@ def _accumulate_kernel(
             + t.to(tl.int64) * stride_token
         )
         if VEC > 1:
-            # The caller vouched that every cell row starts 16 bytes aligned with contiguous
-            # pieces: this lets the compiler emit 16-byte loads.
-            start = tl.multiple_of(start, VEC)
-            pointers = template_ptr + (start[:, None] + p[None, :])
+            pointers = template_ptr + (start[:, None] * VEC + p[None, :])
         else:
             pointers = template_ptr + (start[:, None] + p.to(tl.int64)[None, :] * stride_piece)
-        if EVEN_PIECES:
-            mask = live[:, None]
-        else:
-            mask = live[:, None] & (p < PIECES)[None, :]
+        mask = live[:, None] if EVEN_PIECES else live[:, None] & (p < PIECES)[None, :]
         x = tl.load(pointers, mask=mask, other=0, eviction_policy="evict_first")
         if PIECE_BITS == 16:
             x = x.to(tl.uint16, bitcast=True).to(tl.int64)
@@ -134,7 +134,7 @@ def _accumulate_kernel(
         alpha = factor * (2 * j0 + 1)
         beta = 2 * factor
         acc += x * (alpha[:, None] + beta[:, None] * p.to(tl.int64)[None, :])
-    total = tl.sum(tl.sum(acc, axis=1), axis=0)
+    total = tl.sum(tl.sum(acc, axis=0), axis=0)
     tl.atomic_add(out_ptr + row.to(tl.int64) * num_columns + column, total, sem="relaxed")
 
 
@@ -234,12 +234,6 @@ def _check_inputs(
             f"of shape {tuple(template.shape)}",
             source=_SOURCE,
         )
-    device = template.device
-    if device.type != "cuda" and not _INTERPRETED:
-        raise KvauditError(
-            f"tensors on {device} need CUDA (or TRITON_INTERPRET=1 set before importing triton)",
-            source=_SOURCE,
-        )
     if table.dim() != 2 or table.shape[1] != TABLE_FIELDS or table.dtype != torch.int64:
         raise KvauditError(
             f"table must be int64 [entries, {TABLE_FIELDS}], got {table.dtype} "
@@ -266,6 +260,12 @@ def _check_inputs(
         )
     if not out.is_contiguous():
         raise KvauditError("out must be contiguous", source=_SOURCE)
+    device = template.device
+    if device.type != "cuda" and not _INTERPRETED:
+        raise KvauditError(
+            f"tensors on {device} need CUDA (or TRITON_INTERPRET=1 set before importing triton)",
+            source=_SOURCE,
+        )
     for name, tensor in (
         ("table", table),
         ("block_ids", block_ids),
@@ -318,6 +318,9 @@ def accumulate_triton(
         aligned and _layout_is_aligned(template),
     )
     _, kernel_blocks, heads, tokens, pieces = template.shape
+    strides = template.stride()
+    # Aligned launches count block, kernel-block, head and token strides in 16-byte units.
+    unit_strides = [s // config.vec for s in strides[:4]]
     _accumulate_kernel[(rows, entries, config.chunks)](
         template,
         table.contiguous(),
@@ -326,7 +329,8 @@ def accumulate_triton(
         valid_tokens.contiguous(),
         out,
         out.shape[1],
-        *template.stride(),
+        *unit_strides,
+        strides[4],
         KERNEL_BLOCKS=kernel_blocks,
         HEADS=heads,
         TOKENS=tokens,

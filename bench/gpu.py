@@ -1,0 +1,352 @@
+"""GPU run: the CUDA tests, then the Triton kernel against the copy bandwidth and torch.
+
+    python bench/gpu.py [--tokens 65536] [--request-tokens 2048] [--repeats 20] [--skip-tests]
+
+On one CUDA GPU, in one run of a few minutes:
+
+1. ``pytest -q -m cuda tests/``: the compiled kernel against the tests' reference.
+2. On a Llama-3.1-8B-shaped cache (32 layers, 8 KV heads of 128 bf16, K and V stored
+   apart in 16-token blocks, one tensor per layer, blocks in random order), with CUDA
+   events, the median of ``--repeats`` runs, L2 flushed before each:
+   (a) a device-to-device copy of the same bytes (the read-bandwidth baseline);
+   (b) the kernel on a large batch (``--tokens``) in two layouts, aligned and not;
+   (c) the kernel on one ``--request-tokens`` request (target: under 100 us for 2048);
+   (d) a torch gather-multiply-sum of the same blocks (index_select, int64 mul, sum);
+   (e) the library end to end (``Checksummer.checksum``, host time included).
+   It checks that (b), (c), (d) and (e) agree and prints GB/s and the ratios.
+
+Exits 2 without CUDA, 1 if a test fails or results disagree, else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+LAYERS, HEADS, HEAD_SIZE, BLOCK = 32, 8, 128, 16
+PIECES = HEAD_SIZE * 2 // 8  # 8-byte pieces of one K (or V) row
+MAX_HEADS = 65536
+REQUEST_TARGET_US = 100.0
+DEVICE = "cuda"
+
+
+@dataclass
+class Cache:
+    """One layout's per-layer tensors and their int64 piece views."""
+
+    layout: str
+    layers: list[torch.Tensor]  # bf16, NKTHD [blocks, 2, T, H, D] or NKHTD [blocks, 2, H, T, D]
+    planes: list[torch.Tensor]  # int64 [blocks, 1, H, T, P], K and V of each layer in order
+
+    @property
+    def nbytes_per_block(self) -> int:
+        return LAYERS * 2 * BLOCK * HEADS * HEAD_SIZE * 2
+
+
+def run_tests() -> bool:
+    """Runs the CUDA-marked tests; prints their summary; True when they passed."""
+    print("== pytest -q -m cuda tests/", flush=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests/"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
+    )
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    failures = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+    for line in failures[:20] + lines[-3:]:
+        print("  " + line)
+    # pytest exits 5 when nothing was collected under the marker: not a pass.
+    return done.returncode == 0
+
+
+def make_cache(layout: str, blocks: int, generator: torch.Generator) -> Cache:
+    """Random bf16 KV of every layer, and the K and V piece views the kernel reads."""
+    shape = (blocks, 2, BLOCK, HEADS, HEAD_SIZE)
+    if layout == "NKHTD":
+        shape = (blocks, 2, HEADS, BLOCK, HEAD_SIZE)
+    layers = []
+    planes = []
+    for _ in range(LAYERS):
+        tensor = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE)
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        torch.cuda.manual_seed(seed)
+        tensor.view(torch.int16).random_(-(2**15), 2**15 - 1)
+        layers.append(tensor)
+        words = tensor.view(torch.int64)
+        for plane in range(2):
+            view = words[:, plane]
+            if layout == "NKTHD":
+                view = view.permute(0, 2, 1, 3)
+            planes.append(view.unsqueeze(1))
+    return Cache(layout, layers, planes)
+
+
+def entry_table(cache: Cache) -> torch.Tensor:
+    """The kernel's table: every layer's K and V, offsets from the first K view."""
+    base = cache.planes[0].data_ptr()
+    rows = []
+    for index, view in enumerate(cache.planes):
+        layer, plane = divmod(index, 2)
+        rows.append(
+            [(view.data_ptr() - base) // 8, layer * MAX_HEADS, 0, plane * PIECES, 2 * PIECES]
+        )
+    return torch.tensor(rows, dtype=torch.int64, device=DEVICE)
+
+
+def request_rows(block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of one request whose blocks are full: ids, first tokens, valid tokens."""
+    count = block_ids.numel()
+    first = torch.arange(count, dtype=torch.int64, device=DEVICE) * BLOCK
+    valid = torch.full((count,), BLOCK, dtype=torch.int64, device=DEVICE)
+    return block_ids, first, valid
+
+
+def torch_checksum(
+    cache: Cache, block_ids: torch.Tensor, first: torch.Tensor, valid: torch.Tensor
+) -> torch.Tensor:
+    """The same checksums with plain torch: gather the blocks, multiply by weights, sum."""
+    device = block_ids.device
+    u = torch.arange(BLOCK, dtype=torch.int64, device=device)
+    p = torch.arange(2 * PIECES, dtype=torch.int64, device=device).view(2, PIECES)
+    j = (first[:, None] + u[None, :])[:, None, :, None] * (2 * PIECES) + p[None, :, None, :]
+    weights = (2 * j + 1) * (u[None, :] < valid[:, None])[:, None, :, None]  # [rows, 2, T, P]
+    heads = torch.arange(HEADS, dtype=torch.int64, device=device)
+    total = torch.zeros(block_ids.numel(), dtype=torch.int64, device=device)
+    for layer, tensor in enumerate(cache.layers):
+        x = tensor.view(torch.int64).index_select(0, block_ids)
+        if cache.layout == "NKTHD":  # [rows, 2, T, H, P]
+            sums = (x * weights[:, :, :, None, :]).sum(dim=(1, 2, 4))
+        else:  # [rows, 2, H, T, P]
+            sums = (x * weights[:, :, None, :, :]).sum(dim=(1, 3, 4))
+        total += (sums * (2 * (layer * MAX_HEADS + heads) + 1)).sum(dim=1)
+    return total
+
+
+def median_ms(run: Callable[[], object], repeats: int, flush: torch.Tensor) -> float:
+    """Median device time of ``run`` with CUDA events, L2 flushed before each repeat.
+
+    The flush also keeps the GPU busy while the host launches ``run``, so host launch
+    overhead stays outside the events.
+    """
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        flush.zero_()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def back_to_back_ms(run: Callable[[], object], count: int) -> float:
+    """Mean device time per call of ``count`` calls between one pair of events."""
+    run()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(count):
+        run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / count
+
+
+def kernel_report() -> str:
+    """Registers and spills of the compiled kernel variants, where Triton exposes them."""
+    from kvaudit.kernels import triton_kernel
+
+    found = []
+    try:
+        for caches in triton_kernel._accumulate_kernel.device_caches.values():
+            for compiled in caches[0].values():
+                found.append(f"{compiled.n_regs} regs/{compiled.n_spills} spills")
+    except (AttributeError, IndexError, TypeError):
+        return "registers: not exposed by this Triton"
+    return "compiled variants: " + ", ".join(sorted(set(found)))
+
+
+def end_to_end(cache: Cache, block_ids: list[int]) -> tuple[float, torch.Tensor]:
+    """Checksummer.checksum of one request over this cache: wall seconds and totals."""
+    from kvaudit.checksummer import Checksummer, RequestBlocks
+    from kvaudit.description import parse_description
+
+    description = parse_description(
+        {
+            "kvaudit": 1,
+            "num_blocks": cache.layers[0].shape[0],
+            "groups": [
+                {
+                    "spec": {
+                        "type": "full_attention",
+                        "block_size": BLOCK,
+                        "num_kv_heads": HEADS,
+                        "head_size": HEAD_SIZE,
+                        "dtype": "bfloat16",
+                        "layout": cache.layout,
+                    },
+                    "layers": [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)],
+                }
+            ],
+        },
+        "bench",
+    )
+    tensors = {f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(cache.layers)}
+    checksummer = Checksummer(description, tensors, backend="triton")
+    requests = {"bench": RequestBlocks(len(block_ids) * BLOCK, {0: (0, block_ids)})}
+    checksummer.checksum(requests)  # results come back to the host: no sync needed
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        record = checksummer.checksum(requests)
+        best = min(best, time.perf_counter() - started)
+    values = record.requests["bench"].groups[0].values
+    return best, torch.from_numpy(values.view("int64")[:, 0].copy())
+
+
+def bench_layout(
+    cache: Cache, order: torch.Tensor, args: argparse.Namespace, flush: torch.Tensor
+) -> bool:
+    """Measures (a) to (e) on one layout's cache; prints them; True when all results agree."""
+    from kvaudit.kernels.triton_kernel import accumulate_triton, launch_config, warm_up
+
+    blocks = order.numel()
+    request_blocks = args.request_tokens // BLOCK
+    table = entry_table(cache)
+    template = cache.planes[0]
+    nbytes = blocks * cache.nbytes_per_block
+    request_bytes = request_blocks * cache.nbytes_per_block
+    config = launch_config(tuple(template.shape), template.stride(), 8, True)
+    print(f"\n== {cache.layout}: {nbytes / 1e9:.2f} GB over {blocks} blocks, {config}")
+
+    scratch = torch.empty_like(cache.layers[0])
+
+    def copy_all() -> None:
+        for tensor in cache.layers:
+            scratch.copy_(tensor)
+
+    copy_ms = median_ms(copy_all, args.repeats, flush)
+    copy_read = nbytes / copy_ms / 1e6
+    print(
+        f"  (a) device copy         {copy_ms:9.3f} ms  {copy_read:7.0f} GB/s read "
+        f"({2 * copy_read:.0f} GB/s read + written)"
+    )
+
+    big_rows = request_rows(order)
+    small_rows = request_rows(order[:request_blocks])
+    results: dict[tuple[str, bool], tuple[float, torch.Tensor]] = {}
+    for aligned in (True, False):
+        warm_up(template, 1, aligned)
+        for name, rows in (("batch", big_rows), ("request", small_rows)):
+            out = torch.zeros((rows[0].numel(), 1), dtype=torch.int64, device=DEVICE)
+
+            def kernel(r=rows, o=out, a=aligned) -> None:
+                accumulate_triton(template, table, *r, o, aligned=a)
+
+            ms = median_ms(kernel, args.repeats, flush)
+            out.zero_()
+            kernel()
+            results[(name, aligned)] = (ms, out[:, 0].clone())
+            kind = "aligned" if aligned else "unaligned"
+            if name == "batch":
+                rate = nbytes / ms / 1e6
+                print(
+                    f"  (b) kernel batch {kind:9s}{ms:9.3f} ms  {rate:7.0f} GB/s  "
+                    f"{rate / copy_read:5.2f}x copy read"
+                )
+            else:
+                us = ms * 1e3
+                steady = back_to_back_ms(kernel, 50) * 1e3
+                verdict = "meets" if us < REQUEST_TARGET_US else "MISSES"
+                print(
+                    f"  (c) kernel {args.request_tokens}-token request {kind}: {us:8.1f} us "
+                    f"({request_bytes / us / 1e3:5.0f} GB/s; back to back {steady:6.1f} us)"
+                    f"  {verdict} the {REQUEST_TARGET_US:.0f} us target"
+                )
+    print("  " + kernel_report())
+
+    torch_small_ms = median_ms(lambda: torch_checksum(cache, *small_rows), 5, flush)
+    torch_small = torch_checksum(cache, *small_rows)
+    torch_big_ms = median_ms(lambda: torch_checksum(cache, *big_rows), 3, flush)
+    torch_big = torch_checksum(cache, *big_rows)
+    print(
+        f"  (d) torch gather batch  {torch_big_ms:9.3f} ms  "
+        f"{nbytes / torch_big_ms / 1e6:7.0f} GB/s  kernel is "
+        f"{torch_big_ms / results[('batch', True)][0]:5.1f}x faster"
+    )
+    print(
+        f"  (d) torch gather request {torch_small_ms * 1e3:8.1f} us  kernel is "
+        f"{torch_small_ms / results[('request', True)][0]:5.1f}x faster"
+    )
+
+    seconds, library = end_to_end(cache, order[:request_blocks].tolist())
+    print(f"  (e) Checksummer.checksum of the request: {seconds * 1e3:.2f} ms wall")
+
+    checks = {
+        f"{name} {'aligned' if aligned else 'unaligned'} == torch": torch.equal(
+            values, torch_big if name == "batch" else torch_small
+        )
+        for (name, aligned), (_, values) in results.items()
+    }
+    checks["library == torch"] = torch.equal(library, torch_small.cpu())
+    for name, same in checks.items():
+        print(f"  {'ok  ' if same else 'FAIL'} {name}")
+    return all(checks.values())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=65536, help="large batch, in tokens")
+    parser.add_argument("--request-tokens", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--layouts", default="NKTHD,NKHTD")
+    parser.add_argument("--skip-tests", action="store_true")
+    args = parser.parse_args()
+
+    if not torch.cuda.is_available():
+        print("bench/gpu.py: needs a CUDA GPU, and torch sees none", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(REPO))
+    import triton
+
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}",
+        flush=True,
+    )
+    ok = True
+    if not args.skip_tests:
+        ok = run_tests() and ok
+
+    generator = torch.Generator().manual_seed(0)
+    blocks = args.tokens // BLOCK
+    order = torch.randperm(blocks, generator=generator).to(DEVICE)
+    flush = torch.empty(1 << 29, dtype=torch.uint8, device=DEVICE)
+    for layout in args.layouts.split(","):
+        cache = make_cache(layout, blocks, generator)
+        ok = bench_layout(cache, order, args, flush) and ok
+        del cache
+        torch.cuda.empty_cache()
+
+    print("\nall checks passed" if ok else "\nSOME CHECKS FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

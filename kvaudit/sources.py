@@ -1,0 +1,628 @@
+"""SOURCE arguments of the command line: dump files, directories of dumps, records and
+live handles, resolved into one thing to inspect or checksum.
+
+A command's SOURCEs are one of:
+
+- dump files and directories of dump files (``*.safetensors``): together, one dump set;
+- one record, the JSON ``kvaudit checksum --format json`` writes (a ``.json`` file, or any
+  file whose content starts with ``{``);
+- live handles ``live:PATH``: ``PATH`` is a Python file (``tools/live.py``) or an importable
+  module (``mypkg.kv_live``) that defines ``kvaudit_live()``; each handle is one worker.
+
+``kvaudit_live()`` returns ``(description, tensors, rank, requests)``:
+
+- ``description``: a ``CacheDescription``, a description dict, or the path of a YAML file;
+- ``tensors``: layer name to its cache tensor (or ``(k, v)`` tensors), any strides, on the
+  CPU or a GPU;
+- ``rank``: a dict with any of ``tp_rank``, ``tp_size``, ``pp_rank``, ``pp_size``, ``role``,
+  ``engine``, ``num_blocks``;
+- ``requests``: request id to a ``RequestBlocks``, or to a dict
+  ``{"num_tokens": n, "groups": {group_id: [start, [block ids]]}}`` as in a dump's metadata.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checksummer import Checksummer, RequestBlocks
+from .description import CacheDescription, GroupDescription, load_description, parse_description
+from .dumps import DumpSet, checksum_dump_set, open_dump_set, total_bytes
+from .errors import KvauditError
+from .records import Record, WorkerInfo, combine_workers
+from .views import GroupViews, LayerTensor
+
+LIVE_PREFIX = "live:"
+DUMP_SUFFIX = ".safetensors"
+RECORD_SUFFIX = ".json"
+LIVE_FUNCTION = "kvaudit_live"
+_RANK_KEYS = ("tp_rank", "tp_size", "pp_rank", "pp_size", "role", "engine", "num_blocks")
+
+Progress = Callable[[int], None]
+"""Called with the number of bytes checksummed so far."""
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """One group on one worker: its spec, size, coverage and fingerprint.
+
+    Fields a record does not keep (type, layout, layers, bytes) are None for a record.
+    """
+
+    id: int
+    fingerprint: int
+    covered: bool
+    reason: str | None = None
+    type: str | None = None
+    block_size: int | None = None
+    kernel_block_size: int | None = None
+    layout: str | None = None
+    layers: int | None = None
+    bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class WorkerInventory:
+    """One worker of a source: who it is, how many block rows it holds, its groups."""
+
+    worker: WorkerInfo
+    rows: int | None
+    groups: list[GroupInfo]
+
+
+@dataclass
+class RequestInventory:
+    """One request across a source's workers: its token count and, per group, the block
+    positions some worker holds."""
+
+    num_tokens: int
+    positions: dict[int, set[int]] = field(default_factory=dict)
+
+
+@dataclass
+class Inventory:
+    """What a source holds, for ``kvaudit inspect``."""
+
+    kind: str
+    sources: list[str]
+    workers: list[WorkerInventory]
+    complete: bool
+    missing_workers: list[tuple[int, int]]
+    requests: dict[str, RequestInventory]
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where checksums are computed: the backend and device ``--device`` resolves to."""
+
+    backend: str
+    device: str
+
+
+def resolve_device(choice: str) -> Runtime:
+    """``auto``: CUDA with the Triton kernel where available, else the CPU torch path."""
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda":
+        if not torch.cuda.is_available():
+            raise KvauditError("--device cuda: no CUDA device is available")
+        return Runtime("auto", "cuda")
+    if choice == "cpu":
+        return Runtime("torch", "cpu")
+    raise KvauditError(f"--device {choice}: expected auto, cpu or cuda")
+
+
+class Source(ABC):
+    """Resolved SOURCE arguments: something to inspect and checksum."""
+
+    kind: str = ""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = list(names)
+
+    @property
+    @abstractmethod
+    def request_ids(self) -> list[str]:
+        """The requests the source holds, in order."""
+
+    @abstractmethod
+    def inventory(self, runtime: Runtime) -> Inventory:
+        """What the source holds."""
+
+    def work(self, request_ids: Sequence[str] | None) -> int:
+        """Bytes a checksum of the requests reads (0: not worth a progress bar)."""
+        return 0
+
+    @abstractmethod
+    def checksum(
+        self,
+        request_ids: Sequence[str] | None,
+        positions: str | None,
+        runtime: Runtime,
+        progress: Progress | None = None,
+    ) -> Record:
+        """The record of the requests (all when ``request_ids`` is None), summed over the
+        source's workers; ``positions`` None means the source's own or ``request``."""
+
+    def check_request_ids(self, request_ids: Sequence[str]) -> None:
+        """Reject a request id the source does not hold."""
+        known = self.request_ids
+        for request_id in request_ids:
+            if request_id not in known:
+                held = ", ".join(known) if known else "none"
+                raise KvauditError(
+                    f"unknown request {request_id!r} in {', '.join(self.names)} "
+                    f"(it holds: {held})"
+                )
+
+
+class DumpSource(Source):
+    """Dump files and directories of dumps: one engine's dump set."""
+
+    kind = "dumps"
+
+    def __init__(self, names: Sequence[str], paths: Sequence[str], dump_set: DumpSet) -> None:
+        super().__init__(names)
+        self.paths = list(paths)
+        self.dump_set = dump_set
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self.dump_set.request_ids)
+
+    def inventory(self, runtime: Runtime) -> Inventory:
+        workers = []
+        requests: dict[str, RequestInventory] = {}
+        for dump in self.dump_set.dumps:
+            checksummer = dump.checksummer(backend="torch", device="cpu")
+            workers.append(
+                WorkerInventory(
+                    dump.worker,
+                    dump.num_rows,
+                    _group_infos(dump.description, dump.tensors, checksummer.groups),
+                )
+            )
+            for request_id, request in dump.requests.items():
+                _add_request(requests, request_id, request.num_tokens, request.groups)
+        return Inventory(
+            self.kind,
+            self.names,
+            workers,
+            self.dump_set.complete,
+            list(self.dump_set.missing),
+            requests,
+        )
+
+    def work(self, request_ids: Sequence[str] | None) -> int:
+        ids = self.request_ids if request_ids is None else list(request_ids)
+        return total_bytes(self.dump_set, ids)
+
+    def checksum(
+        self,
+        request_ids: Sequence[str] | None,
+        positions: str | None,
+        runtime: Runtime,
+        progress: Progress | None = None,
+    ) -> Record:
+        return checksum_dump_set(
+            self.dump_set,
+            request_ids=None if request_ids is None else list(request_ids),
+            positions=positions or "request",
+            backend=runtime.backend,
+            device=runtime.device,
+            progress=progress,
+        )
+
+
+class RecordSource(Source):
+    """A record saved by ``kvaudit checksum --format json``."""
+
+    kind = "record"
+
+    def __init__(self, name: str, record: Record) -> None:
+        super().__init__([name])
+        self.record = record
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self.record.requests)
+
+    def inventory(self, runtime: Runtime) -> Inventory:
+        block_sizes: dict[int, int] = {}
+        requests: dict[str, RequestInventory] = {}
+        for request_id, request in self.record.requests.items():
+            held = {}
+            for gid, group in request.groups.items():
+                block_sizes.setdefault(gid, group.block_size)
+                held[gid] = (group.start, list(range(group.count)))
+            _add_request(requests, request_id, request.num_tokens, held)
+        workers = []
+        for summary in self.record.workers:
+            gids = sorted(set(summary.fingerprints) | set(summary.not_covered))
+            groups = [
+                GroupInfo(
+                    id=gid,
+                    fingerprint=summary.fingerprints.get(gid, 0),
+                    covered=gid not in summary.not_covered,
+                    reason=summary.not_covered.get(gid),
+                    block_size=block_sizes.get(gid),
+                )
+                for gid in gids
+            ]
+            workers.append(WorkerInventory(summary.worker, None, groups))
+        return Inventory(
+            self.kind,
+            self.names,
+            workers,
+            self.record.complete,
+            list(self.record.missing_workers),
+            requests,
+        )
+
+    def checksum(
+        self,
+        request_ids: Sequence[str] | None,
+        positions: str | None,
+        runtime: Runtime,
+        progress: Progress | None = None,
+    ) -> Record:
+        record = self.record
+        if positions is not None and positions != record.positions:
+            raise KvauditError(
+                f"the record numbers positions by {record.positions}, not {positions}; "
+                "checksum the dumps again to renumber them",
+                self.names[0],
+            )
+        if request_ids is None:
+            return record
+        return Record(
+            record.positions,
+            record.workers,
+            record.complete,
+            {request_id: record.requests[request_id] for request_id in request_ids},
+            list(record.missing_workers),
+        )
+
+
+@dataclass
+class LiveWorker:
+    """One worker handed over by a ``kvaudit_live()`` function."""
+
+    name: str
+    description: CacheDescription
+    tensors: Mapping[str, LayerTensor]
+    rank: dict[str, Any]
+    requests: dict[str, RequestBlocks]
+
+    def checksummer(self, runtime: Runtime, move: bool) -> Checksummer:
+        """A checksummer of the worker's tensors, moved to the runtime's device first
+        when ``move``."""
+        tensors = self.tensors
+        if move:
+            tensors = {name: _to_device(tensor, runtime.device) for name, tensor in tensors.items()}
+        try:
+            return Checksummer(
+                self.description,
+                tensors,
+                backend=runtime.backend if move else "auto",
+                source=self.name,
+                **self.rank,
+            )
+        except KvauditError:
+            raise
+        except (ValueError, TypeError, RuntimeError) as error:
+            raise KvauditError(_one_line(error), self.name) from None
+
+
+class LiveSource(Source):
+    """Workers of a running process, each from its ``live:PATH`` handle."""
+
+    kind = "live"
+
+    def __init__(self, workers: Sequence[LiveWorker], device_given: bool) -> None:
+        super().__init__([worker.name for worker in workers])
+        self.workers = list(workers)
+        self.device_given = device_given
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(dict.fromkeys(rid for worker in self.workers for rid in worker.requests))
+
+    def inventory(self, runtime: Runtime) -> Inventory:
+        workers = []
+        requests: dict[str, RequestInventory] = {}
+        checksummers = []
+        for live in self.workers:
+            checksummer = live.checksummer(runtime, move=False)
+            checksummers.append(checksummer)
+            workers.append(
+                WorkerInventory(
+                    checksummer.worker,
+                    checksummer.num_blocks,
+                    _group_infos(live.description, live.tensors, checksummer.groups),
+                )
+            )
+            for request_id, blocks in live.requests.items():
+                _add_request(requests, request_id, blocks.num_tokens, blocks.groups)
+        # An empty checksum of each worker checks the set's ranks and finds the missing.
+        layout = combine_workers([summer.checksum({}) for summer in checksummers])
+        return Inventory(
+            self.kind, self.names, workers, layout.complete, layout.missing_workers, requests
+        )
+
+    def checksum(
+        self,
+        request_ids: Sequence[str] | None,
+        positions: str | None,
+        runtime: Runtime,
+        progress: Progress | None = None,
+    ) -> Record:
+        worker_records = []
+        for live in self.workers:
+            requests = live.requests
+            if request_ids is not None:
+                requests = {rid: requests[rid] for rid in request_ids if rid in requests}
+            checksummer = live.checksummer(runtime, move=self.device_given)
+            worker_records.append(checksummer.checksum(requests, positions or "request"))
+        return combine_workers(worker_records)
+
+
+def open_source(
+    names: Sequence[str], config: CacheDescription | None = None, *, device_given: bool = False
+) -> Source:
+    """Resolve a command's SOURCE arguments (see the module's docstring).
+
+    ``config`` supplies or overrides the dumps' and live workers' description.
+    ``device_given``: live tensors move to ``--device`` when it was given, else they are
+    checksummed where they are.
+
+    Raises:
+        KvauditError: A source that does not exist or cannot be read, or a mix of kinds.
+
+    """
+    if not names:
+        raise KvauditError("no SOURCE given")
+    live = [name for name in names if name.startswith(LIVE_PREFIX)]
+    if live:
+        if len(live) != len(names):
+            raise KvauditError("live: handles cannot be mixed with dumps or records")
+        workers = [_load_live(name, config) for name in names]
+        return LiveSource(workers, device_given)
+    records = [name for name in names if _is_record(name)]
+    if records:
+        if len(names) != 1:
+            raise KvauditError(
+                f"{records[0]}: a record stands alone; give one record, or dumps without records"
+            )
+        return RecordSource(records[0], load_record(records[0]))
+    paths: list[str] = []
+    for name in names:
+        paths.extend(_dump_paths(name))
+    return DumpSource(names, paths, open_dump_set(paths, config))
+
+
+def load_record(path: str) -> Record:
+    """Read a record JSON file.
+
+    Raises:
+        KvauditError: The file is missing, not JSON, or not a record; the message names it.
+
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise KvauditError("no such file", path) from None
+    except UnicodeDecodeError:
+        raise KvauditError("not a UTF-8 text file, expected a record (JSON)", path) from None
+    except OSError as error:
+        raise KvauditError(f"cannot read: {error.strerror}", path) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise KvauditError(
+            f"line {error.lineno}: not valid JSON ({error.msg}), expected a record", path
+        ) from None
+    return Record.from_json(data, path)
+
+
+def _is_record(name: str) -> bool:
+    """A record: a ``.json`` file, or a file whose first non-blank byte is ``{``."""
+    if name.lower().endswith(RECORD_SUFFIX):
+        return True
+    if name.lower().endswith(DUMP_SUFFIX) or not os.path.isfile(name):
+        return False
+    try:
+        with open(name, "rb") as handle:
+            head = handle.read(64)
+    except OSError:
+        return False
+    # A safetensors file starts with an 8-byte header length, never with "{".
+    return head.lstrip()[:1] == b"{"
+
+
+def _dump_paths(name: str) -> list[str]:
+    """A dump file as itself, a directory as its ``*.safetensors`` files in name order."""
+    if os.path.isdir(name):
+        found = sorted(
+            str(path) for path in Path(name).iterdir() if path.name.endswith(DUMP_SUFFIX)
+        )
+        if not found:
+            raise KvauditError(f"no {DUMP_SUFFIX} dump files in this directory", name)
+        return found
+    if not os.path.exists(name):
+        raise KvauditError("no such file or directory", name)
+    return [name]
+
+
+def _load_live(name: str, config: CacheDescription | None) -> LiveWorker:
+    """Import a ``live:PATH`` handle and call its ``kvaudit_live()``."""
+    target = name[len(LIVE_PREFIX) :]
+    if not target:
+        raise KvauditError("expected live:PATH, a Python file or module", name)
+    module = _import_live(name, target)
+    function = getattr(module, LIVE_FUNCTION, None)
+    if not callable(function):
+        raise KvauditError(f"defines no {LIVE_FUNCTION}() function", name)
+    try:
+        result = function()
+    except KvauditError:
+        raise
+    except Exception as error:
+        raise KvauditError(f"{LIVE_FUNCTION}() raised {_one_line(error)}", name) from None
+    if not isinstance(result, (tuple, list)) or len(result) != 4:
+        raise KvauditError(
+            f"{LIVE_FUNCTION}() must return (description, tensors, rank, requests)", name
+        )
+    description, tensors, rank, requests = result
+    if config is not None:
+        description = config
+    elif isinstance(description, (str, os.PathLike)):
+        description = load_description(description)
+    elif isinstance(description, Mapping):
+        description = parse_description(description, name)
+    elif not isinstance(description, CacheDescription):
+        raise KvauditError(
+            f"{LIVE_FUNCTION}(): the description must be a CacheDescription, a dict or a "
+            f"YAML path, got {type(description).__name__}",
+            name,
+        )
+    if not isinstance(tensors, Mapping):
+        raise KvauditError(f"{LIVE_FUNCTION}(): tensors must be a dict of layer tensors", name)
+    if not isinstance(rank, Mapping) or any(key not in _RANK_KEYS for key in rank):
+        raise KvauditError(
+            f"{LIVE_FUNCTION}(): rank must be a dict with keys among {', '.join(_RANK_KEYS)}",
+            name,
+        )
+    return LiveWorker(name, description, tensors, dict(rank), _live_requests(name, requests))
+
+
+def _import_live(name: str, target: str) -> Any:
+    """The module of a live handle: a file path, or an importable module name."""
+    try:
+        if target.endswith(".py") or os.path.sep in target or os.path.isfile(target):
+            if not os.path.isfile(target):
+                raise KvauditError("no such Python file", name)
+            module_name = "kvaudit_live_" + Path(target).stem.replace("-", "_")
+            spec = importlib.util.spec_from_file_location(module_name, target)
+            if spec is None or spec.loader is None:
+                raise KvauditError("cannot load as a Python file", name)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[module_name] = module
+            spec.loader.exec_module(module)
+            return module
+        return importlib.import_module(target)
+    except KvauditError:
+        raise
+    except Exception as error:
+        raise KvauditError(f"cannot import: {_one_line(error)}", name) from None
+
+
+def _live_requests(name: str, requests: object) -> dict[str, RequestBlocks]:
+    """``kvaudit_live()``'s requests as ``RequestBlocks``."""
+    if not isinstance(requests, Mapping):
+        raise KvauditError(f"{LIVE_FUNCTION}(): requests must be a dict", name)
+    result = {}
+    for request_id, blocks in requests.items():
+        where = f"{LIVE_FUNCTION}(): request {request_id!r}"
+        if isinstance(blocks, RequestBlocks):
+            result[str(request_id)] = blocks
+            continue
+        try:
+            groups = {
+                int(gid): (start, list(block_ids))
+                for gid, (start, block_ids) in blocks["groups"].items()
+            }
+            result[str(request_id)] = RequestBlocks(blocks["num_tokens"], groups)
+        except (KeyError, TypeError, ValueError):
+            raise KvauditError(
+                f'{where}: expected {{"num_tokens": n, "groups": {{id: [start, [block ids]]}}}}',
+                name,
+            ) from None
+    return result
+
+
+def _to_device(tensor: LayerTensor, device: str) -> LayerTensor:
+    if isinstance(tensor, tuple):
+        return tuple(part.to(device) for part in tensor)
+    return tensor.to(device)
+
+
+def _one_line(error: BaseException) -> str:
+    """An exception as ``Type: message`` on one line."""
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _tensor_bytes(tensor: LayerTensor | None) -> int:
+    if tensor is None:
+        return 0
+    if isinstance(tensor, tuple):
+        return sum(part.numel() * part.element_size() for part in tensor)
+    return tensor.numel() * tensor.element_size()
+
+
+def _group_infos(
+    description: CacheDescription,
+    tensors: Mapping[str, LayerTensor],
+    views: Mapping[int, GroupViews],
+) -> list[GroupInfo]:
+    """Each group's spec, size, coverage and fingerprint on one worker."""
+    return [_group_info(group, tensors, views[group.id]) for group in description.groups]
+
+
+def _group_info(
+    group: GroupDescription, tensors: Mapping[str, LayerTensor], views: GroupViews
+) -> GroupInfo:
+    spec = group.spec
+    owned = [layer.name for layer in group.layers if layer.shares is None]
+    return GroupInfo(
+        id=group.id,
+        fingerprint=views.fingerprint,
+        covered=views.covered,
+        reason=views.reason,
+        type=spec.type,
+        block_size=spec.block_size,
+        kernel_block_size=spec.kernel_block_size,
+        layout="state" if spec.is_state else spec.layout,
+        layers=len(group.layers),
+        bytes=sum(_tensor_bytes(tensors.get(name)) for name in owned),
+    )
+
+
+def _add_request(
+    requests: dict[str, RequestInventory],
+    request_id: str,
+    num_tokens: int,
+    groups: Mapping[int, tuple[int, Sequence[int]]],
+) -> None:
+    entry = requests.setdefault(request_id, RequestInventory(num_tokens))
+    for gid, (start, block_ids) in groups.items():
+        entry.positions.setdefault(int(gid), set()).update(
+            range(start, start + len(block_ids))
+        )
+
+
+__all__ = [
+    "DumpSource",
+    "GroupInfo",
+    "Inventory",
+    "LiveSource",
+    "RecordSource",
+    "RequestInventory",
+    "Runtime",
+    "Source",
+    "WorkerInventory",
+    "load_record",
+    "open_source",
+    "resolve_device",
+]
