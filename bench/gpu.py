@@ -55,14 +55,18 @@ class Cache:
 def run_tests() -> bool:
     """Runs the CUDA-marked tests; prints their summary; True when they passed."""
     print("== pytest -q -m cuda tests/", flush=True)
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests/"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=400,
-        check=False,
-    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests/"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=400,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        print("  the tests ran past 400 s and were stopped")
+        return False
     lines = (done.stdout + done.stderr).strip().splitlines()
     failures = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
     for line in failures[:20] + lines[-3:]:
@@ -178,7 +182,7 @@ def kernel_report() -> str:
         for caches in triton_kernel._accumulate_kernel.device_caches.values():
             for compiled in caches[0].values():
                 found.append(f"{compiled.n_regs} regs/{compiled.n_spills} spills")
-    except (AttributeError, IndexError, TypeError):
+    except Exception:  # a best-effort report: the cache layout differs between versions
         return "registers: not exposed by this Triton"
     return "compiled variants: " + ", ".join(sorted(set(found)))
 
