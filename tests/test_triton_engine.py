@@ -14,16 +14,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
+import kvbuild as kb
 import numpy as np
 import pytest
+import test_engine as te
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import kvbuild as kb  # noqa: E402
-import test_engine as te  # noqa: E402
 
 L0, L1 = te.L0, te.L1
 
