@@ -69,6 +69,7 @@ _META_KEYS = (_META_FORMAT, _META_WORKER, _META_CACHE, _META_REQUESTS, _META_BLO
 _WORKER_KEYS = ("tp_rank", "tp_size", "pp_rank", "pp_size", "role", "engine")
 _REQUEST_KEYS = ("num_tokens", "groups", "block_hashes", "received")
 _LENGTH = struct.Struct("<Q")
+_INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 # Dumps.
@@ -104,6 +105,7 @@ class Dump:
     block_ids: list[int] | None
     requests: dict[str, DumpRequest]
     stored_checksums: np.ndarray | None = None
+    # The file mappings the tensors view (kept open as long as the dump is).
     maps: list[mmap.mmap] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -160,8 +162,8 @@ class Dump:
                 if entry.shares is not None or entry.name in self.description.draft_layers:
                     continue
                 tensor = self.tensors.get(entry.name)
-                parts = tensor if isinstance(tensor, tuple) else (tensor,)
-                total += sum(_nbytes(part) for part in parts if part is not None)
+                if tensor is not None:
+                    total += sum(_nbytes(part) for part in _parts(tensor))
             result[group.id] = total // self.num_rows if self.num_rows else 0
         return result
 
@@ -200,7 +202,7 @@ class Dump:
         if not tensor.is_contiguous():
             return tensor.to(target)
         out = torch.empty(tensor.shape, dtype=tensor.dtype, device=target)
-        source, dest = tensor.reshape(-1), out.view(-1)
+        source, dest = _as_integers(tensor.reshape(-1)), _as_integers(out.view(-1))
         step = max(1, COPY_BYTES // tensor.element_size())
         for start in range(0, source.numel(), step):
             dest[start : start + step].copy_(source[start : start + step])
@@ -830,9 +832,14 @@ def _open_example_connector(folder: str, config: CacheDescription | None) -> Dum
         maps.append(mapped)
         sizes = _layout_sizes(spec, tokens)
         loaded[entry.name] = (entry, _view(mapped, item).reshape(sizes), layout)
+    owners = {entry.name for entry in _owners(config)}
+    sharing = {entry.name: entry.shares for group in config.groups for entry in group.layers}
     for name, file in files.items():
-        if name not in {entry.name for entry in _owners(config)}:
-            _fail(file, f"layer {name} is not a layer of the cache description")
+        if name in owners:
+            continue
+        if name in sharing:
+            _fail(file, f"layer {name} shares the cache of {sharing[name]}: it has no file")
+        _fail(file, f"layer {name} is not a layer of the cache description")
     num_tokens = num_tokens or 0
     rows = {-(-num_tokens // group.block_size) for group in config.groups}
     if len(rows) > 1:
@@ -1013,16 +1020,6 @@ def total_bytes(dump_set: DumpSet, request_ids: Sequence[str] | None = None) -> 
     return total
 
 
-@dataclass
-class _Piece:
-    """Consecutive positions of one request's group, checksummed in one batch."""
-
-    request_id: str
-    group_id: int
-    start: int
-    rows: list[int]
-
-
 def checksum_dump_set(
     dump_set: DumpSet,
     *,
@@ -1035,11 +1032,13 @@ def checksum_dump_set(
 ) -> Record:
     """Every worker's checksums of the requests (default: all), summed into a ``Record``.
 
-    Rows are read in batches of about ``batch_bytes`` dumped bytes (a long request's
-    blocks split into consecutive position ranges); after each batch the mapped pages are
-    dropped, so memory stays bounded whatever the dump's size. ``progress(n)`` is called
-    with the bytes each step covered (an increment; ``total_bytes`` gives their sum).
-    An incomplete set gives a record with ``complete`` False and its missing workers.
+    Each dump is read in batches of consecutive rows, about ``batch_bytes`` of them:
+    copied from the mapping into fixed buffers (on ``device``), the mapping's pages dropped
+    right after, then every requested block position whose row the batch holds is
+    checksummed. Memory stays bounded whatever the dump's size, and the file is read once,
+    in order. ``progress(n)`` is called with the bytes each step covered (an increment;
+    ``total_bytes`` gives their sum). An incomplete set gives a record with ``complete``
+    False and its missing workers.
 
     Raises:
         KvauditError: A request no dump holds, an unknown position numbering, or workers
@@ -1051,80 +1050,167 @@ def checksum_dump_set(
     ids = _selected(dump_set, request_ids)
     records = []
     for dump in dump_set.dumps:
-        checksummer = dump.checksummer(backend=backend, device=device)
         held = [request_id for request_id in ids if request_id in dump.requests]
-        records.append(_checksum_dump(dump, checksummer, held, positions, progress, batch_bytes))
-        dump.drop_pages()
+        batches = _DumpBatches(dump, torch.device(device), backend, batch_bytes)
+        records.append(batches.checksum(held, positions, progress))
     return combine_workers(records)
 
 
-def _checksum_dump(
-    dump: Dump,
-    checksummer: Checksummer,
-    request_ids: Sequence[str],
-    positions: str,
-    progress: Callable[[int], None] | None,
-    batch_bytes: int,
-) -> WorkerRecord:
-    """One worker's record of the requests, computed batch by batch."""
-    blocks = dump.request_blocks(request_ids)
-    row_bytes = dump.row_bytes()
-    record = checksummer.checksum({}, positions)
-    parts: dict[tuple[str, int], list[GroupChecksums]] = {}
-    pending: list[_Piece] = []
-    used = 0
+class _DumpBatches:
+    """One dump checksummed batch by batch: buffers of ``rows`` consecutive rows of every
+    layer tensor, and one ``Checksummer`` over them."""
 
-    def flush() -> None:
-        nonlocal used
-        if not pending:
-            return
-        batch = {
-            str(index): RequestBlocks(
-                blocks[piece.request_id].num_tokens, {piece.group_id: (piece.start, piece.rows)}
-            )
-            for index, piece in enumerate(pending)
+    def __init__(self, dump: Dump, device: torch.device, backend: str, batch_bytes: int) -> None:
+        self.dump = dump
+        axes = {
+            entry.name: _row_axis(entry)
+            for entry in _owners(dump.description)
+            if entry.name in dump.tensors
         }
-        result = checksummer.checksum(batch, positions)
-        for index, piece in enumerate(pending):
-            group = result.requests[str(index)].groups[piece.group_id]
-            parts.setdefault((piece.request_id, piece.group_id), []).append(group)
-        dump.drop_pages()
-        if progress is not None and used:
-            progress(used)
-        pending.clear()
-        used = 0
-
-    for request_id, request in blocks.items():
-        record.requests[request_id] = RequestChecksums(request.num_tokens)
-        for group_id, (start, rows) in request.groups.items():
-            size = row_bytes[group_id]
-            if group_id not in checksummer.plans:
-                if progress is not None and rows and size:
-                    progress(len(rows) * size)
-                continue
-            offset = 0
-            while True:
-                room = max(1, (batch_bytes - used) // size) if size else len(rows)
-                taken = rows[offset : offset + room]
-                pending.append(_Piece(request_id, group_id, start + offset, taken))
-                used += len(taken) * size
-                offset += len(taken)
-                if used >= batch_bytes:
-                    flush()
-                if offset >= len(rows):
-                    break
-    flush()
-
-    for (request_id, group_id), groups in parts.items():
-        first = groups[0]
-        record.requests[request_id].groups[group_id] = GroupChecksums(
-            block_size=first.block_size,
-            start=first.start,
-            replica_keys=list(first.replica_keys),
-            values=np.concatenate([group.values for group in groups], axis=0),
-            fingerprint=first.fingerprint,
+        self.axes = axes
+        total = sum(_nbytes(part) for tensor in dump.tensors.values() for part in _parts(tensor))
+        row_bytes = total // dump.num_rows if dump.num_rows else 0
+        self.rows = max(1, min(dump.num_rows, batch_bytes // max(row_bytes, 1)))
+        self.buffers: dict[str, LayerTensor] = {}
+        for name, tensor in dump.tensors.items():
+            axis, per_row = axes[name]
+            buffers = tuple(
+                torch.empty(
+                    (*part.shape[:axis], self.rows * per_row, *part.shape[axis + 1 :]),
+                    dtype=part.dtype,
+                    device=device,
+                )
+                for part in _parts(tensor)
+            )
+            self.buffers[name] = buffers if isinstance(tensor, tuple) else buffers[0]
+        worker = dump.worker
+        self.checksummer = Checksummer(
+            dump.description,
+            self.buffers,
+            tp_rank=worker.tp_rank,
+            tp_size=worker.tp_size,
+            pp_rank=worker.pp_rank,
+            pp_size=worker.pp_size,
+            role=worker.role,
+            backend=backend,
+            num_blocks=self.rows,
+            engine=worker.engine,
+            source=dump.path,
         )
-    return record
+
+    def load(self, first: int, count: int) -> None:
+        """Copy rows ``first .. first + count - 1`` of every tensor into the buffers,
+        dropping the mapped pages after each tensor."""
+        for name, tensor in self.dump.tensors.items():
+            axis, per_row = self.axes[name]
+            for part, buffer in zip(_parts(tensor), _parts(self.buffers[name]), strict=True):
+                _as_integers(buffer.narrow(axis, 0, count * per_row)).copy_(
+                    _as_integers(part.narrow(axis, first * per_row, count * per_row))
+                )
+                self.dump.drop_pages()
+
+    def checksum(
+        self,
+        request_ids: Sequence[str],
+        positions: str,
+        progress: Callable[[int], None] | None,
+    ) -> WorkerRecord:
+        """The worker's record of the requests."""
+        checksummer = self.checksummer
+        blocks = self.dump.request_blocks(request_ids)
+        group_bytes = self.dump.row_bytes()
+        record = checksummer.checksum({}, positions)
+        # Every listed position of a covered group: its (request, group) key, its index
+        # in the group's list and its row.
+        keys: list[tuple[str, int, int]] = []
+        values: list[np.ndarray] = []
+        rows: list[int] = []
+        key_of: list[int] = []
+        index_of: list[int] = []
+        for request_id, request in blocks.items():
+            record.requests[request_id] = RequestChecksums(request.num_tokens)
+            for group_id, (start, group_rows) in request.groups.items():
+                plan = checksummer.plans.get(group_id)
+                if plan is None:
+                    if progress is not None and group_rows and group_bytes[group_id]:
+                        progress(len(group_rows) * group_bytes[group_id])
+                    continue
+                key = len(keys)
+                keys.append((request_id, group_id, start))
+                values.append(np.zeros((len(group_rows), len(plan.replica_keys)), np.uint64))
+                rows.extend(group_rows)
+                key_of.extend([key] * len(group_rows))
+                index_of.extend(range(len(group_rows)))
+        row_array = np.asarray(rows, dtype=np.int64)
+        order = np.argsort(row_array, kind="stable")
+        sorted_rows = row_array[order]
+        done = 0
+        while done < len(order):
+            first = int(sorted_rows[done])
+            end = int(np.searchsorted(sorted_rows, first + self.rows, side="left"))
+            self.load(first, int(sorted_rows[end - 1]) - first + 1)
+            batch = sorted(order[done:end].tolist(), key=lambda n: (key_of[n], index_of[n]))
+            runs = _runs(batch, key_of, index_of)
+            requests = {}
+            for number, (key, index, members) in enumerate(runs):
+                request_id, group_id, start = keys[key]
+                requests[str(number)] = RequestBlocks(
+                    blocks[request_id].num_tokens,
+                    {group_id: (start + index, [rows[n] - first for n in members])},
+                )
+            result = checksummer.checksum(requests, positions)
+            covered = 0
+            for number, (key, index, members) in enumerate(runs):
+                group_id = keys[key][1]
+                group = result.requests[str(number)].groups[group_id]
+                values[key][index : index + len(members)] = group.values
+                covered += len(members) * group_bytes[group_id]
+            if progress is not None and covered:
+                progress(covered)
+            done = end
+        for key, (request_id, group_id, start) in enumerate(keys):
+            views = checksummer.groups[group_id]
+            record.requests[request_id].groups[group_id] = GroupChecksums(
+                block_size=views.group.block_size,
+                start=start,
+                replica_keys=list(checksummer.plans[group_id].replica_keys),
+                values=values[key],
+                fingerprint=views.fingerprint,
+            )
+        return record
+
+
+def _runs(
+    batch: Sequence[int], key_of: Sequence[int], index_of: Sequence[int]
+) -> list[tuple[int, int, list[int]]]:
+    """Entries sorted by key and index, cut into runs of consecutive positions of one key:
+    ``(key, first index, entries)``."""
+    runs: list[tuple[int, int, list[int]]] = []
+    for n in batch:
+        if runs:
+            key, index, members = runs[-1]
+            if key == key_of[n] and index + len(members) == index_of[n]:
+                members.append(n)
+                continue
+        runs.append((key_of[n], index_of[n], [n]))
+    return runs
+
+
+def _as_integers(tensor: torch.Tensor) -> torch.Tensor:
+    """The same bytes as integers of the element's size (a view): copies and gathers then
+    work for every dtype on every device (fp8 included)."""
+    return tensor.view(_INTEGERS[tensor.element_size()])
+
+
+def _parts(tensor: LayerTensor) -> tuple[torch.Tensor, ...]:
+    return tensor if isinstance(tensor, tuple) else (tensor,)
+
+
+def _row_axis(entry: LayerEntry) -> tuple[int, int]:
+    """The axis of a layer's tensor that holds the rows, and its entries per row."""
+    if entry.spec.is_state:
+        return 0, 1
+    return entry.spec.layout.index("N"), _kernel_blocks(entry.spec)
 
 
 # Writing.
@@ -1147,6 +1233,7 @@ class _Output:
 def _write_rows(file: BinaryIO, tensor: torch.Tensor, axis: int, index: torch.Tensor) -> None:
     """The tensor's ``index`` entries along ``axis``, contiguous in its axis order, a
     bounded piece at a time (any strides, any device)."""
+    tensor = _as_integers(tensor)
     index = index.to(tensor.device)
     inner = math.prod(tensor.shape[axis + 1 :]) * tensor.element_size()
     step = max(1, COPY_BYTES // max(inner, 1))
@@ -1162,8 +1249,10 @@ def _write_bytes(data: bytes) -> Callable[[BinaryIO], None]:
 
 
 def _identity(tensor: LayerTensor) -> tuple:
-    parts = tensor if isinstance(tensor, tuple) else (tensor,)
-    return tuple((part.device, part.data_ptr(), tuple(part.shape), part.stride()) for part in parts)
+    """What makes two layers' tensors one storage."""
+    return tuple(
+        (part.device, part.data_ptr(), tuple(part.shape), part.stride()) for part in _parts(tensor)
+    )
 
 
 def _alias_shared_storage(

@@ -22,6 +22,7 @@ A command's SOURCEs are one of:
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -49,7 +50,7 @@ LIVE_FUNCTION = "kvaudit_live"
 _RANK_KEYS = ("tp_rank", "tp_size", "pp_rank", "pp_size", "role", "engine", "num_blocks")
 
 Progress = Callable[[int], None]
-"""Called with the number of bytes checksummed so far."""
+"""Called with the bytes checksummed since its last call."""
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ class Source(ABC):
         """The requests the source holds, in order."""
 
     @abstractmethod
-    def inventory(self, runtime: Runtime) -> Inventory:
+    def inventory(self) -> Inventory:
         """What the source holds."""
 
     def work(self, request_ids: Sequence[str] | None) -> int:
@@ -161,8 +162,7 @@ class Source(ABC):
             if request_id not in known:
                 held = ", ".join(known) if known else "none"
                 raise KvauditError(
-                    f"unknown request {request_id!r} in {', '.join(self.names)} "
-                    f"(it holds: {held})"
+                    f"unknown request {request_id!r} in {', '.join(self.names)} (it holds: {held})"
                 )
 
 
@@ -171,16 +171,15 @@ class DumpSource(Source):
 
     kind = "dumps"
 
-    def __init__(self, names: Sequence[str], paths: Sequence[str], dump_set: DumpSet) -> None:
+    def __init__(self, names: Sequence[str], dump_set: DumpSet) -> None:
         super().__init__(names)
-        self.paths = list(paths)
         self.dump_set = dump_set
 
     @property
     def request_ids(self) -> list[str]:
         return list(self.dump_set.request_ids)
 
-    def inventory(self, runtime: Runtime) -> Inventory:
+    def inventory(self) -> Inventory:
         workers = []
         requests: dict[str, RequestInventory] = {}
         for dump in self.dump_set.dumps:
@@ -237,7 +236,7 @@ class RecordSource(Source):
     def request_ids(self) -> list[str]:
         return list(self.record.requests)
 
-    def inventory(self, runtime: Runtime) -> Inventory:
+    def inventory(self) -> Inventory:
         block_sizes: dict[int, int] = {}
         requests: dict[str, RequestInventory] = {}
         for request_id, request in self.record.requests.items():
@@ -304,17 +303,17 @@ class LiveWorker:
     rank: dict[str, Any]
     requests: dict[str, RequestBlocks]
 
-    def checksummer(self, runtime: Runtime, move: bool) -> Checksummer:
-        """A checksummer of the worker's tensors, moved to the runtime's device first
-        when ``move``."""
+    def checksummer(self, runtime: Runtime | None = None) -> Checksummer:
+        """A checksummer of the worker's tensors: moved to ``runtime``'s device first, or
+        where they are (the backend that suits their device) when ``runtime`` is None."""
         tensors = self.tensors
-        if move:
+        if runtime is not None:
             tensors = {name: _to_device(tensor, runtime.device) for name, tensor in tensors.items()}
         try:
             return Checksummer(
                 self.description,
                 tensors,
-                backend=runtime.backend if move else "auto",
+                backend="auto" if runtime is None else runtime.backend,
                 source=self.name,
                 **self.rank,
             )
@@ -338,12 +337,12 @@ class LiveSource(Source):
     def request_ids(self) -> list[str]:
         return list(dict.fromkeys(rid for worker in self.workers for rid in worker.requests))
 
-    def inventory(self, runtime: Runtime) -> Inventory:
+    def inventory(self) -> Inventory:
         workers = []
         requests: dict[str, RequestInventory] = {}
         checksummers = []
         for live in self.workers:
-            checksummer = live.checksummer(runtime, move=False)
+            checksummer = live.checksummer()
             checksummers.append(checksummer)
             workers.append(
                 WorkerInventory(
@@ -372,7 +371,7 @@ class LiveSource(Source):
             requests = live.requests
             if request_ids is not None:
                 requests = {rid: requests[rid] for rid in request_ids if rid in requests}
-            checksummer = live.checksummer(runtime, move=self.device_given)
+            checksummer = live.checksummer(runtime if self.device_given else None)
             worker_records.append(checksummer.checksum(requests, positions or "request"))
         return combine_workers(worker_records)
 
@@ -405,10 +404,7 @@ def open_source(
                 f"{records[0]}: a record stands alone; give one record, or dumps without records"
             )
         return RecordSource(records[0], load_record(records[0]))
-    paths: list[str] = []
-    for name in names:
-        paths.extend(_dump_paths(name))
-    return DumpSource(names, paths, open_dump_set(paths, config))
+    return DumpSource(names, open_dump_set(names, config))
 
 
 def load_record(path: str) -> Record:
@@ -448,20 +444,6 @@ def _is_record(name: str) -> bool:
         return False
     # A safetensors file starts with an 8-byte header length, never with "{".
     return head.lstrip()[:1] == b"{"
-
-
-def _dump_paths(name: str) -> list[str]:
-    """A dump file as itself, a directory as its ``*.safetensors`` files in name order."""
-    if os.path.isdir(name):
-        found = sorted(
-            str(path) for path in Path(name).iterdir() if path.name.endswith(DUMP_SUFFIX)
-        )
-        if not found:
-            raise KvauditError(f"no {DUMP_SUFFIX} dump files in this directory", name)
-        return found
-    if not os.path.exists(name):
-        raise KvauditError("no such file or directory", name)
-    return [name]
 
 
 def _load_live(name: str, config: CacheDescription | None) -> LiveWorker:
@@ -512,13 +494,19 @@ def _import_live(name: str, target: str) -> Any:
         if target.endswith(".py") or os.path.sep in target or os.path.isfile(target):
             if not os.path.isfile(target):
                 raise KvauditError("no such Python file", name)
-            module_name = "kvaudit_live_" + Path(target).stem.replace("-", "_")
+            # One module name per file: two handles' files may share a file name.
+            digest = hashlib.sha256(os.path.abspath(target).encode()).hexdigest()[:16]
+            module_name = f"kvaudit_live_{digest}"
             spec = importlib.util.spec_from_file_location(module_name, target)
             if spec is None or spec.loader is None:
                 raise KvauditError("cannot load as a Python file", name)
             module = importlib.util.module_from_spec(spec)
-            sys.modules[module_name] = module
-            spec.loader.exec_module(module)
+            sys.modules[module_name] = module  # dataclasses look their module up
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[module_name]
+                raise
             return module
         return importlib.import_module(target)
     except KvauditError:
@@ -607,9 +595,7 @@ def _add_request(
 ) -> None:
     entry = requests.setdefault(request_id, RequestInventory(num_tokens))
     for gid, (start, block_ids) in groups.items():
-        entry.positions.setdefault(int(gid), set()).update(
-            range(start, start + len(block_ids))
-        )
+        entry.positions.setdefault(int(gid), set()).update(range(start, start + len(block_ids)))
 
 
 __all__ = [

@@ -1,0 +1,214 @@
+"""Peak memory and throughput of checksumming a dump set much larger than its batches.
+
+    python bench/dump_memory.py [--size-gib 4] [--workers 2] [--dir DIR] [--cold]
+                                [--repeats 3]
+
+Writes a dump set of SIZE GiB (WORKERS TP ranks of one engine, Llama-shaped layers:
+16-token blocks, 8 KV heads x 128, bf16, NTHC) with ``write_dump``, then checksums it in a
+subprocess and reports that subprocess's peak RSS (target: under 512 MiB, about half of
+it torch itself) and the throughput. The writer never holds the data: every layer is a
+view, at its own offset, of one 64 MiB random buffer. The checksum runs ``--repeats`` times,
+each in a fresh process, and the fastest run counts (shared machines are noisy); ``--cold``
+evicts the files from the page cache first and runs it once, reading from the disk. The
+files go to a fresh folder under DIR (default: the system's temporary directory), removed
+at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+# The parent process imports neither torch nor kvaudit: a child's peak RSS as the kernel
+# reports it includes the RSS of the process it was started from.
+BLOCK_SIZE, HEADS, CELL = 16, 8, 256  # bf16 cell: K and V rows of 128
+BLOCK_BYTES = BLOCK_SIZE * HEADS * CELL * 2
+LAYER_BYTES = 64 << 20
+REQUESTS = 8
+MIB = 1 << 20
+
+
+def description(layers: int, num_blocks: int) -> dict:
+    return {
+        "kvaudit": 1,
+        "num_blocks": num_blocks,
+        "groups": [
+            {
+                "spec": {
+                    "type": "full_attention",
+                    "block_size": BLOCK_SIZE,
+                    "num_kv_heads": HEADS,
+                    "head_size": CELL // 2,
+                    "dtype": "bfloat16",
+                    "layout": "NTHC",
+                },
+                "layers": [f"model.layers.{i}.self_attn.attn" for i in range(layers)],
+            }
+        ],
+    }
+
+
+def write_set(folder: str, size_gib: float, workers: int) -> tuple[int, float]:
+    """Write the dump set; returns its bytes and the seconds it took."""
+    import torch
+
+    from kvaudit.checksummer import RequestBlocks
+    from kvaudit.description import parse_description
+    from kvaudit.dumps import write_dump
+    from kvaudit.records import WorkerInfo
+
+    worker_bytes = int(size_gib * (1 << 30)) // workers
+    layers = max(1, worker_bytes // LAYER_BYTES)
+    num_blocks = LAYER_BYTES // BLOCK_BYTES
+    desc = parse_description(description(layers, num_blocks), "bench")
+    generator = torch.Generator().manual_seed(0)
+    shift = 32  # elements (64 bytes) between the layers' views of the buffer
+    base = torch.randint(
+        -(2**15),
+        2**15,
+        (LAYER_BYTES // 2 + layers * shift,),
+        dtype=torch.int16,
+        generator=generator,
+    ).view(torch.bfloat16)
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    per_request = num_blocks // REQUESTS
+    requests = {
+        f"req-{i}": RequestBlocks(
+            per_request * BLOCK_SIZE - 5, {0: (0, order[i * per_request : (i + 1) * per_request])}
+        )
+        for i in range(REQUESTS)
+    }
+    start = time.perf_counter()
+    for rank in range(workers):
+        tensors = {
+            f"model.layers.{i}.self_attn.attn": base[
+                (i + rank) * shift : (i + rank) * shift + LAYER_BYTES // 2
+            ].view(num_blocks, BLOCK_SIZE, HEADS, CELL)
+            for i in range(layers)
+        }
+        write_dump(
+            os.path.join(folder, f"rank{rank}.safetensors"),
+            desc,
+            tensors,
+            requests,
+            worker=WorkerInfo(rank, workers, 0, 1, "producer", "bench"),
+        )
+    seconds = time.perf_counter() - start
+    return workers * layers * LAYER_BYTES, seconds
+
+
+def evict(folder: str) -> None:
+    """Drop the (synced, clean) dump files from the page cache."""
+    for name in os.listdir(folder):
+        descriptor = os.open(os.path.join(folder, name), os.O_RDONLY)
+        try:
+            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(descriptor)
+
+
+def child(folder: str) -> None:
+    """Checksum the set in this process and print what it took, as JSON."""
+    import torch
+
+    from kvaudit.dumps import checksum_dump_set, open_dump_set
+
+    after_import = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    done = 0
+
+    def progress(n: int) -> None:
+        nonlocal done
+        done += n
+
+    start = time.perf_counter()
+    record = checksum_dump_set(open_dump_set([folder]), progress=progress)
+    seconds = time.perf_counter() - start
+    print(
+        json.dumps(
+            {
+                "seconds": seconds,
+                "bytes": done,
+                "requests": len(record.requests),
+                "rss_after_import": after_import,
+                "threads": torch.get_num_threads(),
+            }
+        )
+    )
+
+
+def run(*args: str) -> dict:
+    """Run this script with ``args`` in a child process; its JSON output."""
+    command = [sys.executable, os.path.abspath(__file__), *args]
+    result = subprocess.run(command, check=True, capture_output=True, text=True)
+    return json.loads(result.stdout)
+
+
+def measure(folder: str, repeats: int) -> None:
+    """Checksum the set in child processes, one per repeat; print the fastest one's report
+    and the peak RSS of them all as JSON."""
+    reports = [run("--child", folder) for _ in range(repeats)]
+    report = min(reports, key=lambda item: item["seconds"])
+    report["peak_rss"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    print(json.dumps(report))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-gib", type=float, default=4.0)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--cold", action="store_true", help="evict the files from the cache")
+    parser.add_argument("--repeats", type=int, default=3, help="checksum runs; the best counts")
+    parser.add_argument("--write", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.write is not None:
+        nbytes, seconds = write_set(args.write, args.size_gib, args.workers)
+        print(json.dumps({"bytes": nbytes, "seconds": seconds}))
+        return
+    if args.measure is not None:
+        measure(args.measure, args.repeats)
+        return
+    if args.child is not None:
+        child(args.child)
+        return
+
+    folder = tempfile.mkdtemp(prefix="kvaudit-bench-", dir=args.dir)
+    try:
+        written = run(
+            "--write", folder, "--size-gib", str(args.size_gib), "--workers", str(args.workers)
+        )
+        nbytes, seconds = written["bytes"], written["seconds"]
+        print(
+            f"wrote {nbytes / (1 << 30):.2f} GiB in {args.workers} dumps to {folder}: "
+            f"{seconds:.1f} s, {nbytes / seconds / 1e9:.2f} GB/s"
+        )
+        if args.cold:
+            evict(folder)
+        report = run("--measure", folder, "--repeats", str(1 if args.cold else args.repeats))
+        peak, seconds = report["peak_rss"], report["seconds"]
+        verdict = "ok" if peak < 512 * MIB else "OVER the 512 MiB target"
+        cache = "evicted from the page cache" if args.cold else "in the page cache"
+        print(
+            f"checksummed {report['bytes'] / (1 << 30):.2f} GiB ({report['requests']} "
+            f"requests, files {cache}) in {seconds:.1f} s (best run): "
+            f"{report['bytes'] / seconds / 1e9:.2f} GB/s, {report['threads']} torch threads"
+        )
+        print(
+            f"checksum process peak RSS {peak / MIB:.0f} MiB ({verdict}); "
+            f"{report['rss_after_import'] / MIB:.0f} MiB of it after importing kvaudit"
+        )
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,614 @@
+"""Comparing checksums: a producer with a consumer, a dump set with a saved record or
+with the producer totals it received, and offloaded blocks with their stored checksums.
+
+All comparisons produce a ``DiffReport`` (``diff --format json``, docs/cli.md): per request
+and group, the block positions compared, those whose totals differ, the replicas that
+disagree, and the reason a group could not be compared at all.
+
+Rules, per request present on both sides and per group either side holds:
+
+- Both records must number positions the same way (``request`` or ``block``), else
+  ``KvauditError``.
+- A group is unverified when a worker of either side is missing, when only one side holds
+  it, when the fingerprints differ, or when the block sizes cannot be brought to one size.
+- Different block sizes are compared at the coarser one: the finer side's totals are summed
+  (mod 2**64) into coarse blocks. A coarse block is formed only when every fine position of
+  it that has valid tokens is held; fine positions past ``num_tokens`` contribute nothing by
+  definition and may be absent. With ``block`` numbering checksums do not add up across
+  block sizes, so differing sizes leave the group unverified.
+- A position is compared only when both sides hold it and both give it the same, non-zero,
+  number of valid tokens (each side with its own ``num_tokens``). No such position leaves
+  the group unverified ("no common block ...").
+- The producer contributes its totals (replica index 0 keys). The consumer's totals must
+  equal them, and each consumer replica column ``(R, r)`` must equal its ``(R, 0)`` column at
+  every position the consumer holds; that check runs at the consumer's own block size and
+  reports positions in the compared (coarser) numbering.
+- A request only the producer has is a failure (the consumer never got it); a request only
+  the consumer has is informational (it may have been computed locally).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import KvauditError
+from .fingerprint import block_checksum_tags
+from .junit import diff_junit
+from .records import GroupChecksums, Record, RequestChecksums, WorkerInfo, WorkerSummary
+from .scheme import ReplicaKey, to_hex
+from .wire import decode_wire
+
+DIFF_FORMAT = "kvaudit.diff/1"
+NO_RECEIVED = "no producer checksums received"
+
+
+@dataclass
+class GroupComparison:
+    """The comparison of one request's group.
+
+    ``mismatched_positions`` and the positions of ``replicas_differing`` (``(position,
+    replica index)`` pairs) are numbered at ``block_size``, the coarser of the two sides'.
+    ``located`` is filled by the locate step and reported as given.
+    """
+
+    compared: int = 0
+    mismatched_positions: list[int] = field(default_factory=list)
+    replicas_differing: list[tuple[int, int]] = field(default_factory=list)
+    unverified: str | None = None
+    located: list[dict] = field(default_factory=list)
+    block_size: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """Whether every compared block matched, no replica differed and it was compared."""
+        return (
+            not self.mismatched_positions
+            and not self.replicas_differing
+            and self.unverified is None
+        )
+
+    def to_json(self) -> dict:
+        """The group's entry of a diff report."""
+        return {
+            "compared": int(self.compared),
+            "mismatched_positions": [int(position) for position in self.mismatched_positions],
+            "replicas_differing": [
+                [int(position), int(index)] for position, index in self.replicas_differing
+            ],
+            "unverified": self.unverified,
+            "located": [dict(item) for item in self.located],
+        }
+
+
+@dataclass
+class DiffReport:
+    """What a ``diff`` or ``verify`` found: per request and group, a ``GroupComparison``.
+
+    ``only_in_producer`` lists requests the consumer lacks (a failure);
+    ``only_in_consumer`` lists requests the producer lacks (informational).
+    """
+
+    positions: str
+    requests: dict[str, dict[int, GroupComparison]] = field(default_factory=dict)
+    only_in_producer: list[str] = field(default_factory=list)
+    only_in_consumer: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True exactly when the exit status is 0: every compared block matched, nothing
+        was left unverified and the consumer has every producer request."""
+        return not self.only_in_producer and all(group.ok for _, _, group in self.groups())
+
+    def groups(self) -> Iterator[tuple[str, int, GroupComparison]]:
+        """Each ``(request id, group id, comparison)``, groups in id order."""
+        for request_id, groups in self.requests.items():
+            for gid in sorted(groups):
+                yield request_id, gid, groups[gid]
+
+    def to_json(self) -> dict:
+        """The report as ``diff --format json`` writes it (docs/cli.md)."""
+        return {
+            "format": DIFF_FORMAT,
+            "ok": self.ok,
+            "positions": self.positions,
+            "requests": {
+                request_id: {"groups": {str(gid): groups[gid].to_json() for gid in sorted(groups)}}
+                for request_id, groups in self.requests.items()
+            },
+            "only_in_producer": list(self.only_in_producer),
+            "only_in_consumer": list(self.only_in_consumer),
+        }
+
+    def to_junit(self, suite_name: str = "kvaudit.diff") -> str:
+        """The report as JUnit XML: one test case per request and group (docs/cli.md)."""
+        return diff_junit(self, suite_name)
+
+
+# One side of one group, as the comparison sees it.
+
+
+@dataclass
+class _Side:
+    """One side's checksums of one request's group: ``columns[i, k]`` is position
+    ``start + i`` under ``keys[k]``."""
+
+    block_size: int
+    start: int
+    num_tokens: int
+    fingerprint: int
+    columns: np.ndarray
+    keys: list[ReplicaKey]
+
+    @classmethod
+    def of(cls, group: GroupChecksums, num_tokens: int, *, totals_only: bool) -> _Side:
+        """A record's group; with ``totals_only`` one column of its totals under ``(1, 0)``."""
+        if totals_only:
+            columns = group.totals().reshape(-1, 1)
+            keys: list[ReplicaKey] = [(1, 0)]
+        else:
+            columns = np.asarray(group.values, dtype=np.uint64).reshape(group.count, -1)
+            keys = [(int(r), int(i)) for r, i in group.replica_keys]
+        return cls(group.block_size, group.start, num_tokens, group.fingerprint, columns, keys)
+
+    def totals(self, columns: np.ndarray) -> np.ndarray:
+        """Per row of ``columns`` (this side's layout), the sum of the replica-0 columns."""
+        chosen = [k for k, (_, index) in enumerate(self.keys) if index == 0]
+        if not chosen:
+            return np.zeros(columns.shape[0], dtype=np.uint64)
+        return columns[:, chosen].sum(axis=1, dtype=np.uint64)
+
+
+def valid_tokens(num_tokens: int, block_size: int, positions: np.ndarray) -> np.ndarray:
+    """``v_b = min(B, max(0, num_tokens - b*B))`` of each position."""
+    positions = np.asarray(positions, dtype=np.int64)
+    return np.clip(num_tokens - positions * block_size, 0, block_size)
+
+
+def _coarsen(side: _Side, coarse: int) -> tuple[np.ndarray, np.ndarray]:
+    """The coarse positions the side can form and their columns summed mod 2**64.
+
+    A coarse block is formed when each of its fine positions is held or has no valid token
+    (a position past ``num_tokens`` contributes nothing, whether held or not).
+    """
+    ratio = coarse // side.block_size
+    count, width = side.columns.shape
+    if count == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros((0, width), dtype=np.uint64)
+    if ratio == 1:
+        return np.arange(side.start, side.start + count, dtype=np.int64), side.columns
+    first = side.start // ratio
+    last = (side.start + count - 1) // ratio
+    blocks = last - first + 1
+    offset = side.start - first * ratio
+    padded = np.zeros((blocks * ratio, width), dtype=np.uint64)
+    padded[offset : offset + count] = side.columns
+    held = np.zeros(blocks * ratio, dtype=bool)
+    held[offset : offset + count] = True
+    fine = np.arange(first * ratio, (last + 1) * ratio, dtype=np.int64)
+    empty = valid_tokens(side.num_tokens, side.block_size, fine) == 0
+    formed = (held | empty).reshape(blocks, ratio).all(axis=1)
+    # uint64 addition wraps modulo 2**64, as block-size additivity requires.
+    sums = padded.reshape(blocks, ratio, width).sum(axis=1, dtype=np.uint64)
+    positions = np.arange(first, last + 1, dtype=np.int64)
+    return positions[formed], sums[formed]
+
+
+def _replica_differences(side: _Side, coarse: int) -> set[tuple[int, int]]:
+    """``(coarse position, replica index)`` wherever a column ``(R, r)`` differs from
+    ``(R, 0)``, checked at the side's own block size."""
+    column = {key: k for k, key in enumerate(side.keys)}
+    zeros = np.zeros(side.columns.shape[0], dtype=np.uint64)
+    found: set[tuple[int, int]] = set()
+    for (replicas, index), k in column.items():
+        if index == 0:
+            continue
+        base = column.get((replicas, 0))
+        reference = side.columns[:, base] if base is not None else zeros
+        for row in np.nonzero(side.columns[:, k] != reference)[0].tolist():
+            position = (side.start + row) * side.block_size // coarse
+            found.add((position, index))
+    return found
+
+
+def _span(positions: np.ndarray) -> str:
+    """Positions as ``first-last`` (or ``none``) for a message."""
+    if positions.size == 0:
+        return "none"
+    first, last = int(positions.min()), int(positions.max())
+    return str(first) if first == last else f"{first}-{last}"
+
+
+def _compare_sides(
+    producer: _Side, consumer: _Side, numbering: str, *, per_key: bool
+) -> GroupComparison:
+    """One group compared once both sides are known to hold it and to be complete."""
+    coarse = max(producer.block_size, consumer.block_size)
+    if producer.fingerprint != consumer.fingerprint:
+        return GroupComparison(
+            unverified=(
+                f"fingerprints differ (producer {to_hex(producer.fingerprint)}, consumer "
+                f"{to_hex(consumer.fingerprint)}): the layers, specs or dtypes differ"
+            ),
+            block_size=coarse,
+        )
+    fine = min(producer.block_size, consumer.block_size)
+    if fine != coarse:
+        sizes = f"producer {producer.block_size}, consumer {consumer.block_size}"
+        if fine <= 0 or coarse % fine:
+            return GroupComparison(
+                unverified=f"block sizes differ and neither divides the other ({sizes})",
+                block_size=coarse,
+            )
+        if numbering == "block":
+            return GroupComparison(
+                unverified=(
+                    f"block sizes differ ({sizes}) and positions are numbered per block: "
+                    "the checksums do not add up across block sizes"
+                ),
+                block_size=coarse,
+            )
+
+    producer_positions, producer_columns = _coarsen(producer, coarse)
+    consumer_positions, consumer_columns = _coarsen(consumer, coarse)
+    common, in_producer, in_consumer = np.intersect1d(
+        producer_positions, consumer_positions, assume_unique=True, return_indices=True
+    )
+    producer_valid = valid_tokens(producer.num_tokens, coarse, common)
+    consumer_valid = valid_tokens(consumer.num_tokens, coarse, common)
+    usable = (producer_valid == consumer_valid) & (producer_valid > 0)
+    positions = common[usable]
+    rows_p, rows_c = in_producer[usable], in_consumer[usable]
+
+    producer_totals = producer.totals(producer_columns)[rows_p]
+    consumer_totals = consumer.totals(consumer_columns)[rows_c]
+    mismatched = set(positions[producer_totals != consumer_totals].tolist())
+    replicas = _replica_differences(consumer, coarse)
+    if per_key and set(producer.keys) == set(consumer.keys):
+        # Same engine layout: every column must match the saved one, not only the totals.
+        consumer_column = {key: k for k, key in enumerate(consumer.keys)}
+        for k, key in enumerate(producer.keys):
+            left = producer_columns[rows_p, k]
+            right = consumer_columns[rows_c, consumer_column[key]]
+            differing = positions[left != right].tolist()
+            if key[1] == 0:
+                mismatched.update(differing)
+            else:
+                replicas.update((position, key[1]) for position in differing)
+
+    unverified = None
+    if positions.size == 0:
+        if common.size == 0:
+            unverified = (
+                f"no common block (producer holds {_span(producer_positions)}, consumer "
+                f"{_span(consumer_positions)} at block size {coarse})"
+            )
+        else:
+            unverified = (
+                f"no common block with the same valid tokens (producer {producer.num_tokens} "
+                f"tokens, consumer {consumer.num_tokens}, block size {coarse})"
+            )
+    return GroupComparison(
+        compared=int(positions.size),
+        mismatched_positions=sorted(int(p) for p in mismatched),
+        replicas_differing=sorted((int(p), int(r)) for p, r in replicas),
+        unverified=unverified,
+        block_size=coarse,
+    )
+
+
+# Records against records.
+
+
+def _missing_reason(label: str, record: Record) -> str | None:
+    """Why a side's checksums are partial, or None when all its workers are present."""
+    if record.complete:
+        return None
+    if not record.missing_workers:
+        return f"a worker is missing on the {label}"
+    ranks = "; ".join(f"pp {pp}, tp {tp}" for pp, tp in record.missing_workers)
+    if len(record.missing_workers) == 1:
+        return f"a worker is missing on the {label} ({ranks})"
+    return f"workers are missing on the {label} ({ranks})"
+
+
+def _not_covered_reason(record: Record, gid: int) -> str | None:
+    """The reasons the record's workers give for not covering a group, if any."""
+    reasons = dict.fromkeys(
+        summary.not_covered[gid] for summary in record.workers if gid in summary.not_covered
+    )
+    return "; ".join(reasons) if reasons else None
+
+
+def _first_source(record: Record) -> str:
+    sources = [summary.worker.source for summary in record.workers if summary.worker.source]
+    return f" ({sources[0]})" if sources else ""
+
+
+def _check_numbering(producer: Record, consumer: Record) -> None:
+    if producer.positions != consumer.positions:
+        raise KvauditError(
+            f"positions are numbered by {producer.positions} on the producer"
+            f"{_first_source(producer)} and by {consumer.positions} on the consumer"
+            f"{_first_source(consumer)}: records of different numberings are never compared"
+        )
+
+
+def _select(
+    producer: Record, consumer: Record, request_ids: Sequence[str] | None
+) -> tuple[list[str], list[str], list[str]]:
+    """The requests on both sides, on the producer only and on the consumer only."""
+    if request_ids is None:
+        wanted = list(dict.fromkeys([*producer.requests, *consumer.requests]))
+    else:
+        wanted = list(dict.fromkeys(request_ids))
+        absent = [rid for rid in wanted if rid not in producer.requests]
+        absent = [rid for rid in absent if rid not in consumer.requests]
+        if absent:
+            raise KvauditError(
+                f"request {', '.join(absent)} is on neither the producer nor the consumer"
+            )
+    both = [rid for rid in wanted if rid in producer.requests and rid in consumer.requests]
+    only_producer = [rid for rid in wanted if rid not in consumer.requests]
+    only_consumer = [rid for rid in wanted if rid not in producer.requests]
+    return both, only_producer, only_consumer
+
+
+def _compare_request(
+    producer: Record,
+    consumer: Record,
+    request_id: str,
+    *,
+    per_key: bool,
+    producer_absence: str,
+) -> dict[int, GroupComparison]:
+    """Each group of one request present on both sides."""
+    left: RequestChecksums = producer.requests[request_id]
+    right: RequestChecksums = consumer.requests[request_id]
+    missing = [
+        reason
+        for reason in (_missing_reason("producer", producer), _missing_reason("consumer", consumer))
+        if reason is not None
+    ]
+    result: dict[int, GroupComparison] = {}
+    for gid in sorted({*left.groups, *right.groups}):
+        held = [side.groups.get(gid) for side in (left, right)]
+        block_size = max(group.block_size for group in held if group is not None)
+        if missing:
+            result[gid] = GroupComparison(unverified="; ".join(missing), block_size=block_size)
+            continue
+        if held[0] is None or held[1] is None:
+            if held[0] is None:
+                holder, lacking, record = "consumer", "producer", producer
+                default = producer_absence
+            else:
+                holder, lacking, record = "producer", "consumer", consumer
+                default = "the consumer holds no block of it for this request"
+            known = _not_covered_reason(record, gid)
+            reason = f"{lacking}: {known}" if known is not None else default
+            result[gid] = GroupComparison(
+                unverified=f"covered on the {holder} only ({reason})", block_size=block_size
+            )
+            continue
+        result[gid] = _compare_sides(
+            _Side.of(held[0], left.num_tokens, totals_only=not per_key),
+            _Side.of(held[1], right.num_tokens, totals_only=False),
+            consumer.positions,
+            per_key=per_key,
+        )
+    return result
+
+
+def _compare(
+    producer: Record,
+    consumer: Record,
+    request_ids: Sequence[str] | None,
+    *,
+    per_key: bool,
+    producer_absence: str = "the producer holds no block of it for this request",
+) -> DiffReport:
+    _check_numbering(producer, consumer)
+    both, only_producer, only_consumer = _select(producer, consumer, request_ids)
+    requests = {
+        rid: _compare_request(
+            producer, consumer, rid, per_key=per_key, producer_absence=producer_absence
+        )
+        for rid in both
+    }
+    return DiffReport(consumer.positions, requests, only_producer, only_consumer)
+
+
+def compare_records(
+    producer: Record, consumer: Record, *, request_ids: Sequence[str] | None = None
+) -> DiffReport:
+    """The producer's totals compared with the consumer's totals and replicas.
+
+    With ``request_ids``, only those requests (in that order); others in record order.
+
+    Raises:
+        KvauditError: The records number positions differently, or a requested id is on
+            neither side.
+
+    """
+    return _compare(producer, consumer, request_ids, per_key=False)
+
+
+def verify_against_record(
+    current: Record, saved: Record, *, request_ids: Sequence[str] | None = None
+) -> DiffReport:
+    """A regression check: ``saved`` plays the producer, ``current`` the consumer.
+
+    Besides the totals and the current replicas, when both sides have the same replica
+    keys (the same engine layout) every column must equal the saved one: a differing
+    replica-0 column marks the position mismatched, another column lists it under
+    ``replicas_differing``.
+
+    Raises:
+        KvauditError: The records number positions differently, or a requested id is on
+            neither side.
+
+    """
+    return _compare(saved, current, request_ids, per_key=True)
+
+
+def verify_received(
+    consumer: Record,
+    received: Mapping[str, bytes],
+    *,
+    source: str,
+    request_ids: Sequence[str] | None = None,
+) -> DiffReport:
+    """The consumer checked against the producer totals it received (wire bytes per request).
+
+    The wire carries no token count or position numbering: the consumer's are used for
+    both sides. Each group of a consumer request without received bytes is unverified
+    (``"no producer checksums received"``); received requests the consumer lacks are
+    listed in ``only_in_producer``.
+
+    Raises:
+        WireFormatError: Malformed bytes; the message names ``source`` and the request.
+        KvauditError: A requested id is on neither side.
+
+    """
+    wanted = list(consumer.requests) if request_ids is None else list(dict.fromkeys(request_ids))
+    if request_ids is None:
+        wanted += [rid for rid in received if rid not in consumer.requests]
+    requests: dict[str, RequestChecksums] = {}
+    fingerprints: dict[int, int] = {}
+    for rid in wanted:
+        if rid not in received:
+            continue
+        num_tokens = consumer.requests[rid].num_tokens if rid in consumer.requests else 0
+        groups: dict[int, GroupChecksums] = {}
+        for wire in decode_wire(received[rid], source=f"{source}: request {rid}"):
+            groups[wire.group_id] = GroupChecksums(
+                block_size=wire.block_size,
+                start=wire.start,
+                replica_keys=[(1, 0)],
+                values=wire.totals.reshape(-1, 1),
+                fingerprint=wire.fingerprint,
+            )
+            fingerprints.setdefault(wire.group_id, wire.fingerprint)
+        requests[rid] = RequestChecksums(num_tokens, groups)
+    producer = Record(
+        positions=consumer.positions,
+        workers=[WorkerSummary(WorkerInfo(source=source), fingerprints)],
+        complete=True,
+        requests=requests,
+    )
+    report = _compare(
+        producer,
+        consumer,
+        wanted,
+        per_key=False,
+        producer_absence="the producer sent no checksums for it",
+    )
+    for rid in [rid for rid in report.only_in_consumer if rid not in received]:
+        report.requests[rid] = {
+            gid: GroupComparison(unverified=NO_RECEIVED, block_size=group.block_size)
+            for gid, group in sorted(consumer.requests[rid].groups.items())
+        }
+        report.only_in_consumer.remove(rid)
+    return report
+
+
+# Stored checksums of offloaded blocks.
+
+
+def _uint64(values: np.ndarray | Sequence[int], what: str) -> np.ndarray:
+    """An integer array as uint64 with the same bits (int64 wrap-around included)."""
+    array = np.asarray(values)
+    if array.dtype == np.int64:
+        return array.view(np.uint64)
+    if array.size == 0:
+        return array.astype(np.uint64)
+    if array.dtype.kind not in "iu":
+        raise KvauditError(f"{what}: expected 64-bit integers, got {array.dtype}")
+    return array.astype(np.uint64)
+
+
+def verify_stored_blocks(
+    request_id: str,
+    group_id: int,
+    positions: Sequence[int],
+    recomputed: np.ndarray,
+    stored: np.ndarray,
+    block_hashes: Sequence[bytes],
+    fingerprint: int,
+) -> list[int]:
+    """The positions whose stored checksum does not match one worker's recomputed sum.
+
+    ``recomputed`` holds, per block, this worker's sum over its replica keys, or a
+    ``[blocks, keys]`` array that is summed here (mod 2**64); ``stored`` the stored
+    entries of the blocks' rows; ``block_hashes`` each block's hash; ``fingerprint``
+    this worker's fingerprint of the group. A block passes when
+    ``recomputed XOR tag(block_hash, fingerprint) == stored``.
+
+    Raises:
+        KvauditError: The arrays do not have one entry per position.
+
+    """
+    where = f"request {request_id} group {group_id}"
+    sums = _uint64(recomputed, f"{where}: recomputed checksums")
+    if sums.ndim == 2:
+        sums = sums.sum(axis=1, dtype=np.uint64)
+    entries = _uint64(stored, f"{where}: stored checksums")
+    counts = {
+        "recomputed checksums": sums.shape[0] if sums.ndim == 1 else -1,
+        "stored checksums": entries.shape[0] if entries.ndim == 1 else -1,
+        "block hashes": len(block_hashes),
+    }
+    for name, count in counts.items():
+        if count != len(positions):
+            raise KvauditError(
+                f"{where}: {len(positions)} positions but "
+                f"{'a malformed array of' if count < 0 else count} {name}"
+            )
+    if len(positions) == 0:
+        return []
+    tags = block_checksum_tags(block_hashes, fingerprint)
+    failed = np.nonzero((sums ^ tags) != entries)[0]
+    return [int(positions[i]) for i in failed.tolist()]
+
+
+@dataclass
+class StoredCheck:
+    """One worker's stored-checksum check of one request's group: the positions checked
+    and those that failed, or why it could not be checked."""
+
+    request_id: str
+    group_id: int
+    block_size: int
+    checked: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+    unverified: str | None = None
+
+
+def stored_report(checks: Iterable[StoredCheck], *, positions: str) -> DiffReport:
+    """The workers' stored-checksum checks merged per request and group into a report.
+
+    A position fails when it fails on any worker; a group is unverified when any worker
+    could not check it, or when no worker checked a single block of it.
+    """
+    merged: dict[str, dict[int, list[StoredCheck]]] = {}
+    for check in checks:
+        merged.setdefault(check.request_id, {}).setdefault(check.group_id, []).append(check)
+    requests: dict[str, dict[int, GroupComparison]] = {}
+    for rid, groups in merged.items():
+        requests[rid] = {}
+        for gid in sorted(groups):
+            parts = groups[gid]
+            checked = {int(p) for part in parts for p in part.checked}
+            failed = sorted({int(p) for part in parts for p in part.failed})
+            reasons = list(dict.fromkeys(p.unverified for p in parts if p.unverified))
+            if not reasons and not checked:
+                reasons = ["no block of it has both a stored checksum and a block hash"]
+            requests[rid][gid] = GroupComparison(
+                compared=len(checked),
+                mismatched_positions=failed,
+                unverified="; ".join(reasons) if reasons else None,
+                block_size=max(part.block_size for part in parts),
+            )
+    return DiffReport(positions, requests)

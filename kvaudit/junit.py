@@ -1,0 +1,102 @@
+"""A diff report as JUnit XML, for CI systems that show test results.
+
+One test case per request and group (classname ``kvaudit.<request>``, name ``group <id>``):
+errored when the group could not be compared (the reason is the message), else failed
+when blocks or replicas differ. A
+request the consumer lacks is a failed case named ``request``; one only the consumer has
+is a skipped case.
+"""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ET
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .compare import DiffReport, GroupComparison
+
+# Characters XML 1.0 cannot hold at all, escaped or not.
+_NOT_XML = re.compile("[^\u0009\u000a\u000d\u0020-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def xml_text(text: str) -> str:
+    """``text`` with the characters XML 1.0 forbids written as ``\\xNN`` escapes."""
+    return _NOT_XML.sub(lambda match: match.group(0).encode("unicode_escape").decode(), text)
+
+
+def _list(items: list[int], limit: int = 20) -> str:
+    shown = ", ".join(str(item) for item in items[:limit])
+    return shown if len(items) <= limit else f"{shown} and {len(items) - limit} more"
+
+
+def failure_message(group: GroupComparison) -> str:
+    """One line: the positions whose blocks differ and the replicas that differ."""
+    parts = []
+    if group.mismatched_positions:
+        parts.append(
+            f"blocks differ at positions {_list(group.mismatched_positions)} "
+            f"(block size {group.block_size}, {group.compared} compared)"
+        )
+    if group.replicas_differing:
+        pairs = [f"{position}/{index}" for position, index in group.replicas_differing]
+        shown = ", ".join(pairs[:20])
+        if len(pairs) > 20:
+            shown += f" and {len(pairs) - 20} more"
+        parts.append(f"replicas differ at position/replica {shown}")
+    return "; ".join(parts)
+
+
+def _located_text(group: GroupComparison) -> str:
+    """The located differences, one per line."""
+    return "\n".join(
+        ", ".join(f"{key} {value}" for key, value in item.items()) for item in group.located
+    )
+
+
+def _case(suite: ET.Element, request_id: str, name: str) -> ET.Element:
+    return ET.SubElement(
+        suite, "testcase", {"classname": xml_text(f"kvaudit.{request_id}"), "name": name}
+    )
+
+
+def diff_junit(report: DiffReport, suite_name: str = "kvaudit.diff") -> str:
+    """The report as a JUnit XML document (``<testsuites>`` holding one ``<testsuite>``)."""
+    root = ET.Element("testsuites", {"name": "kvaudit"})
+    suite = ET.SubElement(root, "testsuite", {"name": xml_text(suite_name)})
+    tests = failures = errors = skipped = 0
+    for request_id, gid, group in report.groups():
+        case = _case(suite, request_id, f"group {gid}")
+        tests += 1
+        differs = bool(group.mismatched_positions or group.replicas_differing)
+        if group.unverified is not None:
+            # One outcome per case: unverified wins; any differences found go in its text.
+            errors += 1
+            error = ET.SubElement(
+                case, "error", {"message": xml_text(group.unverified), "type": "unverified"}
+            )
+            if differs:
+                error.text = xml_text(failure_message(group))
+        elif differs:
+            failures += 1
+            failure = ET.SubElement(
+                case, "failure", {"message": xml_text(failure_message(group)), "type": "mismatch"}
+            )
+            failure.text = xml_text(_located_text(group)) or None
+    for request_id in report.only_in_producer:
+        case = _case(suite, request_id, "request")
+        tests += 1
+        failures += 1
+        message = "the request is missing on the consumer"
+        ET.SubElement(case, "failure", {"message": message, "type": "missing"})
+    for request_id in report.only_in_consumer:
+        case = _case(suite, request_id, "request")
+        tests += 1
+        skipped += 1
+        ET.SubElement(case, "skipped", {"message": "the request is on the consumer only"})
+    counts = {"tests": tests, "failures": failures, "errors": errors, "skipped": skipped}
+    for element in (root, suite):
+        for key, value in counts.items():
+            element.set(key, str(value))
+    body = ET.tostring(root, encoding="unicode")
+    return f'<?xml version="1.0" encoding="UTF-8"?>\n{body}\n'

@@ -1,0 +1,475 @@
+"""Narrowing a differing block down: which layers, heads, tokens and bytes differ.
+
+Given a producer and a consumer dump set and a block position at which their checksums
+differ, ``locate_differences`` reads only that position's block rows on both sides and
+compares them cell by cell: first the slice checksums of each (layer, global head), then
+the tokens of the slices that differ, then the bytes and values of those tokens. A
+consumer replica is also compared with replica 0 of the same heads.
+
+The helpers that map a block row of a ``LayerView`` to its cells (``read_block``) and to
+the memory addresses of the cells' bytes (``cell_addresses``) are shared with
+``kvaudit.corrupt``, so that a planted fault and its location agree on the layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .description import CacheDescription, LayerSpec
+from .dtypes import dtype_size
+from .dumps import Dump, DumpSet
+from .errors import KvauditError
+from .scheme import layer_module
+from .views import GroupViews, LayerView
+
+_INTEGER_DTYPES: dict[torch.dtype, str] = {
+    torch.bool: "<u1",
+    torch.uint8: "<u1",
+    torch.int8: "<i1",
+    torch.uint16: "<u2",
+    torch.int16: "<i2",
+    torch.uint32: "<u4",
+    torch.int32: "<i4",
+    torch.uint64: "<u8",
+    torch.int64: "<i8",
+}
+
+SliceKey = tuple[str, int]
+"""``(layer name, global head)``: one slice of a block."""
+
+
+# Cells of a block row.
+
+
+@dataclass(frozen=True)
+class CellSegment:
+    """Bytes ``start .. end - 1`` of a cell, read as elements of ``dtype``."""
+
+    start: int
+    end: int
+    dtype: torch.dtype
+
+
+def piece_bytes(view: LayerView) -> int:
+    """The size of one piece of the view's cells: 8, or 2 or 4 for TP-split state rows."""
+    return view.parts[0].pieces.element_size()
+
+
+def cell_bytes(view: LayerView) -> int:
+    """The bytes of one cell of the view."""
+    return view.parts[0].cell_pieces * piece_bytes(view)
+
+
+def block_tokens(view: LayerView) -> int:
+    """The cells per head in one block row: kernel blocks times their tokens (1 for states)."""
+    shape = view.parts[0].pieces.shape
+    return shape[1] * shape[3]
+
+
+def read_block(view: LayerView, row: int) -> np.ndarray:
+    """A copy of one block row's cells, uint8 ``[heads, tokens, cell bytes]``; token ``u``
+    is the manager block's token ``k * T + t`` of kernel block ``k``, and each cell is its
+    parts (K row then V row) in piece order."""
+    size = piece_bytes(view)
+    out = np.empty((view.heads, block_tokens(view), cell_bytes(view)), dtype=np.uint8)
+    for part in view.parts:
+        pieces = part.pieces[row].permute(1, 0, 2, 3)  # [heads, kernel blocks, tokens, pieces]
+        count = pieces.shape[-1]
+        values = pieces.reshape(view.heads, -1, count).contiguous().cpu().numpy()
+        start = part.piece_offset * size
+        out[:, :, start : start + count * size] = values.view(np.uint8).reshape(
+            view.heads, -1, count * size
+        )
+    return out
+
+
+def cell_addresses(view: LayerView, row: int) -> np.ndarray:
+    """The memory address of every byte of one block row's cells, int64 ``[heads, tokens,
+    cell bytes]`` in the order ``read_block`` returns them (little-endian pieces)."""
+    size = piece_bytes(view)
+    out = np.empty((view.heads, block_tokens(view), cell_bytes(view)), dtype=np.int64)
+    for part in view.parts:
+        pieces = part.pieces
+        _, kernel_blocks, heads, tokens, count = pieces.shape
+        strides = pieces.stride()
+        base = pieces.data_ptr() + row * strides[0] * size
+        k, h, t, p = np.ix_(
+            np.arange(kernel_blocks), np.arange(heads), np.arange(tokens), np.arange(count)
+        )
+        elements = base + size * (k * strides[1] + h * strides[2] + t * strides[3] + p * strides[4])
+        addresses = elements.transpose(1, 0, 2, 3)[..., None] + np.arange(size)
+        start = part.piece_offset * size
+        out[:, :, start : start + count * size] = addresses.reshape(heads, -1, count * size)
+    return out
+
+
+def layer_specs(description: CacheDescription, group_id: int) -> dict[str, LayerSpec]:
+    """Each layer of a group with the spec of the cache it holds (a sharing layer: the
+    spec of the layer it shares)."""
+    by_name = {entry.name: entry for group in description.groups for entry in group.layers}
+    return {
+        entry.name: by_name[entry.shares].spec if entry.shares in by_name else entry.spec
+        for entry in description.group(group_id).layers
+    }
+
+
+def cell_segments(spec: LayerSpec, view: LayerView) -> tuple[CellSegment, ...]:
+    """How a view's cell reads as values: the layer's dtype, or for unsplit states each
+    checksummed state in its own dtype."""
+    size = cell_bytes(view)
+    if spec.is_state and spec.state_splits is None:
+        segments = []
+        offset = 0
+        for shape, dtype in zip(
+            spec.shapes[: spec.covered_states], spec.dtypes[: spec.covered_states]
+        ):
+            nbytes = math.prod(shape) * dtype_size(dtype)
+            segments.append(CellSegment(offset, offset + nbytes, dtype))
+            offset += nbytes
+        if offset == size:
+            return tuple(segments)
+    return (CellSegment(0, size, view.dtype),)
+
+
+def block_token_range(
+    position: int, block_size: int, is_state: bool, num_tokens: int
+) -> tuple[int, int]:
+    """The block indices ``u`` (``lo .. hi - 1``) of a position's valid tokens, in a block
+    of ``block_size`` tokens; a state block's one item counts when the block holds a token."""
+    first = position * block_size
+    valid = min(block_size, max(0, num_tokens - first))
+    if is_state:
+        return 0, 1 if valid else 0
+    return 0, valid
+
+
+def group_views(dump: Dump, group_id: int) -> GroupViews:
+    """A dump's views of one group, as its checksummer builds them.
+
+    Raises:
+        KvauditError: The group is not a group of the dump, or it is not covered.
+
+    """
+    groups = dump.checksummer(backend="torch").groups
+    views = groups.get(group_id)
+    if views is None:
+        known = ", ".join(str(gid) for gid in sorted(groups)) or "none"
+        raise KvauditError(
+            f"no group {group_id} in this dump (its groups: {known})", source=dump.path
+        )
+    if not views.covered:
+        raise KvauditError(f"group {group_id} is not covered: {views.reason}", source=dump.path)
+    return views
+
+
+# Slice checksums.
+
+
+def slice_checksum(cells: np.ndarray, tokens: np.ndarray, size: int) -> int:
+    """``s = sum over tokens t, pieces p of x(t, p) * (2 * (t * P + p) + 1)`` mod 2**64 of
+    uint8 cells ``[tokens, cell bytes]`` read as little-endian ``size``-byte pieces."""
+    if not len(tokens):
+        return 0
+    x = np.ascontiguousarray(cells).view(f"<u{size}").astype(np.uint64)
+    count = x.shape[1]
+    j = np.asarray(tokens, dtype=np.uint64)[:, None] * np.uint64(count) + np.arange(
+        count, dtype=np.uint64
+    )
+    with np.errstate(over="ignore"):
+        return int((x * (np.uint64(2) * j + np.uint64(1))).sum(dtype=np.uint64))
+
+
+def slice_checksums(
+    dump: Dump, request_id: str, group_id: int, position: int
+) -> dict[SliceKey, int]:
+    """The slice checksum ``s(L, h, b)`` of every (layer, global head) this worker holds
+    in a request's block at ``position`` (in the dump's block size), over its valid tokens.
+
+    Raises:
+        KvauditError: The request, the group or the position is not in the dump.
+
+    """
+    views = group_views(dump, group_id)
+    row, first, _ = block_row(dump, request_id, group_id, position)
+    num_tokens = dump.requests[request_id].num_tokens
+    specs = layer_specs(dump.description, group_id)
+    block_size = views.group.block_size
+    result = {}
+    for view in views.views:
+        is_state = specs[view.name].is_state
+        lo, hi = block_token_range(position, block_size, is_state, num_tokens)
+        tokens = first + np.arange(lo, hi)
+        cells = read_block(view, row)
+        for h in range(view.heads):
+            result[view.name, view.first_head + h] = slice_checksum(
+                cells[h, lo:hi], tokens, piece_bytes(view)
+            )
+    return result
+
+
+def block_row(dump: Dump, request_id: str, group_id: int, position: int) -> tuple[int, int, int]:
+    """The dump row, first request position and engine block id of a request's block at
+    ``position`` (in the dump's block size of the group).
+
+    Raises:
+        KvauditError: The request, its group or the position is not in the dump.
+
+    """
+    request = dump.requests.get(request_id)
+    if request is None:
+        raise KvauditError(f"no request {request_id!r} in this dump", source=dump.path)
+    listed = request.groups.get(group_id)
+    if listed is None:
+        raise KvauditError(
+            f"request {request_id!r} has no blocks of group {group_id} in this dump",
+            source=dump.path,
+        )
+    start, block_ids = listed
+    if not start <= position < start + len(block_ids):
+        held = f"{start}..{start + len(block_ids) - 1}" if block_ids else "none"
+        raise KvauditError(
+            f"request {request_id!r} group {group_id}: position {position} is not in this "
+            f"dump (positions held: {held})",
+            source=dump.path,
+        )
+    block_id = block_ids[position - start]
+    block_size = dump.description.group(group_id).block_size
+    return dump.row_of(block_id), position * block_size, block_id
+
+
+# Gathering one side's cells.
+
+
+@dataclass
+class _Slice:
+    """One (layer, global head, replica) of one side: its cells at some request positions."""
+
+    number: int
+    size: int
+    segments: tuple[CellSegment, ...]
+    tokens: list[np.ndarray] = field(default_factory=list)
+    cells: list[np.ndarray] = field(default_factory=list)
+
+    def finish(self) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens (sorted, each once) and their cells ``[tokens, cell bytes]``."""
+        tokens = np.concatenate(self.tokens)
+        cells = np.concatenate(self.cells)
+        tokens, index = np.unique(tokens, return_index=True)
+        return tokens, cells[index]
+
+
+_SliceId = tuple[str, int, int]
+"""``(layer name, global head, replica index)``."""
+
+
+@dataclass
+class _Side:
+    """One dump set's workers with their views of one group (covered ones only)."""
+
+    workers: list[tuple[Dump, GroupViews, dict[str, LayerSpec]]]
+
+    @classmethod
+    def open(cls, dump_set: DumpSet, request_id: str, group_id: int) -> _Side:
+        workers = []
+        for dump in dump_set.dumps:
+            request = dump.requests.get(request_id)
+            if request is None or group_id not in request.groups:
+                continue
+            views = dump.checksummer(backend="torch").groups.get(group_id)
+            if views is None or not views.covered:
+                continue
+            workers.append((dump, views, layer_specs(dump.description, group_id)))
+        return cls(workers)
+
+    def gather(self, request_id: str, group_id: int, lo: int, hi: int) -> dict[_SliceId, _Slice]:
+        """The cells of request positions ``lo .. hi - 1`` (a state block: its first
+        position) from every worker that holds them."""
+        result: dict[_SliceId, _Slice] = {}
+        for dump, views, specs in self.workers:
+            start, block_ids = dump.requests[request_id].groups[group_id]
+            block_size = views.group.block_size
+            for view in views.views:
+                spec = specs[view.name]
+                number = layer_module(view.name)[0]
+                for position in _positions(lo, hi, block_size, spec.is_state):
+                    if not start <= position < start + len(block_ids):
+                        continue
+                    first = position * block_size
+                    if spec.is_state:
+                        used = np.array([0])
+                    else:
+                        used = np.arange(max(lo, first), min(hi, first + block_size)) - first
+                    row = dump.row_of(block_ids[position - start])
+                    cells = read_block(view, row)[:, used]
+                    for h in range(view.heads):
+                        key = (view.name, view.first_head + h, view.replica_key[1])
+                        item = result.get(key)
+                        if item is None:
+                            segments = cell_segments(spec, view)
+                            item = result[key] = _Slice(number, piece_bytes(view), segments)
+                        item.tokens.append(first + used)
+                        item.cells.append(cells[h])
+        return result
+
+
+def _positions(lo: int, hi: int, block_size: int, is_state: bool) -> range:
+    """A side's block positions that hold request positions ``lo .. hi - 1`` (state blocks:
+    whose first position lies there)."""
+    if hi <= lo:
+        return range(0)
+    if is_state:
+        return range(-(-lo // block_size), -(-hi // block_size))
+    return range(lo // block_size, (hi - 1) // block_size + 1)
+
+
+# Comparing cells.
+
+
+def element_errors(
+    reference: np.ndarray, other: np.ndarray, segments: Sequence[CellSegment]
+) -> tuple[float, float]:
+    """The largest absolute and relative error over the elements whose bytes differ, in
+    uint8 cells ``[tokens, cell bytes]`` read as the segments' dtypes.
+
+    The relative error is relative to the reference value (infinite where the reference
+    is 0 and the other is not); a NaN on one side only counts as an infinite error, NaN on
+    both sides as none.
+    """
+    max_abs = 0.0
+    max_rel = 0.0
+    for segment in segments:
+        size = dtype_size(segment.dtype)
+        a = np.ascontiguousarray(reference[:, segment.start : segment.end]).reshape(-1, size)
+        b = np.ascontiguousarray(other[:, segment.start : segment.end]).reshape(-1, size)
+        differ = (a != b).any(axis=1)
+        if not differ.any():
+            continue
+        abs_errors, rel_errors = _errors(a[differ], b[differ], segment.dtype)
+        max_abs = max(max_abs, float(abs_errors.max()))
+        max_rel = max(max_rel, float(rel_errors.max()))
+    return max_abs, max_rel
+
+
+def _errors(a: np.ndarray, b: np.ndarray, dtype: torch.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Absolute and relative errors of elements given as their bytes ``[n, size]``."""
+    if dtype.is_floating_point:
+        x = _floats(a, dtype)
+        y = _floats(b, dtype)
+        with np.errstate(invalid="ignore", over="ignore"):
+            abs_errors = np.abs(x - y)
+        one_nan = np.isnan(x) != np.isnan(y)
+        both_nan = np.isnan(x) & np.isnan(y)
+        abs_errors[one_nan] = np.inf
+        abs_errors[both_nan] = 0.0
+        reference = np.abs(x)
+    else:
+        code = _INTEGER_DTYPES.get(dtype, f"<u{a.shape[1]}")
+        xs = np.ascontiguousarray(a).view(code).reshape(-1).tolist()
+        ys = np.ascontiguousarray(b).view(code).reshape(-1).tolist()
+        abs_errors = np.array([float(abs(x - y)) for x, y in zip(xs, ys)])
+        reference = np.array([float(abs(x)) for x in xs])
+    rel_errors = np.zeros_like(abs_errors)
+    nonzero = abs_errors != 0
+    infinite = nonzero & (np.isinf(abs_errors) | (reference == 0) | ~np.isfinite(reference))
+    rel_errors[infinite] = np.inf
+    finite = nonzero & ~infinite
+    rel_errors[finite] = abs_errors[finite] / reference[finite]
+    return abs_errors, rel_errors
+
+
+def _floats(raw: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    values = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1)).view(dtype)
+    return values.to(torch.float64).numpy()
+
+
+def _compare(
+    position: int,
+    name: str,
+    head: int,
+    reference: _Slice,
+    other: _Slice,
+    replica: int | None,
+) -> dict | None:
+    """The located entry of one slice pair, or None when they agree."""
+    tokens_a, cells_a = reference.finish()
+    tokens_b, cells_b = other.finish()
+    tokens, index_a, index_b = np.intersect1d(tokens_a, tokens_b, return_indices=True)
+    if not len(tokens):
+        return None
+    a, b = cells_a[index_a], cells_b[index_b]
+    if a.shape[1] != b.shape[1]:
+        return None
+    # The slice checksums say which slices differ; only those are compared byte by byte.
+    if slice_checksum(a, tokens, reference.size) == slice_checksum(b, tokens, other.size):
+        return None
+    differ = a != b
+    rows = np.flatnonzero(differ.any(axis=1))
+    if not len(rows):
+        return None
+    max_abs, max_rel = element_errors(a[rows], b[rows], reference.segments)
+    entry = {
+        "position": position,
+        "layer": name,
+        "head": head,
+        "tokens": [int(t) for t in tokens[rows]],
+        "first_byte": int(np.argmax(differ[rows[0]])),
+        "max_abs_error": max_abs,
+        "max_rel_error": max_rel,
+    }
+    if replica is not None:
+        entry["replica"] = replica
+    return entry
+
+
+# Locating.
+
+
+def locate_differences(
+    producer: DumpSet,
+    consumer: DumpSet,
+    request_id: str,
+    group_id: int,
+    positions: Iterable[int],
+    block_size: int,
+    num_tokens: int,
+) -> list[dict]:
+    """The (layer, global head) slices that differ at each of ``positions`` (numbered in
+    blocks of ``block_size`` tokens, which may be coarser than either side's), with their
+    differing request positions, first differing byte and largest errors.
+
+    Position ``p`` covers request positions ``p * block_size .. p * block_size +
+    block_size - 1`` below ``num_tokens``. Producer replica 0 is compared with consumer
+    replica 0; each consumer replica ``r > 0`` with consumer replica 0 (its entries carry
+    ``"replica": r``). Only the blocks of those positions are read. Entries are sorted by
+    position, replica, layer number, layer name and head.
+    """
+    if block_size < 1:
+        raise KvauditError(f"block size must be positive, got {block_size}")
+    sides = [_Side.open(dump_set, request_id, group_id) for dump_set in (producer, consumer)]
+    entries: list[dict] = []
+    for position in sorted(set(positions)):
+        lo = position * block_size
+        hi = min(lo + block_size, num_tokens)
+        if hi <= lo:
+            continue
+        ours, theirs = (side.gather(request_id, group_id, lo, hi) for side in sides)
+        found = []
+        for (name, head, replica), item in theirs.items():
+            if replica == 0:
+                reference = ours.get((name, head, 0))
+                entry = reference and _compare(position, name, head, reference, item, None)
+            else:
+                reference = theirs.get((name, head, 0))
+                entry = reference and _compare(position, name, head, reference, item, replica)
+            if entry:
+                found.append((item.number, entry))
+        found.sort(
+            key=lambda pair: (pair[1].get("replica", 0), pair[0], pair[1]["layer"], pair[1]["head"])
+        )
+        entries.extend(entry for _, entry in found)
+    return entries
