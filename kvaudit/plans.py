@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.torch_cpu import TorchPart, accumulate_torch
+from .kernels.torch_cpu import TorchLaunch, TorchPart
 from .scheme import ReplicaKey
 from .views import LayerView, PieceView
 
@@ -68,16 +68,18 @@ class FusedLayers:
                 entry.part.pieces.data_ptr() % 16 == 0 for entry in entries
             )
         else:
-            self.parts = [
-                TorchPart(
-                    entry.part.pieces,
-                    entry.first_slice,
-                    entry.column,
-                    entry.part.piece_offset,
-                    entry.part.cell_pieces,
-                )
-                for entry in entries
-            ]
+            self.torch_launch = TorchLaunch(
+                [
+                    TorchPart(
+                        entry.part.pieces,
+                        entry.first_slice,
+                        entry.column,
+                        entry.part.piece_offset,
+                        entry.part.cell_pieces,
+                    )
+                    for entry in entries
+                ]
+            )
 
     def accumulate(
         self,
@@ -100,7 +102,7 @@ class FusedLayers:
                 aligned=self.aligned,
             )
         else:
-            accumulate_torch(self.parts, block_ids, first_tokens, valid_tokens, out)
+            self.torch_launch.accumulate(block_ids, first_tokens, valid_tokens, out)
 
     def warm_up(self, num_columns: int) -> None:
         """Compile the kernel now rather than in a serving step (Triton only)."""

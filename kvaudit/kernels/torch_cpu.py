@@ -1,14 +1,16 @@
 """The CPU path: the checksum of block rows with torch, in bounded memory.
 
-Per row, a part's weighted sum is split into a fixed dot product and a term linear in
-the block's first token (docs/checksum.md):
+A piece's weight ``m_h * (2 * ((first + u) * P + off + p) + 1)`` splits into a part that
+depends on the token and head and a part that depends on the head and piece
+(docs/checksum.md):
 
-    sum x * m_h * (2 * ((first + u) * P + off + p) + 1)
-      = x . A  +  first * sum_h (2 * P * m_h) * S0_h
+    row sum = sum over (u, h) of  S[u, h] * m_h * (2 * (first + u) * P + 2 * off + 1)
+            + sum over (h, p) of  Y[h, p] * 2 * m_h * p
 
-with ``A[k, h, t, p] = m_h * (2 * ((k*T + t) * P + off + p) + 1)`` fixed per part and
-``S0_h`` the sum of head ``h``'s pieces. Integer matrix-vector products and sums run near
-memory speed, and int64 wrap-around gives the uint64 bits.
+with ``S[u, h]`` the sum of a cell's pieces and ``Y[h, p]`` the sum of a piece over the
+block's tokens. So the full data only goes through two plain integer sums, which run near
+memory speed; the weights meet the much smaller reduced tensors. int64 wrap-around gives
+the uint64 bits.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from __future__ import annotations
 import torch
 
 # Rows are gathered in chunks of about this many bytes into a buffer that is reused: large
-# enough for fast matrix-vector products, small enough to stay in cache and bound memory.
-CHUNK_BYTES = 4 << 20
+# enough to amortise the per-chunk overhead, small enough to stay in cache and bound memory.
+CHUNK_BYTES = 8 << 20
 
 _ZERO_EXTEND = {torch.int16: 0xFFFF, torch.int32: 0xFFFFFFFF}
+# Axes of a piece view after the block axis.
+_KERNEL_BLOCK, _HEAD, _TOKEN, _PIECE = 1, 2, 3, 4
 
 
 class TorchPart:
@@ -41,27 +45,102 @@ class TorchPart:
         self.column = column
         self.zero_extend = _ZERO_EXTEND.get(pieces.dtype)
         self.tokens_per_row = kernel_blocks * tokens
-        self.row_elements = kernel_blocks * heads * tokens * num_pieces
-        self.row_bytes = self.row_elements * 8
-        self.head_axis = order.index(2) + 1
-        self.other_axes = tuple(axis for axis in range(1, 5) if axis != self.head_axis)
-
-        head = torch.arange(heads, dtype=torch.int64)
-        factors = 2 * (head + first_slice) + 1
-        u = (
-            torch.arange(kernel_blocks, dtype=torch.int64)[:, None] * tokens
-            + torch.arange(tokens, dtype=torch.int64)[None, :]
-        )  # [kernel_blocks, tokens]: the token's index in the manager block
-        p = torch.arange(num_pieces, dtype=torch.int64)
-        j = u[:, None, :, None] * cell_pieces + piece_offset + p  # [k, 1, t, p]
-        weights = factors[None, :, None, None] * (2 * j + 1)  # [k, h, t, p]
-        self.weights = weights.permute(*(axis - 1 for axis in order)).contiguous().view(-1)
-        self.head_factors = (2 * cell_pieces) * factors
-        # The token index of every element, in memory order, for rows cut short.
-        token_index = u[:, None, :, None].expand(kernel_blocks, heads, tokens, num_pieces)
-        self.token_index = token_index.permute(*(axis - 1 for axis in order)).contiguous()
-        self.first_slice = first_slice
+        self.row_bytes = kernel_blocks * heads * tokens * num_pieces * 8
         self.chunk_rows = max(1, CHUNK_BYTES // max(self.row_bytes, 1))
+
+        # Where each canonical axis sits in the gathered [rows, ...memory order] tensor.
+        position = {axis: order.index(axis) + 1 for axis in range(1, 5)}
+        self.piece_axis = position[_PIECE]
+        self.token_axes = (position[_KERNEL_BLOCK], position[_TOKEN])
+
+        factors = 2 * (torch.arange(heads, dtype=torch.int64) + first_slice) + 1  # m_h
+        u = torch.arange(kernel_blocks * tokens, dtype=torch.int64).view(kernel_blocks, tokens)
+        # Weights of the cell sums S, [kernel_blocks, heads, tokens] in memory order.
+        cell_weights = factors[None, :, None] * (
+            2 * u[:, None, :] * cell_pieces + 2 * piece_offset + 1
+        )
+        self.cell_weights = self._laid_out(cell_weights, order, _PIECE)
+        # Weights of the piece sums Y, [heads, pieces] in memory order.
+        piece_weights = 2 * factors[:, None] * torch.arange(num_pieces, dtype=torch.int64)
+        self.piece_weights = self._laid_out(piece_weights, order, _KERNEL_BLOCK, _TOKEN)
+        # Per head, what one unit of ``first`` adds per unit of cell sum.
+        self.first_weights = 2 * cell_pieces * factors
+        self.head_axis_of_cells = [a for a in order if a != _PIECE].index(_HEAD) + 1
+        # The token index of every cell, for rows cut short, [kernel_blocks, heads, tokens]
+        # in memory order.
+        token_index = u[:, None, :].expand(kernel_blocks, heads, tokens)
+        self.token_index = self._laid_out(token_index, order, _PIECE, flat=False)
+
+    @staticmethod
+    def _laid_out(
+        weights: torch.Tensor, order: list[int], *dropped: int, flat: bool = True
+    ) -> torch.Tensor:
+        """Canonical-order ``weights`` (without the ``dropped`` axes) in memory order."""
+        kept = [axis for axis in range(1, 5) if axis not in dropped]
+        permuted = weights.permute(*(kept.index(a) for a in order if a in kept)).contiguous()
+        return permuted.view(-1) if flat else permuted
+
+    def accumulate(
+        self,
+        block_ids: torch.Tensor,
+        first_tokens: torch.Tensor,
+        valid_tokens: torch.Tensor,
+        out: torch.Tensor,
+        buffer: torch.Tensor | None = None,
+    ) -> None:
+        """Add this part's weighted sums of the rows into ``out[:, column]``, gathering
+        them into ``buffer`` (``[chunk_rows, ...]`` like ``blocks``) when one is given."""
+        counted = (valid_tokens > 0).nonzero().flatten()
+        for start in range(0, len(counted), self.chunk_rows):
+            index = counted[start : start + self.chunk_rows]
+            out[index, self.column] += self._row_sums(
+                block_ids[index], first_tokens[index], valid_tokens[index], buffer
+            )
+
+    def new_buffer(self) -> torch.Tensor | None:
+        """A gather buffer for this part's layout (None off the CPU)."""
+        if self.blocks.device.type != "cpu":
+            return None
+        return torch.empty((self.chunk_rows, *self.blocks.shape[1:]), dtype=self.blocks.dtype)
+
+    def _row_sums(
+        self,
+        block_ids: torch.Tensor,
+        first_tokens: torch.Tensor,
+        valid_tokens: torch.Tensor,
+        buffer: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if buffer is None:
+            x = self.blocks.index_select(0, block_ids)
+        else:
+            # Reusing one buffer: fresh allocations of this size cost more in page faults
+            # than the copy itself.
+            x = buffer[: len(block_ids)]
+            torch.index_select(self.blocks, 0, block_ids, out=x)
+        if self.zero_extend is not None:
+            x = x.to(torch.int64) & self.zero_extend
+        rows = len(block_ids)
+        cells = x.sum(dim=self.piece_axis)  # S: [rows, kernel_blocks, heads, tokens] (memory order)
+        cut = valid_tokens < self.tokens_per_row
+        if bool(cut.any()):
+            keep = self.token_index.unsqueeze(0) < valid_tokens.view(-1, 1, 1, 1)
+            cells = cells * keep
+            # Slots past num_tokens must not reach the piece sums either.
+            x = x * keep.unsqueeze(self.piece_axis)
+        pieces = x.sum(dim=self.token_axes)  # Y: [rows, heads, pieces] (memory order)
+        sums = cells.reshape(rows, -1) @ self.cell_weights
+        sums += pieces.reshape(rows, -1) @ self.piece_weights
+        if bool(first_tokens.any()):
+            other = tuple(a for a in (1, 2, 3) if a != self.head_axis_of_cells)
+            sums += first_tokens * (cells.sum(dim=other) @ self.first_weights)
+        return sums
+
+
+class TorchLaunch:
+    """Parts that share one layout, adding into their columns with one shared gather buffer."""
+
+    def __init__(self, parts: list[TorchPart]) -> None:
+        self.parts = parts
         self._buffer: torch.Tensor | None = None
 
     def accumulate(
@@ -71,57 +150,9 @@ class TorchPart:
         valid_tokens: torch.Tensor,
         out: torch.Tensor,
     ) -> None:
-        """Add this part's weighted sums of the rows into ``out[:, column]``."""
-        full = valid_tokens >= self.tokens_per_row
-        partial = (valid_tokens > 0) & ~full
-        for rows in (full.nonzero().flatten(), partial.nonzero().flatten()):
-            for start in range(0, len(rows), self.chunk_rows):
-                index = rows[start : start + self.chunk_rows]
-                values = self._row_sums(block_ids[index], first_tokens[index], valid_tokens[index])
-                out[index, self.column] += values
-
-    def _row_sums(
-        self, block_ids: torch.Tensor, first_tokens: torch.Tensor, valid_tokens: torch.Tensor
-    ) -> torch.Tensor:
-        x = self._gather(block_ids)
-        if self.zero_extend is not None:
-            x = x.to(torch.int64) & self.zero_extend
-        if bool((valid_tokens < self.tokens_per_row).any()):
-            keep = self.token_index.unsqueeze(0) < valid_tokens.view(-1, 1, 1, 1, 1)
-            x = x * keep
-        sums = x.reshape(len(block_ids), -1) @ self.weights
-        if bool(first_tokens.any()):
-            sums += first_tokens * (self._head_sums(x) @ self.head_factors)
-        return sums
-
-    def _gather(self, block_ids: torch.Tensor) -> torch.Tensor:
-        """The rows' blocks, contiguous, in a reused buffer (fresh allocations of this size
-        cost more in page faults than the copy itself)."""
-        if self.blocks.device.type != "cpu":
-            return self.blocks.index_select(0, block_ids)
+        """Add every part's weighted sums of the rows into its column of ``out``
+        ``[rows, columns]``."""
         if self._buffer is None:
-            self._buffer = torch.empty(
-                (self.chunk_rows, *self.blocks.shape[1:]), dtype=self.blocks.dtype
-            )
-        x = self._buffer[: len(block_ids)]
-        torch.index_select(self.blocks, 0, block_ids, out=x)
-        return x
-
-    def _head_sums(self, x: torch.Tensor) -> torch.Tensor:
-        """``[rows, heads]``: the sum of each head's pieces, innermost axis first."""
-        if self.head_axis != 4:
-            x = x.sum(dim=-1)
-            return x.sum(dim=tuple(a for a in self.other_axes if a != 4))
-        return x.sum(dim=self.other_axes)
-
-
-def accumulate_torch(
-    parts: list[TorchPart],
-    block_ids: torch.Tensor,
-    first_tokens: torch.Tensor,
-    valid_tokens: torch.Tensor,
-    out: torch.Tensor,
-) -> None:
-    """Add every part's weighted sums of the rows into its column of ``out`` ``[rows, columns]``."""
-    for part in parts:
-        part.accumulate(block_ids, first_tokens, valid_tokens, out)
+            self._buffer = self.parts[0].new_buffer()
+        for part in self.parts:
+            part.accumulate(block_ids, first_tokens, valid_tokens, out, self._buffer)
