@@ -427,16 +427,16 @@ _MODES: dict[
 # Writing.
 
 
-def _map_base(dump: Dump) -> tuple[int, int]:
-    """The address and length of the dump file's mapping."""
-    mapped = dump.maps[0]
-    return int(np.frombuffer(mapped, dtype=np.uint8, count=1).ctypes.data), len(mapped)
+def _file_base(dump: Dump, view: LayerView) -> int:
+    """The address the dump file's first byte has where the view's tensors map it."""
+    pieces = view.parts[0].pieces
+    return pieces.data_ptr() - dump.file_offset(pieces)
 
 
 def _changed_bytes(block: _Block, fault: _Fault) -> tuple[np.ndarray, np.ndarray, list[dict]]:
     """The file offsets and new values of the bytes the fault changes, and per changed
     (layer, global head) its changed request positions."""
-    base, length = _map_base(block.dump)
+    length = os.path.getsize(block.dump.path)
     offsets, values, changes = [], [], []
     for change in sorted(fault.changes, key=lambda change: change.index):
         view = block.views[change.index]
@@ -444,7 +444,7 @@ def _changed_bytes(block: _Block, fault: _Fault) -> tuple[np.ndarray, np.ndarray
         differ = change.cells != original
         if not differ.any():
             continue
-        addresses = cell_addresses(view, block.row) - base
+        addresses = cell_addresses(view, block.row) - _file_base(block.dump, view)
         if addresses.min() < 0 or addresses.max() >= length:
             raise block.fail(f"layer {view.name}: its cells lie outside the file's mapping")
         offsets.append(addresses[differ])

@@ -250,6 +250,47 @@ def test_written_file_is_aligned_safetensors(tmp_path: Path) -> None:
         assert reader.get_tensor("kvaudit/stored_checksums").dtype == torch.int64
 
 
+def test_file_offset_is_where_the_header_puts_the_tensor(tmp_path: Path) -> None:
+    path = tmp_path / "rank0.safetensors"
+    write(path)
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    dump = open_dump(path)
+    tensors = {
+        ATTN: dump.tensors[ATTN],
+        ATTN_KV: dump.tensors[ATTN_KV],
+        f"{ATTN_PAIR}/k": dump.tensors[ATTN_PAIR][0],
+        f"{ATTN_PAIR}/v": dump.tensors[ATTN_PAIR][1],
+        MAMBA: dump.tensors[MAMBA],
+        MLA: dump.tensors[MLA],
+    }
+    with safe_open(str(path), framework="pt") as reader:
+        for name, tensor in tensors.items():
+            start = 8 + length + header[name]["data_offsets"][0]
+            assert dump.file_offset(tensor) == start
+            expected = bits(reader.get_tensor(name)).numpy().tobytes()
+            assert raw[start : start + len(expected)] == expected
+
+    # Views of a tensor: a row, an element, another dtype.
+    attn_start = 8 + length + header[ATTN]["data_offsets"][0]
+    row_bytes = 2 * 2 * 8 * 2  # H T C of bfloat16
+    assert dump.file_offset(dump.tensors[ATTN][3]) == attn_start + 3 * row_bytes
+    kv_start = 8 + length + header[ATTN_KV]["data_offsets"][0]
+    kernel_blocks = 2 * len(DUMPED)
+    element = (1 * kernel_blocks + 5) * (2 * 2 * 4) + (1 * 2 + 0) * 4 + 3  # [1, 5, 1, 0, 3]
+    assert dump.file_offset(dump.tensors[ATTN_KV][1, 5, 1, 0, 3]) == kv_start + element * 2
+    mla_start = 8 + length + header[MLA]["data_offsets"][0]
+    assert dump.file_offset(dump.tensors[MLA].view(torch.uint8)[2, 3, 5:]) == mla_start + 157
+
+    # A copy, another opening's mapping, or no element at all is not in this dump's file.
+    other = open_dump(path)
+    for tensor in (dump.tensors[ATTN].clone(), other.tensors[ATTN], dump.tensors[MLA][:0]):
+        with pytest.raises(KvauditError, match="not a view of this dump's file mapping") as error:
+            dump.file_offset(tensor)
+        assert str(error.value).startswith(f"{path}: ")
+
+
 def test_whole_cache_dump(tmp_path: Path) -> None:
     path = tmp_path / "whole.safetensors"
     tensors = write(path, whole_cache=True)

@@ -1,0 +1,209 @@
+"""What a dump is: the names of its format (version, metadata keys, the stored-checksums
+tensor) and the dataclasses of an opened dump, its requests and a set of dumps.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..checksummer import Checksummer, RequestBlocks
+from ..description import CacheDescription
+from ..errors import KvauditError
+from ..records import WorkerInfo
+from ..views import LayerTensor
+from .layers import layer_parts
+from .safetensors_io import as_integers, tensor_nbytes
+
+FORMAT = "1"
+"""The dump format version a dump's ``kvaudit.format`` gives."""
+
+STORED_CHECKSUMS = "kvaudit/stored_checksums"
+"""The optional int64 tensor of each dumped row's stored checksum."""
+
+COPY_BYTES = 64 << 20
+"""Bytes per copy when writing a dump or moving its tensors to a device."""
+
+META_FORMAT = "kvaudit.format"
+META_WORKER = "kvaudit.worker"
+META_CACHE = "kvaudit.cache"
+META_REQUESTS = "kvaudit.requests"
+META_BLOCKS = "kvaudit.blocks"
+META_KEYS = (META_FORMAT, META_WORKER, META_CACHE, META_REQUESTS, META_BLOCKS)
+
+
+@dataclass
+class DumpRequest:
+    """One request as a dump lists it: its token count and, per group, the position of
+    the first listed block and the ENGINE block ids of consecutive positions; the
+    block hashes of the leading listed blocks and the producer's wire bytes, if given."""
+
+    num_tokens: int
+    groups: dict[int, tuple[int, list[int]]]
+    block_hashes: dict[int, list[bytes]] = field(default_factory=dict)
+    received: bytes | None = None
+
+
+@dataclass
+class Dump:
+    """One worker's dump, opened and checked, its tensors memory-mapped (read-only).
+
+    ``tensors`` holds each layer's cache (K and V tensors for layouts that keep them
+    apart) whose ``N`` axis (state layers: first axis) is the dumped rows' kernel blocks;
+    row ``i`` is engine block ``block_ids[i]``, or block ``i`` when ``block_ids`` is None
+    (the whole cache). The tensors view the file's pages: never write to them.
+    """
+
+    path: str
+    worker: WorkerInfo
+    description: CacheDescription
+    tensors: dict[str, LayerTensor]
+    num_rows: int
+    block_ids: list[int] | None
+    requests: dict[str, DumpRequest]
+    stored_checksums: np.ndarray | None = None
+    # The file mappings the tensors view (kept open as long as the dump is).
+    maps: list[mmap.mmap] = field(default_factory=list, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._rows: dict[int, int] | None = None
+        if self.block_ids is not None:
+            self._rows = {block_id: row for row, block_id in enumerate(self.block_ids)}
+
+    def holds(self, block_id: int) -> bool:
+        """Whether the dump holds a row of this engine block."""
+        if self._rows is not None:
+            return block_id in self._rows
+        return 0 <= block_id < self.num_rows
+
+    def row_of(self, block_id: int) -> int:
+        """The row that holds an engine block.
+
+        Raises:
+            KvauditError: The dump does not hold the block.
+
+        """
+        if not self.holds(block_id):
+            raise KvauditError(f"the dump does not hold block {block_id}", source=self.path)
+        return self._rows[block_id] if self._rows is not None else block_id
+
+    def request_blocks(self, request_ids: Iterable[str] | None = None) -> dict[str, RequestBlocks]:
+        """The requests' blocks as rows of this dump (all requests by default), for a
+        ``Checksummer`` over ``tensors``.
+
+        Raises:
+            KvauditError: A request the dump does not list.
+
+        """
+        ids = list(self.requests) if request_ids is None else list(dict.fromkeys(request_ids))
+        result = {}
+        for request_id in ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                raise KvauditError(f"no request {request_id!r} in this dump", source=self.path)
+            result[request_id] = RequestBlocks(
+                request.num_tokens,
+                {
+                    group_id: (start, [self.row_of(block_id) for block_id in block_ids])
+                    for group_id, (start, block_ids) in request.groups.items()
+                },
+            )
+        return result
+
+    def row_bytes(self) -> dict[int, int]:
+        """Per group, the bytes of one dumped row its checksummed layers read."""
+        result = {}
+        for group in self.description.groups:
+            total = 0
+            for entry in group.layers:
+                if entry.shares is not None or entry.name in self.description.draft_layers:
+                    continue
+                tensor = self.tensors.get(entry.name)
+                if tensor is not None:
+                    total += sum(tensor_nbytes(part) for part in layer_parts(tensor))
+            result[group.id] = total // self.num_rows if self.num_rows else 0
+        return result
+
+    def drop_pages(self) -> None:
+        """Drop the mapped pages this process holds resident; they are read again from the
+        file (or the page cache) when next touched."""
+        for mapped in self.maps:
+            mapped.madvise(mmap.MADV_DONTNEED)
+
+    def file_offset(self, tensor: torch.Tensor) -> int:
+        """The byte offset in the dump's file of a tensor's first element (for an
+        ExampleConnector folder: in the file of the tensor's layer). ``tensor`` is one of
+        ``tensors`` or any view of one (a row, a slice, another dtype).
+
+        Raises:
+            KvauditError: The tensor is not a view of this dump's file mappings (a copy,
+                an empty tensor, another dump's tensor), or reaches past them.
+
+        """
+        if tensor.device.type != "cpu" or tensor.numel() == 0:
+            raise KvauditError(
+                "the tensor is not a view of this dump's file mapping", source=self.path
+            )
+        first = tensor.data_ptr()
+        last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+        end = first + (last + 1) * tensor.element_size()
+        for mapped in self.maps:
+            base = int(np.frombuffer(mapped, dtype=np.uint8, count=1).ctypes.data)
+            if base <= first and end <= base + len(mapped):
+                return first - base
+        raise KvauditError("the tensor is not a view of this dump's file mapping", source=self.path)
+
+    def checksummer(
+        self, *, backend: str = "auto", device: str | torch.device = "cpu"
+    ) -> Checksummer:
+        """A ``Checksummer`` over the dump's rows, with the dump's ranks and role; for a
+        device other than the CPU, the tensors are copied there in bounded pieces first."""
+        target = torch.device(device)
+        tensors = self.tensors
+        if target.type != "cpu":
+            tensors = {name: self._to_device(tensor, target) for name, tensor in tensors.items()}
+        return Checksummer(
+            self.description,
+            tensors,
+            tp_rank=self.worker.tp_rank,
+            tp_size=self.worker.tp_size,
+            pp_rank=self.worker.pp_rank,
+            pp_size=self.worker.pp_size,
+            role=self.worker.role,
+            backend=backend,
+            num_blocks=self.num_rows,
+            engine=self.worker.engine,
+            source=self.path,
+        )
+
+    def _to_device(self, tensor: LayerTensor, target: torch.device) -> LayerTensor:
+        if isinstance(tensor, tuple):
+            return (self._to_device(tensor[0], target), self._to_device(tensor[1], target))
+        if not tensor.is_contiguous():
+            return tensor.to(target)
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, device=target)
+        source, dest = as_integers(tensor.reshape(-1)), as_integers(out.view(-1))
+        step = max(1, COPY_BYTES // tensor.element_size())
+        for start in range(0, source.numel(), step):
+            dest[start : start + step].copy_(source[start : start + step])
+            self.drop_pages()
+        return out
+
+
+@dataclass
+class DumpSet:
+    """One engine's dumps, sorted by ``(pp_rank, tp_rank)``; ``missing`` lists the
+    ``(pp_rank, tp_rank)`` of its layout that no dump holds."""
+
+    dumps: list[Dump]
+    complete: bool
+    missing: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def request_ids(self) -> list[str]:
+        """Every request some dump lists, sorted."""
+        return sorted({request_id for dump in self.dumps for request_id in dump.requests})

@@ -1,0 +1,352 @@
+"""Reading one dump strictly: its metadata parsed and every tensor checked against the
+cache description (each problem one line naming the file), its tensors memory-mapped.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..checksummer import ROLES
+from ..description import CacheDescription
+from ..description import parse_description as _parse_description
+from ..dtypes import dtype_name
+from ..records import WorkerInfo
+from ..views import LayerTensor
+from .dump import (
+    FORMAT,
+    META_BLOCKS,
+    META_CACHE,
+    META_FORMAT,
+    META_KEYS,
+    META_REQUESTS,
+    META_WORKER,
+    STORED_CHECKSUMS,
+    Dump,
+    DumpRequest,
+)
+from .example_connector import open_example_connector
+from .layers import check_layer, owner_layers, tensor_names
+from .safetensors_io import (
+    PAD_PREFIX,
+    Entry,
+    Header,
+    fail,
+    is_int,
+    map_file,
+    read_header,
+    short,
+    tensor_view,
+)
+
+_WORKER_KEYS = ("tp_rank", "tp_size", "pp_rank", "pp_size", "role", "engine")
+_REQUEST_KEYS = ("num_tokens", "groups", "block_hashes", "received")
+
+
+# Metadata.
+
+
+def _json(metadata: Mapping[str, str], key: str, source: str) -> Any:
+    try:
+        return json.loads(metadata[key])
+    except ValueError as error:
+        fail(source, f"{key}: not valid JSON ({error})")
+
+
+def _parse_worker(metadata: Mapping[str, str], source: str) -> WorkerInfo:
+    if META_WORKER not in metadata:
+        fail(source, f"no {META_WORKER} in the metadata")
+    data = _json(metadata, META_WORKER, source)
+    where = META_WORKER
+    if not isinstance(data, dict):
+        fail(source, f"{where}: expected a JSON object, got {short(data)}")
+    for key in data:
+        if key not in _WORKER_KEYS:
+            fail(source, f"{where}.{key}: unknown key; expected {', '.join(_WORKER_KEYS)}")
+    values = {}
+    for key in ("tp_size", "pp_size", "tp_rank", "pp_rank"):
+        value = data.get(key)
+        minimum = 1 if key.endswith("size") else 0
+        if not is_int(value) or value < minimum:
+            kind = "a positive" if minimum else "a non-negative"
+            fail(source, f"{where}.{key}: expected {kind} integer, got {short(value)}")
+        values[key] = int(value)
+    for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size")):
+        if values[rank] >= values[size]:
+            fail(source, f"{where}.{rank}: {values[rank]} is not below {size} {values[size]}")
+    role = data.get("role")
+    if role not in ROLES:
+        fail(source, f"{where}.role: expected one of {', '.join(ROLES)}, got {short(role)}")
+    engine = data.get("engine", "")
+    if not isinstance(engine, str):
+        fail(source, f"{where}.engine: expected a string, got {short(engine)}")
+    return WorkerInfo(role=role, engine=engine, source=source, **values)
+
+
+def _embedded_description(metadata: Mapping[str, str], source: str) -> CacheDescription:
+    if META_CACHE not in metadata:
+        fail(
+            source, f"no cache description: the dump has no {META_CACHE} and no --config was given"
+        )
+    data = _json(metadata, META_CACHE, source)
+    return _parse_description(data, f"{source} ({META_CACHE})")
+
+
+def _parse_blocks(
+    metadata: Mapping[str, str], description: CacheDescription, source: str
+) -> list[int] | None:
+    if META_BLOCKS not in metadata:
+        return None
+    data = _json(metadata, META_BLOCKS, source)
+    if not isinstance(data, list):
+        fail(source, f"{META_BLOCKS}: expected a list of block ids, got {short(data)}")
+    seen: set[int] = set()
+    for index, block_id in enumerate(data):
+        if not is_int(block_id) or not 0 <= block_id < description.num_blocks:
+            fail(
+                source,
+                f"{META_BLOCKS}[{index}]: expected a block id from 0 to "
+                f"{description.num_blocks - 1}, got {short(block_id)}",
+            )
+        if block_id in seen:
+            fail(source, f"{META_BLOCKS}[{index}]: block {block_id} is listed twice")
+        seen.add(block_id)
+    return [int(block_id) for block_id in data]
+
+
+def check_group_blocks(
+    source: str,
+    where: str,
+    start: object,
+    block_ids: object,
+    holds: Callable[[int], bool],
+    not_held: str,
+) -> None:
+    """A group entry's start position and block ids: integers, held, none listed twice."""
+    if not is_int(start) or start < 0:
+        fail(source, f"{where}: start position must be a non-negative integer, got {short(start)}")
+    if not isinstance(block_ids, (list, tuple)):
+        fail(source, f"{where}: expected a list of block ids, got {short(block_ids)}")
+    seen: set[int] = set()
+    for block_id in block_ids:
+        if not is_int(block_id):
+            fail(source, f"{where}: block id {short(block_id)} is not an integer")
+        if not holds(block_id):
+            fail(source, f"{where}: block {block_id} {not_held}")
+        if block_id in seen:
+            fail(source, f"{where}: block {block_id} is listed at two positions")
+        seen.add(block_id)
+
+
+def _group_key(source: str, where: str, key: object, group_ids: set[int]) -> int:
+    if not isinstance(key, str) or not key.isdigit() or str(int(key)) != key:
+        fail(source, f"{where}: group key {short(key)} is not a decimal group id")
+    group_id = int(key)
+    if group_id not in group_ids:
+        fail(source, f"{where}: group {group_id} is not a group of the cache description")
+    return group_id
+
+
+def _parse_requests(
+    metadata: Mapping[str, str],
+    description: CacheDescription,
+    holds: Callable[[int], bool],
+    source: str,
+) -> dict[str, DumpRequest]:
+    if META_REQUESTS not in metadata:
+        fail(source, f"no {META_REQUESTS} in the metadata")
+    data = _json(metadata, META_REQUESTS, source)
+    if not isinstance(data, dict):
+        fail(source, f"{META_REQUESTS}: expected a JSON object, got {short(data)}")
+    group_ids = {group.id for group in description.groups}
+    requests = {}
+    for request_id, item in data.items():
+        where = f"{META_REQUESTS}: request {request_id!r}"
+        if not isinstance(item, dict):
+            fail(source, f"{where}: expected a JSON object, got {short(item)}")
+        for key in item:
+            if key not in _REQUEST_KEYS:
+                fail(source, f"{where}: unknown key {key!r}; expected {', '.join(_REQUEST_KEYS)}")
+        for key in ("num_tokens", "groups"):
+            if key not in item:
+                fail(source, f"{where}: no {key}")
+        num_tokens = item["num_tokens"]
+        if not is_int(num_tokens) or num_tokens < 0:
+            fail(
+                source,
+                f"{where}: num_tokens must be a non-negative integer, got {short(num_tokens)}",
+            )
+        groups_data = item["groups"]
+        if not isinstance(groups_data, dict):
+            fail(source, f"{where}: groups: expected a JSON object, got {short(groups_data)}")
+        groups: dict[int, tuple[int, list[int]]] = {}
+        for key, entry in groups_data.items():
+            group_id = _group_key(source, f"{where} groups", key, group_ids)
+            group_where = f"{where} group {group_id}"
+            if not isinstance(entry, list) or len(entry) != 2:
+                fail(source, f"{group_where}: expected [start, [block ids]], got {short(entry)}")
+            check_group_blocks(
+                source, group_where, entry[0], entry[1], holds, "is not held by the dump"
+            )
+            groups[group_id] = (int(entry[0]), [int(block_id) for block_id in entry[1]])
+        hashes = _parse_hashes(source, where, item.get("block_hashes", {}), groups, group_ids)
+        received = item.get("received")
+        if received is not None:
+            if not isinstance(received, str):
+                fail(source, f"{where}: received: expected base64 text, got {short(received)}")
+            try:
+                received = base64.b64decode(received, validate=True)
+            except (binascii.Error, ValueError):
+                fail(source, f"{where}: received: not valid base64")
+        requests[request_id] = DumpRequest(int(num_tokens), groups, hashes, received)
+    return requests
+
+
+def _parse_hashes(
+    source: str,
+    where: str,
+    data: object,
+    groups: Mapping[int, tuple[int, list[int]]],
+    group_ids: set[int],
+) -> dict[int, list[bytes]]:
+    if not isinstance(data, dict):
+        fail(source, f"{where}: block_hashes: expected a JSON object, got {short(data)}")
+    hashes: dict[int, list[bytes]] = {}
+    for key, items in data.items():
+        group_id = _group_key(source, f"{where} block_hashes", key, group_ids)
+        hash_where = f"{where} block_hashes {group_id}"
+        listed = len(groups[group_id][1]) if group_id in groups else 0
+        if not isinstance(items, list) or len(items) > listed:
+            fail(
+                source,
+                f"{hash_where}: expected a list of at most {listed} hex hashes, one per "
+                "listed block",
+            )
+        values = []
+        for item in items:
+            try:
+                if not isinstance(item, str) or not item:
+                    raise ValueError
+                values.append(bytes.fromhex(item))
+            except ValueError:
+                fail(source, f"{hash_where}: {short(item)} is not a hex hash")
+        hashes[group_id] = values
+    return hashes
+
+
+# Tensors.
+
+
+def _dump_tensors(
+    source: str, header: Header, description: CacheDescription, rows: int
+) -> tuple[dict[str, Entry | tuple[Entry, Entry]], Entry | None]:
+    """Every layer's tensor entries, checked against the description, and the stored
+    checksums' entry."""
+    found: dict[str, Entry | tuple[Entry, Entry]] = {}
+    used: set[str] = set()
+    for entry in owner_layers(description):
+        names = tensor_names(entry)
+        present = [name for name in names if name in header.tensors]
+        if len(present) < len(names):
+            if entry.name in description.draft_layers and not present:
+                continue
+            expected = " and ".join(names)
+            alone = entry.name in header.tensors and len(names) == 2
+            hint = f" (layout {entry.spec.layout} keeps K and V apart)" if alone else ""
+            fail(source, f"layer {entry.name} has no tensor: expected {expected}{hint}")
+        parts = [header.tensors[name] for name in names]
+        check_layer(
+            source,
+            entry,
+            [part.shape for part in parts],
+            [part.dtype for part in parts],
+            names,
+            rows,
+            "rows",
+        )
+        found[entry.name] = (parts[0], parts[1]) if len(parts) == 2 else parts[0]
+        used.update(names)
+    stored = header.tensors.get(STORED_CHECKSUMS)
+    if stored is not None:
+        if stored.dtype != torch.int64 or stored.shape != (rows,):
+            fail(
+                source,
+                f"tensor {STORED_CHECKSUMS}: expected int64 of shape ({rows},), got "
+                f"{dtype_name(stored.dtype)} of shape {stored.shape}",
+            )
+        used.add(STORED_CHECKSUMS)
+    for name, item in header.tensors.items():
+        if name in used:
+            continue
+        if name.startswith(PAD_PREFIX) and item.dtype == torch.uint8 and len(item.shape) == 1:
+            continue
+        fail(source, f"tensor {name} is not a layer of the cache description")
+    return found, stored
+
+
+def open_dump(path: str | os.PathLike[str], config: CacheDescription | None = None) -> Dump:
+    """Open one worker's dump (or a vLLM ExampleConnector folder), checking it strictly.
+
+    ``config`` overrides the description the dump embeds (and is required by a dump
+    without one, and by an ExampleConnector folder).
+
+    Raises:
+        KvauditError: One line naming the file and what is wrong (docs/dump-format.md,
+            "Reading is strict").
+        DescriptionError: The embedded description is invalid (source ``PATH
+            (kvaudit.cache)``, with the key path).
+
+    """
+    source = os.fspath(path)
+    if os.path.isdir(source):
+        return open_example_connector(source, config)
+    header = read_header(source)
+    metadata = header.metadata
+    version = metadata.get(META_FORMAT)
+    if version is None:
+        fail(source, f"not a kvaudit dump: no {META_FORMAT} in its metadata")
+    if version != FORMAT:
+        fail(source, f"unknown {META_FORMAT} {version!r}, expected {FORMAT!r}")
+    for key in metadata:
+        if key.startswith("kvaudit.") and key not in META_KEYS:
+            fail(source, f"unknown metadata key {key}; expected {', '.join(META_KEYS)}")
+    worker = _parse_worker(metadata, source)
+    description = config if config is not None else _embedded_description(metadata, source)
+    block_ids = _parse_blocks(metadata, description, source)
+    num_rows = len(block_ids) if block_ids is not None else description.num_blocks
+    held = set(block_ids) if block_ids is not None else None
+
+    def holds(block_id: int) -> bool:
+        return block_id in held if held is not None else 0 <= block_id < num_rows
+
+    requests = _parse_requests(metadata, description, holds, source)
+    entries, stored_entry = _dump_tensors(source, header, description, num_rows)
+
+    mapped = map_file(source)
+    tensors: dict[str, LayerTensor] = {}
+    for name, item in entries.items():
+        if isinstance(item, tuple):
+            tensors[name] = (tensor_view(mapped, item[0]), tensor_view(mapped, item[1]))
+        else:
+            tensors[name] = tensor_view(mapped, item)
+    stored = None
+    if stored_entry is not None:
+        stored = tensor_view(mapped, stored_entry).numpy().view(np.uint64).copy()
+    return Dump(
+        path=source,
+        worker=worker,
+        description=description,
+        tensors=tensors,
+        num_rows=num_rows,
+        block_ids=block_ids,
+        requests=requests,
+        stored_checksums=stored,
+        maps=[mapped],
+    )

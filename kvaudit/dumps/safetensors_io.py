@@ -1,0 +1,272 @@
+"""The safetensors file format, strictly: the header parsed with every check a reader
+needs, the file memory-mapped and its tensors viewed in place (no copy); and the writing
+underneath a dump: header bytes, 64-byte alignment by pad tensors, an atomic write synced
+to disk. Nothing here knows what a dump holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import math
+import mmap
+import os
+import secrets
+import struct
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, BinaryIO, NoReturn
+
+import numpy as np
+import torch
+
+from ..dtypes import dtype_size, parse_dtype, safetensors_dtype_name
+from ..errors import KvauditError
+
+PAD_PREFIX = "kvaudit/pad/"
+"""Names of the U8 tensors a writer inserts so that every tensor starts 64-byte aligned."""
+
+ALIGNMENT = 64
+_LENGTH = struct.Struct("<Q")
+_INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+# Reading.
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A tensor of a safetensors file: its dtype, shape and absolute byte range."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    nbytes: int
+
+
+@dataclass
+class Header:
+    """A safetensors file's tensors and string metadata."""
+
+    tensors: dict[str, Entry]
+    metadata: dict[str, str]
+
+
+def fail(source: str, message: str) -> NoReturn:
+    raise KvauditError(message, source=source)
+
+
+def short(value: object) -> str:
+    text = json.dumps(value) if isinstance(value, (list, dict, str)) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def read_header(path: str) -> Header:
+    """Parse a safetensors header and check that every tensor's bytes lie in the file."""
+    try:
+        with open(path, "rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            head = file.read(8)
+            if len(head) < 8:
+                fail(path, f"not a safetensors file: {size} bytes, less than the 8-byte length")
+            (length,) = _LENGTH.unpack(head)
+            if length > size - 8:
+                fail(
+                    path,
+                    f"not a safetensors file or truncated: its header length is {length} "
+                    f"bytes, only {size - 8} follow",
+                )
+            raw = file.read(length)
+    except FileNotFoundError:
+        fail(path, "no such file")
+    except IsADirectoryError:
+        fail(path, "is a directory, expected a safetensors file")
+    except OSError as error:
+        fail(path, f"cannot read: {error.strerror}")
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        fail(path, "not a safetensors file: its header is not JSON")
+    if not isinstance(header, dict):
+        fail(path, "not a safetensors file: its header is not a JSON object")
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(
+        isinstance(key, str) and isinstance(value, str) for key, value in metadata.items()
+    ):
+        fail(path, "invalid safetensors header: __metadata__ must map strings to strings")
+    data_start = 8 + length
+    entries = {
+        name: _header_entry(path, name, info, data_start, size) for name, info in header.items()
+    }
+    ranges = sorted(entries.values(), key=lambda entry: (entry.start, entry.nbytes))
+    for before, after in itertools.pairwise(ranges):
+        if after.start < before.start + before.nbytes:
+            fail(
+                path, f"invalid safetensors header: tensors {before.name} and {after.name} overlap"
+            )
+    return Header(entries, metadata)
+
+
+def _header_entry(path: str, name: str, info: object, data_start: int, size: int) -> Entry:
+    where = f"invalid safetensors header: tensor {name}"
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        fail(path, f"{where}: expected dtype, shape and data_offsets")
+    type_name = info["dtype"]
+    try:
+        dtype = parse_dtype(type_name)
+        if safetensors_dtype_name(dtype) != type_name:
+            raise ValueError
+    except ValueError:
+        fail(path, f"{where}: unknown dtype {short(type_name)}")
+    shape = info["shape"]
+    if not isinstance(shape, list) or not all(is_int(n) and n >= 0 for n in shape):
+        fail(path, f"{where}: shape {short(shape)} is not a list of sizes")
+    offsets = info["data_offsets"]
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(is_int(n) for n in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        fail(path, f"{where}: data_offsets {short(offsets)} is not [begin, end]")
+    nbytes = math.prod(shape) * dtype_size(dtype)
+    if offsets[1] - offsets[0] != nbytes:
+        fail(
+            path,
+            f"{where}: data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, its "
+            f"shape and dtype need {nbytes}",
+        )
+    if data_start + offsets[1] > size:
+        fail(
+            path,
+            f"truncated: tensor {name} ends at byte {data_start + offsets[1]}, the file has "
+            f"{size} bytes",
+        )
+    return Entry(name, dtype, tuple(shape), data_start + offsets[0], nbytes)
+
+
+def map_file(path: str) -> mmap.mmap:
+    try:
+        with open(path, "rb") as file:
+            return mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as error:
+        fail(path, f"cannot map: {error.strerror}")
+
+
+def tensor_view(mapped: mmap.mmap, entry: Entry) -> torch.Tensor:
+    """A tensor over a mapped file's bytes (no copy)."""
+    if entry.nbytes == 0:
+        return torch.empty(entry.shape, dtype=entry.dtype)
+    with warnings.catch_warnings():
+        # The mapping is read-only and torch has no read-only tensors; nothing writes it.
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.frombuffer(mapped, dtype=torch.uint8, count=entry.nbytes, offset=entry.start)
+    return raw.view(entry.dtype).reshape(entry.shape)
+
+
+def tensor_nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def as_integers(tensor: torch.Tensor) -> torch.Tensor:
+    """The same bytes as integers of the element's size (a view): copies and gathers then
+    work for every dtype on every device (fp8 included)."""
+    return tensor.view(_INTEGERS[tensor.element_size()])
+
+
+# Writing.
+
+
+@dataclass
+class Output:
+    """One tensor of a dump being written: its header entry and how to write its bytes."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    write: Callable[[BinaryIO], None]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtype_size(self.dtype)
+
+
+def write_bytes(data: bytes) -> Callable[[BinaryIO], None]:
+    return lambda file: file.write(data)
+
+
+def with_padding(outputs: list[Output]) -> list[tuple[Output, int]]:
+    """The outputs with their data offsets, a U8 pad tensor before any that would not
+    start 64-byte aligned."""
+    placed = []
+    offset = 0
+    for output in outputs:
+        if offset % ALIGNMENT:
+            pad = ALIGNMENT - offset % ALIGNMENT
+            filler = Output(
+                f"{PAD_PREFIX}{len(placed)}", torch.uint8, (pad,), write_bytes(bytes(pad))
+            )
+            placed.append((filler, offset))
+            offset += pad
+        placed.append((output, offset))
+        offset += output.nbytes
+    return placed
+
+
+def header_bytes(metadata: Mapping[str, str], placed: list[tuple[Output, int]]) -> bytes:
+    """The JSON header, padded with spaces so that the data starts 64-byte aligned."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    for output, offset in placed:
+        header[output.name] = {
+            "dtype": safetensors_dtype_name(output.dtype),
+            "shape": list(output.shape),
+            "data_offsets": [offset, offset + output.nbytes],
+        }
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    pad = -(8 + len(text)) % ALIGNMENT
+    return text + b" " * pad
+
+
+def write_atomically(target: str, header: bytes, placed: list[tuple[Output, int]]) -> None:
+    directory = os.path.dirname(os.path.abspath(target))
+    temporary = os.path.join(directory, f".{os.path.basename(target)}.{secrets.token_hex(6)}.tmp")
+    try:
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except OSError as error:
+        fail(target, f"cannot write: {error.strerror}")
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(_LENGTH.pack(len(header)))
+            file.write(header)
+            data_start = 8 + len(header)
+            for output, offset in placed:
+                output.write(file)
+                if file.tell() != data_start + offset + output.nbytes:
+                    raise RuntimeError(f"tensor {output.name} wrote the wrong number of bytes")
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, target)
+    except BaseException as error:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        if isinstance(error, OSError) and not isinstance(error, KvauditError):
+            raise KvauditError(f"cannot write: {error.strerror or error}", source=target) from error
+        raise
+    _sync_directory(directory)
+
+
+def _sync_directory(directory: str) -> None:
+    """Make the rename durable where the platform allows it."""
+    with contextlib.suppress(OSError):
+        descriptor = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)

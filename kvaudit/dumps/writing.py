@@ -1,0 +1,303 @@
+"""Writing one worker's dump: the requests' block rows of its live caches, checked as a
+reader checks them, written atomically with every tensor 64-byte aligned.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import itertools
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, BinaryIO
+
+import numpy as np
+import torch
+
+from ..checksummer import ROLES, RequestBlocks
+from ..description import CacheDescription, description_to_dict
+from ..dtypes import safetensors_dtype_name
+from ..records import WorkerInfo
+from ..views import LayerTensor
+from .dump import (
+    COPY_BYTES,
+    FORMAT,
+    META_BLOCKS,
+    META_CACHE,
+    META_FORMAT,
+    META_REQUESTS,
+    META_WORKER,
+    STORED_CHECKSUMS,
+)
+from .layers import check_layer, kernel_blocks_per_block, layer_parts, owner_layers, tensor_names
+from .reading import check_group_blocks
+from .safetensors_io import (
+    Output,
+    as_integers,
+    fail,
+    header_bytes,
+    is_int,
+    short,
+    with_padding,
+    write_atomically,
+    write_bytes,
+)
+
+
+def _write_rows(file: BinaryIO, tensor: torch.Tensor, axis: int, index: torch.Tensor) -> None:
+    """The tensor's ``index`` entries along ``axis``, contiguous in its axis order, a
+    bounded piece at a time (any strides, any device)."""
+    tensor = as_integers(tensor)
+    index = index.to(tensor.device)
+    inner = math.prod(tensor.shape[axis + 1 :]) * tensor.element_size()
+    step = max(1, COPY_BYTES // max(inner, 1))
+    for lead in itertools.product(*(range(n) for n in tensor.shape[:axis])):
+        sub = tensor[lead]
+        for start in range(0, len(index), step):
+            piece = sub.index_select(0, index[start : start + step]).contiguous().cpu()
+            file.write(memoryview(piece.reshape(-1).view(torch.uint8).numpy()))
+
+
+def _identity(tensor: LayerTensor) -> tuple:
+    """What makes two layers' tensors one storage."""
+    return tuple(
+        (part.device, part.data_ptr(), tuple(part.shape), part.stride())
+        for part in layer_parts(tensor)
+    )
+
+
+def _alias_shared_storage(
+    description: CacheDescription, tensors: Mapping[str, LayerTensor]
+) -> CacheDescription:
+    """The description with ``shares`` set on layers whose tensor is the storage of an
+    earlier layer's, so that the dump holds each cache once and counts it once."""
+    owner_of: dict[tuple, str] = {}
+    aliases: dict[str, str] = {}
+    for entry in owner_layers(description):
+        tensor = tensors.get(entry.name)
+        if tensor is None:
+            continue
+        key = _identity(tensor)
+        if key in owner_of:
+            aliases[entry.name] = owner_of[key]
+        else:
+            owner_of[key] = entry.name
+    if not aliases:
+        return description
+    groups = []
+    for group in description.groups:
+        layers = []
+        for entry in group.layers:
+            target = aliases.get(entry.name) or aliases.get(entry.shares or "", entry.shares)
+            layers.append(dataclasses.replace(entry, shares=target))
+        groups.append(dataclasses.replace(group, layers=tuple(layers)))
+    return dataclasses.replace(description, groups=tuple(groups))
+
+
+def _layer_outputs(
+    target: str,
+    description: CacheDescription,
+    tensors: Mapping[str, LayerTensor],
+    rows: torch.Tensor,
+) -> list[Output]:
+    """The tensors of every layer's dumped rows, checked against the description."""
+    outputs = []
+    for entry in owner_layers(description):
+        tensor = tensors.get(entry.name)
+        if tensor is None:
+            if entry.name in description.draft_layers:
+                continue
+            fail(target, f"layer {entry.name} has no tensor in the tensors given")
+        spec = entry.spec
+        names = tensor_names(entry)
+        parts = tensor if isinstance(tensor, tuple) else (tensor,)
+        if len(parts) != len(names):
+            given = "a K/V pair" if isinstance(tensor, tuple) else "one tensor"
+            needs = "one tensor" if len(names) == 1 else "a K/V pair"
+            kind = "a state layer" if spec.is_state else f"layout {spec.layout}"
+            fail(target, f"layer {entry.name}: {kind} needs {needs}, got {given}")
+        check_layer(
+            target,
+            entry,
+            [tuple(part.shape) for part in parts],
+            [part.dtype for part in parts],
+            names,
+            description.num_blocks,
+            "blocks",
+        )
+        if spec.is_state:
+            axis, index = 0, rows
+        else:
+            axis = spec.layout.index("N")
+            r = kernel_blocks_per_block(spec)
+            index = (rows[:, None] * r + torch.arange(r)).reshape(-1)
+        for name, part in zip(names, parts, strict=True):
+            try:
+                safetensors_dtype_name(part.dtype)
+            except ValueError as error:
+                fail(target, f"tensor {name}: {error}")
+            shape = list(part.shape)
+            shape[axis] = len(index)
+            outputs.append(
+                Output(
+                    name,
+                    part.dtype,
+                    tuple(shape),
+                    lambda file, part=part, axis=axis, index=index: _write_rows(
+                        file, part, axis, index
+                    ),
+                )
+            )
+    return outputs
+
+
+def _request_metadata(
+    target: str,
+    description: CacheDescription,
+    requests: Mapping[str, RequestBlocks],
+    block_hashes: Mapping[str, Mapping[int, Sequence[bytes]]],
+    received: Mapping[str, bytes],
+) -> dict[str, Any]:
+    """``kvaudit.requests``, each request checked as a reader checks it."""
+    group_ids = {group.id for group in description.groups}
+
+    def holds(block_id: int) -> bool:
+        return 0 <= block_id < description.num_blocks
+
+    not_held = f"is not in the cache (0..{description.num_blocks - 1})"
+    out: dict[str, Any] = {}
+    for request_id, request in requests.items():
+        where = f"request {request_id!r}"
+        if not isinstance(request_id, str):
+            fail(target, f"request id {short(request_id)} is not a string")
+        num_tokens = request.num_tokens
+        if not is_int(num_tokens) or num_tokens < 0:
+            fail(
+                target,
+                f"{where}: num_tokens must be a non-negative integer, got {short(num_tokens)}",
+            )
+        groups = {}
+        for group_id, (start, block_ids) in request.groups.items():
+            if group_id not in group_ids:
+                fail(target, f"{where}: group {group_id} is not a group of the cache description")
+            group_where = f"{where} group {group_id}"
+            check_group_blocks(target, group_where, start, list(block_ids), holds, not_held)
+            groups[str(group_id)] = [int(start), [int(block_id) for block_id in block_ids]]
+        item: dict[str, Any] = {"num_tokens": int(num_tokens), "groups": groups}
+        hashes = block_hashes.get(request_id)
+        if hashes:
+            item["block_hashes"] = {}
+            for group_id, values in hashes.items():
+                listed = len(request.groups[group_id][1]) if group_id in request.groups else 0
+                if len(values) > listed:
+                    fail(
+                        target,
+                        f"{where} block_hashes {group_id}: {len(values)} hashes for {listed} "
+                        "listed blocks",
+                    )
+                item["block_hashes"][str(group_id)] = [bytes(value).hex() for value in values]
+        if request_id in received:
+            item["received"] = base64.b64encode(bytes(received[request_id])).decode("ascii")
+        out[request_id] = item
+    for name, mapping in (("block_hashes", block_hashes), ("received", received)):
+        for request_id in mapping:
+            if request_id not in requests:
+                fail(target, f"{name} given for request {request_id!r}, which is not dumped")
+    return out
+
+
+def _stored_output(
+    target: str, stored: torch.Tensor | np.ndarray, num_blocks: int, rows: torch.Tensor
+) -> Output:
+    values = (
+        stored.detach().cpu().numpy() if isinstance(stored, torch.Tensor) else np.asarray(stored)
+    )
+    if values.shape != (num_blocks,) or values.dtype not in (np.int64, np.uint64):
+        fail(
+            target,
+            f"stored_checksums: expected int64 or uint64 of shape ({num_blocks},), got "
+            f"{values.dtype} of shape {values.shape}",
+        )
+    data = np.ascontiguousarray(values.view(np.int64)[rows.numpy()]).astype("<i8").tobytes()
+    return Output(STORED_CHECKSUMS, torch.int64, (len(rows),), write_bytes(data))
+
+
+def write_dump(
+    path: str | os.PathLike[str],
+    description: CacheDescription,
+    tensors: Mapping[str, LayerTensor],
+    requests: Mapping[str, RequestBlocks],
+    *,
+    worker: WorkerInfo,
+    block_hashes: Mapping[str, Mapping[int, Sequence[bytes]]] | None = None,
+    received: Mapping[str, bytes] | None = None,
+    stored_checksums: torch.Tensor | np.ndarray | None = None,
+    whole_cache: bool = False,
+) -> None:
+    """Write one worker's dump of the requests' blocks (``requests`` in ENGINE block ids).
+
+    ``tensors`` are the live whole caches (``N`` = ``num_blocks`` times the kernel blocks
+    per block; any strides, any device). Only the requests' blocks are dumped, rows in
+    ascending block id order (``kvaudit.blocks``), unless ``whole_cache``.
+    ``stored_checksums`` holds one entry per engine block. The file is written to a
+    temporary file in the same directory, synced and renamed over ``path``: on any error
+    nothing is left and an existing file at ``path`` is untouched.
+
+    Raises:
+        KvauditError: A tensor missing or not matching the description, a bad request,
+            bad ranks or role, or a file that cannot be written.
+
+    """
+    target = os.fspath(path)
+    if worker.role not in ROLES:
+        fail(target, f"worker role {worker.role!r} is not one of {', '.join(ROLES)}")
+    if not (0 <= worker.tp_rank < worker.tp_size and 0 <= worker.pp_rank < worker.pp_size):
+        fail(
+            target,
+            f"worker ranks tp {worker.tp_rank}/{worker.tp_size}, pp "
+            f"{worker.pp_rank}/{worker.pp_size} are out of range",
+        )
+    description = _alias_shared_storage(description, tensors)
+    request_items = _request_metadata(
+        target, description, requests, block_hashes or {}, received or {}
+    )
+    if whole_cache:
+        row_ids = list(range(description.num_blocks))
+    else:
+        row_ids = sorted(
+            {
+                int(block_id)
+                for request in requests.values()
+                for _, block_ids in request.groups.values()
+                for block_id in block_ids
+            }
+        )
+    rows = torch.tensor(row_ids, dtype=torch.int64)
+    outputs = _layer_outputs(target, description, tensors, rows)
+    if stored_checksums is not None:
+        outputs.append(_stored_output(target, stored_checksums, description.num_blocks, rows))
+
+    compact = {"separators": (",", ":")}
+    metadata = {
+        META_FORMAT: FORMAT,
+        META_WORKER: json.dumps(
+            {
+                "tp_rank": worker.tp_rank,
+                "tp_size": worker.tp_size,
+                "pp_rank": worker.pp_rank,
+                "pp_size": worker.pp_size,
+                "role": worker.role,
+                "engine": worker.engine,
+            },
+            **compact,
+        ),
+        META_CACHE: json.dumps(description_to_dict(description), **compact),
+        META_REQUESTS: json.dumps(request_items, **compact),
+    }
+    if not whole_cache:
+        metadata[META_BLOCKS] = json.dumps(row_ids, **compact)
+    placed = with_padding(outputs)
+    header = header_bytes(metadata, placed)
+    write_atomically(target, header, placed)
