@@ -10,13 +10,19 @@ standardized ``NTHC`` layout) holds them in random blocks of its cache at TP=2 a
 ``OUT_DIR/producer/rank{0,1}.safetensors``; the consumer (a decode engine, layout
 ``KNHTD``) received the same KV into other random blocks at TP=4 and writes
 ``OUT_DIR/consumer/rank{0..3}.safetensors``. Every other cache slot holds junk, including
-the slots past a request's last token, and the two engines' junk differs. The same seed
-gives byte-identical files.
+the slots past a request's last token, and the two engines' junk differs.
+
+``OUT_DIR/consumer-broken/`` is the consumer with one realistic fault planted: on TP rank 1,
+the block that holds tokens 64..79 of ``req-medium`` was reused for another request while
+its transfer was in flight, so it holds that request's KV (``kvaudit corrupt`` mode
+``stale``); the other ranks are the consumer's own files. The same seed gives
+byte-identical files.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +31,7 @@ import numpy as np
 import torch
 
 from kvaudit.checksummer import RequestBlocks
+from kvaudit.corrupt import corrupt_dump
 from kvaudit.description import parse_description
 from kvaudit.dumps import write_dump
 from kvaudit.records import WorkerInfo
@@ -155,12 +162,32 @@ def write_engine(out_dir: Path, engine: Engine, kv: dict[str, torch.Tensor], see
         )
 
 
+BROKEN = {"request_id": "req-medium", "group_id": 0, "position": 4, "mode": "stale"}
+"""The fault planted in ``consumer-broken``: a block of ``req-medium`` stale on one rank."""
+BROKEN_RANK = 1
+
+
+def write_broken(root: Path, seed: int) -> dict:
+    """Write ``root / "consumer-broken"``: the consumer's dumps with ``BROKEN`` planted in
+    rank ``BROKEN_RANK``'s; returns what ``corrupt_dump`` changed."""
+    folder = root / "consumer-broken"
+    folder.mkdir(parents=True, exist_ok=True)
+    for tp_rank in range(CONSUMER.tp_size):
+        name = f"rank{tp_rank}.safetensors"
+        if tp_rank != BROKEN_RANK:
+            shutil.copyfile(root / CONSUMER.name / name, folder / name)
+    name = f"rank{BROKEN_RANK}.safetensors"
+    return corrupt_dump(root / CONSUMER.name / name, folder / name, seed=seed, **BROKEN)
+
+
 def make_example(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write the producer and consumer dump sets of ``seed`` under ``out_dir``."""
+    """Write the producer, consumer and broken consumer dump sets of ``seed`` under
+    ``out_dir``."""
     root = Path(out_dir)
     kv = model_kv(seed)
     for engine in (PRODUCER, CONSUMER):
         write_engine(root, engine, kv, seed)
+    write_broken(root, seed)
     return root
 
 

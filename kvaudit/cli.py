@@ -1,12 +1,15 @@
-"""The ``kvaudit`` command: inspect dump sets and checksum them (docs/cli.md).
+"""The ``kvaudit`` command: inspect dump sets, checksum them, diff a producer with a
+consumer, verify a set, plant faults (docs/cli.md).
 
 Exit status: 0 success; 1 when the set is incomplete (a worker is missing, so some
-checksums are partial); 2 on bad usage or bad input, reported as one line
+checksums are partial), or for ``diff`` and ``verify`` when a block differs or something
+could not be verified; 2 on bad usage or bad input, reported as one line
 ``kvaudit: error: <message>`` on stderr.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import secrets
@@ -17,29 +20,45 @@ from typing import Any
 
 import click
 
+from .compare import DiffReport
+from .corrupt import MODES, corrupt_dump
 from .description import CacheDescription, load_description
+from .diffing import diff_sources, diff_work, verify_sources
 from .errors import KvauditError
 from .records import POSITION_NUMBERINGS, Record
 from .report import (
+    DIFF_SIDES,
+    Sides,
+    diff_json_text,
     inventory_to_json,
     json_text,
     make_console,
+    print_corrupted,
+    print_diff,
     print_inventory,
     print_record,
     progress_bar,
     record_csv,
     render_text,
 )
-from .sources import Runtime, Source, open_source, resolve_device
+from .sources import DumpSource, RecordSource, Runtime, Source, open_source, resolve_device
 
 EXIT_OK = 0
 EXIT_INCOMPLETE = 1
+EXIT_MISMATCH = 1
 EXIT_BAD_INPUT = 2
 DEVICES = ("auto", "cpu", "cuda")
 EXIT_HELP = (
     "Exit status: 0 success; 1 the set is incomplete (a worker is missing, the checksums "
     "are partial); 2 bad usage or bad input."
 )
+DIFF_EXIT_HELP = (
+    "Exit status: 0 every compared block matched and nothing was left unverified; 1 a "
+    "block, replica or request differs or is missing, or a group could not be verified; "
+    "2 bad usage or bad input."
+)
+CORRUPT_EXIT_HELP = "Exit status: 0 the fault was planted; 2 bad usage or bad input."
+REPORT_FORMATS = ("table", "json", "junit")
 # click >= 8.2 raises this for a bare `kvaudit`; its message is the help text.
 _NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
@@ -228,6 +247,277 @@ def checksum(
             )
         return EXIT_INCOMPLETE
     return EXIT_OK
+
+
+def _request_option(help_text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    return click.option("--request", "request_ids", metavar="ID", multiple=True, help=help_text)
+
+
+def _report_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--format table|json|junit`` and ``-o FILE`` of ``diff`` and ``verify``."""
+    command = click.option(
+        "-o",
+        "--output",
+        metavar="FILE",
+        default=None,
+        help="Write to FILE (atomically) instead of stdout.",
+    )(command)
+    return click.option(
+        "--format",
+        "output_format",
+        type=click.Choice(REPORT_FORMATS),
+        default="table",
+        show_default=True,
+        help="Output format: rich tables, the diff report JSON, or JUnit XML.",
+    )(command)
+
+
+@main.command(epilog=DIFF_EXIT_HELP)
+@click.argument("producer", metavar="PRODUCER")
+@click.argument("consumer", metavar="CONSUMER")
+@_request_option("Compare only this request (repeatable); default all.")
+@click.option(
+    "--locate/--no-locate",
+    default=None,
+    help="Narrow each differing block down to layers, heads, tokens and bytes "
+    "[default: when both sides hold the raw KV].",
+)
+@_report_options
+@click.option(
+    "--producer-config",
+    metavar="FILE",
+    default=None,
+    help="Cache description of the producer's dumps only (overrides -c there).",
+)
+@click.option(
+    "--consumer-config",
+    metavar="FILE",
+    default=None,
+    help="Cache description of the consumer's dumps only (overrides -c there).",
+)
+@common_options
+def diff(
+    producer: str,
+    consumer: str,
+    request_ids: tuple[str, ...],
+    locate: bool | None,
+    output_format: str,
+    output: str | None,
+    producer_config: str | None,
+    consumer_config: str | None,
+    config_path: str | None,
+    device: str | None,
+    quiet: bool,
+) -> int:
+    """Compare a producer's KV with a consumer's, request by request: PRODUCER and
+    CONSUMER are each a dump file, a directory of one engine's dumps, a record (JSON) or a
+    live handle. Differing blocks are located down to layers, heads, tokens and bytes."""
+    runtime = resolve_device(device or "auto")
+    left = _open([producer], producer_config or config_path, device)
+    right = _open([consumer], consumer_config or config_path, device)
+    wanted = list(dict.fromkeys(request_ids)) or None
+    work = diff_work(left, right, wanted)
+    with progress_bar(work, "diff", enabled=not quiet) as advance:
+        report = diff_sources(
+            left, right, request_ids=wanted, locate=locate, runtime=runtime, progress=advance
+        )
+    title = f"diff: producer {_describe(left)}, consumer {_describe(right)}"
+    _emit_report(report, output_format, output, title, DIFF_SIDES, "kvaudit.diff")
+    return EXIT_OK if report.ok else EXIT_MISMATCH
+
+
+@main.command(epilog=DIFF_EXIT_HELP)
+@click.argument("sources", metavar="SOURCE...", nargs=-1, required=True)
+@click.option(
+    "--against",
+    metavar="RECORD",
+    default=None,
+    help="Check against a saved record (a regression check): every block must match it.",
+)
+@click.option(
+    "--received",
+    is_flag=True,
+    help="Check a consumer's dumps against the producer checksums they received.",
+)
+@click.option(
+    "--stored",
+    is_flag=True,
+    help="Check the stored checksums of offloaded blocks against the blocks.",
+)
+@_request_option("Verify only this request (repeatable); default all.")
+@_report_options
+@common_options
+def verify(
+    sources: tuple[str, ...],
+    against: str | None,
+    received: bool,
+    stored: bool,
+    request_ids: tuple[str, ...],
+    output_format: str,
+    output: str | None,
+    config_path: str | None,
+    device: str | None,
+    quiet: bool,
+) -> int:
+    """Check a dump set (or record) one way: against a saved record (--against), the
+    producer checksums its dumps received (--received), or the stored checksums of its
+    offloaded blocks (--stored)."""
+    chosen = [
+        name
+        for name, given in (("--against", against), ("--received", received), ("--stored", stored))
+        if given
+    ]
+    if len(chosen) != 1:
+        found = " and ".join(chosen) if chosen else "none"
+        raise click.UsageError(
+            f"give exactly one of --against RECORD, --received or --stored (got {found})"
+        )
+    runtime = resolve_device(device or "auto")
+    source = _open(sources, config_path, device)
+    saved = _open([against], None, device) if against is not None else None
+    wanted = list(dict.fromkeys(request_ids)) or None
+    work = 0
+    if saved is not None:
+        work = diff_work(saved, source, wanted)
+    elif isinstance(source, DumpSource):
+        if wanted is not None:
+            source.check_request_ids(wanted)
+        work = source.work(wanted)
+    with progress_bar(work, "verify", enabled=not quiet) as advance:
+        report = verify_sources(
+            source,
+            against=saved,
+            received=received,
+            stored=stored,
+            request_ids=wanted,
+            runtime=runtime,
+            progress=advance,
+        )
+    if saved is not None:
+        sides = Sides("saved record", "source")
+        title = f"verify {_describe(source)} against {_describe(saved)}"
+    elif received:
+        sides = Sides("received producer checksums", "consumer")
+        title = f"verify {_describe(source)} against the producer checksums it received"
+    else:
+        sides = Sides("stored checksums", "dumps", "checked")
+        title = f"verify the stored checksums of {_describe(source)}"
+    _emit_report(report, output_format, output, title, sides, "kvaudit.verify")
+    return EXIT_OK if report.ok else EXIT_MISMATCH
+
+
+@main.command(epilog=CORRUPT_EXIT_HELP)
+@click.argument("source", metavar="SOURCE")
+@click.option(
+    "-o", "--output", metavar="OUT", required=True, help="Where to write the corrupted copy."
+)
+@click.option("--request", "request_id", metavar="ID", required=True, help="The request.")
+@click.option("--group", "group_id", metavar="G", type=int, required=True, help="The group id.")
+@click.option(
+    "--position",
+    metavar="P",
+    type=int,
+    required=True,
+    help="The request's block position, in the dump's block size of the group.",
+)
+@click.option("--layer", metavar="NAME", default=None, help="Only this layer.")
+@click.option("--head", metavar="H", type=int, default=None, help="Only this global KV head.")
+@click.option(
+    "--token", metavar="T", type=int, default=None, help="This request position (flip, swap)."
+)
+@click.option(
+    "--mode",
+    type=click.Choice(MODES),
+    default="flip",
+    show_default=True,
+    help="flip a bit, zero the block, swap tokens or heads, a stale block from another "
+    "request, tokens shifted by one slot.",
+)
+@click.option(
+    "--seed", metavar="N", type=int, default=0, show_default=True, help="Seed of the choices."
+)
+@click.option(
+    "--format",
+    "output_format",
+    type=click.Choice(("text", "json")),
+    default="text",
+    show_default=True,
+    help="How to say what changed.",
+)
+@common_options
+def corrupt(
+    source: str,
+    output: str,
+    request_id: str,
+    group_id: int,
+    position: int,
+    layer: str | None,
+    head: int | None,
+    token: int | None,
+    mode: str,
+    seed: int,
+    output_format: str,
+    config_path: str | None,
+    device: str | None,
+    quiet: bool,
+) -> int:
+    """Write a copy of one dump file with one planted fault in one block, and say what
+    changed (for testing connectors and checkers)."""
+    resolve_device(device or "auto")
+    if config_path is not None:
+        raise KvauditError(
+            "corrupt works on the cache description the dump embeds; --config is not taken",
+            config_path,
+        )
+    if os.path.exists(output) and os.path.exists(source) and os.path.samefile(source, output):
+        raise KvauditError("the output is SOURCE itself; corrupt writes a copy elsewhere", output)
+    result = corrupt_dump(
+        source,
+        output,
+        request_id=request_id,
+        group_id=group_id,
+        position=position,
+        layer=layer,
+        head=head,
+        token=token,
+        mode=mode,
+        seed=seed,
+    )
+    if output_format == "json":
+        click.echo(json_text(result))
+    else:
+        print_corrupted(make_console(), result)
+    return EXIT_OK
+
+
+def _describe(source: Source) -> str:
+    """A source for a title: its names, what kind it is and, where known, its layout."""
+    worker = None
+    if isinstance(source, DumpSource) and source.dump_set.dumps:
+        worker = source.dump_set.dumps[0].worker
+    elif isinstance(source, RecordSource) and source.record.workers:
+        worker = source.record.workers[0].worker
+    layout = f", TP {worker.tp_size} x PP {worker.pp_size}" if worker is not None else ""
+    return f"{', '.join(source.names)} ({source.kind}{layout})"
+
+
+def _emit_report(
+    report: DiffReport,
+    output_format: str,
+    output: str | None,
+    title: str,
+    sides: Sides,
+    suite: str,
+) -> None:
+    """Print or write a diff report in the chosen format."""
+    if output_format == "json":
+        _emit(diff_json_text(report), output)
+    elif output_format == "junit":
+        _emit(report.to_junit(suite), output)
+    elif output is not None:
+        _emit(render_text(functools.partial(print_diff, title=title, sides=sides), report), output)
+    else:
+        print_diff(make_console(), report, title=title, sides=sides)
 
 
 def _open(sources: Sequence[str], config_path: str | None, device: str | None) -> Source:

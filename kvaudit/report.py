@@ -1,14 +1,17 @@
-"""What the command line shows: rich tables of an inventory or a record, their machine
-forms (JSON, CSV), and the progress bar of long work."""
+"""What the command line shows: rich tables of an inventory, a record or a diff report,
+their machine forms (JSON, CSV), what ``corrupt`` planted, and the progress bar of long
+work."""
 
 from __future__ import annotations
 
 import csv
 import io
 import json
+import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from rich.console import Console
 from rich.progress import (
@@ -22,6 +25,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
+from .compare import DiffReport, GroupComparison
 from .records import Record, WorkerInfo
 from .scheme import to_hex
 from .sources import Inventory
@@ -35,6 +39,8 @@ JSON_INLINE_WIDTH = 72
 _LITERAL = {"markup": False, "emoji": False, "highlight": False}
 PROGRESS_DELAY_S = 0.5
 """Work shorter than this shows no progress bar."""
+LOCATED_ROWS = 40
+"""Located differences a table shows per request and group; JSON holds them all."""
 
 
 def make_console() -> Console:
@@ -367,3 +373,256 @@ def progress_bar(total: int, description: str, *, enabled: bool) -> Iterator[Cal
             closed = True
             if shown:
                 progress.stop()
+
+
+# Diff reports.
+
+
+def finite_json(value: object) -> object:
+    """``value`` with every non-finite float (an infinite or NaN error) replaced by None,
+    so that it is strict JSON (``json.dumps(..., allow_nan=False)`` passes)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(item) for item in value]
+    return value
+
+
+def diff_json_text(report: DiffReport) -> str:
+    """The ``--format json`` text of a diff report (non-finite errors as null)."""
+    data = finite_json(report.to_json())
+    json.dumps(data, allow_nan=False)  # strict JSON, or fail loudly here
+    return json_text(data) + "\n"
+
+
+@dataclass(frozen=True)
+class Sides:
+    """What a report's two sides are called: the side that plays the producer, the one
+    that plays the consumer, and what a compared block is (``compared``, ``checked``)."""
+
+    producer: str = "producer"
+    consumer: str = "consumer"
+    compared: str = "compared"
+
+
+DIFF_SIDES = Sides()
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def diff_verdict(report: DiffReport, sides: Sides = DIFF_SIDES) -> str:
+    """One line: ``OK: ...`` when the report is ok, else ``MISMATCH: ...`` (blocks,
+    replicas or requests differ or are missing) or ``UNVERIFIED: ...`` (only groups that
+    could not be compared)."""
+    groups = [group for _, _, group in report.groups()]
+    requests = len(report.requests)
+    blocks = sum(group.compared for group in groups)
+    differing = sum(len(group.mismatched_positions) for group in groups)
+    replicas = sum(len(group.replicas_differing) for group in groups)
+    unverified = sum(1 for group in groups if group.unverified is not None)
+    requests_differing = sum(
+        1
+        for groups_of in report.requests.values()
+        if any(
+            group.mismatched_positions or group.replicas_differing for group in groups_of.values()
+        )
+    )
+    scope = f"{_plural(requests, 'request')}, {_plural(blocks, 'block')} {sides.compared}"
+    if report.ok:
+        extra = ""
+        if report.only_in_consumer:
+            extra = (
+                f" ({_plural(len(report.only_in_consumer), 'request')} on the "
+                f"{sides.consumer} only, not compared)"
+            )
+        return f"OK: {scope}, all match{extra}"
+    parts = []
+    if differing:
+        parts.append(
+            f"{differing} of {_plural(blocks, 'block')} {sides.compared} differ, in "
+            f"{requests_differing} of {_plural(requests, 'request')}"
+        )
+    if replicas:
+        parts.append(f"{_plural(replicas, 'replica block')} differ from replica 0")
+    if report.only_in_producer:
+        parts.append(
+            f"{_plural(len(report.only_in_producer), 'request')} missing on the {sides.consumer}"
+        )
+    if unverified:
+        parts.append(f"{_plural(unverified, 'group')} could not be verified")
+    if differing or replicas or report.only_in_producer:
+        return "MISMATCH: " + "; ".join(parts)
+    return f"UNVERIFIED: {scope}; " + "; ".join(parts)
+
+
+def _result_cell(group: GroupComparison) -> Text:
+    if group.unverified is not None:
+        return Text(f"unverified: {group.unverified}", style="yellow")
+    if group.mismatched_positions or group.replicas_differing:
+        return Text("MISMATCH", style="bold red")
+    return Text("ok", style="green")
+
+
+def _replica_text(pairs: list[tuple[int, int]]) -> str:
+    """``(position, replica)`` pairs as ``4 (r1, r2), 5 (r1)``."""
+    by_position: dict[int, list[int]] = {}
+    for position, index in pairs:
+        by_position.setdefault(position, []).append(index)
+    return ", ".join(
+        f"{position} ({', '.join(f'r{index}' for index in sorted(indices))})"
+        for position, indices in sorted(by_position.items())
+    )
+
+
+def error_text(value: float) -> str:
+    """A located error for a table: 4 significant digits, ``inf`` or ``nan``."""
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf"
+    return f"{value:.4g}"
+
+
+def print_diff(
+    console: Console, report: DiffReport, *, title: str | None = None, sides: Sides = DIFF_SIDES
+) -> None:
+    """The ``diff`` and ``verify`` tables: a row per request and group (blocks compared,
+    blocks and replicas that differ, the result or why it could not be compared), the
+    verdict line, the requests only one side holds, and the located differences."""
+    if title:
+        console.print(Text(title, style="bold"), soft_wrap=True)
+    table = Table(title=None)
+    for name, justify in (
+        ("request", "left"),
+        ("group", "right"),
+        ("block", "right"),
+        (sides.compared, "right"),
+        ("differing positions", "left"),
+        ("replicas differing", "left"),
+        ("result", "left"),
+    ):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for request_id, groups in report.requests.items():
+        if not groups:
+            table.add_row(request_id, "-", "", "0", "", "", Text("no group to compare", "yellow"))
+        for gid in sorted(groups):
+            group = groups[gid]
+            mismatched = group.mismatched_positions
+            table.add_row(
+                request_id,
+                str(gid),
+                str(group.block_size) if group.block_size else "",
+                str(group.compared),
+                f"{len(mismatched)}: {ranges(mismatched)}" if mismatched else "-",
+                _replica_text(group.replicas_differing) if group.replicas_differing else "-",
+                _result_cell(group),
+            )
+    if report.requests:
+        console.print(table)
+    verdict = diff_verdict(report, sides)
+    console.print(Text(verdict, style="bold green" if report.ok else "bold red"), soft_wrap=True)
+    if report.only_in_producer:
+        console.print(
+            Text(
+                f"missing on the {sides.consumer} (on the {sides.producer} only): "
+                + ", ".join(report.only_in_producer),
+                style="red",
+            ),
+            soft_wrap=True,
+        )
+    if report.only_in_consumer:
+        console.print(
+            f"on the {sides.consumer} only (not compared): " + ", ".join(report.only_in_consumer),
+            soft_wrap=True,
+        )
+    _print_located(console, report)
+
+
+def _print_located(console: Console, report: DiffReport) -> None:
+    rows: list[list[str]] = []
+    for request_id, gid, group in report.groups():
+        for item in group.located[:LOCATED_ROWS]:
+            replica = item.get("replica")
+            rows.append(
+                [
+                    request_id,
+                    str(gid),
+                    str(item["position"]),
+                    str(item["layer"]),
+                    str(item["head"]),
+                    "" if replica is None else str(replica),
+                    ranges(item["tokens"]),
+                    str(item["first_byte"]),
+                    error_text(item["max_abs_error"]),
+                    error_text(item["max_rel_error"]),
+                ]
+            )
+        hidden = len(group.located) - LOCATED_ROWS
+        if hidden > 0:
+            more = f"... {hidden} more (--format json lists all)"
+            rows.append([request_id, str(gid), "", more, "", "", "", "", "", ""])
+    if not rows:
+        return
+    columns = (
+        "request",
+        ">group",
+        ">position",
+        "layer",
+        ">head",
+        ">replica",
+        "tokens",
+        ">first byte",
+        ">max abs error",
+        ">max rel error",
+    )
+    console.print(Text("Located differences", style="bold"))
+    console.print(_table("", columns, rows))
+
+
+def print_corrupted(console: Console, result: dict) -> None:
+    """What ``corrupt`` planted: where, which layers, heads and tokens, which bytes."""
+    console.print(
+        Text.assemble(
+            ("planted ", "bold"),
+            (result["mode"], "bold red"),
+            f" in {result['out']} (a copy of {result['source']})",
+        )
+    )
+    lines = [
+        f"request {result['request']}, group {result['group']}, position {result['position']} "
+        f"(engine block {result['block']}, dump row {result['row']}, "
+        f"request of {result['num_tokens']} tokens)",
+        "layers: " + ", ".join(result["layers"]),
+        f"heads: {ranges(result['heads'])}",
+        f"tokens: {ranges(result['tokens'])}",
+    ]
+    origin = result.get("from")
+    if origin is not None:
+        if origin.get("request") is not None:
+            lines.append(
+                f"from: request {origin['request']} position {origin['position']} "
+                f"(engine block {origin['block']}, dump row {origin['row']})"
+            )
+        else:
+            lines.append(f"from: engine block {origin['block']} (dump row {origin['row']})")
+    flip = result.get("flip")
+    if flip is not None:
+        lines.append(
+            f"flipped: bit {flip['bit']} of byte {flip['byte']} of the cell of "
+            f"{flip['layer']} head {flip['head']} token {flip['token']}"
+        )
+    swap = result.get("swap")
+    if swap is not None:
+        what = swap.get("tokens") or swap.get("heads")
+        noun = "tokens" if "tokens" in swap else "heads"
+        lines.append(f"swapped: {noun} {what[0]} and {what[1]} of {swap['layer']}")
+    changed = sum(end - start for start, end in result["byte_ranges"])
+    lines.append(
+        f"bytes changed: {changed} in {_plural(len(result['byte_ranges']), 'range')} of the file"
+    )
+    for line in lines:
+        console.print("  " + line)

@@ -1,5 +1,10 @@
 """SOURCE arguments of the command line: dump files, directories of dumps, records and
-live handles, resolved into one thing to inspect or checksum.
+live handles, resolved into one thing to inspect, checksum or diff.
+
+A source can also say each request's token count, be cut to fewer tokens (so that two
+sides are checksummed over the tokens both hold) and hand over its raw KV as a dump set
+for locating differences; a record can do neither. In Python, ``ChecksummerSource`` wraps
+an engine's live ``Checksummer`` objects (``kvaudit.testing.LiveSide``).
 
 A command's SOURCEs are one of:
 
@@ -22,6 +27,7 @@ A command's SOURCEs are one of:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import importlib.util
@@ -29,7 +35,7 @@ import json
 import os
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +44,7 @@ import torch
 
 from .checksummer import Checksummer, RequestBlocks
 from .description import CacheDescription, GroupDescription, load_description, parse_description
-from .dumps import DumpSet, checksum_dump_set, open_dump_set, total_bytes
+from .dumps import Dump, DumpRequest, DumpSet, checksum_dump_set, open_dump_set, total_bytes
 from .errors import KvauditError
 from .records import Record, WorkerInfo, combine_workers
 from .views import GroupViews, LayerTensor
@@ -155,6 +161,21 @@ class Source(ABC):
         """The record of the requests (all when ``request_ids`` is None), summed over the
         source's workers; ``positions`` None means the source's own or ``request``."""
 
+    @abstractmethod
+    def token_counts(self) -> dict[str, int]:
+        """Each request's token count, as the source holds it."""
+
+    def trimmed(self, num_tokens: Mapping[str, int]) -> Source | None:
+        """The same source with the given requests cut to at most ``num_tokens[id]``
+        tokens, so that its checksums cover only those; None when the source cannot be
+        checksummed again (a record)."""
+        return None
+
+    def raw_kv(self) -> DumpSet | None:
+        """The source's KV as a dump set (memory-mapped dumps, or live tensors wrapped as
+        dumps) for locating differences; None when it holds only checksums."""
+        return None
+
     def check_request_ids(self, request_ids: Sequence[str]) -> None:
         """Reject a request id the source does not hold."""
         known = self.request_ids
@@ -206,6 +227,24 @@ class DumpSource(Source):
         ids = self.request_ids if request_ids is None else list(request_ids)
         return total_bytes(self.dump_set, ids)
 
+    def token_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for dump in self.dump_set.dumps:
+            for request_id, request in dump.requests.items():
+                counts.setdefault(request_id, request.num_tokens)
+        return counts
+
+    def trimmed(self, num_tokens: Mapping[str, int]) -> DumpSource:
+        dumps = [
+            dataclasses.replace(dump, requests=_trim_requests(dump.requests, num_tokens))
+            for dump in self.dump_set.dumps
+        ]
+        trimmed = DumpSet(dumps, self.dump_set.complete, list(self.dump_set.missing))
+        return DumpSource(self.names, trimmed)
+
+    def raw_kv(self) -> DumpSet:
+        return self.dump_set
+
     def checksum(
         self,
         request_ids: Sequence[str] | None,
@@ -235,6 +274,9 @@ class RecordSource(Source):
     @property
     def request_ids(self) -> list[str]:
         return list(self.record.requests)
+
+    def token_counts(self) -> dict[str, int]:
+        return {rid: request.num_tokens for rid, request in self.record.requests.items()}
 
     def inventory(self) -> Inventory:
         block_sizes: dict[int, int] = {}
@@ -322,6 +364,23 @@ class LiveWorker:
         except (ValueError, TypeError, RuntimeError) as error:
             raise KvauditError(_one_line(error), self.name) from None
 
+    def as_dump(self) -> Dump:
+        """The worker's tensors as an in-memory dump of its whole cache (for locating)."""
+        rank = self.rank
+        worker = WorkerInfo(
+            tp_rank=rank.get("tp_rank", 0),
+            tp_size=rank.get("tp_size", 1),
+            pp_rank=rank.get("pp_rank", 0),
+            pp_size=rank.get("pp_size", 1),
+            role=rank.get("role", "consumer"),
+            engine=rank.get("engine", ""),
+            source=self.name,
+        )
+        num_blocks = rank.get("num_blocks", self.description.num_blocks)
+        return live_dump(
+            self.name, worker, self.description, self.tensors, num_blocks, self.requests
+        )
+
 
 class LiveSource(Source):
     """Workers of a running process, each from its ``live:PATH`` handle."""
@@ -374,6 +433,197 @@ class LiveSource(Source):
             checksummer = live.checksummer(runtime if self.device_given else None)
             worker_records.append(checksummer.checksum(requests, positions or "request"))
         return combine_workers(worker_records)
+
+    def token_counts(self) -> dict[str, int]:
+        return _token_counts(worker.requests for worker in self.workers)
+
+    def trimmed(self, num_tokens: Mapping[str, int]) -> LiveSource:
+        workers = [
+            dataclasses.replace(worker, requests=_trim_blocks(worker.requests, num_tokens))
+            for worker in self.workers
+        ]
+        return LiveSource(workers, self.device_given)
+
+    def raw_kv(self) -> DumpSet:
+        return _live_set([worker.as_dump() for worker in self.workers])
+
+
+class ChecksummerSource(Source):
+    """One engine's workers handed over in Python as ``Checksummer`` objects, with the
+    requests' blocks of each worker and, optionally, the tensors each checksummer was built
+    over (with them, differences can be located)."""
+
+    kind = "live"
+
+    def __init__(
+        self,
+        checksummers: Sequence[Checksummer],
+        requests: Sequence[Mapping[str, RequestBlocks]],
+        tensors: Sequence[Mapping[str, LayerTensor]] | None = None,
+        name: str = "live",
+    ) -> None:
+        if not checksummers:
+            raise KvauditError("no checksummers given", name)
+        if len(requests) != len(checksummers):
+            raise KvauditError(
+                f"{len(checksummers)} checksummers but {len(requests)} request mappings", name
+            )
+        if tensors is not None and len(tensors) != len(checksummers):
+            raise KvauditError(
+                f"{len(checksummers)} checksummers but {len(tensors)} tensor mappings", name
+            )
+        super().__init__([name])
+        self.checksummers = list(checksummers)
+        self.requests = [dict(mapping) for mapping in requests]
+        self.tensors = None if tensors is None else list(tensors)
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(dict.fromkeys(rid for mapping in self.requests for rid in mapping))
+
+    def inventory(self) -> Inventory:
+        workers = []
+        requests: dict[str, RequestInventory] = {}
+        for summer, mapping in zip(self.checksummers, self.requests, strict=True):
+            infos = [
+                GroupInfo(
+                    id=gid,
+                    fingerprint=views.fingerprint,
+                    covered=views.covered,
+                    reason=views.reason,
+                    type=views.group.spec.type,
+                    block_size=views.group.block_size,
+                    kernel_block_size=views.group.spec.kernel_block_size,
+                    layout="state" if views.group.spec.is_state else views.group.spec.layout,
+                    layers=len(views.group.layers),
+                )
+                for gid, views in sorted(summer.groups.items())
+            ]
+            workers.append(WorkerInventory(summer.worker, summer.num_blocks, infos))
+            for request_id, blocks in mapping.items():
+                _add_request(requests, request_id, blocks.num_tokens, blocks.groups)
+        layout = combine_workers([summer.checksum({}) for summer in self.checksummers])
+        return Inventory(
+            self.kind, self.names, workers, layout.complete, layout.missing_workers, requests
+        )
+
+    def checksum(
+        self,
+        request_ids: Sequence[str] | None,
+        positions: str | None,
+        runtime: Runtime,
+        progress: Progress | None = None,
+    ) -> Record:
+        records = []
+        for summer, mapping in zip(self.checksummers, self.requests, strict=True):
+            if request_ids is not None:
+                mapping = {rid: mapping[rid] for rid in request_ids if rid in mapping}
+            records.append(summer.checksum(mapping, positions or "request"))
+        return combine_workers(records)
+
+    def token_counts(self) -> dict[str, int]:
+        return _token_counts(self.requests)
+
+    def trimmed(self, num_tokens: Mapping[str, int]) -> ChecksummerSource:
+        requests = [_trim_blocks(mapping, num_tokens) for mapping in self.requests]
+        return ChecksummerSource(self.checksummers, requests, self.tensors, self.names[0])
+
+    def raw_kv(self) -> DumpSet | None:
+        if self.tensors is None:
+            return None
+        dumps = []
+        for summer, mapping, tensors in zip(
+            self.checksummers, self.requests, self.tensors, strict=True
+        ):
+            name = summer.worker.source or (
+                f"{self.names[0]} pp{summer.worker.pp_rank} tp{summer.worker.tp_rank}"
+            )
+            worker = dataclasses.replace(summer.worker, source=name)
+            dumps.append(
+                live_dump(name, worker, summer.description, tensors, summer.num_blocks, mapping)
+            )
+        return _live_set(dumps)
+
+
+def live_dump(
+    name: str,
+    worker: WorkerInfo,
+    description: CacheDescription,
+    tensors: Mapping[str, LayerTensor],
+    num_blocks: int,
+    requests: Mapping[str, RequestBlocks],
+) -> Dump:
+    """Live tensors of a whole cache (``num_blocks`` blocks, engine block ids) wrapped as
+    a ``Dump``, so that what reads dumps (locating differences) reads them in place."""
+    listed = {
+        request_id: DumpRequest(
+            blocks.num_tokens,
+            {
+                int(gid): (int(start), [int(b) for b in ids])
+                for gid, (start, ids) in blocks.groups.items()
+            },
+        )
+        for request_id, blocks in requests.items()
+    }
+    return Dump(
+        path=name,
+        worker=worker,
+        description=description,
+        tensors=dict(tensors),
+        num_rows=num_blocks,
+        block_ids=None,
+        requests=listed,
+    )
+
+
+def _live_set(dumps: list[Dump]) -> DumpSet:
+    """Live workers' dumps as one set, sorted and with its missing workers."""
+    dumps = sorted(dumps, key=lambda dump: (dump.worker.pp_rank, dump.worker.tp_rank))
+    first = dumps[0].worker
+    held = {(dump.worker.pp_rank, dump.worker.tp_rank) for dump in dumps}
+    missing = [
+        (pp, tp)
+        for pp in range(first.pp_size)
+        for tp in range(first.tp_size)
+        if (pp, tp) not in held
+    ]
+    return DumpSet(dumps, not missing, missing)
+
+
+def _token_counts(mappings: Iterable[Mapping[str, RequestBlocks]]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for mapping in mappings:
+        for request_id, blocks in mapping.items():
+            counts.setdefault(request_id, blocks.num_tokens)
+    return counts
+
+
+def _trim_blocks(
+    requests: Mapping[str, RequestBlocks], num_tokens: Mapping[str, int]
+) -> dict[str, RequestBlocks]:
+    """The requests with each listed one cut to at most ``num_tokens[id]`` tokens."""
+    return {
+        rid: (
+            RequestBlocks(min(blocks.num_tokens, num_tokens[rid]), blocks.groups)
+            if rid in num_tokens
+            else blocks
+        )
+        for rid, blocks in requests.items()
+    }
+
+
+def _trim_requests(
+    requests: Mapping[str, DumpRequest], num_tokens: Mapping[str, int]
+) -> dict[str, DumpRequest]:
+    """A dump's requests with each listed one cut to at most ``num_tokens[id]`` tokens."""
+    return {
+        rid: (
+            dataclasses.replace(request, num_tokens=min(request.num_tokens, num_tokens[rid]))
+            if rid in num_tokens
+            else request
+        )
+        for rid, request in requests.items()
+    }
 
 
 def open_source(
@@ -599,6 +849,7 @@ def _add_request(
 
 
 __all__ = [
+    "ChecksummerSource",
     "DumpSource",
     "GroupInfo",
     "Inventory",
@@ -608,6 +859,7 @@ __all__ = [
     "Runtime",
     "Source",
     "WorkerInventory",
+    "live_dump",
     "load_record",
     "open_source",
     "resolve_device",

@@ -392,3 +392,65 @@ def test_reference_sanity() -> None:
     assert cells.shape == (40, 8, 512)
     first_v = np.frombuffer(cells[0, 0, 256:258].tobytes(), dtype=np.uint16)[0]
     assert first_v == kv[0, 0, 0, 1, 0].view(torch.uint16).item()
+
+
+# The example's broken consumer and the end-to-end script.
+
+
+def test_broken_consumer_differs_in_one_rank(sets: Path) -> None:
+    """consumer-broken is the consumer with one block of one rank replaced."""
+    for rank in range(4):
+        name = f"rank{rank}.safetensors"
+        same = (sets / "consumer" / name).read_bytes() == (
+            sets / "consumer-broken" / name
+        ).read_bytes()
+        assert same == (rank != example.BROKEN_RANK)
+    result = run("diff", sets / "producer", sets / "consumer-broken", "--format", "json")
+    assert result.exit_code == 1
+    groups = {rid: r["groups"]["0"] for rid, r in json.loads(result.stdout)["requests"].items()}
+    assert {rid for rid, g in groups.items() if g["mismatched_positions"]} == {"req-medium"}
+    assert run("diff", sets / "producer", sets / "consumer").exit_code == 0
+
+
+def write_tool(folder: Path, name: str, body: str) -> None:
+    path = folder / name
+    path.write_text(f"#!/usr/bin/env bash\n{body}\n")
+    path.chmod(0o755)
+
+
+def run_script(tmp_path: Path, kvaudit_body: str) -> subprocess.CompletedProcess:
+    """``examples/run_example.sh`` with ``python`` and a ``kvaudit`` of our own on PATH."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    write_tool(tools, "python", f'exec {sys.executable} "$@"')
+    write_tool(tools, "kvaudit", kvaudit_body)
+    env = {
+        **os.environ,
+        "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(ROOT),
+    }
+    return subprocess.run(
+        ["bash", str(ROOT / "examples" / "run_example.sh"), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        check=False,
+    )
+
+
+def test_run_example_script(tmp_path: Path) -> None:
+    done = run_script(tmp_path, f'exec {sys.executable} -m kvaudit "$@"')
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "run_example: OK" in done.stdout
+    assert "OK: 3 requests, 27 blocks compared, all match" in done.stdout
+    assert "MISMATCH: 1 of 27 blocks compared differ" in done.stdout
+    assert (tmp_path / "out" / "consumer-broken" / "rank1.safetensors").is_file()
+
+
+def test_run_example_script_checks_the_status(tmp_path: Path) -> None:
+    # A kvaudit that misses the fault (always status 0) fails the script, saying why.
+    done = run_script(tmp_path, "exit 0")
+    assert done.returncode != 0
+    assert "broken consumer exited with status 0, expected 1" in done.stderr
+    assert "run_example: OK" not in done.stdout

@@ -1,0 +1,173 @@
+"""Assertions for tests and CI: did a connector deliver the producer's KV intact?
+
+``assert_kv_equal(producer, consumer)`` compares two sides the way ``kvaudit diff`` does
+and raises ``AssertionError`` whose message is the diff report as plain text (the same
+summary, verdict and located differences as the command's table), so a failing test
+says which request, group, block, layer, head, tokens and byte broke. A side is:
+
+- a dump file, a directory of one engine's dumps, or a list of dump files (``str`` or
+  ``os.PathLike``); a record JSON file (``kvaudit checksum --format json``);
+- a ``kvaudit.records.Record`` or a ``kvaudit.dumps.DumpSet`` already in memory;
+- a ``LiveSide``: live ``Checksummer`` objects of one engine's workers with the requests'
+  blocks, and optionally their tensors (to locate differences without writing dumps).
+
+Example, in a connector's test::
+
+    from kvaudit.testing import assert_kv_equal
+
+    def test_transfer_is_intact(tmp_path):
+        run_transfer(dump_dir=tmp_path)          # writes producer/ and consumer/ dumps
+        assert_kv_equal(tmp_path / "producer", tmp_path / "consumer")
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .checksummer import Checksummer, RequestBlocks
+from .compare import DiffReport
+from .description import CacheDescription, load_description
+from .diffing import diff_sources
+from .dumps import DumpSet
+from .errors import KvauditError
+from .records import Record
+from .report import print_diff, render_text
+from .sources import (
+    ChecksummerSource,
+    DumpSource,
+    RecordSource,
+    Source,
+    open_source,
+    resolve_device,
+)
+from .views import LayerTensor
+
+
+@dataclass
+class LiveSide:
+    """One engine's workers, live, as one side of ``assert_kv_equal``.
+
+    ``checksummers``: one ``Checksummer`` per worker of the engine (every TP rank of
+    every PP stage), each built over that worker's cache tensors with its ranks and role
+    (a producer's ``role="producer"``, a consumer's ``role="consumer"``).
+    ``requests``: the requests' blocks in the engine's block ids, as ``RequestBlocks``:
+    one mapping that every worker shares (engines keep one block table), or a list with
+    one mapping per checksummer.
+    ``tensors``: optionally, per checksummer (same order), the tensors it was built over;
+    with them on both sides differences are located down to layers, heads, tokens and
+    bytes, as for dumps.
+    """
+
+    checksummers: Sequence[Checksummer]
+    requests: Mapping[str, RequestBlocks] | Sequence[Mapping[str, RequestBlocks]]
+    tensors: Sequence[Mapping[str, LayerTensor]] | None = None
+    name: str = "live"
+
+    def source(self) -> ChecksummerSource:
+        """The side as a source the diff driver reads."""
+        if isinstance(self.requests, Mapping):
+            requests = [self.requests] * len(self.checksummers)
+        else:
+            requests = list(self.requests)
+        return ChecksummerSource(self.checksummers, requests, self.tensors, self.name)
+
+
+Side = str | os.PathLike | Sequence[str | os.PathLike] | Record | DumpSet | LiveSide
+"""What ``assert_kv_equal`` takes for a producer or a consumer."""
+
+
+def _config(config: CacheDescription | str | os.PathLike | None) -> CacheDescription | None:
+    if config is None or isinstance(config, CacheDescription):
+        return config
+    return load_description(os.fspath(config))
+
+
+def as_source(side: Side, config: CacheDescription | None = None, label: str = "side") -> Source:
+    """A side of ``assert_kv_equal`` as a source; ``config`` applies to dumps.
+
+    Raises:
+        KvauditError: A path that cannot be read, or an object of another type.
+
+    """
+    if isinstance(side, LiveSide):
+        return side.source()
+    if isinstance(side, Record):
+        return RecordSource(label, side)
+    if isinstance(side, DumpSet):
+        return DumpSource([dump.path for dump in side.dumps], side)
+    if isinstance(side, (str, os.PathLike)):
+        return open_source([os.fspath(side)], config)
+    if (
+        isinstance(side, Sequence)
+        and side
+        and all(isinstance(item, (str, os.PathLike)) for item in side)
+    ):
+        return open_source([os.fspath(item) for item in side], config)
+    raise KvauditError(
+        f"the {label} must be dump paths, a Record, a DumpSet or a LiveSide, "
+        f"got {type(side).__name__}"
+    )
+
+
+def diff_kv(
+    producer: Side,
+    consumer: Side,
+    *,
+    request_ids: Sequence[str] | None = None,
+    config: CacheDescription | str | os.PathLike | None = None,
+    locate: bool = True,
+) -> DiffReport:
+    """The diff report of two sides (see ``assert_kv_equal``), without asserting."""
+    description = _config(config)
+    left = as_source(producer, description, "producer")
+    right = as_source(consumer, description, "consumer")
+    return diff_sources(
+        left,
+        right,
+        request_ids=request_ids,
+        locate=None if locate else False,
+        runtime=resolve_device("auto"),
+    )
+
+
+def report_text(report: DiffReport, title: str | None = None) -> str:
+    """A diff report as plain text: what ``kvaudit diff`` prints as its table."""
+    return render_text(functools.partial(print_diff, title=title), report)
+
+
+def assert_kv_equal(
+    producer: Side,
+    consumer: Side,
+    *,
+    request_ids: Sequence[str] | None = None,
+    config: CacheDescription | str | os.PathLike | None = None,
+    locate: bool = True,
+) -> DiffReport:
+    """Assert that the consumer holds the producer's KV, request by request.
+
+    Both sides are checksummed over the tokens both hold (a consumer that decoded further
+    is compared up to the last shared token), whatever their TP and PP sizes, layouts,
+    block ids and block sizes. ``request_ids`` limits the comparison (default: every
+    request); ``config`` (a ``CacheDescription`` or a YAML path) supplies or overrides
+    the dumps' description; ``locate`` narrows differences down where both sides hold the
+    raw KV (dumps, or a ``LiveSide`` with tensors). Returns the report when it is ok.
+
+    Raises:
+        AssertionError: A block, replica or request differs or is missing, or a group
+            could not be verified; the message is the report as plain text.
+        KvauditError: Bad input (a missing or malformed dump, an unknown request id).
+
+    """
+    __tracebackhide__ = True  # pytest shows the caller's line, not this function's
+    report = diff_kv(producer, consumer, request_ids=request_ids, config=config, locate=locate)
+    if not report.ok:
+        raise AssertionError(
+            "\n" + report_text(report, "kvaudit: the consumer's KV is not the producer's")
+        )
+    return report
+
+
+__all__ = ["LiveSide", "Side", "as_source", "assert_kv_equal", "diff_kv", "report_text"]
