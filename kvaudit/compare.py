@@ -49,17 +49,23 @@ NO_RECEIVED = "no producer checksums received"
 class GroupComparison:
     """The comparison of one request's group.
 
-    ``mismatched_positions`` and the positions of ``replicas_differing`` (``(position,
-    replica index)`` pairs) are numbered at ``block_size``, the coarser of the two sides'.
-    ``located`` is filled by the locate step and reported as given.
+    ``mismatched_positions`` and the positions of ``replica_mismatches`` (``(position,
+    replicas, replica index)``: where a consumer replica differs) are numbered at
+    ``block_size``, the coarser of the two sides'. ``located`` is filled by the locate step
+    and reported as given.
     """
 
     compared: int = 0
     mismatched_positions: list[int] = field(default_factory=list)
-    replicas_differing: list[tuple[int, int]] = field(default_factory=list)
+    replica_mismatches: list[tuple[int, int, int]] = field(default_factory=list)
     unverified: str | None = None
     located: list[dict] = field(default_factory=list)
     block_size: int = 0
+
+    @property
+    def replicas_differing(self) -> list[ReplicaKey]:
+        """The replica keys ``(R, r)`` that differ somewhere, sorted."""
+        return sorted({(replicas, index) for _, replicas, index in self.replica_mismatches})
 
     @property
     def ok(self) -> bool:
@@ -76,7 +82,7 @@ class GroupComparison:
             "compared": int(self.compared),
             "mismatched_positions": [int(position) for position in self.mismatched_positions],
             "replicas_differing": [
-                [int(position), int(index)] for position, index in self.replicas_differing
+                [int(replicas), int(index)] for replicas, index in self.replicas_differing
             ],
             "unverified": self.unverified,
             "located": [dict(item) for item in self.located],
@@ -196,12 +202,12 @@ def _coarsen(side: _Side, coarse: int) -> tuple[np.ndarray, np.ndarray]:
     return positions[formed], sums[formed]
 
 
-def _replica_differences(side: _Side, coarse: int) -> set[tuple[int, int]]:
-    """``(coarse position, replica index)`` wherever a column ``(R, r)`` differs from
-    ``(R, 0)``, checked at the side's own block size."""
+def _replica_differences(side: _Side, coarse: int) -> set[tuple[int, int, int]]:
+    """``(coarse position, R, r)`` wherever a column ``(R, r)`` differs from ``(R, 0)``,
+    checked at the side's own block size."""
     column = {key: k for k, key in enumerate(side.keys)}
     zeros = np.zeros(side.columns.shape[0], dtype=np.uint64)
-    found: set[tuple[int, int]] = set()
+    found: set[tuple[int, int, int]] = set()
     for (replicas, index), k in column.items():
         if index == 0:
             continue
@@ -209,7 +215,7 @@ def _replica_differences(side: _Side, coarse: int) -> set[tuple[int, int]]:
         reference = side.columns[:, base] if base is not None else zeros
         for row in np.nonzero(side.columns[:, k] != reference)[0].tolist():
             position = (side.start + row) * side.block_size // coarse
-            found.add((position, index))
+            found.add((position, replicas, index))
     return found
 
 
@@ -276,7 +282,7 @@ def _compare_sides(
             if key[1] == 0:
                 mismatched.update(differing)
             else:
-                replicas.update((position, key[1]) for position in differing)
+                replicas.update((position, *key) for position in differing)
 
     unverified = None
     if positions.size == 0:
@@ -293,7 +299,7 @@ def _compare_sides(
     return GroupComparison(
         compared=int(positions.size),
         mismatched_positions=sorted(int(p) for p in mismatched),
-        replicas_differing=sorted((int(p), int(r)) for p, r in replicas),
+        replica_mismatches=sorted((int(p), int(n), int(r)) for p, n, r in replicas),
         unverified=unverified,
         block_size=coarse,
     )

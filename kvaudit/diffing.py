@@ -164,7 +164,7 @@ def locate_report(
     """Fill each differing group's ``located`` with the layers, heads, tokens and bytes
     that differ at its mismatched positions and replica-differing positions."""
     for request_id, gid, group in report.groups():
-        positions = {*group.mismatched_positions, *(p for p, _ in group.replicas_differing)}
+        positions = {*group.mismatched_positions, *(p for p, _, _ in group.replica_mismatches)}
         if not positions or request_id not in num_tokens:
             continue
         group.located = locate_differences(

@@ -38,12 +38,12 @@ def failure_message(group: GroupComparison) -> str:
             f"blocks differ at positions {_list(group.mismatched_positions)} "
             f"(block size {group.block_size}, {group.compared} compared)"
         )
-    if group.replicas_differing:
-        pairs = [f"{position}/{index}" for position, index in group.replicas_differing]
+    if group.replica_mismatches:
+        pairs = [f"{position} ({r}:{i})" for position, r, i in group.replica_mismatches]
         shown = ", ".join(pairs[:20])
         if len(pairs) > 20:
             shown += f" and {len(pairs) - 20} more"
-        parts.append(f"replicas differ at position/replica {shown}")
+        parts.append(f"replicas differ at position (replica key) {shown}")
     return "; ".join(parts)
 
 

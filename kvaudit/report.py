@@ -422,7 +422,7 @@ def diff_verdict(report: DiffReport, sides: Sides = DIFF_SIDES) -> str:
     requests = len(report.requests)
     blocks = sum(group.compared for group in groups)
     differing = sum(len(group.mismatched_positions) for group in groups)
-    replicas = sum(len(group.replicas_differing) for group in groups)
+    replicas = sum(len(group.replica_mismatches) for group in groups)
     unverified = sum(1 for group in groups if group.unverified is not None)
     requests_differing = sum(
         1
@@ -467,14 +467,15 @@ def _result_cell(group: GroupComparison) -> Text:
     return Text("ok", style="green")
 
 
-def _replica_text(pairs: list[tuple[int, int]]) -> str:
-    """``(position, replica)`` pairs as ``4 (r1, r2), 5 (r1)``."""
-    by_position: dict[int, list[int]] = {}
-    for position, index in pairs:
-        by_position.setdefault(position, []).append(index)
+def _replica_text(mismatches: list[tuple[int, int, int]]) -> str:
+    """``(position, R, r)`` triples as ``4 (2:1, 4:3), 5 (2:1)``: each position with the
+    replica keys that differ there."""
+    by_position: dict[int, list[tuple[int, int]]] = {}
+    for position, replicas, index in mismatches:
+        by_position.setdefault(position, []).append((replicas, index))
     return ", ".join(
-        f"{position} ({', '.join(f'r{index}' for index in sorted(indices))})"
-        for position, indices in sorted(by_position.items())
+        f"{position} ({', '.join(f'{r}:{i}' for r, i in sorted(keys))})"
+        for position, keys in sorted(by_position.items())
     )
 
 
@@ -518,7 +519,7 @@ def print_diff(
                 str(group.block_size) if group.block_size else "",
                 str(group.compared),
                 f"{len(mismatched)}: {ranges(mismatched)}" if mismatched else "-",
-                _replica_text(group.replicas_differing) if group.replicas_differing else "-",
+                _replica_text(group.replica_mismatches) if group.replica_mismatches else "-",
                 _result_cell(group),
             )
     if report.requests:

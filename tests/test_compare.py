@@ -176,7 +176,8 @@ def test_replica_column_off_is_listed_even_when_totals_match() -> None:
     report = compare_records(producer, consumer)
     group = report.requests["req-a"][0]
     assert group.mismatched_positions == []
-    assert group.replicas_differing == [(1, 1)]
+    assert group.replica_mismatches == [(1, 2, 1)]
+    assert group.replicas_differing == [(2, 1)]
     assert not group.ok and not report.ok
 
 
@@ -188,7 +189,8 @@ def test_replica_zero_column_off_changes_totals() -> None:
     group = compare_records(producer, consumer).requests["req-a"][0]
     # The total moved, and replica 1 no longer equals replica 0.
     assert group.mismatched_positions == [0]
-    assert group.replicas_differing == [(0, 1)]
+    assert group.replica_mismatches == [(0, 2, 1)]
+    assert group.replicas_differing == [(2, 1)]
 
 
 def test_producer_replicas_are_not_checked() -> None:
@@ -305,7 +307,7 @@ def test_finer_consumer_replicas_are_reported_in_coarse_positions() -> None:
     bump(consumer, "r", 0, 5, (2, 1))
     group = compare_records(producer, consumer).requests["r"][0]
     # 16-block 5 lies in 64-block 1; the totals (replica 0) still match.
-    assert group.replicas_differing == [(1, 1)]
+    assert group.replica_mismatches == [(1, 2, 1)]
     assert (group.compared, group.mismatched_positions) == (2, [])
 
 
@@ -495,7 +497,7 @@ def test_json_shape_and_values() -> None:
     assert a0 == {
         "compared": 3,
         "mismatched_positions": [2],
-        "replicas_differing": [[1, 1]],
+        "replicas_differing": [[2, 1]],
         "unverified": None,
         "located": [located],
     }
@@ -536,7 +538,7 @@ def test_junit_counts_and_messages() -> None:
         .startswith("covered on the producer only")
     )
     message = by_name[("kvaudit.req-a", "group 0")].find("failure").get("message")
-    assert "2" in message and "1/1" in message
+    assert "2" in message and "1 (2:1)" in message
     assert by_name[("kvaudit.req-b", "group 0")].find("failure") is None
     assert by_name[("kvaudit.req-b", "group 0")].find("error") is None
     assert any(case.get("classname") == "kvaudit.req-gone" for case in failures)
@@ -582,7 +584,7 @@ def test_verify_against_record_checks_every_column() -> None:
     report = verify_against_record(current, saved)
     result = report.requests["req-b"][0]
     assert result.mismatched_positions == [0]
-    assert result.replicas_differing == [(0, 1)]
+    assert result.replica_mismatches == [(0, 2, 1)]
     assert not report.ok
 
 

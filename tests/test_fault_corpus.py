@@ -228,6 +228,23 @@ def replica_of(layer: kb.LayerModel, worker: kb.Worker) -> int:
     return worker.tp_rank if layer.tp_replicated else 0
 
 
+def replica_class(built: Built, name: str, head: int) -> int:
+    """``R``: how many consumer ranks hold this global head (or state row) of a layer."""
+    tp_size = built.consumer_workers[0].tp_size
+    layer = next(lay for lay in group_of(built.model, name).layers if lay.name == name)
+    if isinstance(layer, kb.Attn):
+        return kb.replicas(layer, tp_size)
+    if not layer.splits:
+        return tp_size if layer.tp_replicated else 1
+    first = 0
+    for _, segments in layer.splits:
+        for global_rows, max_shards in segments:
+            if first <= head < first + global_rows:
+                return kb.segment_replicas(max_shards, tp_size)
+            first += global_rows
+    raise AssertionError(f"{name} has no row {head}")
+
+
 def worker_cells(built: Built, worker: kb.Worker) -> dict[Cell, np.ndarray]:
     """Every cell of every listed block of a consumer worker, below the shared tokens."""
     model = built.model
@@ -346,7 +363,7 @@ class Expected:
     """What the report must say of one request's group."""
 
     mismatched: set[int] = field(default_factory=set)
-    replicas: set[tuple[int, int]] = field(default_factory=set)
+    replicas: set[tuple[int, int]] = field(default_factory=set)  # replica keys (R, r)
     located: list[dict] = field(default_factory=list)
 
 
@@ -397,7 +414,7 @@ def expected_report(built: Built) -> dict[tuple[str, int], Expected]:
         expected = result[rid, gid]
         if replica:
             entry["replica"] = replica
-            expected.replicas.add((position, replica))
+            expected.replicas.add((replica_class(built, name, head), replica))
         else:
             expected.mismatched.add(position)
         expected.located.append(entry)
