@@ -464,11 +464,6 @@ def corrupt(
     """Write a copy of one dump file with one planted fault in one block, and say what
     changed (for testing connectors and checkers)."""
     resolve_device(device or "auto")
-    if config_path is not None:
-        raise KvauditError(
-            "corrupt works on the cache description the dump embeds; --config is not taken",
-            config_path,
-        )
     if os.path.exists(output) and os.path.exists(source) and os.path.samefile(source, output):
         raise KvauditError("the output is SOURCE itself; corrupt writes a copy elsewhere", output)
     result = corrupt_dump(
@@ -482,6 +477,7 @@ def corrupt(
         token=token,
         mode=mode,
         seed=seed,
+        config=load_description(config_path) if config_path is not None else None,
     )
     if output_format == "json":
         click.echo(json_text(result))

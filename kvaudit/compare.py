@@ -29,6 +29,7 @@ Rules, per request present on both sides and per group either side holds:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -85,8 +86,17 @@ class GroupComparison:
                 [int(replicas), int(index)] for replicas, index in self.replicas_differing
             ],
             "unverified": self.unverified,
-            "located": [dict(item) for item in self.located],
+            "located": [
+                {key: _finite(value) for key, value in item.items()} for item in self.located
+            ],
         }
+
+
+def _finite(value: object) -> object:
+    """A located entry's value for strict JSON: an infinite or NaN error becomes None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 @dataclass

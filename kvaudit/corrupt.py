@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .description import CacheDescription
 from .dumps import Dump, open_dump
 from .errors import KvauditError
 from .locate import (
@@ -93,6 +94,7 @@ def corrupt_dump(
     token: int | None = None,
     mode: str = "flip",
     seed: int = 0,
+    config: CacheDescription | None = None,
 ) -> dict:
     """Write a copy of a dump with one fault in a request's block at ``position`` (in the
     dump's block size of the group), and say what changed.
@@ -106,7 +108,7 @@ def corrupt_dump(
     from ``seed``. The result lists the changed layers, global heads and request positions
     (``changes``; ``tokens_past_end`` are changed slots at or past ``num_tokens``), the
     changed bytes of the output file (``byte_ranges``, ``[start, end)``) and the mode's
-    own details.
+    own details. ``config`` stands in for (or overrides) the description the dump embeds.
 
     Raises:
         KvauditError: One line naming the file: an unknown request, group, layer or
@@ -120,7 +122,7 @@ def corrupt_dump(
         raise KvauditError(f"unknown mode {mode!r}, expected one of {', '.join(MODES)}", path)
     if os.path.isdir(path):
         raise KvauditError("is a directory; corrupt writes a copy of one dump file", path)
-    dump = open_dump(path)
+    dump = open_dump(path, config)
     block = _open_block(dump, request_id, group_id, position)
     rng = np.random.default_rng(seed)
     fault = _MODES[mode](block, layer, head, token, rng)

@@ -378,21 +378,9 @@ def progress_bar(total: int, description: str, *, enabled: bool) -> Iterator[Cal
 # Diff reports.
 
 
-def finite_json(value: object) -> object:
-    """``value`` with every non-finite float (an infinite or NaN error) replaced by None,
-    so that it is strict JSON (``json.dumps(..., allow_nan=False)`` passes)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: finite_json(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite_json(item) for item in value]
-    return value
-
-
 def diff_json_text(report: DiffReport) -> str:
     """The ``--format json`` text of a diff report (non-finite errors as null)."""
-    data = finite_json(report.to_json())
+    data = report.to_json()
     json.dumps(data, allow_nan=False)  # strict JSON, or fail loudly here
     return json_text(data) + "\n"
 

@@ -35,8 +35,8 @@ from safetensors import safe_open
 from kvaudit.checksummer import RequestBlocks
 from kvaudit.cli import main
 from kvaudit.corrupt import MODES
-from kvaudit.description import parse_description
-from kvaudit.dumps import write_dump
+from kvaudit.description import description_to_dict, parse_description
+from kvaudit.dumps import open_dump, write_dump
 from kvaudit.fingerprint import block_checksum_tag
 from kvaudit.records import WorkerInfo
 
@@ -618,10 +618,27 @@ def test_bad_inputs(sets: Path, tmp_path: Path) -> None:
                               "--group", "0", "--position", "0"), "directory")  # fmt: skip
     assert_one_line_error(run("corrupt", source, "-o", source, "--request", "req-short",
                               "--group", "0", "--position", "0"), "SOURCE")  # fmt: skip
-    assert_one_line_error(run(*base, "--position", "0", "-c", tmp_path / "c.yaml"), "--config")
+    assert_one_line_error(run(*base, "--position", "0", "-c", tmp_path / "c.yaml"), "c.yaml")
     assert_one_line_error(run("corrupt", source, "--request", "req-short", "--group", "0",
                               "--position", "0"), "-o")  # fmt: skip
     assert not out.exists()
+
+
+def test_corrupt_with_a_config(sets: Path, tmp_path: Path) -> None:
+    """``-c`` gives corrupt the description (here the one the dump embeds, as YAML)."""
+    source = sets / "consumer" / "rank1.safetensors"
+    config = tmp_path / "cache.yaml"
+    config.write_text(yaml.safe_dump(description_to_dict(open_dump(source).description)))
+    broken = tmp_path / "consumer"
+    shutil.copytree(sets / "consumer", broken)
+    target = broken / "rank1.safetensors"
+    result = run("corrupt", source, "-o", target, "-c", config, "--request", "req-long",
+                 "--group", "0", "--position", "3", "--mode", "zero")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    diff = run("diff", sets / "producer", broken, "--format", "json")
+    assert diff.exit_code == 1
+    groups = strict_json(diff.stdout)["requests"]["req-long"]["groups"]
+    assert groups["0"]["mismatched_positions"] == [3]
 
 
 def test_python_m_kvaudit_diff(sets: Path) -> None:
