@@ -155,7 +155,7 @@ def group_views(dump: Dump, group_id: int) -> GroupViews:
         KvauditError: The group is not a group of the dump, or it is not covered.
 
     """
-    groups = dump.checksummer(backend="torch").groups
+    groups = dump.group_views
     views = groups.get(group_id)
     if views is None:
         known = ", ".join(str(gid) for gid in sorted(groups)) or "none"
@@ -280,7 +280,7 @@ class _Side:
             request = dump.requests.get(request_id)
             if request is None or group_id not in request.groups:
                 continue
-            views = dump.checksummer(backend="torch").groups.get(group_id)
+            views = dump.group_views.get(group_id)
             if views is None or not views.covered:
                 continue
             workers.append((dump, views, layer_specs(dump.description, group_id)))

@@ -4,6 +4,7 @@ tensor) and the dataclasses of an opened dump, its requests and a set of dumps.
 
 from __future__ import annotations
 
+import functools
 import mmap
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from ..checksummer import Checksummer, RequestBlocks
 from ..description import CacheDescription
 from ..errors import KvauditError
 from ..records import WorkerInfo
-from ..views import LayerTensor
+from ..views import GroupViews, LayerTensor, build_group_views
 from .layers import layer_parts
 from .safetensors_io import as_integers, tensor_nbytes
 
@@ -156,6 +157,18 @@ class Dump:
             if base <= first and end <= base + len(mapped):
                 return first - base
         raise KvauditError("the tensor is not a view of this dump's file mapping", source=self.path)
+
+    @functools.cached_property
+    def group_views(self) -> dict[int, GroupViews]:
+        """Every group's views of the dump's rows (as its checksummer sees them), built
+        once: what locating a difference and planting a fault read blocks through."""
+        return build_group_views(
+            self.description,
+            self.tensors,
+            tp_rank=self.worker.tp_rank,
+            tp_size=self.worker.tp_size,
+            num_blocks=self.num_rows,
+        )
 
     def checksummer(
         self, *, backend: str = "auto", device: str | torch.device = "cpu"
