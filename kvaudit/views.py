@@ -234,6 +234,11 @@ def _attention_parts(
 ) -> tuple[PieceView, ...]:
     """An attention cache as one piece view per stored row kind (cell, or K and V)."""
     layout = spec.layout
+    if "N" not in layout:
+        raise UnsupportedGroupError(
+            f"its layout {layout} has no N (kernel blocks) axis: a token-major layout is only "
+            "read from ExampleConnector folders"
+        )
     kernel_blocks = spec.block_size // spec.kernel_block_size
     sizes = {
         "N": num_blocks * kernel_blocks,

@@ -583,7 +583,6 @@ ERROR_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("layout missing", del_((*G0, "layout")), "groups[0].spec.layout", "missing"),
     ("layout letter", set_((*G0, "layout"), "NTHX"), "groups[0].spec.layout", "unknown axis 'X'"),
     ("layout repeat", set_((*G0, "layout"), "NTHCT"), "groups[0].spec.layout", "more than once"),
-    ("layout no N", set_((*G0, "layout"), "THC"), "groups[0].spec.layout", "no N"),
     ("layout no T", set_((*G0, "layout"), "NHC"), "groups[0].spec.layout", "no T"),
     ("layout C and D", set_((*G0, "layout"), "NTHDC"), "groups[0].spec.layout", "both C"),
     ("layout no C or D", set_((*G0, "layout"), "NTH"), "groups[0].spec.layout", "needs C"),

@@ -817,20 +817,25 @@ def test_write_checks_its_input(tmp_path: Path, change: Callable, expected: str)
 # vLLM ExampleConnector folders.
 
 
+@pytest.mark.parametrize("token_major", [False, True], ids=["blocked-layout", "token-major"])
 @pytest.mark.parametrize(
     ("kind", "tokens"), [("attention", 8), ("attention", 10), ("mla", 8), ("mla", 13)]
 )
-def test_example_connector_folder(tmp_path: Path, kind: str, tokens: int) -> None:
+def test_example_connector_folder(
+    tmp_path: Path, kind: str, tokens: int, token_major: bool
+) -> None:
+    # The description may give the folder's own token-major layout (no N, as the spec
+    # says) or the layout of the engine's paged cache.
     heads, head_size, block, kernel, num_blocks = 2, 4, 4, 2, 8
     mla = kind == "mla"
     spec = (
-        {"type": "mla", "head_size": 8, "layout": "NTC"}
+        {"type": "mla", "head_size": 8, "layout": "TC" if token_major else "NTC"}
         if mla
         else {
             "type": "full_attention",
             "num_kv_heads": heads,
             "head_size": head_size,
-            "layout": "KNTHD",
+            "layout": "KTHD" if token_major else "KNTHD",
         }
     )
     layers = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -891,7 +896,57 @@ def test_example_connector_folder(tmp_path: Path, kind: str, tokens: int) -> Non
     got = checksum_dump_set(dump_set).to_json()
     requests = {"req-42": RequestBlocks(tokens, {0: (0, table)})}
     worker = WorkerInfo(0, 1, 0, 1, "producer")
-    assert got["requests"] == live_record_json(config, live, requests, worker)["requests"]
+    live_config = parse_description(
+        {
+            "kvaudit": 1,
+            "num_blocks": num_blocks,
+            "groups": [
+                {
+                    "spec": {
+                        "block_size": block,
+                        "kernel_block_size": kernel,
+                        "dtype": "bfloat16",
+                        **spec,
+                        "layout": "NTC" if mla else "KNTHD",
+                    },
+                    "layers": layers,
+                }
+            ],
+        },
+        "live config",
+    )
+    want = live_record_json(live_config, live, requests, worker)["requests"]
+    assert got["requests"] == want
+
+
+def test_token_major_layout_only_for_example_connector_folders(tmp_path: Path) -> None:
+    """A layout without N is valid in a description, but a dump needs N and live caches
+    with it are not covered."""
+    description = {
+        "kvaudit": 1,
+        "num_blocks": 4,
+        "groups": [
+            {
+                "spec": {
+                    "type": "full_attention",
+                    "block_size": 4,
+                    "num_kv_heads": 2,
+                    "head_size": 4,
+                    "dtype": "bfloat16",
+                    "layout": "KTHD",
+                },
+                "layers": ["model.layers.0.attn"],
+            }
+        ],
+    }
+    config = parse_description(description, "config")
+    tensors = {"model.layers.0.attn": torch.zeros(2, 16, 2, 4, dtype=torch.bfloat16)}
+    checksummer = Checksummer(config, tensors)
+    assert "no N" in checksummer.not_covered[0]
+    path = tmp_path / "dump.safetensors"
+    with pytest.raises(KvauditError, match="no N"):
+        write_dump(path, config, tensors, {}, worker=WorkerInfo())
+    assert not path.exists()
 
 
 def test_example_connector_folder_must_match_the_config(tmp_path: Path) -> None:

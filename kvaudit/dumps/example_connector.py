@@ -4,6 +4,7 @@ token-major ``kv_cache`` tensor each) opened as one-request dumps.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -107,6 +108,7 @@ def open_example_connector(folder: str, config: CacheDescription | None) -> Dump
         name: _blocked(tensor, layout, entry.spec, num_rows)
         for name, (entry, tensor, layout) in loaded.items()
     }
+    config = _with_blocks_axis(config)
     request = DumpRequest(
         num_tokens, {group.id: (0, list(range(num_rows))) for group in config.groups}
     )
@@ -155,6 +157,36 @@ def _example_tokens(file: str, entry: LayerEntry, item: Entry, layout: str) -> i
     )
 
 
+def _blocks_layout(layout: str) -> str:
+    """A token-major layout with ``N`` put just outside ``T`` (unchanged if it has ``N``)."""
+    if "N" in layout:
+        return layout
+    axis = layout.index("T")
+    return layout[:axis] + "N" + layout[axis:]
+
+
+def _with_blocks_axis(config: CacheDescription) -> CacheDescription:
+    """The description with every token-major attention layout given its ``N`` axis, as
+    the blocked views of ``_blocked`` lay the tensors out."""
+
+    def spec_of(spec: LayerSpec) -> LayerSpec:
+        if spec.is_state:
+            return spec
+        return dataclasses.replace(spec, layout=_blocks_layout(spec.layout))
+
+    groups = tuple(
+        dataclasses.replace(
+            group,
+            spec=spec_of(group.spec),
+            layers=tuple(
+                dataclasses.replace(entry, spec=spec_of(entry.spec)) for entry in group.layers
+            ),
+        )
+        for group in config.groups
+    )
+    return dataclasses.replace(config, groups=groups)
+
+
 def _blocked(tensor: torch.Tensor, layout: str, spec: LayerSpec, num_rows: int) -> torch.Tensor:
     """A token-major tensor as the description's layout, with ``N`` kernel blocks (a view;
     a copy padded with zeros only when the tokens do not fill the last block)."""
@@ -169,4 +201,4 @@ def _blocked(tensor: torch.Tensor, layout: str, spec: LayerSpec, num_rows: int) 
     kernel = spec.kernel_block_size
     blocked = tensor.unflatten(axis, (tokens // kernel, kernel))
     letters = layout[:axis] + "NT" + layout[axis + 1 :]
-    return blocked.permute([letters.index(letter) for letter in spec.layout])
+    return blocked.permute([letters.index(letter) for letter in _blocks_layout(spec.layout)])

@@ -88,6 +88,12 @@ def check_layer(
                 f"{dtype_name(dtype)}) are smaller than its {_states_bytes(spec)} bytes of states",
             )
         return
+    if "N" not in spec.layout:
+        fail(
+            source,
+            f"layer {entry.name}: layout {spec.layout} has no N (kernel blocks) axis, which "
+            "only token-major ExampleConnector folders leave out",
+        )
     expected = _attention_shapes(spec, rows * kernel_blocks_per_block(spec))
     for name, shape, dtype, want in zip(names, shapes, dtypes, expected, strict=True):
         if tuple(shape) != want:
