@@ -120,20 +120,25 @@ class Checksummer:
                     batches.setdefault(group_id, []).append(
                         (req_id, start, list(block_ids), blocks.num_tokens)
                     )
+        # Queue every group's launches before reading any result back: one wait in all.
+        launched = []
         for group_id, segments in batches.items():
             plan = self.plans[group_id]
-            block_size = self.groups[group_id].group.block_size
-            ids, first_tokens, valid_tokens = _rows(segments, block_size, positions)
-            values = plan.checksum(
-                *(torch.from_numpy(a).to(plan.device) for a in (ids, first_tokens, valid_tokens))
+            rows = torch.from_numpy(
+                np.stack(_rows(segments, self.groups[group_id].group.block_size, positions))
             )
-            values = values.cpu().numpy().view(np.uint64)
+            if plan.device.type == "cuda":
+                rows = rows.pin_memory()
+            ids, first_tokens, valid_tokens = rows.to(plan.device, non_blocking=True)
+            launched.append((group_id, segments, plan.checksum(ids, first_tokens, valid_tokens)))
+        for group_id, segments, device_values in launched:
+            values = device_values.cpu().numpy().view(np.uint64)
             row = 0
             for req_id, start, block_ids, _ in segments:
                 record.requests[req_id].groups[group_id] = GroupChecksums(
-                    block_size=block_size,
+                    block_size=self.groups[group_id].group.block_size,
                     start=start,
-                    replica_keys=list(plan.replica_keys),
+                    replica_keys=list(self.plans[group_id].replica_keys),
                     values=values[row : row + len(block_ids)].copy(),
                     fingerprint=self.groups[group_id].fingerprint,
                 )
