@@ -126,6 +126,12 @@ def _group_views(
     tp_size: int,
     num_blocks: int,
 ) -> list[LayerView]:
+    """One group's views on this worker, each distinct cache once.
+
+    Raises:
+        UnsupportedGroupError: The group cannot be checksummed; the message says why.
+
+    """
     if not group.transfer:
         raise UnsupportedGroupError("it is not a transfer group")
     if group.host_resident:
@@ -195,6 +201,7 @@ def _layer_caches(
     tp_size: int,
     description: CacheDescription,
 ) -> list[_Cache]:
+    """A layer's cache as the caches (state segments) its heads are numbered by."""
     if spec.is_state:
         if isinstance(tensor, tuple):
             raise UnsupportedGroupError("its state cache is given as a K/V pair")
