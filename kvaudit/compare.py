@@ -19,16 +19,24 @@ Rules, per request present on both sides and per group either side holds:
 - A position is compared only when both sides hold it and both give it the same, non-zero,
   number of valid tokens (each side with its own ``num_tokens``). No such position leaves
   the group unverified ("no common block ...").
-- The producer contributes its totals (replica index 0 keys). The consumer's totals must
-  equal them, and each consumer replica column ``(R, r)`` must equal its ``(R, 0)`` column at
-  every position the consumer holds; that check runs at the consumer's own block size and
-  reports positions in the compared (coarser) numbering.
+- The producer contributes its totals (the sums of its replica index 0 columns); a compared
+  position whose consumer total differs is listed in ``mismatched_positions``.
+- In a group that is compared, each consumer replica column ``(R, r)`` must equal its
+  ``(R, 0)`` column (0 where the consumer has none) at every position the consumer holds.
+  That check runs at the consumer's own block size; each difference adds ``(position, R,
+  r)`` to ``replica_mismatches``, the position in the compared (coarser) numbering, and
+  ``replicas_differing`` lists the keys ``(R, r)`` that differ.
+- ``verify_against_record`` also compares column by column when both sides have the same
+  replica keys: a differing replica-0 column lists the position as mismatched, another
+  column adds it to ``replica_mismatches``.
 - A request only the producer has is a failure (the consumer never got it); a request only
-  the consumer has is informational (it may have been computed locally).
+  the consumer has is informational (it may have been computed locally), except for
+  ``verify_received``, which leaves each of its groups unverified.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +46,14 @@ import numpy as np
 from .errors import KvauditError
 from .fingerprint import block_checksum_tags
 from .junit import diff_junit
-from .records import GroupChecksums, Record, RequestChecksums, WorkerInfo, WorkerSummary
+from .records import (
+    GroupChecksums,
+    Record,
+    RequestChecksums,
+    WorkerInfo,
+    WorkerSummary,
+    replica_zero_totals,
+)
 from .scheme import ReplicaKey, to_hex
 from .wire import decode_wire
 
@@ -50,10 +65,11 @@ NO_RECEIVED = "no producer checksums received"
 class GroupComparison:
     """The comparison of one request's group.
 
-    ``mismatched_positions`` and the positions of ``replica_mismatches`` (``(position,
-    replicas, replica index)``: where a consumer replica differs) are numbered at
-    ``block_size``, the coarser of the two sides'. ``located`` is filled by the locate step
-    and reported as given.
+    ``compared`` counts the positions compared, ``mismatched_positions`` lists those whose
+    totals differ and ``replica_mismatches`` each ``(position, R, r)`` where consumer
+    replica ``(R, r)`` differs; positions are numbered at ``block_size``, the coarser of
+    the two sides'. ``unverified`` is why the group could not be compared (None when it
+    was). ``located`` is filled by the locate step and reported as given.
     """
 
     compared: int = 0
@@ -69,13 +85,14 @@ class GroupComparison:
         return sorted({(replicas, index) for _, replicas, index in self.replica_mismatches})
 
     @property
+    def differs(self) -> bool:
+        """Whether a compared block or a consumer replica differs."""
+        return bool(self.mismatched_positions or self.replica_mismatches)
+
+    @property
     def ok(self) -> bool:
         """Whether every compared block matched, no replica differed and it was compared."""
-        return (
-            not self.mismatched_positions
-            and not self.replicas_differing
-            and self.unverified is None
-        )
+        return not self.differs and self.unverified is None
 
     def to_json(self) -> dict:
         """The group's entry of a diff report."""
@@ -159,22 +176,16 @@ class _Side:
     keys: list[ReplicaKey]
 
     @classmethod
-    def of(cls, group: GroupChecksums, num_tokens: int, *, totals_only: bool) -> _Side:
-        """A record's group; with ``totals_only`` one column of its totals under ``(1, 0)``."""
-        if totals_only:
-            columns = group.totals().reshape(-1, 1)
-            keys: list[ReplicaKey] = [(1, 0)]
-        else:
-            columns = np.asarray(group.values, dtype=np.uint64).reshape(group.count, -1)
-            keys = [(int(r), int(i)) for r, i in group.replica_keys]
+    def of(cls, group: GroupChecksums, num_tokens: int) -> _Side:
+        """A record's group, for a request of ``num_tokens`` tokens."""
+        keys = [(int(r), int(i)) for r, i in group.replica_keys]
+        columns = np.asarray(group.values, dtype=np.uint64).reshape(group.count, len(keys))
         return cls(group.block_size, group.start, num_tokens, group.fingerprint, columns, keys)
 
-    def totals(self, columns: np.ndarray) -> np.ndarray:
-        """Per row of ``columns`` (this side's layout), the sum of the replica-0 columns."""
-        chosen = [k for k, (_, index) in enumerate(self.keys) if index == 0]
-        if not chosen:
-            return np.zeros(columns.shape[0], dtype=np.uint64)
-        return columns[:, chosen].sum(axis=1, dtype=np.uint64)
+    @functools.cached_property
+    def column_of(self) -> dict[ReplicaKey, int]:
+        """The column of each replica key."""
+        return {key: k for k, key in enumerate(self.keys)}
 
 
 def valid_tokens(num_tokens: int, block_size: int, positions: np.ndarray) -> np.ndarray:
@@ -213,19 +224,17 @@ def _coarsen(side: _Side, coarse: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _replica_differences(side: _Side, coarse: int) -> set[tuple[int, int, int]]:
-    """``(coarse position, R, r)`` wherever a column ``(R, r)`` differs from ``(R, 0)``,
-    checked at the side's own block size."""
-    column = {key: k for k, key in enumerate(side.keys)}
-    zeros = np.zeros(side.columns.shape[0], dtype=np.uint64)
+    """``(coarse position, R, r)`` wherever a column ``(R, r)``, ``r > 0``, differs from
+    ``(R, 0)`` (from 0 where the side has no such column), checked at the side's own
+    block size."""
     found: set[tuple[int, int, int]] = set()
-    for (replicas, index), k in column.items():
+    for k, (replicas, index) in enumerate(side.keys):
         if index == 0:
             continue
-        base = column.get((replicas, 0))
-        reference = side.columns[:, base] if base is not None else zeros
-        for row in np.nonzero(side.columns[:, k] != reference)[0].tolist():
-            position = (side.start + row) * side.block_size // coarse
-            found.add((position, replicas, index))
+        base = side.column_of.get((replicas, 0))
+        reference = side.columns[:, base] if base is not None else np.uint64(0)
+        for row in np.flatnonzero(side.columns[:, k] != reference).tolist():
+            found.add(((side.start + row) * side.block_size // coarse, replicas, index))
     return found
 
 
@@ -237,35 +246,36 @@ def _span(positions: np.ndarray) -> str:
     return str(first) if first == last else f"{first}-{last}"
 
 
+def _incomparable(producer: _Side, consumer: _Side, numbering: str) -> str | None:
+    """Why the two sides cannot be compared position by position (their fingerprints or
+    block sizes), or None."""
+    if producer.fingerprint != consumer.fingerprint:
+        return (
+            f"fingerprints differ (producer {to_hex(producer.fingerprint)}, consumer "
+            f"{to_hex(consumer.fingerprint)}): the layers, specs or dtypes differ"
+        )
+    fine, coarse = sorted((producer.block_size, consumer.block_size))
+    if fine == coarse:
+        return None
+    sizes = f"producer {producer.block_size}, consumer {consumer.block_size}"
+    if fine <= 0 or coarse % fine:
+        return f"block sizes differ and neither divides the other ({sizes})"
+    if numbering == "block":
+        return (
+            f"block sizes differ ({sizes}) and positions are numbered per block: "
+            "the checksums do not add up across block sizes"
+        )
+    return None
+
+
 def _compare_sides(
     producer: _Side, consumer: _Side, numbering: str, *, per_key: bool
 ) -> GroupComparison:
     """One group compared once both sides are known to hold it and to be complete."""
     coarse = max(producer.block_size, consumer.block_size)
-    if producer.fingerprint != consumer.fingerprint:
-        return GroupComparison(
-            unverified=(
-                f"fingerprints differ (producer {to_hex(producer.fingerprint)}, consumer "
-                f"{to_hex(consumer.fingerprint)}): the layers, specs or dtypes differ"
-            ),
-            block_size=coarse,
-        )
-    fine = min(producer.block_size, consumer.block_size)
-    if fine != coarse:
-        sizes = f"producer {producer.block_size}, consumer {consumer.block_size}"
-        if fine <= 0 or coarse % fine:
-            return GroupComparison(
-                unverified=f"block sizes differ and neither divides the other ({sizes})",
-                block_size=coarse,
-            )
-        if numbering == "block":
-            return GroupComparison(
-                unverified=(
-                    f"block sizes differ ({sizes}) and positions are numbered per block: "
-                    "the checksums do not add up across block sizes"
-                ),
-                block_size=coarse,
-            )
+    reason = _incomparable(producer, consumer, numbering)
+    if reason is not None:
+        return GroupComparison(unverified=reason, block_size=coarse)
 
     producer_positions, producer_columns = _coarsen(producer, coarse)
     consumer_positions, consumer_columns = _coarsen(consumer, coarse)
@@ -276,40 +286,38 @@ def _compare_sides(
     consumer_valid = valid_tokens(consumer.num_tokens, coarse, common)
     usable = (producer_valid == consumer_valid) & (producer_valid > 0)
     positions = common[usable]
-    rows_p, rows_c = in_producer[usable], in_consumer[usable]
+    left = producer_columns[in_producer[usable]]
+    right = consumer_columns[in_consumer[usable]]
 
-    producer_totals = producer.totals(producer_columns)[rows_p]
-    consumer_totals = consumer.totals(consumer_columns)[rows_c]
-    mismatched = set(positions[producer_totals != consumer_totals].tolist())
+    totals_differ = replica_zero_totals(left, producer.keys) != replica_zero_totals(
+        right, consumer.keys
+    )
+    mismatched = set(positions[totals_differ].tolist())
     replicas = _replica_differences(consumer, coarse)
     if per_key and set(producer.keys) == set(consumer.keys):
         # Same engine layout: every column must match the saved one, not only the totals.
-        consumer_column = {key: k for k, key in enumerate(consumer.keys)}
         for k, key in enumerate(producer.keys):
-            left = producer_columns[rows_p, k]
-            right = consumer_columns[rows_c, consumer_column[key]]
-            differing = positions[left != right].tolist()
+            differing = positions[left[:, k] != right[:, consumer.column_of[key]]].tolist()
             if key[1] == 0:
                 mismatched.update(differing)
             else:
                 replicas.update((position, *key) for position in differing)
 
     unverified = None
-    if positions.size == 0:
-        if common.size == 0:
-            unverified = (
-                f"no common block (producer holds {_span(producer_positions)}, consumer "
-                f"{_span(consumer_positions)} at block size {coarse})"
-            )
-        else:
-            unverified = (
-                f"no common block with the same valid tokens (producer {producer.num_tokens} "
-                f"tokens, consumer {consumer.num_tokens}, block size {coarse})"
-            )
+    if positions.size == 0 and common.size == 0:
+        unverified = (
+            f"no common block (producer holds {_span(producer_positions)}, consumer "
+            f"{_span(consumer_positions)} at block size {coarse})"
+        )
+    elif positions.size == 0:
+        unverified = (
+            f"no common block with the same valid tokens (producer {producer.num_tokens} "
+            f"tokens, consumer {consumer.num_tokens}, block size {coarse})"
+        )
     return GroupComparison(
         compared=int(positions.size),
-        mismatched_positions=sorted(int(p) for p in mismatched),
-        replica_mismatches=sorted((int(p), int(n), int(r)) for p, n, r in replicas),
+        mismatched_positions=sorted(mismatched),
+        replica_mismatches=sorted(replicas),
         unverified=unverified,
         block_size=coarse,
     )
@@ -338,12 +346,29 @@ def _not_covered_reason(record: Record, gid: int) -> str | None:
     return "; ".join(reasons) if reasons else None
 
 
+def _covered_on_one_side(lacking: str, record: Record, gid: int, absence: str | None) -> str:
+    """Why a group the ``lacking`` side (``record``) does not hold is unverified: its
+    workers' reason for not covering the group, else ``absence`` (by default, that it
+    holds no block of it)."""
+    holder = "producer" if lacking == "consumer" else "consumer"
+    known = _not_covered_reason(record, gid)
+    if known is not None:
+        reason = f"{lacking}: {known}"
+    elif absence is not None:
+        reason = absence
+    else:
+        reason = f"the {lacking} holds no block of it for this request"
+    return f"covered on the {holder} only ({reason})"
+
+
 def _first_source(record: Record) -> str:
+    """`` (source)`` of the record's first worker that names one, for a message."""
     sources = [summary.worker.source for summary in record.workers if summary.worker.source]
     return f" ({sources[0]})" if sources else ""
 
 
 def _check_numbering(producer: Record, consumer: Record) -> None:
+    """Raise ``KvauditError`` unless both records number positions the same way."""
     if producer.positions != consumer.positions:
         raise KvauditError(
             f"positions are numbered by {producer.positions} on the producer"
@@ -360,8 +385,9 @@ def _select(
         wanted = list(dict.fromkeys([*producer.requests, *consumer.requests]))
     else:
         wanted = list(dict.fromkeys(request_ids))
-        absent = [rid for rid in wanted if rid not in producer.requests]
-        absent = [rid for rid in absent if rid not in consumer.requests]
+        absent = [
+            rid for rid in wanted if rid not in producer.requests and rid not in consumer.requests
+        ]
         if absent:
             raise KvauditError(
                 f"request {', '.join(absent)} is on neither the producer nor the consumer"
@@ -377,43 +403,33 @@ def _compare_request(
     consumer: Record,
     request_id: str,
     *,
+    missing: str | None,
     per_key: bool,
-    producer_absence: str,
+    producer_absence: str | None,
 ) -> dict[int, GroupComparison]:
-    """Each group of one request present on both sides."""
-    left: RequestChecksums = producer.requests[request_id]
-    right: RequestChecksums = consumer.requests[request_id]
-    missing = [
-        reason
-        for reason in (_missing_reason("producer", producer), _missing_reason("consumer", consumer))
-        if reason is not None
-    ]
+    """Each group of one request present on both sides; ``missing`` says which side's
+    workers are missing, if any."""
+    produced = producer.requests[request_id]
+    consumed = consumer.requests[request_id]
     result: dict[int, GroupComparison] = {}
-    for gid in sorted({*left.groups, *right.groups}):
-        held = [side.groups.get(gid) for side in (left, right)]
-        block_size = max(group.block_size for group in held if group is not None)
-        if missing:
-            result[gid] = GroupComparison(unverified="; ".join(missing), block_size=block_size)
-            continue
-        if held[0] is None or held[1] is None:
-            if held[0] is None:
-                holder, lacking, record = "consumer", "producer", producer
-                default = producer_absence
-            else:
-                holder, lacking, record = "producer", "consumer", consumer
-                default = "the consumer holds no block of it for this request"
-            known = _not_covered_reason(record, gid)
-            reason = f"{lacking}: {known}" if known is not None else default
-            result[gid] = GroupComparison(
-                unverified=f"covered on the {holder} only ({reason})", block_size=block_size
+    for gid in sorted({*produced.groups, *consumed.groups}):
+        left, right = produced.groups.get(gid), consumed.groups.get(gid)
+        if missing is None and left is not None and right is not None:
+            result[gid] = _compare_sides(
+                _Side.of(left, produced.num_tokens),
+                _Side.of(right, consumed.num_tokens),
+                consumer.positions,
+                per_key=per_key,
             )
             continue
-        result[gid] = _compare_sides(
-            _Side.of(held[0], left.num_tokens, totals_only=not per_key),
-            _Side.of(held[1], right.num_tokens, totals_only=False),
-            consumer.positions,
-            per_key=per_key,
-        )
+        if missing is not None:
+            reason = missing
+        elif left is None:
+            reason = _covered_on_one_side("producer", producer, gid, producer_absence)
+        else:
+            reason = _covered_on_one_side("consumer", consumer, gid, None)
+        block_size = max(group.block_size for group in (left, right) if group is not None)
+        result[gid] = GroupComparison(unverified=reason, block_size=block_size)
     return result
 
 
@@ -423,13 +439,27 @@ def _compare(
     request_ids: Sequence[str] | None,
     *,
     per_key: bool,
-    producer_absence: str = "the producer holds no block of it for this request",
+    producer_absence: str | None = None,
 ) -> DiffReport:
+    """Two records compared by the module's rules; ``per_key`` compares every column
+    where the replica keys agree, and ``producer_absence`` replaces the reason given for
+    a group only the consumer holds when the producer's workers give none."""
     _check_numbering(producer, consumer)
     both, only_producer, only_consumer = _select(producer, consumer, request_ids)
+    reasons = [
+        reason
+        for reason in (_missing_reason("producer", producer), _missing_reason("consumer", consumer))
+        if reason is not None
+    ]
+    missing = "; ".join(reasons) if reasons else None
     requests = {
         rid: _compare_request(
-            producer, consumer, rid, per_key=per_key, producer_absence=producer_absence
+            producer,
+            consumer,
+            rid,
+            missing=missing,
+            per_key=per_key,
+            producer_absence=producer_absence,
         )
         for rid in both
     }
@@ -492,25 +522,24 @@ def verify_received(
     if request_ids is None:
         wanted += [rid for rid in received if rid not in consumer.requests]
     requests: dict[str, RequestChecksums] = {}
-    fingerprints: dict[int, int] = {}
     for rid in wanted:
         if rid not in received:
             continue
         num_tokens = consumer.requests[rid].num_tokens if rid in consumer.requests else 0
-        groups: dict[int, GroupChecksums] = {}
-        for wire in decode_wire(received[rid], source=f"{source}: request {rid}"):
-            groups[wire.group_id] = GroupChecksums(
+        groups = {
+            wire.group_id: GroupChecksums(
                 block_size=wire.block_size,
                 start=wire.start,
                 replica_keys=[(1, 0)],
                 values=wire.totals.reshape(-1, 1),
                 fingerprint=wire.fingerprint,
             )
-            fingerprints.setdefault(wire.group_id, wire.fingerprint)
+            for wire in decode_wire(received[rid], source=f"{source}: request {rid}")
+        }
         requests[rid] = RequestChecksums(num_tokens, groups)
     producer = Record(
         positions=consumer.positions,
-        workers=[WorkerSummary(WorkerInfo(source=source), fingerprints)],
+        workers=[WorkerSummary(WorkerInfo(source=source))],
         complete=True,
         requests=requests,
     )
@@ -521,12 +550,14 @@ def verify_received(
         per_key=False,
         producer_absence="the producer sent no checksums for it",
     )
-    for rid in [rid for rid in report.only_in_consumer if rid not in received]:
+    # The producer record holds exactly the received requests, so every request on the
+    # consumer only is one whose checksums never arrived.
+    for rid in report.only_in_consumer:
         report.requests[rid] = {
             gid: GroupComparison(unverified=NO_RECEIVED, block_size=group.block_size)
             for gid, group in sorted(consumer.requests[rid].groups.items())
         }
-        report.only_in_consumer.remove(rid)
+    report.only_in_consumer = []
     return report
 
 

@@ -23,22 +23,24 @@ import numpy as np
 from .description import CacheDescription
 from .dumps import Dump, open_dump
 from .errors import KvauditError
-from .locate import (
-    block_row,
-    block_token_range,
-    cell_addresses,
-    group_views,
-    layer_specs,
-    read_block,
-)
+from .locate import block_row, cell_addresses, counted_slots, group_views, layer_specs, read_block
 from .views import LayerView
 
 MODES = ("flip", "zero", "swap-tokens", "swap-heads", "stale", "shift")
 
+# The modes that take no ``token``, and what they change instead.
+_WHOLE_BLOCK_MODES = {
+    "zero": "clears whole blocks",
+    "swap-heads": "swaps whole heads",
+    "stale": "replaces whole blocks",
+    "shift": "moves every valid token",
+}
+
 
 @dataclass
 class _Block:
-    """The block a fault goes into: its views, dump row and valid tokens."""
+    """The block a fault goes into: its views, its dump row, its first request position
+    and ``valid``, the slots of it that count (its valid tokens; 1 for a state block)."""
 
     dump: Dump
     request_id: str
@@ -53,12 +55,14 @@ class _Block:
     cache: dict[int, np.ndarray] = field(default_factory=dict)
 
     def cells(self, index: int) -> np.ndarray:
-        """View ``index``'s cells of this block (read once)."""
+        """View ``index``'s cells of this block, read once; callers copy before changing."""
         if index not in self.cache:
             self.cache[index] = read_block(self.views[index], self.row)
         return self.cache[index]
 
     def fail(self, message: str) -> KvauditError:
+        """The error to raise about this block: one line naming the dump, the request,
+        group and position, and ``message``."""
         return KvauditError(
             f"request {self.request_id!r} group {self.group_id} position {self.position}: "
             f"{message}",
@@ -124,6 +128,8 @@ def corrupt_dump(
         raise KvauditError("is a directory; corrupt writes a copy of one dump file", path)
     dump = open_dump(path, config)
     block = _open_block(dump, request_id, group_id, position)
+    if token is not None and mode in _WHOLE_BLOCK_MODES:
+        raise block.fail(f"{mode} {_WHOLE_BLOCK_MODES[mode]}; it takes no token")
     rng = np.random.default_rng(seed)
     fault = _MODES[mode](block, layer, head, token, rng)
 
@@ -153,13 +159,14 @@ def corrupt_dump(
 
 
 def _open_block(dump: Dump, request_id: str, group_id: int, position: int) -> _Block:
+    """The request's block at ``position``, checked to hold a checksummed layer and a
+    valid token."""
     row, first, block_id = block_row(dump, request_id, group_id, position)
     views = group_views(dump, group_id)
     specs = layer_specs(dump.description, group_id)
     is_state = any(specs[view.name].is_state for view in views.views)
     num_tokens = dump.requests[request_id].num_tokens
-    block_size = views.group.block_size
-    _, valid = block_token_range(position, block_size, is_state, num_tokens)
+    valid = counted_slots(position, views.group.block_size, is_state, num_tokens)
     block = _Block(
         dump, request_id, group_id, position, block_id, row, first, valid, is_state, views.views
     )
@@ -241,11 +248,8 @@ def _token_index(block: _Block, token: int | None, rng: np.random.Generator) -> 
     return token - block.first
 
 
-def _valid_slots(block: _Block) -> slice:
-    return slice(0, 1 if block.is_state else block.valid)
-
-
 def _needs_tokens(block: _Block, mode: str) -> None:
+    """Raise unless the block holds two valid tokens (a state block holds one state)."""
     if block.is_state:
         raise block.fail(f"{mode} needs tokens, and a state block holds one state")
     if block.valid < 2:
@@ -258,6 +262,7 @@ def _needs_tokens(block: _Block, mode: str) -> None:
 def _flip(
     block: _Block, layer: str | None, head: int | None, token: int | None, rng: np.random.Generator
 ) -> _Fault:
+    """One bit of one valid token's cell of one head."""
     pairs = _heads(block, layer, head)
     index, h = pairs[int(rng.integers(len(pairs)))]
     u = _token_index(block, token, rng)
@@ -290,8 +295,7 @@ def _selected(
 def _zero(
     block: _Block, layer: str | None, head: int | None, token: int | None, rng: np.random.Generator
 ) -> _Fault:
-    if token is not None:
-        raise block.fail("zero clears whole blocks; it takes no token")
+    """Every selected head's cells of the block set to zero."""
     changes = []
     for index, heads in _selected(block, layer, head):
         cells = block.cells(index).copy()
@@ -303,6 +307,8 @@ def _zero(
 def _swap_tokens(
     block: _Block, layer: str | None, head: int | None, token: int | None, rng: np.random.Generator
 ) -> _Fault:
+    """Two neighbouring valid tokens of one head swapped: the first candidate pair, in
+    seeded order, whose cells differ."""
     _needs_tokens(block, "swap-tokens")
     pairs = _rotated(_heads(block, layer, head), rng)
     if token is not None:
@@ -327,8 +333,8 @@ def _swap_tokens(
 def _swap_heads(
     block: _Block, layer: str | None, head: int | None, token: int | None, rng: np.random.Generator
 ) -> _Fault:
-    if token is not None:
-        raise block.fail("swap-heads swaps whole heads; it takes no token")
+    """Two neighbouring local heads of one layer swapped: the first candidate pair, in
+    seeded order, whose valid slots differ."""
     pairs = [(i, h) for i, h in _heads(block, layer, head) if block.views[i].heads >= 2]
     if not pairs:
         where = f"layer {layer}" if layer is not None else "any layer of the group"
@@ -336,7 +342,7 @@ def _swap_heads(
         raise block.fail(f"swap-heads needs two heads of {where} on this worker; it holds {most}")
     if head is None:
         pairs = [(i, h) for i, h in pairs if h + 1 < block.views[i].heads]
-    valid = _valid_slots(block)
+    valid = slice(0, block.valid)
     for index, h in _rotated(pairs, rng):
         view = block.views[index]
         other = h + 1 if h + 1 < view.heads else h - 1
@@ -353,8 +359,8 @@ def _swap_heads(
 def _stale(
     block: _Block, layer: str | None, head: int | None, token: int | None, rng: np.random.Generator
 ) -> _Fault:
-    if token is not None:
-        raise block.fail("stale replaces whole blocks; it takes no token")
+    """The selected heads' cells replaced by another row's that differ in a valid slot:
+    another request's block first, else any other row of the dump."""
     selected = list(_selected(block, layer, head))
     dump = block.dump
     others: list[tuple[int, dict]] = []
@@ -377,7 +383,7 @@ def _stale(
         for row in range(dump.num_rows)
         if row not in seen
     ]
-    valid = _valid_slots(block)
+    valid = slice(0, block.valid)
     for row, origin in _rotated(others, rng) + _rotated(rest, rng):
         changes = []
         differs = False
@@ -395,14 +401,14 @@ def _stale(
 
 
 def _block_id(dump: Dump, row: int) -> int:
+    """The engine block a dump row holds."""
     return dump.block_ids[row] if dump.block_ids is not None else row
 
 
 def _shift(
     block: _Block, layer: str | None, head: int | None, token: int | None, rng: np.random.Generator
 ) -> _Fault:
-    if token is not None:
-        raise block.fail("shift moves every valid token; it takes no token")
+    """Each valid token of the selected heads given the previous token's cell."""
     _needs_tokens(block, "shift")
     changes = []
     for index, heads in _selected(block, layer, head):
@@ -457,13 +463,13 @@ def _changed_bytes(block: _Block, fault: _Fault) -> tuple[np.ndarray, np.ndarray
             if not len(slots):
                 continue
             positions = [block.first + int(u) for u in slots]
-            valid = [t for t in positions if t < block.first + _valid_slots(block).stop]
+            end = block.first + block.valid
             changes.append(
                 {
                     "layer": view.name,
                     "head": view.first_head + h,
-                    "tokens": valid,
-                    "tokens_past_end": [t for t in positions if t not in valid],
+                    "tokens": [t for t in positions if t < end],
+                    "tokens_past_end": [t for t in positions if t >= end],
                 }
             )
     if not offsets:
@@ -498,13 +504,11 @@ def _write_copy(source: str, target: str, offsets: np.ndarray, values: np.ndarra
         with open(temporary, "rb+") as file:
             os.fsync(file.fileno())
         os.replace(temporary, target)
-    except OSError as error:
+    except BaseException as error:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
-        raise KvauditError(f"cannot write: {error.strerror or error}", source=target) from error
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
+        if isinstance(error, OSError):
+            raise KvauditError(f"cannot write: {error.strerror or error}", target) from error
         raise
     with contextlib.suppress(OSError):
         descriptor = os.open(directory, os.O_RDONLY)

@@ -89,9 +89,7 @@ def block_checksum_tag(block_hash: bytes, fingerprint: int) -> int:
 
 def block_checksum_tags(hashes: Sequence[bytes], fingerprint: int) -> np.ndarray:
     """The tags of several block hashes under one fingerprint (uint64 array)."""
-    suffix = _U64.pack(fingerprint & MASK64)
-    prefixes = b"".join(hashlib.sha256(bytes(h) + suffix).digest()[:8] for h in hashes)
-    return np.frombuffer(prefixes, dtype="<u8").astype(np.uint64)
+    return np.array([block_checksum_tag(h, fingerprint) for h in hashes], dtype=np.uint64)
 
 
 def stored_checksum(partial_sum: int, block_hash: bytes, fingerprint: int) -> int:

@@ -2,15 +2,15 @@
 
 One test case per request and group (classname ``kvaudit.<request>``, name ``group <id>``):
 errored when the group could not be compared (the reason is the message), else failed
-when blocks or replicas differ. A
-request the consumer lacks is a failed case named ``request``; one only the consumer has
-is a skipped case.
+when blocks or replicas differ. A request the consumer lacks is a failed case named
+``request``; one only the consumer has is a skipped case.
 """
 
 from __future__ import annotations
 
 import re
 import xml.etree.ElementTree as ET
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -21,11 +21,13 @@ _NOT_XML = re.compile("[^\u0009\u000a\u000d\u0020-\ud7ff\ue000-\ufffd\U00010000-
 
 
 def xml_text(text: str) -> str:
-    """``text`` with the characters XML 1.0 forbids written as ``\\xNN`` escapes."""
+    """``text`` with the characters XML 1.0 forbids written as Python escapes
+    (``\\x1b``, ``\\ud800``)."""
     return _NOT_XML.sub(lambda match: match.group(0).encode("unicode_escape").decode(), text)
 
 
-def _list(items: list[int], limit: int = 20) -> str:
+def _list(items: Sequence[object], limit: int = 20) -> str:
+    """The first ``limit`` items, comma-separated, and how many more there are."""
     shown = ", ".join(str(item) for item in items[:limit])
     return shown if len(items) <= limit else f"{shown} and {len(items) - limit} more"
 
@@ -40,10 +42,7 @@ def failure_message(group: GroupComparison) -> str:
         )
     if group.replica_mismatches:
         pairs = [f"{position} ({r}:{i})" for position, r, i in group.replica_mismatches]
-        shown = ", ".join(pairs[:20])
-        if len(pairs) > 20:
-            shown += f" and {len(pairs) - 20} more"
-        parts.append(f"replicas differ at position (replica key) {shown}")
+        parts.append(f"replicas differ at position (replica key) {_list(pairs)}")
     return "; ".join(parts)
 
 
@@ -55,6 +54,7 @@ def _located_text(group: GroupComparison) -> str:
 
 
 def _case(suite: ET.Element, request_id: str, name: str) -> ET.Element:
+    """A new ``<testcase>`` of the suite for a request."""
     return ET.SubElement(
         suite, "testcase", {"classname": xml_text(f"kvaudit.{request_id}"), "name": name}
     )
@@ -68,16 +68,15 @@ def diff_junit(report: DiffReport, suite_name: str = "kvaudit.diff") -> str:
     for request_id, gid, group in report.groups():
         case = _case(suite, request_id, f"group {gid}")
         tests += 1
-        differs = bool(group.mismatched_positions or group.replicas_differing)
         if group.unverified is not None:
             # One outcome per case: unverified wins; any differences found go in its text.
             errors += 1
             error = ET.SubElement(
                 case, "error", {"message": xml_text(group.unverified), "type": "unverified"}
             )
-            if differs:
+            if group.differs:
                 error.text = xml_text(failure_message(group))
-        elif differs:
+        elif group.differs:
             failures += 1
             failure = ET.SubElement(
                 case, "failure", {"message": xml_text(failure_message(group)), "type": "mismatch"}

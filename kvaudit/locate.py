@@ -2,9 +2,10 @@
 
 Given a producer and a consumer dump set and a block position at which their checksums
 differ, ``locate_differences`` reads only that position's block rows on both sides and
-compares them cell by cell: first the slice checksums of each (layer, global head), then
-the tokens of the slices that differ, then the bytes and values of those tokens. A
-consumer replica is also compared with replica 0 of the same heads.
+compares the cells of each (layer, global head) slice byte by byte: the tokens whose cells
+differ, the first differing byte and the largest errors of the differing elements read in
+their dtype. A consumer replica is also compared with replica 0 of the same heads.
+``slice_checksums`` gives one worker's slice checksums ``s(L, h, b)`` of a block.
 
 The helpers that map a block row of a ``LayerView`` to its cells (``read_block``) and to
 the memory addresses of the cells' bytes (``cell_addresses``) are shared with
@@ -14,30 +15,19 @@ the memory addresses of the cells' bytes (``cell_addresses``) are shared with
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from .compare import valid_tokens
 from .description import CacheDescription, LayerSpec
 from .dtypes import dtype_size
 from .dumps import Dump, DumpSet
 from .errors import KvauditError
-from .scheme import layer_module
 from .views import GroupViews, LayerView
-
-_INTEGER_DTYPES: dict[torch.dtype, str] = {
-    torch.bool: "<u1",
-    torch.uint8: "<u1",
-    torch.int8: "<i1",
-    torch.uint16: "<u2",
-    torch.int16: "<i2",
-    torch.uint32: "<u4",
-    torch.int32: "<i4",
-    torch.uint64: "<u8",
-    torch.int64: "<i8",
-}
 
 SliceKey = tuple[str, int]
 """``(layer name, global head)``: one slice of a block."""
@@ -136,16 +126,11 @@ def cell_segments(spec: LayerSpec, view: LayerView) -> tuple[CellSegment, ...]:
     return (CellSegment(0, size, view.dtype),)
 
 
-def block_token_range(
-    position: int, block_size: int, is_state: bool, num_tokens: int
-) -> tuple[int, int]:
-    """The block indices ``u`` (``lo .. hi - 1``) of a position's valid tokens, in a block
-    of ``block_size`` tokens; a state block's one item counts when the block holds a token."""
-    first = position * block_size
-    valid = min(block_size, max(0, num_tokens - first))
-    if is_state:
-        return 0, 1 if valid else 0
-    return 0, valid
+def counted_slots(position: int, block_size: int, is_state: bool, num_tokens: int) -> int:
+    """How many leading slots (block indices ``u``) of the block at ``position`` count:
+    its valid tokens, or for a state block its one state when it holds a valid token."""
+    valid = int(valid_tokens(num_tokens, block_size, position))
+    return min(valid, 1) if is_state else valid
 
 
 def group_views(dump: Dump, group_id: int) -> GroupViews:
@@ -198,16 +183,16 @@ def slice_checksums(
     row, first, _ = block_row(dump, request_id, group_id, position)
     num_tokens = dump.requests[request_id].num_tokens
     specs = layer_specs(dump.description, group_id)
-    block_size = views.group.block_size
     result = {}
     for view in views.views:
-        is_state = specs[view.name].is_state
-        lo, hi = block_token_range(position, block_size, is_state, num_tokens)
-        tokens = first + np.arange(lo, hi)
+        slots = counted_slots(
+            position, views.group.block_size, specs[view.name].is_state, num_tokens
+        )
+        tokens = first + np.arange(slots)
         cells = read_block(view, row)
         for h in range(view.heads):
             result[view.name, view.first_head + h] = slice_checksum(
-                cells[h, lo:hi], tokens, piece_bytes(view)
+                cells[h, :slots], tokens, piece_bytes(view)
             )
     return result
 
@@ -245,22 +230,16 @@ def block_row(dump: Dump, request_id: str, group_id: int, position: int) -> tupl
 # Gathering one side's cells.
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Slice:
-    """One (layer, global head, replica) of one side: its cells at some request positions."""
+    """One (layer, global head, replica) of one side: its cells ``[tokens, cell bytes]`` at
+    some request positions ``tokens`` (sorted, each once), with the layer number and how
+    a cell reads as values."""
 
     number: int
-    size: int
     segments: tuple[CellSegment, ...]
-    tokens: list[np.ndarray] = field(default_factory=list)
-    cells: list[np.ndarray] = field(default_factory=list)
-
-    def finish(self) -> tuple[np.ndarray, np.ndarray]:
-        """Tokens (sorted, each once) and their cells ``[tokens, cell bytes]``."""
-        tokens = np.concatenate(self.tokens)
-        cells = np.concatenate(self.cells)
-        tokens, index = np.unique(tokens, return_index=True)
-        return tokens, cells[index]
+    tokens: np.ndarray
+    cells: np.ndarray
 
 
 _SliceId = tuple[str, int, int]
@@ -269,12 +248,14 @@ _SliceId = tuple[str, int, int]
 
 @dataclass
 class _Side:
-    """One dump set's workers with their views of one group (covered ones only)."""
+    """One dump set's workers that hold a request's group, with their views of the group
+    (covered ones only) and its layers' specs."""
 
     workers: list[tuple[Dump, GroupViews, dict[str, LayerSpec]]]
 
     @classmethod
     def open(cls, dump_set: DumpSet, request_id: str, group_id: int) -> _Side:
+        """The workers of ``dump_set`` that list blocks of the request's group and cover it."""
         workers = []
         for dump in dump_set.dumps:
             request = dump.requests.get(request_id)
@@ -289,13 +270,14 @@ class _Side:
     def gather(self, request_id: str, group_id: int, lo: int, hi: int) -> dict[_SliceId, _Slice]:
         """The cells of request positions ``lo .. hi - 1`` (a state block: its first
         position) from every worker that holds them."""
-        result: dict[_SliceId, _Slice] = {}
+        kinds: dict[_SliceId, tuple[int, tuple[CellSegment, ...]]] = {}
+        tokens: dict[_SliceId, list[np.ndarray]] = defaultdict(list)
+        cells: dict[_SliceId, list[np.ndarray]] = defaultdict(list)
         for dump, views, specs in self.workers:
             start, block_ids = dump.requests[request_id].groups[group_id]
             block_size = views.group.block_size
             for view in views.views:
                 spec = specs[view.name]
-                number = layer_module(view.name)[0]
                 for position in _positions(lo, hi, block_size, spec.is_state):
                     if not start <= position < start + len(block_ids):
                         continue
@@ -304,16 +286,17 @@ class _Side:
                         used = np.array([0])
                     else:
                         used = np.arange(max(lo, first), min(hi, first + block_size)) - first
-                    row = dump.row_of(block_ids[position - start])
-                    cells = read_block(view, row)[:, used]
+                    block = read_block(view, dump.row_of(block_ids[position - start]))[:, used]
                     for h in range(view.heads):
                         key = (view.name, view.first_head + h, view.replica_key[1])
-                        item = result.get(key)
-                        if item is None:
-                            segments = cell_segments(spec, view)
-                            item = result[key] = _Slice(number, piece_bytes(view), segments)
-                        item.tokens.append(first + used)
-                        item.cells.append(cells[h])
+                        if key not in kinds:
+                            kinds[key] = (view.number, cell_segments(spec, view))
+                        tokens[key].append(first + used)
+                        cells[key].append(block[h])
+        result = {}
+        for key, (number, segments) in kinds.items():
+            held, index = np.unique(np.concatenate(tokens[key]), return_index=True)
+            result[key] = _Slice(number, segments, held, np.concatenate(cells[key])[index])
         return result
 
 
@@ -358,8 +341,8 @@ def element_errors(
 def _errors(a: np.ndarray, b: np.ndarray, dtype: torch.dtype) -> tuple[np.ndarray, np.ndarray]:
     """Absolute and relative errors of elements given as their bytes ``[n, size]``."""
     if dtype.is_floating_point:
-        x = _floats(a, dtype)
-        y = _floats(b, dtype)
+        x = _elements(a, dtype)
+        y = _elements(b, dtype)
         with np.errstate(invalid="ignore", over="ignore"):
             abs_errors = np.abs(x - y)
         one_nan = np.isnan(x) != np.isnan(y)
@@ -368,9 +351,9 @@ def _errors(a: np.ndarray, b: np.ndarray, dtype: torch.dtype) -> tuple[np.ndarra
         abs_errors[both_nan] = 0.0
         reference = np.abs(x)
     else:
-        code = _INTEGER_DTYPES.get(dtype, f"<u{a.shape[1]}")
-        xs = np.ascontiguousarray(a).view(code).reshape(-1).tolist()
-        ys = np.ascontiguousarray(b).view(code).reshape(-1).tolist()
+        # Python integers: exact differences, even of 64-bit values beyond float precision.
+        xs = _elements(a, dtype).tolist()
+        ys = _elements(b, dtype).tolist()
         abs_errors = np.array([float(abs(x - y)) for x, y in zip(xs, ys)])
         reference = np.array([float(abs(x)) for x in xs])
     rel_errors = np.zeros_like(abs_errors)
@@ -382,30 +365,23 @@ def _errors(a: np.ndarray, b: np.ndarray, dtype: torch.dtype) -> tuple[np.ndarra
     return abs_errors, rel_errors
 
 
-def _floats(raw: np.ndarray, dtype: torch.dtype) -> np.ndarray:
-    values = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1)).view(dtype)
-    return values.to(torch.float64).numpy()
+def _elements(raw: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """Elements given as their bytes ``[n, size]``: float64 values of a floating dtype,
+    else the integers (a bool element as its byte)."""
+    values = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1))
+    if dtype.is_floating_point:
+        return values.view(dtype).to(torch.float64).numpy()
+    return values.view(torch.uint8 if dtype == torch.bool else dtype).numpy()
 
 
-def _compare(
-    position: int,
-    name: str,
-    head: int,
-    reference: _Slice,
-    other: _Slice,
-    replica: int | None,
+def _located_entry(
+    position: int, name: str, head: int, reference: _Slice, other: _Slice, replica: int
 ) -> dict | None:
-    """The located entry of one slice pair, or None when they agree."""
-    tokens_a, cells_a = reference.finish()
-    tokens_b, cells_b = other.finish()
-    tokens, index_a, index_b = np.intersect1d(tokens_a, tokens_b, return_indices=True)
-    if not len(tokens):
-        return None
-    a, b = cells_a[index_a], cells_b[index_b]
+    """The located entry of one slice pair at the tokens both hold, or None when their
+    cells agree there; ``replica`` (when not 0) is the consumer replica compared."""
+    tokens, index_a, index_b = np.intersect1d(reference.tokens, other.tokens, return_indices=True)
+    a, b = reference.cells[index_a], other.cells[index_b]
     if a.shape[1] != b.shape[1]:
-        return None
-    # The slice checksums say which slices differ; only those are compared byte by byte.
-    if slice_checksum(a, tokens, reference.size) == slice_checksum(b, tokens, other.size):
         return None
     differ = a != b
     rows = np.flatnonzero(differ.any(axis=1))
@@ -421,7 +397,7 @@ def _compare(
         "max_abs_error": max_abs,
         "max_rel_error": max_rel,
     }
-    if replica is not None:
+    if replica:
         entry["replica"] = replica
     return entry
 
@@ -447,6 +423,10 @@ def locate_differences(
     replica 0; each consumer replica ``r > 0`` with consumer replica 0 (its entries carry
     ``"replica": r``). Only the blocks of those positions are read. Entries are sorted by
     position, replica, layer number, layer name and head.
+
+    Raises:
+        KvauditError: ``block_size`` is not positive.
+
     """
     if block_size < 1:
         raise KvauditError(f"block size must be positive, got {block_size}")
@@ -454,22 +434,19 @@ def locate_differences(
     entries: list[dict] = []
     for position in sorted(set(positions)):
         lo = position * block_size
-        hi = min(lo + block_size, num_tokens)
+        hi = lo + int(valid_tokens(num_tokens, block_size, position))
         if hi <= lo:
             continue
-        ours, theirs = (side.gather(request_id, group_id, lo, hi) for side in sides)
+        produced, consumed = (side.gather(request_id, group_id, lo, hi) for side in sides)
         found = []
-        for (name, head, replica), item in theirs.items():
-            if replica == 0:
-                reference = ours.get((name, head, 0))
-                entry = reference and _compare(position, name, head, reference, item, None)
-            else:
-                reference = theirs.get((name, head, 0))
-                entry = reference and _compare(position, name, head, reference, item, replica)
-            if entry:
-                found.append((item.number, entry))
-        found.sort(
-            key=lambda pair: (pair[1].get("replica", 0), pair[0], pair[1]["layer"], pair[1]["head"])
-        )
+        for (name, head, replica), item in consumed.items():
+            # Replica 0 is checked against the producer, another replica against replica 0.
+            reference = (consumed if replica else produced).get((name, head, 0))
+            if reference is None:
+                continue
+            entry = _located_entry(position, name, head, reference, item, replica)
+            if entry is not None:
+                found.append(((replica, item.number, name, head), entry))
+        found.sort(key=lambda pair: pair[0])
         entries.extend(entry for _, entry in found)
     return entries

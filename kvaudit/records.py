@@ -40,6 +40,7 @@ class GroupChecksums:
 
     @property
     def count(self) -> int:
+        """The number of positions held."""
         return int(self.values.shape[0])
 
     @property
@@ -49,14 +50,20 @@ class GroupChecksums:
 
     def totals(self) -> np.ndarray:
         """Per position, the sum of the columns whose replica index is 0 (uint64)."""
-        columns = [k for k, (_, index) in enumerate(self.replica_keys) if index == 0]
-        if not columns:
-            return np.zeros(self.count, dtype=np.uint64)
-        return self.values[:, columns].sum(axis=1, dtype=np.uint64)
+        return replica_zero_totals(self.values, self.replica_keys)
 
     def to_wire(self, group_id: int) -> WireGroup:
         """The group's totals as a producer sends them."""
         return WireGroup(group_id, self.fingerprint, self.block_size, self.start, self.totals())
+
+
+def replica_zero_totals(values: np.ndarray, replica_keys: Sequence[ReplicaKey]) -> np.ndarray:
+    """Per row of ``values`` (one column per replica key), the sum mod 2**64 of the
+    columns whose replica index is 0 (uint64)."""
+    columns = [k for k, (_, index) in enumerate(replica_keys) if index == 0]
+    if not columns:
+        return np.zeros(values.shape[0], dtype=np.uint64)
+    return values[:, columns].sum(axis=1, dtype=np.uint64)
 
 
 @dataclass
@@ -355,6 +362,7 @@ def _combine_group(
 
 
 def _worker_to_json(summary: WorkerSummary) -> dict:
+    """A worker's entry of a record's JSON ``workers``."""
     worker = summary.worker
     return {
         "source": worker.source,
@@ -370,13 +378,14 @@ def _worker_to_json(summary: WorkerSummary) -> dict:
 
 
 def _group_to_json(group: GroupChecksums) -> dict:
+    """A group's entry of a record's JSON: its values and totals as hex."""
     return {
         "block_size": int(group.block_size),
         "start": int(group.start),
         "fingerprint": to_hex(group.fingerprint),
         "replica_keys": [[int(replicas), int(index)] for replicas, index in group.replica_keys],
-        "values": [[to_hex(int(value)) for value in row] for row in group.values.tolist()],
-        "totals": [to_hex(int(value)) for value in group.totals().tolist()],
+        "values": [[to_hex(value) for value in row] for row in group.values.tolist()],
+        "totals": [to_hex(value) for value in group.totals().tolist()],
     }
 
 
@@ -404,10 +413,12 @@ def _short(value: object) -> str:
 
 
 def _item(path: str, key: str | int) -> str:
+    """The key path of a list item (``path[3]``) or an object member (``path["id"]``)."""
     return f"{path}[{key}]" if isinstance(key, int) else f"{path}[{json.dumps(key)}]"
 
 
 def _field(path: str, name: str) -> str:
+    """The key path of a named field (``path.name``, or ``name`` at the top)."""
     return f"{path}.{name}" if path else name
 
 
@@ -418,6 +429,7 @@ class _Reader:
         self.source = source
 
     def fail(self, path: str, problem: str) -> NoReturn:
+        """Raise the ``KvauditError`` naming the source, the key path and the problem."""
         raise KvauditError(f"{path}: {problem}", source=self.source)
 
     def obj(self, value: object, path: str) -> Mapping:
@@ -433,6 +445,7 @@ class _Reader:
     def keys(
         self, value: object, path: str, required: Sequence[str], optional: Sequence[str] = ()
     ) -> Mapping:
+        """An object with every ``required`` key and no key outside ``optional``."""
         data = self.obj(value, path or "record")
         for key in required:
             if key not in data:
@@ -458,12 +471,14 @@ class _Reader:
         return from_hex(value)
 
     def group_id(self, key: object, path: str) -> int:
+        """An object key that is a group id in canonical decimal (``"0"``, not ``"00"``)."""
         if not isinstance(key, str) or not key.isdigit() or str(int(key)) != key:
             self.fail(_item(path, str(key)), "expected a group id (a decimal integer)")
         return int(key)
 
 
 def _worker_from_json(reader: _Reader, value: object, path: str) -> WorkerSummary:
+    """One ``workers`` entry, validated."""
     data = reader.keys(value, path, _WORKER_KEYS, ("engine",))
     role = reader.string(data["role"], _field(path, "role"))
     if role not in ROLES:
@@ -491,6 +506,7 @@ def _worker_from_json(reader: _Reader, value: object, path: str) -> WorkerSummar
 
 
 def _request_from_json(reader: _Reader, value: object, path: str) -> RequestChecksums:
+    """One ``requests`` entry, validated."""
     data = reader.keys(value, path, ("num_tokens", "groups"))
     num_tokens = reader.integer(data["num_tokens"], _field(path, "num_tokens"))
     groups_path = _field(path, "groups")
@@ -502,6 +518,8 @@ def _request_from_json(reader: _Reader, value: object, path: str) -> RequestChec
 
 
 def _group_from_json(reader: _Reader, value: object, path: str) -> GroupChecksums:
+    """One group of a request, validated: unique replica keys, rows one value per key,
+    totals that are the sums of the replica-0 values."""
     data = reader.keys(value, path, _GROUP_KEYS)
     block_size = reader.integer(data["block_size"], _field(path, "block_size"), minimum=1)
     start = reader.integer(data["start"], _field(path, "start"))
