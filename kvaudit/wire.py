@@ -42,9 +42,11 @@ class WireGroup:
 
     @property
     def count(self) -> int:
+        """The number of positions (totals) the group carries."""
         return int(self.totals.shape[0])
 
     def __eq__(self, other: object) -> bool:
+        """Equal fields and equal totals, element by element."""
         if not isinstance(other, WireGroup):
             return NotImplemented
         return (
@@ -57,6 +59,7 @@ class WireGroup:
 
 
 def _check_field(name: str, value: int, limit: int, group_id: int) -> None:
+    """Raise ``WireFormatError`` unless ``0 <= value <= limit``."""
     if not 0 <= value <= limit:
         raise WireFormatError(
             f"group {group_id}: {name} {value} does not fit in {limit.bit_length()} bits",
@@ -82,6 +85,9 @@ def encode_wire(groups: Sequence[WireGroup]) -> bytes:
         seen.add(group.group_id)
         _check_field("fingerprint", group.fingerprint, MASK64, group.group_id)
         _check_field("block_size", group.block_size, _U32_MAX, group.group_id)
+        if group.block_size == 0:
+            # Readers reject it: a block of no tokens holds no position.
+            raise WireFormatError(f"group {group.group_id}: block size 0", source="<wire>")
         _check_field("start", group.start, _U32_MAX, group.group_id)
         if group.totals.ndim != 1:
             raise WireFormatError(

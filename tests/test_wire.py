@@ -152,6 +152,12 @@ def test_encode_rejects_values_that_do_not_fit(group: WireGroup) -> None:
         encode_wire([group])
 
 
+def test_encode_rejects_what_decode_rejects() -> None:
+    # A block size of 0 would write bytes no reader accepts.
+    with pytest.raises(WireFormatError, match="block size 0"):
+        encode_wire([WireGroup(0, 5, 0, 0, np.zeros(0, dtype=np.uint64))])
+
+
 def test_encode_rejects_duplicate_groups() -> None:
     group = WireGroup(4, 0, 16, 0, np.zeros(1, dtype=np.uint64))
     with pytest.raises(WireFormatError, match="4"):
