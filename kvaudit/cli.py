@@ -16,16 +16,16 @@ import secrets
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from .compare import DiffReport
 from .corrupt import MODES, corrupt_dump
 from .description import CacheDescription, load_description
-from .diffing import diff_sources, diff_work, verify_sources
+from .diffing import diff_sources, diff_work, verify_sources, verify_work
 from .errors import KvauditError
-from .records import POSITION_NUMBERINGS, Record
+from .records import POSITION_NUMBERINGS
 from .report import (
     DIFF_SIDES,
     Sides,
@@ -33,6 +33,7 @@ from .report import (
     inventory_to_json,
     json_text,
     make_console,
+    missing_workers_text,
     print_corrupted,
     print_diff,
     print_inventory,
@@ -41,7 +42,12 @@ from .report import (
     record_csv,
     render_text,
 )
-from .sources import DumpSource, RecordSource, Runtime, Source, open_source, resolve_device
+from .sources import Source, open_source, resolve_device
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+_Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 EXIT_OK = 0
 EXIT_INCOMPLETE = 1
@@ -110,6 +116,7 @@ def _version() -> str:
 
 
 def _fail(message: str) -> int:
+    """Print ``kvaudit: error: <message>`` as one line on stderr; the bad-input status."""
     click.echo(f"kvaudit: error: {' '.join(message.split())}", err=True)
     return EXIT_BAD_INPUT
 
@@ -136,6 +143,42 @@ def common_options(command: Callable[..., Any]) -> Callable[..., Any]:
     )(command)
 
 
+def _format_option(choices: Sequence[str], help_text: str) -> _Decorator:
+    """``--format`` among ``choices``, the first the default."""
+    return click.option(
+        "--format",
+        "output_format",
+        type=click.Choice(choices),
+        default=choices[0],
+        show_default=True,
+        help=help_text,
+    )
+
+
+def _output_option() -> _Decorator:
+    """``-o/--output FILE``, written atomically instead of stdout."""
+    return click.option(
+        "-o",
+        "--output",
+        metavar="FILE",
+        default=None,
+        help="Write to FILE (atomically) instead of stdout.",
+    )
+
+
+def _request_option(help_text: str) -> _Decorator:
+    """``--request ID``, repeatable."""
+    return click.option("--request", "request_ids", metavar="ID", multiple=True, help=help_text)
+
+
+def _report_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--format table|json|junit`` and ``-o FILE`` of ``diff`` and ``verify``."""
+    command = _output_option()(command)
+    return _format_option(
+        REPORT_FORMATS, "Output format: rich tables, the diff report JSON, or JUnit XML."
+    )(command)
+
+
 @click.group(cls=KvauditGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(_version(), "--version", prog_name="kvaudit")
 def main() -> None:
@@ -149,14 +192,7 @@ def main() -> None:
 
 @main.command(epilog=EXIT_HELP)
 @click.argument("sources", metavar="SOURCE...", nargs=-1, required=True)
-@click.option(
-    "--format",
-    "output_format",
-    type=click.Choice(("table", "json")),
-    default="table",
-    show_default=True,
-    help="Output format.",
-)
+@_format_option(("table", "json"), "Output format.")
 @common_options
 def inspect(
     sources: tuple[str, ...],
@@ -167,25 +203,17 @@ def inspect(
 ) -> int:
     """Show what a dump set holds: workers, groups, coverage, fingerprints, requests."""
     resolve_device(device or "auto")  # rejects --device cuda without CUDA, as everywhere
-    inventory = _open(sources, config_path, device).inventory()
+    inventory = _open(sources, _config(config_path), device).inventory()
     if output_format == "json":
         click.echo(json_text(inventory_to_json(inventory)))
     else:
         print_inventory(make_console(), inventory)
-    if not inventory.complete:
-        return EXIT_INCOMPLETE
-    return EXIT_OK
+    return EXIT_OK if inventory.complete else EXIT_INCOMPLETE
 
 
 @main.command(epilog=EXIT_HELP)
 @click.argument("sources", metavar="SOURCE...", nargs=-1, required=True)
-@click.option(
-    "--request",
-    "request_ids",
-    metavar="ID",
-    multiple=True,
-    help="Checksum only this request (repeatable); default all.",
-)
+@_request_option("Checksum only this request (repeatable); default all.")
 @click.option(
     "--positions",
     type=click.Choice(POSITION_NUMBERINGS),
@@ -193,21 +221,8 @@ def inspect(
     help="Number pieces from the request's first token, or from each block's "
     "[default: request; a record keeps its own].",
 )
-@click.option(
-    "--format",
-    "output_format",
-    type=click.Choice(("table", "json", "csv")),
-    default="table",
-    show_default=True,
-    help="Output format.",
-)
-@click.option(
-    "-o",
-    "--output",
-    metavar="FILE",
-    default=None,
-    help="Write to FILE (atomically) instead of stdout.",
-)
+@_format_option(("table", "json", "csv"), "Output format.")
+@_output_option()
 @common_options
 def checksum(
     sources: tuple[str, ...],
@@ -222,54 +237,27 @@ def checksum(
     """Per-block checksums summed over the workers: per request, group and position, per
     replica key, and the total."""
     runtime = resolve_device(device or "auto")
-    source = _open(sources, config_path, device)
-    wanted = list(dict.fromkeys(request_ids)) or None
+    source = _open(sources, _config(config_path), device)
+    wanted = _wanted(request_ids)
     if wanted is not None:
         source.check_request_ids(wanted)
-    record = _checksum(source, wanted, positions, runtime, quiet)
+    with progress_bar(source.work(wanted), "checksum", enabled=not quiet) as advance:
+        record = source.checksum(wanted, positions, runtime, progress=advance)
     if output_format == "json":
-        text = json_text(record.to_json()) + "\n"
+        _emit(json_text(record.to_json()) + "\n", output)
     elif output_format == "csv":
-        text = record_csv(record)
-    elif output is not None:
-        text = render_text(print_record, record)
+        _emit(record_csv(record), output)
     else:
-        text = None
-        print_record(make_console(), record)
-    if text is not None:
-        _emit(text, output)
-    if not record.complete:
-        if output_format != "table" and not quiet:
-            missing = ", ".join(f"pp_rank {pp} tp_rank {tp}" for pp, tp in record.missing_workers)
-            click.echo(
-                f"kvaudit: incomplete set, missing workers {missing}: checksums are partial",
-                err=True,
-            )
-        return EXIT_INCOMPLETE
-    return EXIT_OK
-
-
-def _request_option(help_text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    return click.option("--request", "request_ids", metavar="ID", multiple=True, help=help_text)
-
-
-def _report_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """``--format table|json|junit`` and ``-o FILE`` of ``diff`` and ``verify``."""
-    command = click.option(
-        "-o",
-        "--output",
-        metavar="FILE",
-        default=None,
-        help="Write to FILE (atomically) instead of stdout.",
-    )(command)
-    return click.option(
-        "--format",
-        "output_format",
-        type=click.Choice(REPORT_FORMATS),
-        default="table",
-        show_default=True,
-        help="Output format: rich tables, the diff report JSON, or JUnit XML.",
-    )(command)
+        _emit_table(functools.partial(print_record, record=record), output)
+    if record.complete:
+        return EXIT_OK
+    if output_format != "table" and not quiet:
+        click.echo(
+            f"kvaudit: incomplete set, missing workers "
+            f"{missing_workers_text(record.missing_workers)}: checksums are partial",
+            err=True,
+        )
+    return EXIT_INCOMPLETE
 
 
 @main.command(epilog=DIFF_EXIT_HELP)
@@ -313,15 +301,15 @@ def diff(
     CONSUMER are each a dump file, a directory of one engine's dumps, a record (JSON) or a
     live handle. Differing blocks are located down to layers, heads, tokens and bytes."""
     runtime = resolve_device(device or "auto")
-    left = _open([producer], producer_config or config_path, device)
-    right = _open([consumer], consumer_config or config_path, device)
-    wanted = list(dict.fromkeys(request_ids)) or None
-    work = diff_work(left, right, wanted)
-    with progress_bar(work, "diff", enabled=not quiet) as advance:
+    config = functools.cache(_config)  # -c serves both sides: read it once
+    left = _open([producer], config(producer_config or config_path), device)
+    right = _open([consumer], config(consumer_config or config_path), device)
+    wanted = _wanted(request_ids)
+    with progress_bar(diff_work(left, right, wanted), "diff", enabled=not quiet) as advance:
         report = diff_sources(
             left, right, request_ids=wanted, locate=locate, runtime=runtime, progress=advance
         )
-    title = f"diff: producer {_describe(left)}, consumer {_describe(right)}"
+    title = f"diff: producer {left.describe()}, consumer {right.describe()}"
     _emit_report(report, output_format, output, title, DIFF_SIDES, "kvaudit.diff")
     return EXIT_OK if report.ok else EXIT_MISMATCH
 
@@ -373,16 +361,10 @@ def verify(
             f"give exactly one of --against RECORD, --received or --stored (got {found})"
         )
     runtime = resolve_device(device or "auto")
-    source = _open(sources, config_path, device)
+    source = _open(sources, _config(config_path), device)
     saved = _open([against], None, device) if against is not None else None
-    wanted = list(dict.fromkeys(request_ids)) or None
-    work = 0
-    if saved is not None:
-        work = diff_work(saved, source, wanted)
-    elif isinstance(source, DumpSource):
-        if wanted is not None:
-            source.check_request_ids(wanted)
-        work = source.work(wanted)
+    wanted = _wanted(request_ids)
+    work = verify_work(source, against=saved, request_ids=wanted)
     with progress_bar(work, "verify", enabled=not quiet) as advance:
         report = verify_sources(
             source,
@@ -395,13 +377,13 @@ def verify(
         )
     if saved is not None:
         sides = Sides("saved record", "source")
-        title = f"verify {_describe(source)} against {_describe(saved)}"
+        title = f"verify {source.describe()} against {saved.describe()}"
     elif received:
         sides = Sides("received producer checksums", "consumer")
-        title = f"verify {_describe(source)} against the producer checksums it received"
+        title = f"verify {source.describe()} against the producer checksums it received"
     else:
         sides = Sides("stored checksums", "dumps", "checked")
-        title = f"verify the stored checksums of {_describe(source)}"
+        title = f"verify the stored checksums of {source.describe()}"
     _emit_report(report, output_format, output, title, sides, "kvaudit.verify")
     return EXIT_OK if report.ok else EXIT_MISMATCH
 
@@ -436,14 +418,7 @@ def verify(
 @click.option(
     "--seed", metavar="N", type=int, default=0, show_default=True, help="Seed of the choices."
 )
-@click.option(
-    "--format",
-    "output_format",
-    type=click.Choice(("text", "json")),
-    default="text",
-    show_default=True,
-    help="How to say what changed.",
-)
+@_format_option(("text", "json"), "How to say what changed.")
 @common_options
 def corrupt(
     source: str,
@@ -477,24 +452,13 @@ def corrupt(
         token=token,
         mode=mode,
         seed=seed,
-        config=load_description(config_path) if config_path is not None else None,
+        config=_config(config_path),
     )
     if output_format == "json":
         click.echo(json_text(result))
     else:
         print_corrupted(make_console(), result)
     return EXIT_OK
-
-
-def _describe(source: Source) -> str:
-    """A source for a title: its names, what kind it is and, where known, its layout."""
-    worker = None
-    if isinstance(source, DumpSource) and source.dump_set.dumps:
-        worker = source.dump_set.dumps[0].worker
-    elif isinstance(source, RecordSource) and source.record.workers:
-        worker = source.record.workers[0].worker
-    layout = f", TP {worker.tp_size} x PP {worker.pp_size}" if worker is not None else ""
-    return f"{', '.join(source.names)} ({source.kind}{layout})"
 
 
 def _emit_report(
@@ -510,29 +474,31 @@ def _emit_report(
         _emit(diff_json_text(report), output)
     elif output_format == "junit":
         _emit(report.to_junit(suite), output)
-    elif output is not None:
-        _emit(render_text(functools.partial(print_diff, title=title, sides=sides), report), output)
     else:
-        print_diff(make_console(), report, title=title, sides=sides)
+        _emit_table(functools.partial(print_diff, report=report, title=title, sides=sides), output)
 
 
-def _open(sources: Sequence[str], config_path: str | None, device: str | None) -> Source:
-    config: CacheDescription | None = None
-    if config_path is not None:
-        config = load_description(config_path)
-    return open_source(sources, config, device_given=device is not None)
+def _config(path: str | None) -> CacheDescription | None:
+    """The cache description a ``-c``-style option names; None when not given."""
+    return None if path is None else load_description(path)
 
 
-def _checksum(
-    source: Source,
-    request_ids: list[str] | None,
-    positions: str | None,
-    runtime: Runtime,
-    quiet: bool,
-) -> Record:
-    work = source.work(request_ids)
-    with progress_bar(work, "checksum", enabled=not quiet) as advance:
-        return source.checksum(request_ids, positions, runtime, progress=advance)
+def _open(names: Sequence[str], config: CacheDescription | None, device: str | None) -> Source:
+    """SOURCE arguments resolved; live tensors move to ``--device`` only when given."""
+    return open_source(names, config, device_given=device is not None)
+
+
+def _wanted(request_ids: Sequence[str]) -> list[str] | None:
+    """The ``--request`` ids, each once; None (every request) when none is given."""
+    return list(dict.fromkeys(request_ids)) or None
+
+
+def _emit_table(render: Callable[[Console], None], output: str | None) -> None:
+    """Print tables on stdout's console, or write them as plain text to ``output``."""
+    if output is None:
+        render(make_console())
+    else:
+        _emit(render_text(render), output)
 
 
 def _emit(text: str, output: str | None) -> None:

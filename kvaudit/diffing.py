@@ -11,7 +11,7 @@ against the stored checksums of its offloaded blocks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from .compare import (
     DiffReport,
@@ -26,15 +26,13 @@ from .dumps import Dump, DumpSet, checksum_dump_set
 from .errors import KvauditError
 from .locate import locate_differences
 from .records import Record
-from .sources import DumpSource, RecordSource, Runtime, Source, resolve_device
-
-Progress = Callable[[int], None]
-"""Called with the bytes checksummed since its last call."""
+from .sources import DumpSource, Progress, RecordSource, Runtime, Source, resolve_device
 
 NO_STORED = "a dump of the set holds no stored checksums"
 
 
 def _ids(request_ids: Sequence[str] | None) -> list[str] | None:
+    """The requested ids, each once (None: all)."""
     return None if request_ids is None else list(dict.fromkeys(request_ids))
 
 
@@ -94,6 +92,7 @@ def _checksum(
     runtime: Runtime,
     progress: Progress | None,
 ) -> Record:
+    """The source's record of those requested ids it holds (all when None)."""
     return source.checksum(_held(source, request_ids), positions, runtime, progress)
 
 
@@ -101,12 +100,25 @@ def diff_work(producer: Source, consumer: Source, request_ids: Sequence[str] | N
     """The bytes ``diff_sources`` checksums (0 where a side holds only checksums): the
     total of its ``progress`` calls."""
     ids = _ids(request_ids)
-    total = 0
-    for source in (producer, consumer):
-        held = _held(source, ids)
-        if held is None or held:
-            total += source.work(held)
-    return total
+    return sum(source.work(_held(source, ids)) for source in (producer, consumer))
+
+
+def verify_work(
+    source: Source, *, against: Source | None = None, request_ids: Sequence[str] | None = None
+) -> int:
+    """The bytes ``verify_sources`` checksums (0 where it reads only checksums): the
+    total of its ``progress`` calls.
+
+    Raises:
+        KvauditError: Without ``against``, a requested id the source does not hold.
+
+    """
+    ids = _ids(request_ids)
+    if against is not None:
+        return diff_work(against, source, ids)
+    if ids is not None:
+        source.check_request_ids(ids)
+    return source.work(ids)
 
 
 def diff_sources(
@@ -140,22 +152,38 @@ def diff_sources(
     shared = shared_tokens(producer, consumer, ids)
     producer = _trim(producer, shared)
     consumer = _trim(consumer, shared)
-    raw = (producer.raw_kv(), consumer.raw_kv())
-    if locate is None:
-        locate = raw[0] is not None and raw[1] is not None
-    elif locate and (raw[0] is None or raw[1] is None):
-        side = producer if raw[0] is None else consumer
-        raise KvauditError(
-            f"--locate needs the raw KV on both sides; {', '.join(side.names)} is a "
-            f"{side.kind} that holds only checksums"
-        )
+    raw = _raw_kv(producer, consumer, locate)
     positions = _numbering(producer, consumer)
     left = _checksum(producer, ids, positions, runtime, progress)
     right = _checksum(consumer, ids, positions, runtime, progress)
     report = compare_records(left, right, request_ids=ids)
-    if locate and raw[0] is not None and raw[1] is not None:
-        locate_report(report, raw[0], raw[1], shared)
+    if raw is not None:
+        locate_report(report, *raw, shared)
     return report
+
+
+def _raw_kv(
+    producer: Source, consumer: Source, locate: bool | None
+) -> tuple[DumpSet, DumpSet] | None:
+    """Both sides' raw KV where differences are to be located (``locate``: None when
+    both hold it, True always, False never), else None.
+
+    Raises:
+        KvauditError: ``locate=True`` with a side that holds only checksums.
+
+    """
+    if locate is False:
+        return None
+    left, right = producer.raw_kv(), consumer.raw_kv()
+    if left is not None and right is not None:
+        return left, right
+    if locate:
+        side = producer if left is None else consumer
+        raise KvauditError(
+            f"--locate needs the raw KV on both sides; {', '.join(side.names)} is a "
+            f"{side.kind} that holds only checksums"
+        )
+    return None
 
 
 def locate_report(
@@ -284,9 +312,9 @@ def verify_stored(
     out, as a diff leaves them out.
     """
     runtime = runtime or resolve_device("auto")
+    ids = dump_set.request_ids if request_ids is None else request_ids
     checks: list[StoredCheck] = []
     for dump in dump_set.dumps:
-        ids = dump_set.request_ids if request_ids is None else request_ids
         held = [rid for rid in ids if rid in dump.requests]
         if not held:
             continue
@@ -333,4 +361,5 @@ __all__ = [
     "shared_tokens",
     "verify_sources",
     "verify_stored",
+    "verify_work",
 ]

@@ -60,8 +60,9 @@ def render_text(render: Callable[..., None], *args: object) -> str:
 
 
 def json_text(value: object, level: int = 0) -> str:
-    """JSON indented by two spaces, with each short list of plain values or lists on one
-    line (``"replica_keys": [[1, 0]]``) and longer ones an item a line."""
+    """Strict JSON (a NaN or infinity raises ``ValueError``) indented by two spaces, with
+    each short list of plain values or lists on one line (``"replica_keys": [[1, 0]]``)
+    and longer ones an item a line."""
     inner = "  " * (level + 1)
     close = "  " * level
     if isinstance(value, dict) and value:
@@ -69,7 +70,7 @@ def json_text(value: object, level: int = 0) -> str:
             f"{inner}{json.dumps(key)}: {json_text(item, level + 1)}" for key, item in value.items()
         ]
         return "{\n" + ",\n".join(items) + f"\n{close}}}"
-    flat = json.dumps(value, separators=(", ", ": "))
+    flat = json.dumps(value, separators=(", ", ": "), allow_nan=False)
     if isinstance(value, list) and (
         len(flat) > JSON_INLINE_WIDTH or any(isinstance(item, dict) for item in value)
     ):
@@ -103,18 +104,31 @@ def ranges(positions: Iterable[int]) -> str:
 
 
 def _worker_name(worker: WorkerInfo) -> str:
+    """A worker in a table: its source, else its ranks."""
     return worker.source or f"pp{worker.pp_rank} tp{worker.tp_rank}"
 
 
 def _layout_line(workers: list[WorkerInfo]) -> str:
+    """``2 workers of TP 2 x PP 1``."""
     first = workers[0]
-    count = len(workers)
-    noun = "worker" if count == 1 else "workers"
-    return f"{count} {noun} of TP {first.tp_size} x PP {first.pp_size}"
+    return f"{_plural(len(workers), 'worker')} of TP {first.tp_size} x PP {first.pp_size}"
 
 
-def _missing_text(missing: list[tuple[int, int]]) -> str:
+def _completeness(complete: bool) -> tuple[str, str]:
+    """A set's ``complete`` or ``INCOMPLETE``, with its style."""
+    return ("complete", "bold green") if complete else ("INCOMPLETE", "bold red")
+
+
+def missing_workers_text(missing: list[tuple[int, int]]) -> str:
+    """Missing workers as ``pp_rank 0 tp_rank 2, ...``."""
     return ", ".join(f"pp_rank {pp} tp_rank {tp}" for pp, tp in missing)
+
+
+def _print_missing(console: Console, missing: list[tuple[int, int]], consequence: str) -> None:
+    """The red line that names an incomplete set's missing workers."""
+    console.print(
+        Text(f"missing workers: {missing_workers_text(missing)}; {consequence}", style="red")
+    )
 
 
 def _table(title: str, columns: Sequence[str], rows: list[list[str | Text]]) -> Table:
@@ -133,24 +147,17 @@ def _table(title: str, columns: Sequence[str], rows: list[list[str | Text]]) -> 
 def print_inventory(console: Console, inventory: Inventory) -> None:
     """The ``inspect`` tables: workers, groups per worker, requests."""
     workers = [item.worker for item in inventory.workers]
-    state = "complete" if inventory.complete else "INCOMPLETE"
     console.print(
         Text.assemble(
             (f"{inventory.kind}: ", "bold"),
             " ".join(inventory.sources),
             f" ({_layout_line(workers)}, ",
-            (state, "bold green" if inventory.complete else "bold red"),
+            _completeness(inventory.complete),
             ")",
         )
     )
     if not inventory.complete:
-        console.print(
-            Text(
-                f"missing workers: {_missing_text(inventory.missing_workers)}; "
-                "checksums of this set are partial",
-                style="red",
-            )
-        )
+        _print_missing(console, inventory.missing_workers, "checksums of this set are partial")
 
     rows: list[list[str | Text]] = []
     for item in inventory.workers:
@@ -259,22 +266,15 @@ def print_record(console: Console, record: Record) -> None:
     """The ``checksum`` tables: one per request and group, a row per block position with
     its value under each replica key and the total; uncovered groups with their reason."""
     workers = [summary.worker for summary in record.workers]
-    state = "complete" if record.complete else "INCOMPLETE"
     console.print(
         Text.assemble(
             ("checksums", "bold"),
             f" of {_layout_line(workers)}, positions numbered by {record.positions}, ",
-            (state, "bold green" if record.complete else "bold red"),
+            _completeness(record.complete),
         )
     )
     if not record.complete:
-        console.print(
-            Text(
-                f"missing workers: {_missing_text(record.missing_workers)}; "
-                "the values below are partial sums",
-                style="red",
-            )
-        )
+        _print_missing(console, record.missing_workers, "the values below are partial sums")
     reasons: dict[tuple[int, str], list[str]] = {}
     for summary in record.workers:
         for gid, reason in sorted(summary.not_covered.items()):
@@ -296,7 +296,7 @@ def print_record(console: Console, record: Record) -> None:
             group = request.groups[gid]
             console.print(
                 Text.assemble(
-                    (f"{request_id}", "bold"),
+                    (request_id, "bold"),
                     f" ({request.num_tokens} tokens), group {gid}: block size "
                     f"{group.block_size}, fingerprint {to_hex(group.fingerprint)}",
                 )
@@ -380,9 +380,7 @@ def progress_bar(total: int, description: str, *, enabled: bool) -> Iterator[Cal
 
 def diff_json_text(report: DiffReport) -> str:
     """The ``--format json`` text of a diff report (non-finite errors as null)."""
-    data = report.to_json()
-    json.dumps(data, allow_nan=False)  # strict JSON, or fail loudly here
-    return json_text(data) + "\n"
+    return json_text(report.to_json()) + "\n"
 
 
 @dataclass(frozen=True)
@@ -399,6 +397,7 @@ DIFF_SIDES = Sides()
 
 
 def _plural(count: int, noun: str) -> str:
+    """``1 block``, ``2 blocks``."""
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
@@ -448,6 +447,7 @@ def diff_verdict(report: DiffReport, sides: Sides = DIFF_SIDES) -> str:
 
 
 def _result_cell(group: GroupComparison) -> Text:
+    """A group's result in the diff table: unverified and why, MISMATCH or ok."""
     if group.unverified is not None:
         return Text(f"unverified: {group.unverified}", style="yellow")
     if group.mismatched_positions or group.replicas_differing:
@@ -532,6 +532,7 @@ def print_diff(
 
 
 def _print_located(console: Console, report: DiffReport) -> None:
+    """The located differences table, at most ``LOCATED_ROWS`` per request and group."""
     rows: list[list[str]] = []
     for request_id, gid, group in report.groups():
         for item in group.located[:LOCATED_ROWS]:
@@ -606,9 +607,9 @@ def print_corrupted(console: Console, result: dict) -> None:
         )
     swap = result.get("swap")
     if swap is not None:
-        what = swap.get("tokens") or swap.get("heads")
         noun = "tokens" if "tokens" in swap else "heads"
-        lines.append(f"swapped: {noun} {what[0]} and {what[1]} of {swap['layer']}")
+        first, second = swap[noun]
+        lines.append(f"swapped: {noun} {first} and {second} of {swap['layer']}")
     changed = sum(end - start for start, end in result["byte_ranges"])
     lines.append(
         f"bytes changed: {changed} in {_plural(len(result['byte_ranges']), 'range')} of the file"

@@ -1,10 +1,11 @@
 """SOURCE arguments of the command line: dump files, directories of dumps, records and
 live handles, resolved into one thing to inspect, checksum or diff.
 
-A source can also say each request's token count, be cut to fewer tokens (so that two
-sides are checksummed over the tokens both hold) and hand over its raw KV as a dump set
-for locating differences; a record can do neither. In Python, ``ChecksummerSource`` wraps
-an engine's live ``Checksummer`` objects (``kvaudit.testing.LiveSide``).
+A source also says each request's token count. Dumps and live workers can besides be cut
+to fewer tokens (so that two sides are checksummed over the tokens both hold) and hand
+over their raw KV as a dump set for locating differences; a record can do neither. In
+Python, ``ChecksummerSource`` wraps an engine's live ``Checksummer`` objects
+(``kvaudit.testing.LiveSide``).
 
 A command's SOURCEs are one of:
 
@@ -35,18 +36,19 @@ import json
 import os
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from .checksummer import Checksummer, RequestBlocks
-from .description import CacheDescription, GroupDescription, load_description, parse_description
+from .description import CacheDescription, load_description, parse_description
 from .dumps import Dump, DumpRequest, DumpSet, checksum_dump_set, open_dump_set, total_bytes
 from .errors import KvauditError
-from .records import Record, WorkerInfo, combine_workers
+from .records import ROLES, Record, WorkerInfo, WorkerRecord, combine_workers
 from .views import GroupViews, LayerTensor
 
 LIVE_PREFIX = "live:"
@@ -59,11 +61,16 @@ Progress = Callable[[int], None]
 """Called with the bytes checksummed since its last call."""
 
 
+_Listed = TypeVar("_Listed", DumpRequest, RequestBlocks)
+"""A request as dumps (``DumpRequest``) or live workers (``RequestBlocks``) list it."""
+
+
 @dataclass(frozen=True)
 class GroupInfo:
     """One group on one worker: its spec, size, coverage and fingerprint.
 
-    Fields a record does not keep (type, layout, layers, bytes) are None for a record.
+    Fields a record does not keep (type, layout, layers, bytes) are None for a record;
+    ``bytes`` is None for checksummers handed over in Python too.
     """
 
     id: int
@@ -117,7 +124,13 @@ class Runtime:
 
 
 def resolve_device(choice: str) -> Runtime:
-    """``auto``: CUDA with the Triton kernel where available, else the CPU torch path."""
+    """The runtime of a ``--device`` choice; ``auto`` is CUDA with the Triton kernel where
+    available, else the CPU torch path.
+
+    Raises:
+        KvauditError: ``cuda`` without a CUDA device, or an unknown choice.
+
+    """
     if choice == "auto":
         choice = "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cuda":
@@ -176,6 +189,17 @@ class Source(ABC):
         dumps) for locating differences; None when it holds only checksums."""
         return None
 
+    def describe(self) -> str:
+        """The source in a report's title: its names, its kind and, where its dumps or
+        record state it, the engine's TP x PP layout."""
+        worker = self._stated_worker()
+        layout = f", TP {worker.tp_size} x PP {worker.pp_size}" if worker is not None else ""
+        return f"{', '.join(self.names)} ({self.kind}{layout})"
+
+    def _stated_worker(self) -> WorkerInfo | None:
+        """A worker as the source's files state it, for ``describe``; None for live ones."""
+        return None
+
     def check_request_ids(self, request_ids: Sequence[str]) -> None:
         """Reject a request id the source does not hold."""
         known = self.request_ids
@@ -201,25 +225,14 @@ class DumpSource(Source):
         return list(self.dump_set.request_ids)
 
     def inventory(self) -> Inventory:
-        workers = []
-        requests: dict[str, RequestInventory] = {}
-        for dump in self.dump_set.dumps:
-            workers.append(
-                WorkerInventory(
-                    dump.worker,
-                    dump.num_rows,
-                    _group_infos(dump.description, dump.tensors, dump.group_views),
-                )
-            )
-            for request_id, request in dump.requests.items():
-                _add_request(requests, request_id, request.num_tokens, request.groups)
+        dumps = self.dump_set.dumps
         return Inventory(
             self.kind,
             self.names,
-            workers,
+            [_dump_inventory(dump) for dump in dumps],
             self.dump_set.complete,
             list(self.dump_set.missing),
-            requests,
+            _request_inventory(dump.requests for dump in dumps),
         )
 
     def work(self, request_ids: Sequence[str] | None) -> int:
@@ -227,15 +240,11 @@ class DumpSource(Source):
         return total_bytes(self.dump_set, ids)
 
     def token_counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for dump in self.dump_set.dumps:
-            for request_id, request in dump.requests.items():
-                counts.setdefault(request_id, request.num_tokens)
-        return counts
+        return _token_counts(dump.requests for dump in self.dump_set.dumps)
 
     def trimmed(self, num_tokens: Mapping[str, int]) -> DumpSource:
         dumps = [
-            dataclasses.replace(dump, requests=_trim_requests(dump.requests, num_tokens))
+            dataclasses.replace(dump, requests=_trim(dump.requests, num_tokens))
             for dump in self.dump_set.dumps
         ]
         trimmed = DumpSet(dumps, self.dump_set.complete, list(self.dump_set.missing))
@@ -243,6 +252,9 @@ class DumpSource(Source):
 
     def raw_kv(self) -> DumpSet:
         return self.dump_set
+
+    def _stated_worker(self) -> WorkerInfo | None:
+        return self.dump_set.dumps[0].worker if self.dump_set.dumps else None
 
     def checksum(
         self,
@@ -284,7 +296,7 @@ class RecordSource(Source):
             held = {}
             for gid, group in request.groups.items():
                 block_sizes.setdefault(gid, group.block_size)
-                held[gid] = (group.start, list(range(group.count)))
+                held[gid] = (group.start, range(group.count))
             _add_request(requests, request_id, request.num_tokens, held)
         workers = []
         for summary in self.record.workers:
@@ -308,6 +320,9 @@ class RecordSource(Source):
             list(self.record.missing_workers),
             requests,
         )
+
+    def _stated_worker(self) -> WorkerInfo | None:
+        return self.record.workers[0].worker if self.record.workers else None
 
     def checksum(
         self,
@@ -336,12 +351,14 @@ class RecordSource(Source):
 
 @dataclass
 class LiveWorker:
-    """One worker handed over by a ``kvaudit_live()`` function."""
+    """One worker handed over by a ``kvaudit_live()`` function: its cache (``num_blocks``
+    blocks, engine block ids), who it is, and its requests' blocks."""
 
     name: str
     description: CacheDescription
     tensors: Mapping[str, LayerTensor]
-    rank: dict[str, Any]
+    worker: WorkerInfo
+    num_blocks: int
     requests: dict[str, RequestBlocks]
 
     def checksummer(self, runtime: Runtime | None = None) -> Checksummer:
@@ -350,34 +367,26 @@ class LiveWorker:
         tensors = self.tensors
         if runtime is not None:
             tensors = {name: _to_device(tensor, runtime.device) for name, tensor in tensors.items()}
-        try:
+        worker = self.worker
+        with _live_errors(self.name):
             return Checksummer(
                 self.description,
                 tensors,
+                tp_rank=worker.tp_rank,
+                tp_size=worker.tp_size,
+                pp_rank=worker.pp_rank,
+                pp_size=worker.pp_size,
+                role=worker.role,
                 backend="auto" if runtime is None else runtime.backend,
+                num_blocks=self.num_blocks,
+                engine=worker.engine,
                 source=self.name,
-                **self.rank,
             )
-        except KvauditError:
-            raise
-        except (ValueError, TypeError, RuntimeError) as error:
-            raise KvauditError(_one_line(error), self.name) from None
 
     def as_dump(self) -> Dump:
         """The worker's tensors as an in-memory dump of its whole cache (for locating)."""
-        rank = self.rank
-        worker = WorkerInfo(
-            tp_rank=rank.get("tp_rank", 0),
-            tp_size=rank.get("tp_size", 1),
-            pp_rank=rank.get("pp_rank", 0),
-            pp_size=rank.get("pp_size", 1),
-            role=rank.get("role", "consumer"),
-            engine=rank.get("engine", ""),
-            source=self.name,
-        )
-        num_blocks = rank.get("num_blocks", self.description.num_blocks)
         return live_dump(
-            self.name, worker, self.description, self.tensors, num_blocks, self.requests
+            self.name, self.worker, self.description, self.tensors, self.num_blocks, self.requests
         )
 
 
@@ -393,28 +402,21 @@ class LiveSource(Source):
 
     @property
     def request_ids(self) -> list[str]:
-        return list(dict.fromkeys(rid for worker in self.workers for rid in worker.requests))
+        return _request_ids(worker.requests for worker in self.workers)
 
     def inventory(self) -> Inventory:
         workers = []
-        requests: dict[str, RequestInventory] = {}
-        checksummers = []
         for live in self.workers:
-            checksummer = live.checksummer()
-            checksummers.append(checksummer)
-            workers.append(
-                WorkerInventory(
-                    checksummer.worker,
-                    checksummer.num_blocks,
-                    _group_infos(live.description, live.tensors, checksummer.groups),
-                )
-            )
-            for request_id, blocks in live.requests.items():
-                _add_request(requests, request_id, blocks.num_tokens, blocks.groups)
-        # An empty checksum of each worker checks the set's ranks and finds the missing.
-        layout = combine_workers([summer.checksum({}) for summer in checksummers])
+            with _live_errors(live.name):
+                workers.append(_dump_inventory(live.as_dump()))
+        layout = _layout([live.worker for live in self.workers])
         return Inventory(
-            self.kind, self.names, workers, layout.complete, layout.missing_workers, requests
+            self.kind,
+            self.names,
+            workers,
+            layout.complete,
+            layout.missing_workers,
+            _request_inventory(live.requests for live in self.workers),
         )
 
     def checksum(
@@ -424,21 +426,16 @@ class LiveSource(Source):
         runtime: Runtime,
         progress: Progress | None = None,
     ) -> Record:
-        worker_records = []
-        for live in self.workers:
-            requests = live.requests
-            if request_ids is not None:
-                requests = {rid: requests[rid] for rid in request_ids if rid in requests}
-            checksummer = live.checksummer(runtime if self.device_given else None)
-            worker_records.append(checksummer.checksum(requests, positions or "request"))
-        return combine_workers(worker_records)
+        placement = runtime if self.device_given else None
+        workers = ((live.checksummer(placement), live.requests) for live in self.workers)
+        return _checksum_workers(workers, request_ids, positions)
 
     def token_counts(self) -> dict[str, int]:
         return _token_counts(worker.requests for worker in self.workers)
 
     def trimmed(self, num_tokens: Mapping[str, int]) -> LiveSource:
         workers = [
-            dataclasses.replace(worker, requests=_trim_blocks(worker.requests, num_tokens))
+            dataclasses.replace(worker, requests=_trim(worker.requests, num_tokens))
             for worker in self.workers
         ]
         return LiveSource(workers, self.device_given)
@@ -478,32 +475,25 @@ class ChecksummerSource(Source):
 
     @property
     def request_ids(self) -> list[str]:
-        return list(dict.fromkeys(rid for mapping in self.requests for rid in mapping))
+        return _request_ids(self.requests)
 
     def inventory(self) -> Inventory:
-        workers = []
-        requests: dict[str, RequestInventory] = {}
-        for summer, mapping in zip(self.checksummers, self.requests, strict=True):
-            infos = [
-                GroupInfo(
-                    id=gid,
-                    fingerprint=views.fingerprint,
-                    covered=views.covered,
-                    reason=views.reason,
-                    type=views.group.spec.type,
-                    block_size=views.group.block_size,
-                    kernel_block_size=views.group.spec.kernel_block_size,
-                    layout="state" if views.group.spec.is_state else views.group.spec.layout,
-                    layers=len(views.group.layers),
-                )
-                for gid, views in sorted(summer.groups.items())
-            ]
-            workers.append(WorkerInventory(summer.worker, summer.num_blocks, infos))
-            for request_id, blocks in mapping.items():
-                _add_request(requests, request_id, blocks.num_tokens, blocks.groups)
-        layout = combine_workers([summer.checksum({}) for summer in self.checksummers])
+        workers = [
+            WorkerInventory(
+                summer.worker,
+                summer.num_blocks,
+                [_group_info(views, None) for _, views in sorted(summer.groups.items())],
+            )
+            for summer in self.checksummers
+        ]
+        layout = _layout([summer.worker for summer in self.checksummers])
         return Inventory(
-            self.kind, self.names, workers, layout.complete, layout.missing_workers, requests
+            self.kind,
+            self.names,
+            workers,
+            layout.complete,
+            layout.missing_workers,
+            _request_inventory(self.requests),
         )
 
     def checksum(
@@ -513,18 +503,14 @@ class ChecksummerSource(Source):
         runtime: Runtime,
         progress: Progress | None = None,
     ) -> Record:
-        records = []
-        for summer, mapping in zip(self.checksummers, self.requests, strict=True):
-            if request_ids is not None:
-                mapping = {rid: mapping[rid] for rid in request_ids if rid in mapping}
-            records.append(summer.checksum(mapping, positions or "request"))
-        return combine_workers(records)
+        workers = zip(self.checksummers, self.requests, strict=True)
+        return _checksum_workers(workers, request_ids, positions)
 
     def token_counts(self) -> dict[str, int]:
         return _token_counts(self.requests)
 
     def trimmed(self, num_tokens: Mapping[str, int]) -> ChecksummerSource:
-        requests = [_trim_blocks(mapping, num_tokens) for mapping in self.requests]
+        requests = [_trim(mapping, num_tokens) for mapping in self.requests]
         return ChecksummerSource(self.checksummers, requests, self.tensors, self.names[0])
 
     def raw_kv(self) -> DumpSet | None:
@@ -575,46 +561,50 @@ def live_dump(
     )
 
 
+def _layout(workers: Sequence[WorkerInfo]) -> Record:
+    """An empty record of one engine's workers: it raises where their ranks clash or
+    disagree on the TP and PP sizes, and says which workers are missing."""
+    return combine_workers([WorkerRecord(worker, "request", {}, {}, {}) for worker in workers])
+
+
 def _live_set(dumps: list[Dump]) -> DumpSet:
     """Live workers' dumps as one set, sorted and with its missing workers."""
+    layout = _layout([dump.worker for dump in dumps])
     dumps = sorted(dumps, key=lambda dump: (dump.worker.pp_rank, dump.worker.tp_rank))
-    first = dumps[0].worker
-    held = {(dump.worker.pp_rank, dump.worker.tp_rank) for dump in dumps}
-    missing = [
-        (pp, tp)
-        for pp in range(first.pp_size)
-        for tp in range(first.tp_size)
-        if (pp, tp) not in held
-    ]
-    return DumpSet(dumps, not missing, missing)
+    return DumpSet(dumps, layout.complete, layout.missing_workers)
 
 
-def _token_counts(mappings: Iterable[Mapping[str, RequestBlocks]]) -> dict[str, int]:
+def _checksum_workers(
+    workers: Iterable[tuple[Checksummer, Mapping[str, RequestBlocks]]],
+    request_ids: Sequence[str] | None,
+    positions: str | None,
+) -> Record:
+    """Each worker's checksums of those of its requests asked for (all when
+    ``request_ids`` is None), summed into one record."""
+    records = []
+    for summer, requests in workers:
+        if request_ids is not None:
+            requests = {rid: requests[rid] for rid in request_ids if rid in requests}
+        records.append(summer.checksum(requests, positions or "request"))
+    return combine_workers(records)
+
+
+def _request_ids(mappings: Iterable[Mapping[str, object]]) -> list[str]:
+    """The request ids of the workers' mappings, each once, in order of appearance."""
+    return list(dict.fromkeys(rid for mapping in mappings for rid in mapping))
+
+
+def _token_counts(mappings: Iterable[Mapping[str, DumpRequest | RequestBlocks]]) -> dict[str, int]:
+    """Each request's token count, from the first worker that lists it."""
     counts: dict[str, int] = {}
     for mapping in mappings:
-        for request_id, blocks in mapping.items():
-            counts.setdefault(request_id, blocks.num_tokens)
+        for request_id, request in mapping.items():
+            counts.setdefault(request_id, request.num_tokens)
     return counts
 
 
-def _trim_blocks(
-    requests: Mapping[str, RequestBlocks], num_tokens: Mapping[str, int]
-) -> dict[str, RequestBlocks]:
-    """The requests with each listed one cut to at most ``num_tokens[id]`` tokens."""
-    return {
-        rid: (
-            RequestBlocks(min(blocks.num_tokens, num_tokens[rid]), blocks.groups)
-            if rid in num_tokens
-            else blocks
-        )
-        for rid, blocks in requests.items()
-    }
-
-
-def _trim_requests(
-    requests: Mapping[str, DumpRequest], num_tokens: Mapping[str, int]
-) -> dict[str, DumpRequest]:
-    """A dump's requests with each listed one cut to at most ``num_tokens[id]`` tokens."""
+def _trim(requests: Mapping[str, _Listed], num_tokens: Mapping[str, int]) -> dict[str, _Listed]:
+    """The requests with each one in ``num_tokens`` cut to at most that many tokens."""
     return {
         rid: (
             dataclasses.replace(request, num_tokens=min(request.num_tokens, num_tokens[rid]))
@@ -734,7 +724,47 @@ def _load_live(name: str, config: CacheDescription | None) -> LiveWorker:
             f"{LIVE_FUNCTION}(): rank must be a dict with keys among {', '.join(_RANK_KEYS)}",
             name,
         )
-    return LiveWorker(name, description, tensors, dict(rank), _live_requests(name, requests))
+    listed = _live_requests(name, requests)
+    num_blocks = rank.get("num_blocks")
+    return LiveWorker(
+        name,
+        description,
+        tensors,
+        _live_worker_info(name, rank),
+        description.num_blocks if num_blocks is None else num_blocks,
+        listed,
+    )
+
+
+def _live_worker_info(name: str, rank: Mapping[str, Any]) -> WorkerInfo:
+    """The worker a handle's ``rank`` dict describes (a consumer by default).
+
+    Raises:
+        KvauditError: An unknown role, or a rank outside its size; the message names the
+            handle.
+
+    """
+    worker = WorkerInfo(
+        tp_rank=rank.get("tp_rank", 0),
+        tp_size=rank.get("tp_size", 1),
+        pp_rank=rank.get("pp_rank", 0),
+        pp_size=rank.get("pp_size", 1),
+        role=rank.get("role", "consumer"),
+        engine=rank.get("engine", ""),
+        source=name,
+    )
+    # A Checksummer's checks, made here too: inspect builds none, yet must reject what
+    # checksum rejects.
+    if worker.role not in ROLES:
+        raise KvauditError(
+            f"unknown role {worker.role!r}, expected one of {', '.join(ROLES)}", name
+        )
+    with _live_errors(name):
+        if not 0 <= worker.pp_rank < worker.pp_size:
+            raise KvauditError(f"pp_rank {worker.pp_rank} is not in 0..{worker.pp_size - 1}", name)
+        if not 0 <= worker.tp_rank < worker.tp_size:
+            raise KvauditError(f"tp_rank {worker.tp_rank} is not in 0..{worker.tp_size - 1}", name)
+    return worker
 
 
 def _import_live(name: str, target: str) -> Any:
@@ -770,7 +800,6 @@ def _live_requests(name: str, requests: object) -> dict[str, RequestBlocks]:
         raise KvauditError(f"{LIVE_FUNCTION}(): requests must be a dict", name)
     result = {}
     for request_id, blocks in requests.items():
-        where = f"{LIVE_FUNCTION}(): request {request_id!r}"
         if isinstance(blocks, RequestBlocks):
             result[str(request_id)] = blocks
             continue
@@ -782,13 +811,27 @@ def _live_requests(name: str, requests: object) -> dict[str, RequestBlocks]:
             result[str(request_id)] = RequestBlocks(blocks["num_tokens"], groups)
         except (KeyError, TypeError, ValueError):
             raise KvauditError(
-                f'{where}: expected {{"num_tokens": n, "groups": {{id: [start, [block ids]]}}}}',
+                f"{LIVE_FUNCTION}(): request {request_id!r}: expected "
+                '{"num_tokens": n, "groups": {id: [start, [block ids]]}}',
                 name,
             ) from None
     return result
 
 
+@contextmanager
+def _live_errors(name: str) -> Iterator[None]:
+    """Report what a live worker's tensors or ranks make the library raise as one line
+    naming its handle."""
+    try:
+        yield
+    except KvauditError:
+        raise
+    except (ValueError, TypeError, RuntimeError) as error:
+        raise KvauditError(_one_line(error), name) from None
+
+
 def _to_device(tensor: LayerTensor, device: str) -> LayerTensor:
+    """A layer's tensor (or K and V tensors) on ``device``."""
     if isinstance(tensor, tuple):
         return tuple(part.to(device) for part in tensor)
     return tensor.to(device)
@@ -801,6 +844,7 @@ def _one_line(error: BaseException) -> str:
 
 
 def _tensor_bytes(tensor: LayerTensor | None) -> int:
+    """The bytes of a layer's tensor (or K and V tensors); 0 for none."""
     if tensor is None:
         return 0
     if isinstance(tensor, tuple):
@@ -808,20 +852,21 @@ def _tensor_bytes(tensor: LayerTensor | None) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _group_infos(
-    description: CacheDescription,
-    tensors: Mapping[str, LayerTensor],
-    views: Mapping[int, GroupViews],
-) -> list[GroupInfo]:
-    """Each group's spec, size, coverage and fingerprint on one worker."""
-    return [_group_info(group, tensors, views[group.id]) for group in description.groups]
+def _dump_inventory(dump: Dump) -> WorkerInventory:
+    """One dump's worker, rows and groups (from its views, built once per dump)."""
+    groups = [_group_info(views, dump.tensors) for views in dump.group_views.values()]
+    return WorkerInventory(dump.worker, dump.num_rows, groups)
 
 
-def _group_info(
-    group: GroupDescription, tensors: Mapping[str, LayerTensor], views: GroupViews
-) -> GroupInfo:
+def _group_info(views: GroupViews, tensors: Mapping[str, LayerTensor] | None) -> GroupInfo:
+    """A group's spec, coverage and fingerprint on one worker, and the bytes of the layer
+    tensors it owns in ``tensors`` (None without tensors)."""
+    group = views.group
     spec = group.spec
-    owned = [layer.name for layer in group.layers if layer.shares is None]
+    size = None
+    if tensors is not None:
+        owned = [layer.name for layer in group.layers if layer.shares is None]
+        size = sum(_tensor_bytes(tensors.get(name)) for name in owned)
     return GroupInfo(
         id=group.id,
         fingerprint=views.fingerprint,
@@ -832,8 +877,19 @@ def _group_info(
         kernel_block_size=spec.kernel_block_size,
         layout="state" if spec.is_state else spec.layout,
         layers=len(group.layers),
-        bytes=sum(_tensor_bytes(tensors.get(name)) for name in owned),
+        bytes=size,
     )
+
+
+def _request_inventory(
+    mappings: Iterable[Mapping[str, DumpRequest | RequestBlocks]],
+) -> dict[str, RequestInventory]:
+    """Each request the workers' mappings list, with the positions some worker holds."""
+    requests: dict[str, RequestInventory] = {}
+    for mapping in mappings:
+        for request_id, request in mapping.items():
+            _add_request(requests, request_id, request.num_tokens, request.groups)
+    return requests
 
 
 def _add_request(
@@ -842,6 +898,7 @@ def _add_request(
     num_tokens: int,
     groups: Mapping[int, tuple[int, Sequence[int]]],
 ) -> None:
+    """Add one worker's listing of a request: per group, its first position and blocks."""
     entry = requests.setdefault(request_id, RequestInventory(num_tokens))
     for gid, (start, block_ids) in groups.items():
         entry.positions.setdefault(int(gid), set()).update(range(start, start + len(block_ids)))
@@ -853,6 +910,7 @@ __all__ = [
     "GroupInfo",
     "Inventory",
     "LiveSource",
+    "Progress",
     "RecordSource",
     "RequestInventory",
     "Runtime",

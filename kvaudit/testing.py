@@ -35,14 +35,7 @@ from .dumps import DumpSet
 from .errors import KvauditError
 from .records import Record
 from .report import print_diff, render_text
-from .sources import (
-    ChecksummerSource,
-    DumpSource,
-    RecordSource,
-    Source,
-    open_source,
-    resolve_device,
-)
+from .sources import ChecksummerSource, DumpSource, RecordSource, Source, open_source
 from .views import LayerTensor
 
 
@@ -79,7 +72,8 @@ Side = str | os.PathLike | Sequence[str | os.PathLike] | Record | DumpSet | Live
 """What ``assert_kv_equal`` takes for a producer or a consumer."""
 
 
-def _config(config: CacheDescription | str | os.PathLike | None) -> CacheDescription | None:
+def _description(config: CacheDescription | str | os.PathLike | None) -> CacheDescription | None:
+    """The ``config`` option as a description: given, read from its YAML path, or None."""
     if config is None or isinstance(config, CacheDescription):
         return config
     return load_description(os.fspath(config))
@@ -121,16 +115,10 @@ def diff_kv(
     locate: bool = True,
 ) -> DiffReport:
     """The diff report of two sides (see ``assert_kv_equal``), without asserting."""
-    description = _config(config)
+    description = _description(config)
     left = as_source(producer, description, "producer")
     right = as_source(consumer, description, "consumer")
-    return diff_sources(
-        left,
-        right,
-        request_ids=request_ids,
-        locate=None if locate else False,
-        runtime=resolve_device("auto"),
-    )
+    return diff_sources(left, right, request_ids=request_ids, locate=None if locate else False)
 
 
 def report_text(report: DiffReport, title: str | None = None) -> str:
