@@ -12,10 +12,8 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import os
-import secrets
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -25,6 +23,7 @@ from .corrupt import MODES, corrupt_dump
 from .description import CacheDescription, load_description
 from .diffing import diff_sources, diff_work, verify_sources, verify_work
 from .errors import KvauditError
+from .files import atomic_path
 from .records import POSITION_NUMBERINGS
 from .report import (
     DIFF_SIDES,
@@ -506,21 +505,8 @@ def _emit(text: str, output: str | None) -> None:
     if output is None:
         click.echo(text, nl=False)
         return
-    target = os.path.abspath(output)
-    temporary = os.path.join(
-        os.path.dirname(target), f".{os.path.basename(target)}.{secrets.token_hex(6)}.tmp"
-    )
-    try:
-        # Mode 0o666 less the umask, as for any file the user creates.
-        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    except OSError as error:
-        raise KvauditError(f"cannot write: {error.strerror}", output) from None
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8", newline="") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, target)
-    except OSError as error:
-        Path(temporary).unlink(missing_ok=True)
-        raise KvauditError(f"cannot write: {error.strerror}", output) from None
+    with (
+        atomic_path(output) as temporary,
+        open(temporary, "x", encoding="utf-8", newline="") as handle,
+    ):
+        handle.write(text)

@@ -11,9 +11,7 @@ same cell layout ``kvaudit.locate`` reads, synced and renamed over the output.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import secrets
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -23,6 +21,7 @@ import numpy as np
 from .description import CacheDescription
 from .dumps import Dump, open_dump
 from .errors import KvauditError
+from .files import atomic_path
 from .locate import block_row, cell_addresses, counted_slots, group_views, layer_specs, read_block
 from .views import LayerView
 
@@ -491,28 +490,10 @@ def _ranges(offsets: np.ndarray) -> list[list[int]]:
 
 
 def _write_copy(source: str, target: str, offsets: np.ndarray, values: np.ndarray) -> None:
-    """Copy ``source`` to a temporary file next to ``target``, set the bytes, sync it and
-    rename it over ``target``; on any error nothing is left behind."""
-    directory = os.path.dirname(os.path.abspath(target))
-    temporary = os.path.join(directory, f".{os.path.basename(target)}.{secrets.token_hex(6)}.tmp")
-    try:
+    """A copy of ``source`` with the bytes at ``offsets`` set, written whole over ``target``."""
+    with atomic_path(target) as temporary:
         shutil.copyfile(source, temporary)
         data = np.memmap(temporary, dtype=np.uint8, mode="r+")
         data[offsets] = values
         data.flush()
         del data
-        with open(temporary, "rb+") as file:
-            os.fsync(file.fileno())
-        os.replace(temporary, target)
-    except BaseException as error:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        if isinstance(error, OSError):
-            raise KvauditError(f"cannot write: {error.strerror or error}", target) from error
-        raise
-    with contextlib.suppress(OSError):
-        descriptor = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)

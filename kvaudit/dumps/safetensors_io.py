@@ -6,13 +6,11 @@ to disk. Nothing here knows what a dump holds.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import math
 import mmap
 import os
-import secrets
 import struct
 import warnings
 from collections.abc import Callable, Mapping
@@ -24,6 +22,7 @@ import torch
 
 from ..dtypes import dtype_size, parse_dtype, safetensors_dtype_name
 from ..errors import KvauditError
+from ..files import atomic_path
 
 PAD_PREFIX = "kvaudit/pad/"
 """Names of the U8 tensors a writer inserts so that every tensor starts 64-byte aligned."""
@@ -235,38 +234,12 @@ def header_bytes(metadata: Mapping[str, str], placed: list[tuple[Output, int]]) 
 
 
 def write_atomically(target: str, header: bytes, placed: list[tuple[Output, int]]) -> None:
-    directory = os.path.dirname(os.path.abspath(target))
-    temporary = os.path.join(directory, f".{os.path.basename(target)}.{secrets.token_hex(6)}.tmp")
-    try:
-        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    except OSError as error:
-        fail(target, f"cannot write: {error.strerror}")
-    try:
-        with os.fdopen(descriptor, "wb") as file:
-            file.write(_LENGTH.pack(len(header)))
-            file.write(header)
-            data_start = 8 + len(header)
-            for output, offset in placed:
-                output.write(file)
-                if file.tell() != data_start + offset + output.nbytes:
-                    raise RuntimeError(f"tensor {output.name} wrote the wrong number of bytes")
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, target)
-    except BaseException as error:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
-        if isinstance(error, OSError) and not isinstance(error, KvauditError):
-            raise KvauditError(f"cannot write: {error.strerror or error}", source=target) from error
-        raise
-    _sync_directory(directory)
-
-
-def _sync_directory(directory: str) -> None:
-    """Make the rename durable where the platform allows it."""
-    with contextlib.suppress(OSError):
-        descriptor = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
+    """Write a safetensors file (header, then each output at its offset) whole or not at all."""
+    with atomic_path(target) as temporary, open(temporary, "xb") as file:
+        file.write(_LENGTH.pack(len(header)))
+        file.write(header)
+        data_start = 8 + len(header)
+        for output, offset in placed:
+            output.write(file)
+            if file.tell() != data_start + offset + output.nbytes:
+                raise RuntimeError(f"tensor {output.name} wrote the wrong number of bytes")
