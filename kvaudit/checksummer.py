@@ -24,6 +24,7 @@ from .records import (
     WorkerInfo,
     WorkerRecord,
 )
+from .scheme import valid_tokens
 from .views import GroupViews, LayerTensor, build_group_views
 
 
@@ -157,10 +158,10 @@ def _rows(
     first_rows = np.repeat(np.cumsum(lengths) - lengths, lengths)
     block_positions = starts + np.arange(len(ids), dtype=np.int64) - first_rows
     first_tokens = block_positions * block_size
-    valid_tokens = np.clip(num_tokens - first_tokens, 0, block_size)
+    valid = valid_tokens(num_tokens, block_size, block_positions)
     if positions == "block":
         first_tokens = np.zeros_like(first_tokens)
-    return ids, first_tokens, valid_tokens
+    return ids, first_tokens, valid
 
 
 def _check_request(

@@ -54,7 +54,7 @@ from .records import (
     WorkerSummary,
     replica_zero_totals,
 )
-from .scheme import ReplicaKey, to_hex
+from .scheme import ReplicaKey, to_hex, valid_tokens
 from .wire import decode_wire
 
 DIFF_FORMAT = "kvaudit.diff/1"
@@ -186,12 +186,6 @@ class _Side:
     def column_of(self) -> dict[ReplicaKey, int]:
         """The column of each replica key."""
         return {key: k for k, key in enumerate(self.keys)}
-
-
-def valid_tokens(num_tokens: int, block_size: int, positions: np.ndarray) -> np.ndarray:
-    """``v_b = min(B, max(0, num_tokens - b*B))`` of each position."""
-    positions = np.asarray(positions, dtype=np.int64)
-    return np.clip(num_tokens - positions * block_size, 0, block_size)
 
 
 def _coarsen(side: _Side, coarse: int) -> tuple[np.ndarray, np.ndarray]:

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .compare import valid_tokens
 from .description import CacheDescription, LayerSpec
 from .dtypes import dtype_size
 from .dumps import Dump, DumpSet
 from .errors import KvauditError
+from .scheme import valid_tokens
 from .views import GroupViews, LayerView
 
 SliceKey = tuple[str, int]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from .errors import UnsupportedGroupError
 
 SCHEME_VERSION = 1
@@ -21,6 +23,15 @@ def slice_number(layer_number: int, head: int) -> int:
 def slice_factor(layer_number: int, head: int) -> int:
     """``m(L, h) = 2 * (L * H + h) + 1`` mod 2**64, the odd factor of a slice."""
     return (2 * slice_number(layer_number, head) + 1) & MASK64
+
+
+def valid_tokens(
+    num_tokens: int | np.ndarray, block_size: int, positions: np.ndarray | int
+) -> np.ndarray:
+    """``v_b = min(B, max(0, num_tokens - b*B))``: the tokens of each block position that
+    count; slots at or past ``num_tokens`` never do."""
+    positions = np.asarray(positions, dtype=np.int64)
+    return np.clip(num_tokens - positions * block_size, 0, block_size)
 
 
 def to_signed(value: int) -> int:
