@@ -110,7 +110,11 @@ class TorchPart:
         valid_tokens: torch.Tensor,
         buffer: torch.Tensor | None,
     ) -> torch.Tensor:
-        if buffer is None:
+        first = int(block_ids[0])
+        if bool((block_ids == torch.arange(first, first + len(block_ids))).all()):
+            # Consecutive blocks (a dump's rows in order, a fresh block table): read in place.
+            x = self.blocks[first : first + len(block_ids)]
+        elif buffer is None:
             x = self.blocks.index_select(0, block_ids)
         else:
             # Reusing one buffer: fresh allocations of this size cost more in page faults
