@@ -371,7 +371,6 @@ def _worker_to_json(summary: WorkerSummary) -> dict:
         "pp_rank": worker.pp_rank,
         "pp_size": worker.pp_size,
         "role": worker.role,
-        "engine": worker.engine,
         "fingerprints": {str(gid): to_hex(fp) for gid, fp in sorted(summary.fingerprints.items())},
         "not_covered": {str(gid): reason for gid, reason in sorted(summary.not_covered.items())},
     }

@@ -243,7 +243,6 @@ def test_json_shape_and_round_trip() -> None:
         "pp_rank": 0,
         "pp_size": 2,
         "role": "consumer",
-        "engine": "decode",
         "fingerprints": {"0": f"{111:016x}", "1": f"{1000:016x}"},
         "not_covered": {"2": "its KV heads are packed into head slots"},
     }
@@ -266,12 +265,13 @@ def test_json_shape_and_round_trip() -> None:
 
 
 def test_engine_is_optional_when_reading() -> None:
+    # Records hold exactly cli.md's worker keys; an "engine" key is still read.
     workers, _ = make_set()
     data = combine_workers(workers).to_json()
-    for worker in data["workers"]:
-        del worker["engine"]
-    back = Record.from_json(data, "r.json")
-    assert back.workers[0].worker.engine == ""
+    assert all("engine" not in worker for worker in data["workers"])
+    assert Record.from_json(data, "r.json").workers[0].worker.engine == ""
+    data["workers"][0]["engine"] = "decode"
+    assert Record.from_json(data, "r.json").workers[0].worker.engine == "decode"
 
 
 def _group(data: dict) -> dict:
