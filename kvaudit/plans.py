@@ -38,48 +38,32 @@ class _Entry:
     column: int
 
 
-class FusedLayers:
-    """Parts that share one layout, each adding into its column in one launch."""
+class TritonLaunch:
+    """Parts that share one layout, each adding into its column in one Triton launch over a
+    device table of (element offset from the first part, first slice, column, piece offset,
+    cell pieces)."""
 
-    def __init__(self, entries: list[_Entry], backend: str) -> None:
-        self.entries = entries
-        self.backend = backend
-        template = entries[0].part.pieces
-        self.device = template.device
-        if backend == "triton":
-            itemsize = template.element_size()
-            base = template.data_ptr()
-            self.template = template
-            self.table = torch.tensor(
+    def __init__(self, entries: list[_Entry]) -> None:
+        self.template = entries[0].part.pieces
+        itemsize = self.template.element_size()
+        base = self.template.data_ptr()
+        self.table = torch.tensor(
+            [
                 [
-                    [
-                        (entry.part.pieces.data_ptr() - base) // itemsize,
-                        entry.first_slice,
-                        entry.column,
-                        entry.part.piece_offset,
-                        entry.part.cell_pieces,
-                    ]
-                    for entry in entries
-                ],
-                dtype=torch.int64,
-                device=self.device,
-            )
-            self.aligned = template.stride(-1) == 1 and all(
-                entry.part.pieces.data_ptr() % 16 == 0 for entry in entries
-            )
-        else:
-            self.torch_launch = TorchLaunch(
-                [
-                    TorchPart(
-                        entry.part.pieces,
-                        entry.first_slice,
-                        entry.column,
-                        entry.part.piece_offset,
-                        entry.part.cell_pieces,
-                    )
-                    for entry in entries
+                    (entry.part.pieces.data_ptr() - base) // itemsize,
+                    entry.first_slice,
+                    entry.column,
+                    entry.part.piece_offset,
+                    entry.part.cell_pieces,
                 ]
-            )
+                for entry in entries
+            ],
+            dtype=torch.int64,
+            device=self.template.device,
+        )
+        self.aligned = self.template.stride(-1) == 1 and all(
+            entry.part.pieces.data_ptr() % 16 == 0 for entry in entries
+        )
 
     def accumulate(
         self,
@@ -89,28 +73,35 @@ class FusedLayers:
         out: torch.Tensor,
     ) -> None:
         """Add every part's weighted sums of the rows into its column of ``out``."""
-        if self.backend == "triton":
-            from .kernels.triton_kernel import accumulate_triton
+        from .kernels.triton_kernel import accumulate_triton
 
-            accumulate_triton(
-                self.template,
-                self.table,
-                block_ids,
-                first_tokens,
-                valid_tokens,
-                out,
-                aligned=self.aligned,
-            )
-        else:
-            self.torch_launch.accumulate(block_ids, first_tokens, valid_tokens, out)
+        accumulate_triton(
+            self.template, self.table, block_ids, first_tokens, valid_tokens, out, self.aligned
+        )
 
     def warm_up(self, num_columns: int) -> None:
-        """Compile the kernel now rather than in a serving step (Triton only)."""
-        if self.backend != "triton":
-            return
-        zeros = torch.zeros(1, dtype=torch.int64, device=self.device)
-        out = torch.zeros(1, num_columns, dtype=torch.int64, device=self.device)
-        self.accumulate(zeros, zeros, zeros, out)
+        """Compile the kernel now rather than in a serving step."""
+        from .kernels.triton_kernel import warm_up
+
+        warm_up(self.template, num_columns, self.aligned)
+
+
+def _launch(entries: list[_Entry], backend: str) -> TritonLaunch | TorchLaunch:
+    """One launch of parts that share a layout, on the resolved backend."""
+    if backend == "triton":
+        return TritonLaunch(entries)
+    return TorchLaunch(
+        [
+            TorchPart(
+                entry.part.pieces,
+                entry.first_slice,
+                entry.column,
+                entry.part.piece_offset,
+                entry.part.cell_pieces,
+            )
+            for entry in entries
+        ]
+    )
 
 
 @dataclass
@@ -118,7 +109,8 @@ class GroupPlan:
     """How a worker checksums one group: one launch per layout, one column per replica key."""
 
     replica_keys: list[ReplicaKey]
-    launches: list[FusedLayers]
+    launches: list[TritonLaunch | TorchLaunch]
+    device: torch.device
 
     @classmethod
     def create(
@@ -147,15 +139,11 @@ class GroupPlan:
                     pieces.data_ptr() % pieces.element_size(),
                 )
                 layouts[key].append(_Entry(part, view.first_slice, column))
-        launches = [FusedLayers(entries, resolved) for entries in layouts.values()]
-        return cls(replica_keys, launches)
-
-    @property
-    def device(self) -> torch.device:
-        return self.launches[0].device
+        launches = [_launch(entries, resolved) for entries in layouts.values()]
+        return cls(replica_keys, launches, device)
 
     def warm_up(self) -> None:
-        """Compile every launch's kernel ahead of use."""
+        """Prepare every launch ahead of use (compile kernels, allocate buffers)."""
         for launch in self.launches:
             launch.warm_up(len(self.replica_keys))
 

@@ -147,6 +147,11 @@ class TorchLaunch:
         self.parts = parts
         self._buffer: torch.Tensor | None = None
 
+    def warm_up(self, num_columns: int = 0) -> None:
+        """Allocate the gather buffer now rather than in a serving step."""
+        if self._buffer is None:
+            self._buffer = self.parts[0].new_buffer()
+
     def accumulate(
         self,
         block_ids: torch.Tensor,
@@ -157,6 +162,6 @@ class TorchLaunch:
         """Add every part's weighted sums of the rows into its column of ``out``
         ``[rows, columns]``."""
         if self._buffer is None:
-            self._buffer = self.parts[0].new_buffer()
+            self.warm_up()
         for part in self.parts:
             part.accumulate(block_ids, first_tokens, valid_tokens, out, self._buffer)
