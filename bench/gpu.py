@@ -229,7 +229,8 @@ def bench_layout(
     cache: Cache, order: torch.Tensor, args: argparse.Namespace, flush: torch.Tensor
 ) -> bool:
     """Measures (a) to (e) on one layout's cache; prints them; True when all results agree."""
-    from kvaudit.kernels.triton_kernel import accumulate_triton, launch_config, warm_up
+    from kvaudit.kernels.triton_kernel import accumulate_triton, warm_up
+    from kvaudit.kernels.triton_tiling import launch_config
 
     blocks = order.numel()
     request_blocks = args.request_tokens // BLOCK

@@ -6,10 +6,8 @@ import numpy as np
 
 from .errors import UnsupportedGroupError
 
-SCHEME_VERSION = 1
 MAX_KV_HEADS_PER_LAYER = 65536
-MOD64 = 1 << 64
-MASK64 = MOD64 - 1
+MASK64 = (1 << 64) - 1
 
 ReplicaKey = tuple[int, int]
 """``(replicas, replica_index)``: the ranks that hold the same heads, and which of them."""
@@ -20,11 +18,6 @@ def slice_number(layer_number: int, head: int) -> int:
     return layer_number * MAX_KV_HEADS_PER_LAYER + head
 
 
-def slice_factor(layer_number: int, head: int) -> int:
-    """``m(L, h) = 2 * (L * H + h) + 1`` mod 2**64, the odd factor of a slice."""
-    return (2 * slice_number(layer_number, head) + 1) & MASK64
-
-
 def valid_tokens(
     num_tokens: int | np.ndarray, block_size: int, positions: np.ndarray | int
 ) -> np.ndarray:
@@ -32,12 +25,6 @@ def valid_tokens(
     count; slots at or past ``num_tokens`` never do."""
     positions = np.asarray(positions, dtype=np.int64)
     return np.clip(num_tokens - positions * block_size, 0, block_size)
-
-
-def to_signed(value: int) -> int:
-    """A uint64 as the int64 with the same bits."""
-    value &= MASK64
-    return value - MOD64 if value >= 1 << 63 else value
 
 
 def to_hex(value: int) -> str:

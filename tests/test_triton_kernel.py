@@ -419,7 +419,7 @@ def test_warm_up_runs(interpreted: dict) -> None:
 
 def test_cases_cover_the_tilings() -> None:
     """The small cases reach several piece tiles, chunks and row tiles, and both row orders."""
-    from kvaudit.kernels.triton_kernel import launch_config
+    from kvaudit.kernels.triton_tiling import launch_config
 
     def config(name: str):
         template = CASES[name]("cpu", False).template
@@ -441,7 +441,7 @@ def test_cases_cover_the_tilings() -> None:
 def test_launch_config_ignores_rows_and_depends_on_layout() -> None:
     """The tiling (hence the compiled variant) follows the layout alone, so warm-up compiles
     what later launches use, and a Llama-shaped block is one program's single tile."""
-    from kvaudit.kernels.triton_kernel import launch_config
+    from kvaudit.kernels.triton_tiling import launch_config
 
     shape = (1000, 1, 8, 16, 32)
     strides = (2 * 16 * 8 * 32, 16 * 8 * 32, 32, 8 * 32, 1)

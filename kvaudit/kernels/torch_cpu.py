@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from . import LaunchPart
+
 # Rows are gathered in chunks of about this many bytes into a buffer that is reused: large
 # enough to amortise the per-chunk overhead, small enough to stay in cache and bound memory.
 CHUNK_BYTES = 8 << 20
@@ -30,19 +32,18 @@ class TorchPart:
     """One piece view ``[blocks, kernel_blocks, heads, tokens, pieces]`` prepared for the
     CPU path: its axes in memory order, its weights laid out to match, and its column."""
 
-    def __init__(
-        self,
-        pieces: torch.Tensor,
-        first_slice: int,
-        column: int,
-        piece_offset: int,
-        cell_pieces: int,
-    ) -> None:
+    def __init__(self, part: LaunchPart) -> None:
+        pieces, first_slice, piece_offset, cell_pieces = (
+            part.pieces,
+            part.first_slice,
+            part.piece_offset,
+            part.cell_pieces,
+        )
         _, kernel_blocks, heads, tokens, num_pieces = pieces.shape
         # Axes 1..4 ordered outermost first in memory, so gathers read forward.
         order = sorted(range(1, 5), key=lambda axis: -pieces.stride(axis))
         self.blocks = pieces.permute(0, *order)
-        self.column = column
+        self.column = part.column
         self.zero_extend = _ZERO_EXTEND.get(pieces.dtype)
         self.tokens_per_row = kernel_blocks * tokens
         self.row_bytes = kernel_blocks * heads * tokens * num_pieces * 8
@@ -141,10 +142,11 @@ class TorchPart:
 
 
 class TorchLaunch:
-    """Parts that share one layout, adding into their columns with one shared gather buffer."""
+    """Parts that share one layout, adding into their columns with one shared gather buffer
+    (the torch backend's :class:`~kvaudit.kernels.Launch`)."""
 
-    def __init__(self, parts: list[TorchPart]) -> None:
-        self.parts = parts
+    def __init__(self, parts: list[LaunchPart]) -> None:
+        self.parts = [TorchPart(part) for part in parts]
         self._buffer: torch.Tensor | None = None
 
     def warm_up(self, num_columns: int = 0) -> None:

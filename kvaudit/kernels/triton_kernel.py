@@ -15,30 +15,24 @@ imported, the same code runs on CPU tensors (slowly, for tests).
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from ..errors import KvauditError
+from . import LaunchPart
+from .triton_tiling import (
+    MAX_GRID_YZ,
+    kernel_arguments,
+    launch_config,
+    layout_is_aligned,
+)
 
 TABLE_FIELDS = 5
 """Columns of the entry table: element offset, first slice, column, piece offset, cell pieces."""
 
 _SOURCE = "triton kernel"
-_PIECE_BITS = {torch.int64: 64, torch.int32: 32, torch.int16: 16}
-# Elements one program holds in registers per tile; 4096 int64 are 32 KB, 16 per thread at
-# 8 warps, enough loads in flight per SM to cover memory latency at full bandwidth.
-_TILE_ELEMENTS = 4096
-# A program walks at most this many tiles, so that a very large cell (a Mamba state) is
-# spread over several programs instead of being read by one.
-_MAX_TILES_PER_PROGRAM = 8
-# A tile's piece segment per cell row is at least this many bytes (two 32-byte sectors),
-# so that splitting long rows into piece tiles keeps every memory sector fully used.
-_MIN_SEGMENT_BYTES = 64
-_MAX_GRID_YZ = 65535
+_PIECE_DTYPES = (torch.int64, torch.int32, torch.int16)
 
 
 @triton.jit
@@ -67,6 +61,7 @@ def _accumulate_kernel(
     EVEN_PIECES: tl.constexpr,
     PIECE_BITS: tl.constexpr,
     VEC: tl.constexpr,
+    FIELDS: tl.constexpr,
 ):
     """One program: one row, one table entry, one chunk of that entry's (cell row, piece) tiles.
 
@@ -83,7 +78,7 @@ def _accumulate_kernel(
         return
     first = tl.load(first_tokens_ptr + row)
     block = tl.load(block_ids_ptr + row)
-    fields = table_ptr + entry.to(tl.int64) * 5
+    fields = table_ptr + entry.to(tl.int64) * FIELDS
     element_offset = tl.load(fields)
     first_slice = tl.load(fields + 1)
     column = tl.load(fields + 2)
@@ -141,83 +136,6 @@ def _accumulate_kernel(
 _INTERPRETED = type(_accumulate_kernel).__name__ == "InterpretedFunction"
 
 
-@dataclass(frozen=True)
-class LaunchConfig:
-    """The tiling chosen for one template shape, dtype and alignment."""
-
-    block_rows: int
-    block_pieces: int
-    piece_tiles: int
-    tiles_per_program: int
-    chunks: int
-    heads_fastest: bool
-    vec: int
-    num_warps: int
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _piece_block(pieces: int, piece_bytes: int) -> int:
-    """The tile width in pieces: a power of two that pads a cell row by at most 1/8 if possible."""
-    widest = min(triton.next_power_of_2(pieces), _TILE_ELEMENTS)
-    narrowest = min(widest, max(1, _MIN_SEGMENT_BYTES // piece_bytes))
-    best = widest
-    width = widest
-    while width >= narrowest:
-        padded = _cdiv(pieces, width) * width
-        if padded * 8 <= pieces * 9:
-            return width
-        if padded < _cdiv(pieces, best) * best:
-            best = width
-        width //= 2
-    return best
-
-
-@functools.lru_cache(maxsize=256)
-def launch_config(
-    shape: tuple[int, int, int, int, int],
-    strides: tuple[int, int, int, int, int],
-    piece_bytes: int,
-    aligned: bool,
-) -> LaunchConfig:
-    """The tiling for a ``[blocks, kernel_blocks, heads, tokens, pieces]`` template.
-
-    It depends only on the layout, never on the number of rows, so that ``warm_up``
-    compiles the variant that later launches use.
-    """
-    _, kernel_blocks, heads, tokens, pieces = shape
-    cell_rows = kernel_blocks * heads * tokens
-    block_pieces = _piece_block(pieces, piece_bytes)
-    block_rows = min(triton.next_power_of_2(cell_rows), max(1, _TILE_ELEMENTS // block_pieces))
-    piece_tiles = _cdiv(pieces, block_pieces)
-    tiles = _cdiv(cell_rows, block_rows) * piece_tiles
-    tiles_per_program = max(min(tiles, _MAX_TILES_PER_PROGRAM), _cdiv(tiles, _MAX_GRID_YZ))
-    vec = 16 // piece_bytes if aligned else 1
-    return LaunchConfig(
-        block_rows=block_rows,
-        block_pieces=block_pieces,
-        piece_tiles=piece_tiles,
-        tiles_per_program=tiles_per_program,
-        chunks=_cdiv(tiles, tiles_per_program),
-        heads_fastest=heads > 1 and tokens > 1 and strides[2] < strides[3],
-        vec=vec,
-        num_warps=max(1, min(8, block_rows * block_pieces // 512)),
-    )
-
-
-def _layout_is_aligned(template: torch.Tensor) -> bool:
-    """Whether the template itself allows 16-byte loads: aligned start, rows and pieces."""
-    itemsize = template.element_size()
-    if template.data_ptr() % 16 or (template.shape[4] > 1 and template.stride(4) != 1):
-        return False
-    return all(
-        size == 1 or stride * itemsize % 16 == 0
-        for size, stride in zip(template.shape[:4], template.stride()[:4])
-    )
-
-
 def _check_inputs(
     template: torch.Tensor,
     table: torch.Tensor,
@@ -227,7 +145,7 @@ def _check_inputs(
     out: torch.Tensor,
 ) -> None:
     """Raises KvauditError on arguments that break the kernel contract (metadata only)."""
-    if template.dim() != 5 or template.dtype not in _PIECE_BITS:
+    if template.dim() != 5 or template.dtype not in _PIECE_DTYPES:
         raise KvauditError(
             "template must be a 5-d int64, int32 or int16 view "
             f"[blocks, kernel_blocks, heads, tokens, pieces], got {template.dtype} "
@@ -307,20 +225,16 @@ def accumulate_triton(
     entries = table.shape[0]
     if rows == 0 or entries == 0 or out.shape[1] == 0 or any(s == 0 for s in template.shape[1:]):
         return
-    if entries > _MAX_GRID_YZ:
+    if entries > MAX_GRID_YZ:
         raise KvauditError(
-            f"{entries} table entries exceed one launch's {_MAX_GRID_YZ}", source=_SOURCE
+            f"{entries} table entries exceed one launch's {MAX_GRID_YZ}", source=_SOURCE
         )
-    config = launch_config(
-        tuple(template.shape),
-        tuple(template.stride()),
-        template.element_size(),
-        aligned and _layout_is_aligned(template),
-    )
-    _, kernel_blocks, heads, tokens, pieces = template.shape
-    strides = template.stride()
-    # Aligned launches count block, kernel-block, head and token strides in 16-byte units.
-    unit_strides = [s // config.vec for s in strides[:4]]
+    shape = tuple(template.shape)
+    strides = tuple(template.stride())
+    itemsize = template.element_size()
+    aligned = aligned and layout_is_aligned(shape, strides, itemsize, template.data_ptr())
+    config = launch_config(shape, strides, itemsize, aligned)
+    stride_args, constants = kernel_arguments(shape, strides, itemsize, config)
     _accumulate_kernel[(rows, entries, config.chunks)](
         template,
         table.contiguous(),
@@ -329,20 +243,9 @@ def accumulate_triton(
         valid_tokens.contiguous(),
         out,
         out.shape[1],
-        *unit_strides,
-        strides[4],
-        KERNEL_BLOCKS=kernel_blocks,
-        HEADS=heads,
-        TOKENS=tokens,
-        PIECES=pieces,
-        BLOCK_R=config.block_rows,
-        BLOCK_P=config.block_pieces,
-        PIECE_TILES=config.piece_tiles,
-        TILES_PER_PROGRAM=config.tiles_per_program,
-        HEADS_FASTEST=config.heads_fastest,
-        EVEN_PIECES=pieces % config.block_pieces == 0,
-        PIECE_BITS=_PIECE_BITS[template.dtype],
-        VEC=config.vec,
+        *stride_args,
+        **constants,
+        FIELDS=TABLE_FIELDS,
         num_warps=config.num_warps,
         num_stages=1,
     )
@@ -358,3 +261,50 @@ def warm_up(template: torch.Tensor, num_columns: int, aligned: bool = False) -> 
     table = torch.zeros((1, TABLE_FIELDS), dtype=torch.int64, device=device)
     out = torch.zeros((1, max(1, num_columns)), dtype=torch.int64, device=device)
     accumulate_triton(template, table, zero, zero, zero, out, aligned)
+
+
+def entry_table(parts: list[LaunchPart]) -> torch.Tensor:
+    """The kernel's ``[entries, TABLE_FIELDS]`` table of ``parts`` (same layout), offsets
+    counted in elements from the first part, on the parts' device."""
+    template = parts[0].pieces
+    itemsize = template.element_size()
+    base = template.data_ptr()
+    rows = [
+        [
+            (part.pieces.data_ptr() - base) // itemsize,
+            part.first_slice,
+            part.column,
+            part.piece_offset,
+            part.cell_pieces,
+        ]
+        for part in parts
+    ]
+    return torch.tensor(rows, dtype=torch.int64, device=template.device)
+
+
+class TritonLaunch:
+    """Parts that share one layout, each adding into its column in one Triton launch over
+    their table (the Triton backend's :class:`~kvaudit.kernels.Launch`)."""
+
+    def __init__(self, parts: list[LaunchPart]) -> None:
+        self.template = parts[0].pieces
+        self.table = entry_table(parts)
+        self.aligned = self.template.stride(-1) == 1 and all(
+            part.pieces.data_ptr() % 16 == 0 for part in parts
+        )
+
+    def accumulate(
+        self,
+        block_ids: torch.Tensor,
+        first_tokens: torch.Tensor,
+        valid_tokens: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """Add every part's weighted sums of the rows into its column of ``out``."""
+        accumulate_triton(
+            self.template, self.table, block_ids, first_tokens, valid_tokens, out, self.aligned
+        )
+
+    def warm_up(self, num_columns: int) -> None:
+        """Compile the kernel now rather than in a serving step."""
+        warm_up(self.template, num_columns, self.aligned)
