@@ -502,10 +502,10 @@ def verify_received(
 ) -> DiffReport:
     """The consumer checked against the producer totals it received (wire bytes per request).
 
-    The wire carries no token count or position numbering: the consumer's are used for
-    both sides. Each group of a consumer request without received bytes is unverified
-    (``"no producer checksums received"``); received requests the consumer lacks are
-    listed in ``only_in_producer``.
+    The consumer's token count and position numbering are used for both sides (the
+    wire's ``num_tokens`` and ``numbering`` are decoded, and not applied here). Each group
+    of a consumer request without received bytes is unverified (``"no producer checksums
+    received"``); received requests the consumer lacks are listed in ``only_in_producer``.
 
     Raises:
         WireFormatError: Malformed bytes; the message names ``source`` and the request.
@@ -528,7 +528,7 @@ def verify_received(
                 values=wire.totals.reshape(-1, 1),
                 fingerprint=wire.fingerprint,
             )
-            for wire in decode_wire(received[rid], source=f"{source}: request {rid}")
+            for wire in decode_wire(received[rid], source=f"{source}: request {rid}").groups
         }
         requests[rid] = RequestChecksums(num_tokens, groups)
     producer = Record(

@@ -16,7 +16,7 @@ import numpy as np
 
 from .errors import KvauditError
 from .scheme import MASK64, ReplicaKey, from_hex, to_hex
-from .wire import WireGroup
+from .wire import WireChecksums, WireGroup
 
 POSITION_NUMBERINGS = ("request", "block")
 ROLES = ("producer", "consumer", "offload")
@@ -73,9 +73,11 @@ class RequestChecksums:
     num_tokens: int
     groups: dict[int, GroupChecksums] = field(default_factory=dict)
 
-    def to_wire(self) -> list[WireGroup]:
-        """The request's totals per group, in group id order, for ``encode_wire``."""
-        return [self.groups[gid].to_wire(gid) for gid in sorted(self.groups)]
+    def to_wire(self, numbering: str) -> WireChecksums:
+        """What a producer sends for the request (``encode_wire``): its token count, the
+        record's position ``numbering`` and the totals per group, in group id order."""
+        groups = [self.groups[gid].to_wire(gid) for gid in sorted(self.groups)]
+        return WireChecksums(self.num_tokens, numbering, groups)
 
 
 @dataclass(frozen=True)

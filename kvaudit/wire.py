@@ -1,6 +1,7 @@
 """Producer checksums on the wire: a request's totals per group as bytes (docs/checksum.md).
 
-Layout, little-endian: magic ``KVC1``, ``num_groups`` u16; per group ``group_id`` u32,
+Layout (KVC2), little-endian: magic ``KVC2``, ``num_tokens`` u64, ``numbering`` u8 (0
+request positions, 1 block positions), ``num_groups`` u16; per group ``group_id`` u32,
 ``fingerprint`` u64, ``block_size`` u32, ``start`` u32, ``count`` u32, then ``count``
 u64 totals. Decoding is strict: anything malformed is a ``WireFormatError``.
 """
@@ -10,16 +11,19 @@ from __future__ import annotations
 import base64
 import binascii
 import struct
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .errors import WireFormatError
 from .scheme import MASK64
 
-MAGIC = b"KVC1"
-_HEADER = struct.Struct("<4sH")
+MAGIC = b"KVC2"
+RETIRED_MAGIC = b"KVC1"
+# Wire code of each position numbering (records.POSITION_NUMBERINGS names them).
+NUMBERING_CODES = {"request": 0, "block": 1}
+_NUMBERING_NAMES = {code: name for name, code in NUMBERING_CODES.items()}
+_HEADER = struct.Struct("<4sQBH")
 _GROUP = struct.Struct("<IQIII")
 _TOTAL_BYTES = 8
 _U16_MAX = (1 << 16) - 1
@@ -58,6 +62,16 @@ class WireGroup:
         )
 
 
+@dataclass
+class WireChecksums:
+    """One request's producer checksums: its token count when checksummed, how positions
+    were numbered (``"request"`` or ``"block"``) and the totals per group."""
+
+    num_tokens: int
+    numbering: str
+    groups: list[WireGroup] = field(default_factory=list)
+
+
 def _check_field(name: str, value: int, limit: int, group_id: int) -> None:
     """Raise ``WireFormatError`` unless ``0 <= value <= limit``."""
     if not 0 <= value <= limit:
@@ -67,64 +81,104 @@ def _check_field(name: str, value: int, limit: int, group_id: int) -> None:
         )
 
 
-def encode_wire(groups: Sequence[WireGroup]) -> bytes:
-    """The wire bytes of one request's groups.
+def _encode_group(group: WireGroup) -> list[bytes]:
+    """One group's header and totals as bytes."""
+    _check_field("group_id", group.group_id, _U32_MAX, group.group_id)
+    _check_field("fingerprint", group.fingerprint, MASK64, group.group_id)
+    _check_field("block_size", group.block_size, _U32_MAX, group.group_id)
+    if group.block_size == 0:
+        # Readers reject it: a block of no tokens holds no position.
+        raise WireFormatError(f"group {group.group_id}: block size 0", source="<wire>")
+    _check_field("start", group.start, _U32_MAX, group.group_id)
+    if group.totals.ndim != 1:
+        raise WireFormatError(
+            f"group {group.group_id}: totals must be one-dimensional", source="<wire>"
+        )
+    _check_field("count", group.count, _U32_MAX, group.group_id)
+    header = _GROUP.pack(
+        int(group.group_id),
+        int(group.fingerprint),
+        int(group.block_size),
+        int(group.start),
+        group.count,
+    )
+    return [header, group.totals.astype("<u8", copy=False).tobytes()]
+
+
+def encode_wire(checksums: WireChecksums) -> bytes:
+    """The wire bytes of one request's producer checksums.
 
     Raises:
-        WireFormatError: Too many groups, a duplicate group id, or a field out of range.
+        WireFormatError: An unknown numbering, a token count, a field or the number of
+            groups out of range, or a duplicate group id.
 
     """
+    if checksums.numbering not in NUMBERING_CODES:
+        raise WireFormatError(
+            f"unknown numbering {checksums.numbering!r}, expected one of "
+            f"{', '.join(NUMBERING_CODES)}",
+            source="<wire>",
+        )
+    if not 0 <= checksums.num_tokens <= MASK64:
+        raise WireFormatError(
+            f"num_tokens {checksums.num_tokens} does not fit in 64 bits", source="<wire>"
+        )
+    groups = checksums.groups
     if len(groups) > _U16_MAX:
         raise WireFormatError(f"{len(groups)} groups do not fit in 16 bits", source="<wire>")
-    parts = [_HEADER.pack(MAGIC, len(groups))]
+    parts = [
+        _HEADER.pack(
+            MAGIC, int(checksums.num_tokens), NUMBERING_CODES[checksums.numbering], len(groups)
+        )
+    ]
     seen: set[int] = set()
     for group in groups:
-        _check_field("group_id", group.group_id, _U32_MAX, group.group_id)
         if group.group_id in seen:
             raise WireFormatError(f"group {group.group_id} appears twice", source="<wire>")
         seen.add(group.group_id)
-        _check_field("fingerprint", group.fingerprint, MASK64, group.group_id)
-        _check_field("block_size", group.block_size, _U32_MAX, group.group_id)
-        if group.block_size == 0:
-            # Readers reject it: a block of no tokens holds no position.
-            raise WireFormatError(f"group {group.group_id}: block size 0", source="<wire>")
-        _check_field("start", group.start, _U32_MAX, group.group_id)
-        if group.totals.ndim != 1:
-            raise WireFormatError(
-                f"group {group.group_id}: totals must be one-dimensional", source="<wire>"
-            )
-        _check_field("count", group.count, _U32_MAX, group.group_id)
-        parts.append(
-            _GROUP.pack(
-                int(group.group_id),
-                int(group.fingerprint),
-                int(group.block_size),
-                int(group.start),
-                group.count,
-            )
-        )
-        parts.append(group.totals.astype("<u8", copy=False).tobytes())
+        parts.extend(_encode_group(group))
     return b"".join(parts)
 
 
-def decode_wire(data: bytes, source: str = "<wire>") -> list[WireGroup]:
-    """The groups in wire bytes.
+def _decode_header(data: bytes, source: str) -> tuple[int, str, int]:
+    """``(num_tokens, numbering, num_groups)`` of the buffer's header."""
+    size = len(data)
+    if size >= 4 and data[:4] == RETIRED_MAGIC:
+        raise WireFormatError(
+            "KVC1 wire bytes (without num_tokens and numbering) are retired: the producer "
+            "must send KVC2",
+            source,
+        )
+    if size < _HEADER.size:
+        if data[: min(size, 4)] != MAGIC[: min(size, 4)]:
+            raise WireFormatError(f"wrong magic {data[:4]!r} at byte 0, expected {MAGIC!r}", source)
+        raise WireFormatError(
+            f"truncated: {size} bytes, the header needs {_HEADER.size}", source=source
+        )
+    magic, num_tokens, numbering, num_groups = _HEADER.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise WireFormatError(f"wrong magic {magic!r} at byte 0, expected {MAGIC!r}", source)
+    if numbering not in _NUMBERING_NAMES:
+        raise WireFormatError(
+            f"unknown numbering {numbering} at byte 12, expected 0 (request) or 1 (block)",
+            source,
+        )
+    return num_tokens, _NUMBERING_NAMES[numbering], num_groups
+
+
+def decode_wire(data: bytes, source: str = "<wire>") -> WireChecksums:
+    """The producer checksums in wire bytes.
 
     Raises:
-        WireFormatError: A wrong magic, a truncated or over-long buffer, a count that
-            does not fit in the bytes left, a zero block size or a duplicate group id;
-            the message names the source and the byte offset.
+        WireFormatError: A wrong magic (KVC1 named as retired), an unknown numbering, a
+            truncated or over-long buffer, a count that does not fit in the bytes left, a
+            zero block size or a duplicate group id; the message names the source and
+            the byte offset.
 
     """
     data = bytes(data)
     size = len(data)
-    if size < _HEADER.size:
-        raise WireFormatError(
-            f"truncated: {size} bytes, the header needs {_HEADER.size}", source=source
-        )
-    magic, num_groups = _HEADER.unpack_from(data, 0)
-    if magic != MAGIC:
-        raise WireFormatError(f"wrong magic {magic!r} at byte 0, expected {MAGIC!r}", source)
+    num_tokens, numbering, num_groups = _decode_header(data, source)
     offset = _HEADER.size
     groups: list[WireGroup] = []
     seen: set[int] = set()
@@ -158,16 +212,16 @@ def decode_wire(data: bytes, source: str = "<wire>") -> list[WireGroup]:
             f"over-long: {size - offset} trailing bytes after the last group at byte {offset}",
             source,
         )
-    return groups
+    return WireChecksums(num_tokens, numbering, groups)
 
 
-def encode_wire_base64(groups: Sequence[WireGroup]) -> str:
-    """The wire bytes as base64 text (a dump's ``received``)."""
-    return base64.b64encode(encode_wire(groups)).decode("ascii")
+def encode_wire_base64(checksums: WireChecksums) -> str:
+    """The wire bytes as base64 text (a dump's ``received``, ``kv_transfer_params``)."""
+    return base64.b64encode(encode_wire(checksums)).decode("ascii")
 
 
-def decode_wire_base64(text: str, source: str = "<wire>") -> list[WireGroup]:
-    """The groups in base64 wire text.
+def decode_wire_base64(text: str, source: str = "<wire>") -> WireChecksums:
+    """The producer checksums in base64 wire text.
 
     Raises:
         WireFormatError: The text is not valid base64, or its bytes are malformed.

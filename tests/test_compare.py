@@ -32,7 +32,7 @@ from kvaudit.records import (
     WorkerRecord,
     combine_workers,
 )
-from kvaudit.wire import WireGroup, encode_wire
+from kvaudit.wire import WireChecksums, WireGroup, encode_wire
 
 MOD = 2**64
 FP = {0: 0x9F0C2A61D3B47E18, 1: 0x1A2B3C4D5E6F7081}
@@ -603,14 +603,11 @@ def test_verify_against_record_with_another_layout_compares_totals() -> None:
 
 def wire_of(request: Req) -> bytes:
     """The wire bytes of a request's totals, built from the test's own ints."""
-    return encode_wire(
-        [
-            WireGroup(
-                gid, FP[gid], group.block_size, group.start, np.array(group.totals, np.uint64)
-            )
-            for gid, group in sorted(request.groups.items())
-        ]
-    )
+    groups = [
+        WireGroup(gid, FP[gid], group.block_size, group.start, np.array(group.totals, np.uint64))
+        for gid, group in sorted(request.groups.items())
+    ]
+    return encode_wire(WireChecksums(request.num_tokens, "request", groups))
 
 
 def test_verify_received_round_trip() -> None:

@@ -438,9 +438,12 @@ def small() -> Small:
     return Small(requests, totals)
 
 
-def wire(totals: list[int], fingerprint: int = FINGERPRINT, start: int = 0) -> bytes:
-    """The spec's wire bytes of one request's one group (group 0, block size 16)."""
-    header = b"KVC1" + struct.pack("<H", 1)
+def wire(
+    totals: list[int], fingerprint: int = FINGERPRINT, start: int = 0, num_tokens: int = 0
+) -> bytes:
+    """The spec's KVC2 bytes of one request's one group (group 0, block size 16, request
+    positions)."""
+    header = b"KVC2" + struct.pack("<QBH", num_tokens, 0, 1)
     group = struct.pack("<IQIII", 0, fingerprint, 16, start, len(totals))
     return header + group + struct.pack(f"<{len(totals)}Q", *totals)
 
@@ -463,13 +466,14 @@ def write_engine(
 
 def test_verify_received(small: Small, tmp_path: Path) -> None:
     workers = kb.build_engine(MODEL, small.requests, kb.Engine(tp_size=2, seed=3))
-    good = {rid: wire(small.totals[rid]) for rid in TOKENS}
+    good = {rid: wire(small.totals[rid], num_tokens=TOKENS[rid]) for rid in TOKENS}
     write_engine(workers, tmp_path / "good", "consumer", received=[good, good])
     result = run("verify", tmp_path / "good", "--received")
     assert result.exit_code == 0, result.output
     assert "OK: 2 requests, 5 blocks compared, all match" in result.stdout
 
-    wrong = dict(good, r1=wire([*small.totals["r1"][:2], small.totals["r1"][2] ^ 1]))
+    wrong_totals = [*small.totals["r1"][:2], small.totals["r1"][2] ^ 1]
+    wrong = dict(good, r1=wire(wrong_totals, num_tokens=TOKENS["r1"]))
     write_engine(workers, tmp_path / "wrong", "consumer", received=[wrong, wrong])
     report = strict_json(run("verify", tmp_path / "wrong", "--received", "--format", "json").stdout)
     check_shape(report)
