@@ -8,13 +8,13 @@ plans once, then checksums requests into a ``WorkerRecord``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from .description import CacheDescription
 from .errors import KvauditError
+from .inputs import LayerTensors, RequestBlocks, plain_requests, tensors_by_name
 from .plans import GroupPlan
 from .records import (
     POSITION_NUMBERINGS,
@@ -25,16 +25,7 @@ from .records import (
     WorkerRecord,
 )
 from .scheme import valid_tokens
-from .views import GroupViews, LayerTensor, build_group_views
-
-
-@dataclass
-class RequestBlocks:
-    """A request's blocks in a worker's cache: its token count and, per group, the
-    position of the first listed block and the block ids of consecutive positions."""
-
-    num_tokens: int
-    groups: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
+from .views import GroupViews, build_group_views
 
 
 class Checksummer:
@@ -47,7 +38,7 @@ class Checksummer:
     def __init__(
         self,
         description: CacheDescription,
-        tensors: Mapping[str, LayerTensor],
+        tensors: LayerTensors,
         *,
         tp_rank: int = 0,
         tp_size: int = 1,
@@ -69,7 +60,11 @@ class Checksummer:
         self.worker = WorkerInfo(tp_rank, tp_size, pp_rank, pp_size, role, engine, source)
         self.num_blocks = description.num_blocks if num_blocks is None else num_blocks
         self.groups: dict[int, GroupViews] = build_group_views(
-            description, tensors, tp_rank=tp_rank, tp_size=tp_size, num_blocks=self.num_blocks
+            description,
+            tensors_by_name(description, tensors, source or None),
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            num_blocks=self.num_blocks,
         )
         self.plans: dict[int, GroupPlan] = {}
         for group_id, group_views in self.groups.items():
@@ -102,7 +97,7 @@ class Checksummer:
         """This worker's partial checksums of the requests' blocks in every covered group.
 
         ``positions="block"`` numbers pieces from each block's first token instead of the
-        request's.
+        request's. Block ids may be lists of ints, numpy arrays or torch tensors.
         """
         if positions not in POSITION_NUMBERINGS:
             raise KvauditError(
@@ -113,7 +108,7 @@ class Checksummer:
         )
         # One pass per group over the rows of all requests.
         batches: dict[int, list[tuple[str, int, list[int], int]]] = {}
-        for req_id, blocks in requests.items():
+        for req_id, blocks in plain_requests(requests, self.worker.source or None).items():
             _check_request(req_id, blocks, self.groups, self.num_blocks, self.worker.source)
             record.requests[req_id] = RequestChecksums(blocks.num_tokens)
             for group_id, (start, block_ids) in blocks.groups.items():

@@ -16,9 +16,10 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from ..checksummer import ROLES, RequestBlocks
+from ..checksummer import ROLES
 from ..description import CacheDescription, description_to_dict
 from ..dtypes import safetensors_dtype_name
+from ..inputs import LayerTensors, RequestBlocks, plain_requests, tensors_by_name
 from ..records import WorkerInfo
 from ..views import LayerTensor
 from .dump import (
@@ -227,7 +228,7 @@ def _stored_output(
 def write_dump(
     path: str | os.PathLike[str],
     description: CacheDescription,
-    tensors: Mapping[str, LayerTensor],
+    tensors: LayerTensors,
     requests: Mapping[str, RequestBlocks],
     *,
     worker: WorkerInfo,
@@ -239,8 +240,10 @@ def write_dump(
     """Write one worker's dump of the requests' blocks (``requests`` in ENGINE block ids).
 
     ``tensors`` are the live whole caches (``N`` = ``num_blocks`` times the kernel blocks
-    per block; any strides, any device). Only the requests' blocks are dumped, rows in
-    ascending block id order (``kvaudit.blocks``), unless ``whole_cache``.
+    per block; any strides, any device), by layer name or as vLLM's ``kv_caches`` list in
+    the description's layer order; block ids may be lists, numpy arrays or tensors. Only
+    the requests' blocks are dumped, rows in ascending block id order (``kvaudit.blocks``),
+    unless ``whole_cache``.
     ``stored_checksums`` holds one entry per engine block. The file is written to a
     temporary file in the same directory, synced and renamed over ``path``: on any error
     nothing is left and an existing file at ``path`` is untouched.
@@ -259,6 +262,8 @@ def write_dump(
             f"worker ranks tp {worker.tp_rank}/{worker.tp_size}, pp "
             f"{worker.pp_rank}/{worker.pp_size} are out of range",
         )
+    tensors = tensors_by_name(description, tensors, target)
+    requests = plain_requests(requests, target)
     description = _alias_shared_storage(description, tensors)
     request_items = _request_metadata(
         target, description, requests, block_hashes or {}, received or {}
