@@ -17,14 +17,13 @@ from .errors import KvauditError
 from .inputs import LayerTensors, RequestBlocks, plain_requests, tensors_by_name
 from .plans import GroupPlan
 from .records import (
-    POSITION_NUMBERINGS,
-    ROLES,
     GroupChecksums,
     RequestChecksums,
     WorkerInfo,
     WorkerRecord,
 )
 from .scheme import valid_tokens
+from .validation import POSITION_NUMBERINGS, Positions, Role, check_worker, is_int
 from .views import GroupViews, build_group_views
 
 
@@ -44,20 +43,15 @@ class Checksummer:
         tp_size: int = 1,
         pp_rank: int = 0,
         pp_size: int = 1,
-        role: str = "consumer",
+        role: Role = "consumer",
         backend: str = "auto",
         num_blocks: int | None = None,
         engine: str = "",
         source: str = "",
     ) -> None:
-        if role not in ROLES:
-            raise KvauditError(f"unknown role {role!r}, expected one of {', '.join(ROLES)}")
-        if not 0 <= pp_rank < pp_size:
-            raise KvauditError(f"pp_rank {pp_rank} is not in 0..{pp_size - 1}", source or None)
-        if not 0 <= tp_rank < tp_size:
-            raise KvauditError(f"tp_rank {tp_rank} is not in 0..{tp_size - 1}", source or None)
-        self.description = description
         self.worker = WorkerInfo(tp_rank, tp_size, pp_rank, pp_size, role, engine, source)
+        check_worker(self.worker, role, source or None)
+        self.description = description
         self.num_blocks = description.num_blocks if num_blocks is None else num_blocks
         self.groups: dict[int, GroupViews] = build_group_views(
             description,
@@ -92,7 +86,7 @@ class Checksummer:
         }
 
     def checksum(
-        self, requests: Mapping[str, RequestBlocks], positions: str = "request"
+        self, requests: Mapping[str, RequestBlocks], positions: Positions = "request"
     ) -> WorkerRecord:
         """This worker's partial checksums of the requests' blocks in every covered group.
 
@@ -143,7 +137,7 @@ class Checksummer:
 
 
 def _rows(
-    segments: list[tuple[str, int, list[int], int]], block_size: int, positions: str
+    segments: list[tuple[str, int, list[int], int]], block_size: int, positions: Positions
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The ``block_ids, first_tokens, valid_tokens`` of a group's rows."""
     ids = np.array([i for _, _, block_ids, _ in segments for i in block_ids], dtype=np.int64)
@@ -168,7 +162,7 @@ def _check_request(
 ) -> None:
     """Reject a request whose token count, positions or block ids cannot be right."""
     where = source or None
-    if not _is_int(blocks.num_tokens) or blocks.num_tokens < 0:
+    if not is_int(blocks.num_tokens) or blocks.num_tokens < 0:
         raise KvauditError(
             f"request {req_id}: num_tokens must be a non-negative integer, "
             f"got {blocks.num_tokens!r}",
@@ -177,7 +171,7 @@ def _check_request(
     for group_id, (start, block_ids) in blocks.groups.items():
         if group_id not in groups:
             raise KvauditError(f"request {req_id}: unknown group {group_id}", where)
-        if not _is_int(start) or start < 0:
+        if not is_int(start) or start < 0:
             raise KvauditError(
                 f"request {req_id} group {group_id}: start position must be a non-negative "
                 f"integer, got {start!r}",
@@ -185,7 +179,7 @@ def _check_request(
             )
         seen: set[int] = set()
         for block_id in block_ids:
-            if not _is_int(block_id) or not 0 <= block_id < num_blocks:
+            if not is_int(block_id) or not 0 <= block_id < num_blocks:
                 raise KvauditError(
                     f"request {req_id} group {group_id}: block id {block_id!r} is not in the "
                     f"cache (0..{num_blocks - 1})",
@@ -198,7 +192,3 @@ def _check_request(
                     where,
                 )
             seen.add(block_id)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)

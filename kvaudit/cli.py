@@ -24,7 +24,6 @@ from .description import CacheDescription, load_description
 from .diffing import diff_sources, diff_work, verify_sources, verify_work
 from .errors import KvauditError
 from .files import atomic_path
-from .records import POSITION_NUMBERINGS
 from .report import (
     DIFF_SIDES,
     Sides,
@@ -42,6 +41,7 @@ from .report import (
     render_text,
 )
 from .sources import Source, open_source, resolve_device
+from .validation import POSITION_NUMBERINGS
 
 if TYPE_CHECKING:
     from rich.console import Console

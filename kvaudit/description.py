@@ -11,13 +11,14 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import yaml
 
 from .dtypes import dtype_name, parse_dtype
 from .errors import DescriptionError
+from .validation import Checker, join, short_text
 
 ATTENTION_TYPES = (
     "full_attention",
@@ -73,6 +74,18 @@ class LayerSpec:
     @property
     def is_mla(self) -> bool:
         return self.type in MLA_TYPES
+
+    def axis_sizes(self, *, kernel_blocks: int = 1, tokens: int | None = None) -> dict[str, int]:
+        """The size of each layout letter (docs/cache-description.md, "Layouts"):
+        ``kernel_blocks`` along N, ``tokens`` along T (default: a kernel block's)."""
+        return {
+            "N": kernel_blocks,
+            "T": self.kernel_block_size if tokens is None else tokens,
+            "H": self.num_kv_heads,
+            "K": 2,
+            "D": self.head_size,
+            "C": self.head_size + self.head_size_v,
+        }
 
     @property
     def covered_states(self) -> int:
@@ -153,24 +166,6 @@ _SPEC_KEYS = (*_COMMON_SPEC_KEYS, *_ATTENTION_SPEC_KEYS, *_STATE_SPEC_KEYS)
 _GROUP_WIDE_KEYS = ("block_size", "kernel_block_size")
 
 
-def _join(path: str, key: object) -> str:
-    return f"{path}.{key}" if path else str(key)
-
-
-def _got(value: object) -> str:
-    """``got <value>`` for an error message, kept to one short line."""
-    if value is None:
-        return "got nothing"
-    if isinstance(value, Mapping):
-        return "got a mapping"
-    text = repr(list(value)) if isinstance(value, (list, tuple)) else repr(value)
-    if isinstance(value, (list, tuple)) and len(text) > 40:
-        return f"got a list of {len(value)} items"
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"got {text}"
-
-
 def _integer_kind(minimum: int, maximum: int | None) -> str:
     if maximum is not None:
         return f"an integer from {minimum} to {maximum}"
@@ -195,14 +190,21 @@ class _RawLayer:
     shares_path: str
 
 
-class _Validator:
+class _Validator(Checker):
     """Checks a description dict key by key; every failure is one DescriptionError."""
 
-    def __init__(self, source: str) -> None:
-        self.source = source
+    error = DescriptionError
 
-    def fail(self, path: str, what: str) -> NoReturn:
-        raise DescriptionError(f"{path}: {what}" if path else what, source=self.source)
+    def got(self, value: object) -> str:
+        """``got <value>`` as YAML's reader sees it, kept to one short line."""
+        if value is None:
+            return "got nothing"
+        if isinstance(value, Mapping):
+            return "got a mapping"
+        text = repr(list(value)) if isinstance(value, (list, tuple)) else repr(value)
+        if isinstance(value, (list, tuple)) and len(text) > 40:
+            return f"got a list of {len(value)} items"
+        return f"got {short_text(text, self.limit)}"
 
     # Scalars.
 
@@ -215,7 +217,7 @@ class _Validator:
             or value < minimum
             or (maximum is not None and value > maximum)
         ):
-            self.fail(path, f"expected {_integer_kind(minimum, maximum)}, {_got(value)}")
+            self.fail(path, f"expected {_integer_kind(minimum, maximum)}, {self.got(value)}")
         return value
 
     def field_int(
@@ -232,35 +234,35 @@ class _Validator:
         value = raw.get(key)
         if value is None:
             if required:
-                self.fail(_join(path, key), f"missing; expected {_integer_kind(minimum, maximum)}")
+                self.fail(join(path, key), f"missing; expected {_integer_kind(minimum, maximum)}")
             return default
-        return self.integer(value, _join(path, key), minimum, maximum)
+        return self.integer(value, join(path, key), minimum, maximum)
 
     def boolean(self, raw: Mapping[str, Any], path: str, key: str, default: bool) -> bool:
         value = raw.get(key)
         if value is None:
             return default
         if not isinstance(value, bool):
-            self.fail(_join(path, key), f"expected true or false, {_got(value)}")
+            self.fail(join(path, key), f"expected true or false, {self.got(value)}")
         return value
 
     def name(self, value: object, path: str, what: str) -> str:
         if not isinstance(value, str) or not value.strip():
-            self.fail(path, f"expected {what} (a non-empty string), {_got(value)}")
+            self.fail(path, f"expected {what} (a non-empty string), {self.got(value)}")
         return value
 
     def choice(self, value: object, path: str, choices: tuple[str, ...]) -> str:
         if value is None:
             self.fail(path, f"missing; expected one of {' | '.join(choices)}")
         if not isinstance(value, str) or value not in choices:
-            self.fail(path, f"expected one of {' | '.join(choices)}, {_got(value)}")
+            self.fail(path, f"expected one of {' | '.join(choices)}, {self.got(value)}")
         return value
 
     def dtype(self, value: object, path: str) -> torch.dtype:
         if value is None:
             self.fail(path, "missing; expected a dtype name such as bfloat16, float16, fp8_e4m3")
         if not isinstance(value, str):
-            self.fail(path, f"expected a dtype name such as bfloat16, {_got(value)}")
+            self.fail(path, f"expected a dtype name such as bfloat16, {self.got(value)}")
         try:
             return parse_dtype(value)
         except ValueError as exc:
@@ -272,10 +274,10 @@ class _Validator:
         """The mapping with its null values dropped (null means "not given")."""
         if not isinstance(value, Mapping):
             where = "" if path else " at the top level"
-            self.fail(path, f"expected a mapping ({what}){where}, {_got(value)}")
+            self.fail(path, f"expected a mapping ({what}){where}, {self.got(value)}")
         for key in value:
             if key not in allowed:
-                self.fail(_join(path, key), f"unknown key; expected one of {', '.join(allowed)}")
+                self.fail(join(path, key), f"unknown key; expected one of {', '.join(allowed)}")
         return {key: item for key, item in value.items() if item is not None}
 
     def spec_mapping(self, value: object, path: str) -> dict[Any, Any]:
@@ -285,7 +287,7 @@ class _Validator:
             for key in value:
                 if key not in _SPEC_KEYS:
                     allowed = ", ".join((*_COMMON_SPEC_KEYS, *type_keys))
-                    self.fail(_join(path, key), f"unknown key; expected one of {allowed}")
+                    self.fail(join(path, key), f"unknown key; expected one of {allowed}")
         return self.mapping(value, path, _SPEC_KEYS, "a layer spec")
 
     def layout(self, value: object, path: str) -> str:
@@ -293,7 +295,9 @@ class _Validator:
         if value is None:
             self.fail(path, f"missing; expected a layout {example}")
         if not isinstance(value, str) or not value:
-            self.fail(path, f"expected a layout of axis letters N, T, H, K, D, C, {_got(value)}")
+            self.fail(
+                path, f"expected a layout of axis letters N, T, H, K, D, C, {self.got(value)}"
+            )
         layout = value.upper()
         for axis in layout:
             if axis not in LAYOUT_AXES:
@@ -316,13 +320,13 @@ class _Validator:
 
     def spec(self, value: object, path: str) -> LayerSpec:
         raw = self.spec_mapping(value, path)
-        type_ = self.choice(raw.get("type"), _join(path, "type"), SPEC_TYPES)
+        type_ = self.choice(raw.get("type"), join(path, "type"), SPEC_TYPES)
         self.spec_keys_for_type(raw, path, type_)
         block_size = self.field_int(raw, path, "block_size", required=True)
         kernel_block_size = self.field_int(raw, path, "kernel_block_size", default=block_size)
         if block_size % kernel_block_size:
             self.fail(
-                _join(path, "kernel_block_size"),
+                join(path, "kernel_block_size"),
                 f"expected a divisor of block_size ({block_size}), got {kernel_block_size}",
             )
         if type_ == "mamba":
@@ -332,17 +336,17 @@ class _Validator:
     def spec_keys_for_type(self, raw: Mapping[str, Any], path: str, type_: str) -> None:
         for key in raw:
             if type_ == "mamba" and key in _ATTENTION_SPEC_KEYS:
-                self.fail(_join(path, key), "not allowed for type mamba (attention types only)")
+                self.fail(join(path, key), "not allowed for type mamba (attention types only)")
             if type_ != "mamba" and key in _STATE_SPEC_KEYS:
-                self.fail(_join(path, key), f"not allowed for type {type_} (mamba only)")
+                self.fail(join(path, key), f"not allowed for type {type_} (mamba only)")
             if key == "sliding_window" and type_ not in SLIDING_TYPES:
                 self.fail(
-                    _join(path, key),
+                    join(path, key),
                     f"not allowed for type {type_} (sliding_window and sliding_window_mla only)",
                 )
             if key == "attention_chunk_size" and type_ != "chunked_local_attention":
                 self.fail(
-                    _join(path, key),
+                    join(path, key),
                     f"not allowed for type {type_} (chunked_local_attention only)",
                 )
 
@@ -360,8 +364,8 @@ class _Validator:
         head_size_v = self.field_int(
             raw, path, "head_size_v", minimum=0, default=0 if mla else head_size
         )
-        dtype = self.dtype(raw.get("dtype"), _join(path, "dtype"))
-        layout = self.layout(raw.get("layout"), _join(path, "layout"))
+        dtype = self.dtype(raw.get("dtype"), join(path, "dtype"))
+        layout = self.layout(raw.get("layout"), join(path, "layout"))
         sliding_window = self.field_int(
             raw, path, "sliding_window", required=type_ in SLIDING_TYPES
         )
@@ -370,13 +374,13 @@ class _Validator:
         if "K" in layout and head_size_v != head_size:
             default = "" if "head_size_v" in raw else " (the default)"
             self.fail(
-                _join(path, "head_size_v"),
+                join(path, "head_size_v"),
                 f"expected {head_size} (head_size): layout {layout} keeps K and V rows on one "
                 f"D axis, got {head_size_v}{default}",
             )
         if "H" not in layout and num_kv_heads != 1:
             self.fail(
-                _join(path, "layout"),
+                join(path, "layout"),
                 f"{layout} has no H axis, so it holds one head, but num_kv_heads is {num_kv_heads}",
             )
         return LayerSpec(
@@ -396,13 +400,13 @@ class _Validator:
     def state_spec(
         self, raw: Mapping[str, Any], path: str, block_size: int, kernel_block_size: int
     ) -> LayerSpec:
-        shapes = self.shapes(raw.get("shapes"), _join(path, "shapes"))
-        dtypes_path = _join(path, "dtypes")
+        shapes = self.shapes(raw.get("shapes"), join(path, "shapes"))
+        dtypes_path = join(path, "dtypes")
         dtypes = raw.get("dtypes")
         if dtypes is None:
             self.fail(dtypes_path, f"missing; expected {len(shapes)} dtype names, one per state")
         if not _is_list(dtypes) or len(dtypes) != len(shapes):
-            count = f"got {len(dtypes)}" if _is_list(dtypes) else _got(dtypes)
+            count = f"got {len(dtypes)}" if _is_list(dtypes) else self.got(dtypes)
             self.fail(dtypes_path, f"expected {len(shapes)} dtype names, one per state, {count}")
         state_dtypes = tuple(
             self.dtype(item, f"{dtypes_path}[{i}]") for i, item in enumerate(dtypes)
@@ -414,7 +418,7 @@ class _Validator:
         state_splits = None
         if "state_splits" in raw:
             state_splits = self.state_splits(
-                raw["state_splits"], _join(path, "state_splits"), shapes
+                raw["state_splits"], join(path, "state_splits"), shapes
             )
         return LayerSpec(
             type="mamba",
@@ -432,12 +436,13 @@ class _Validator:
         if value is None:
             self.fail(path, f"missing; expected {what}")
         if not _is_list(value) or not value:
-            self.fail(path, f"expected {what}, {_got(value)}")
+            self.fail(path, f"expected {what}, {self.got(value)}")
         shapes = []
         for i, shape in enumerate(value):
             if not _is_list(shape) or not shape:
                 self.fail(
-                    f"{path}[{i}]", f"expected a non-empty list of positive integers, {_got(shape)}"
+                    f"{path}[{i}]",
+                    f"expected a non-empty list of positive integers, {self.got(shape)}",
                 )
             shapes.append(
                 tuple(self.integer(dim, f"{path}[{i}][{j}]") for j, dim in enumerate(shape))
@@ -448,7 +453,7 @@ class _Validator:
         self, value: object, path: str, shapes: tuple[tuple[int, ...], ...]
     ) -> tuple[StateSplit, ...]:
         if not _is_list(value) or len(value) != len(shapes):
-            count = f"got {len(value)}" if _is_list(value) else _got(value)
+            count = f"got {len(value)}" if _is_list(value) else self.got(value)
             self.fail(
                 path,
                 f"expected {len(shapes)} entries {{axis, segments}}, one per state, {count}",
@@ -458,24 +463,25 @@ class _Validator:
             item_path = f"{path}[{i}]"
             raw = self.mapping(item, item_path, _SPLIT_KEYS, "axis, segments")
             ndim = len(shapes[i])
-            axis_path = _join(item_path, "axis")
+            axis_path = join(item_path, "axis")
             if "axis" not in raw:
                 self.fail(axis_path, f"missing; expected an axis of state {i}, 0 to {ndim - 1}")
             axis = self.integer(raw["axis"], axis_path, 0, ndim - 1)
-            segments_path = _join(item_path, "segments")
+            segments_path = join(item_path, "segments")
             segments = raw.get("segments")
             what = "a non-empty list of [local_rows, replicas]"
             if segments is None:
                 self.fail(segments_path, f"missing; expected {what}")
             if not _is_list(segments) or not segments:
-                self.fail(segments_path, f"expected {what}, {_got(segments)}")
+                self.fail(segments_path, f"expected {what}, {self.got(segments)}")
             pairs = []
             for j, segment in enumerate(segments):
                 segment_path = f"{segments_path}[{j}]"
                 if not _is_list(segment) or len(segment) != 2:
                     self.fail(
                         segment_path,
-                        f"expected [local_rows, replicas], two positive integers, {_got(segment)}",
+                        "expected [local_rows, replicas], two positive integers, "
+                        + self.got(segment),
                     )
                 pairs.append(
                     (
@@ -498,13 +504,13 @@ class _Validator:
         if type(version) is not int or version != FORMAT_VERSION:
             self.fail(
                 "kvaudit",
-                f"expected {FORMAT_VERSION} (the description format version), {_got(version)}",
+                f"expected {FORMAT_VERSION} (the description format version), {self.got(version)}",
             )
         num_blocks = self.field_int(raw, "", "num_blocks", required=True)
         model_kv_heads = self.field_int(raw, "", "model_kv_heads")
         draft_layers = raw.get("draft_layers", [])
         if not _is_list(draft_layers):
-            self.fail("draft_layers", f"expected a list of layer names, {_got(draft_layers)}")
+            self.fail("draft_layers", f"expected a list of layer names, {self.got(draft_layers)}")
         drafts = frozenset(
             self.name(item, f"draft_layers[{i}]", "a layer name")
             for i, item in enumerate(draft_layers)
@@ -513,7 +519,7 @@ class _Validator:
         if groups_raw is None:
             self.fail("groups", "missing; expected a non-empty list of groups")
         if not _is_list(groups_raw) or not groups_raw:
-            self.fail("groups", f"expected a non-empty list of groups, {_got(groups_raw)}")
+            self.fail("groups", f"expected a non-empty list of groups, {self.got(groups_raw)}")
         groups: list[GroupDescription] = []
         layers: dict[str, _RawLayer] = {}
         id_paths: dict[int, str] = {}
@@ -543,16 +549,16 @@ class _Validator:
         group_id = self.field_int(raw, path, "id", default=index, minimum=0, maximum=2**32 - 1)
         transfer = self.boolean(raw, path, "transfer", True)
         host_resident = self.boolean(raw, path, "host_resident", False)
-        spec_path = _join(path, "spec")
+        spec_path = join(path, "spec")
         if "spec" not in raw:
             self.fail(spec_path, "missing; expected the group's layer spec (a mapping)")
         spec = self.spec(raw["spec"], spec_path)
-        layers_path = _join(path, "layers")
+        layers_path = join(path, "layers")
         layers_raw = raw.get("layers")
         if layers_raw is None:
             self.fail(layers_path, "missing; expected a non-empty list of layers")
         if not _is_list(layers_raw) or not layers_raw:
-            self.fail(layers_path, f"expected a non-empty list of layers, {_got(layers_raw)}")
+            self.fail(layers_path, f"expected a non-empty list of layers, {self.got(layers_raw)}")
         entries = []
         for i, layer_raw in enumerate(layers_raw):
             layer = self.layer(layer_raw, f"{layers_path}[{i}]", raw["spec"], spec, spec_path)
@@ -585,24 +591,24 @@ class _Validator:
             return _RawLayer(LayerEntry(name, group_spec), path, path, path)
         if not isinstance(value, Mapping):
             self.fail(
-                path, f"expected a layer name or a mapping (name, spec, shares), {_got(value)}"
+                path, f"expected a layer name or a mapping (name, spec, shares), {self.got(value)}"
             )
         raw = self.mapping(value, path, _LAYER_KEYS, "name, spec, shares")
-        name_path = _join(path, "name")
+        name_path = join(path, "name")
         if "name" not in raw:
             self.fail(name_path, "missing; expected the layer's name")
         name = self.name(raw["name"], name_path, "a layer name")
         spec = group_spec
         if "spec" in raw:
-            spec_path = _join(path, "spec")
+            spec_path = join(path, "spec")
             override = raw["spec"]
             if not isinstance(override, Mapping):
                 self.fail(
-                    spec_path, f"expected a mapping of spec keys to override, {_got(override)}"
+                    spec_path, f"expected a mapping of spec keys to override, {self.got(override)}"
                 )
             merged = self.merge(override, spec_path, group_spec_raw, group_spec, group_spec_path)
             spec = self.spec(merged, spec_path)
-        shares_path = _join(path, "shares")
+        shares_path = join(path, "shares")
         shares = None
         if "shares" in raw:
             shares = self.name(raw["shares"], shares_path, "the name of the layer it shares")
@@ -619,10 +625,10 @@ class _Validator:
         """The group's spec dict with a layer's override over it; null removes a key."""
         new_type = override.get("type")
         if new_type is not None:
-            new_type = self.choice(new_type, _join(path, "type"), SPEC_TYPES)
+            new_type = self.choice(new_type, join(path, "type"), SPEC_TYPES)
             if (new_type == "mamba") != group_spec.is_state:
                 self.fail(
-                    _join(path, "type"),
+                    join(path, "type"),
                     f"a layer cannot change its group's type {group_spec.type} to {new_type}: "
                     "mamba and attention layers go in different groups",
                 )
@@ -630,7 +636,7 @@ class _Validator:
             group_value = getattr(group_spec, key)
             if key in override and override[key] != group_value:
                 self.fail(
-                    _join(path, key),
+                    join(path, key),
                     f"a layer cannot change its group's {key} ({group_value}); "
                     f"set it on {group_spec_path}",
                 )

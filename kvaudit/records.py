@@ -10,16 +10,23 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NoReturn
 
 import numpy as np
 
 from .errors import KvauditError
 from .scheme import MASK64, ReplicaKey, from_hex, to_hex
+from .validation import (
+    POSITION_NUMBERINGS,
+    Checker,
+    Positions,
+    Role,
+    describe_worker,
+    join,
+    short,
+    worker_layout,
+)
 from .wire import WireChecksums, WireGroup
 
-POSITION_NUMBERINGS = ("request", "block")
-ROLES = ("producer", "consumer", "offload")
 RECORD_FORMAT = "kvaudit.record/1"
 CSV_HEADER = ("request", "group", "position", "replica_key", "value")
 
@@ -88,7 +95,7 @@ class WorkerInfo:
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
-    role: str = "producer"
+    role: Role = "producer"
     engine: str = ""
     source: str = ""
 
@@ -98,7 +105,7 @@ class WorkerRecord:
     """One worker's partial checksums, with its group fingerprints and uncovered groups."""
 
     worker: WorkerInfo
-    positions: str
+    positions: Positions
     fingerprints: dict[int, int]
     not_covered: dict[int, str]
     requests: dict[str, RequestChecksums]
@@ -159,11 +166,11 @@ class Record:
         reader = _Reader(source)
         reader.keys(data, "", ("format", "positions", "workers", "complete", "requests"))
         if data["format"] != RECORD_FORMAT:
-            reader.fail("format", f"expected {RECORD_FORMAT!r}, got {_short(data['format'])}")
+            reader.fail("format", f"expected {RECORD_FORMAT!r}, {reader.got(data['format'])}")
         positions = data["positions"]
         if positions not in POSITION_NUMBERINGS:
             reader.fail(
-                "positions", f"expected one of {POSITION_NUMBERINGS}, got {_short(positions)}"
+                "positions", f"expected one of {POSITION_NUMBERINGS}, {reader.got(positions)}"
             )
         workers_data = reader.array(data["workers"], "workers")
         if not workers_data:
@@ -173,12 +180,12 @@ class Record:
             for index, item in enumerate(workers_data)
         ]
         try:
-            missing = _check_layout([summary.worker for summary in workers])
+            missing = worker_layout([summary.worker for summary in workers])
         except KvauditError as error:
-            reader.fail("workers", error.message)
+            reader.fail("workers", str(error))
         complete = data["complete"]
         if not isinstance(complete, bool):
-            reader.fail("complete", f"expected true or false, got {_short(complete)}")
+            reader.fail("complete", f"expected true or false, {reader.got(complete)}")
         if complete and missing:
             reader.fail("complete", f"is true but workers (pp_rank, tp_rank) {missing} are missing")
         if not complete and not missing:
@@ -208,48 +215,6 @@ class Record:
         return rows
 
 
-def _describe(worker: WorkerInfo) -> str:
-    """A worker's name in messages: its source, else its ranks."""
-    return worker.source or f"worker pp_rank={worker.pp_rank} tp_rank={worker.tp_rank}"
-
-
-def _check_layout(workers: Sequence[WorkerInfo]) -> list[tuple[int, int]]:
-    """The ``(pp_rank, tp_rank)`` missing from one engine's workers.
-
-    Raises:
-        KvauditError: Workers that disagree on the TP or PP size, ranks out of range, or
-            two workers with the same ranks.
-
-    """
-    first = workers[0]
-    seen: dict[tuple[int, int], WorkerInfo] = {}
-    for worker in workers:
-        for name in ("tp_size", "pp_size"):
-            if getattr(worker, name) != getattr(first, name):
-                raise KvauditError(
-                    f"workers disagree on {name}: {_describe(first)} has "
-                    f"{getattr(first, name)}, {_describe(worker)} has {getattr(worker, name)}"
-                )
-        if not (0 <= worker.tp_rank < worker.tp_size and 0 <= worker.pp_rank < worker.pp_size):
-            raise KvauditError(
-                f"{_describe(worker)}: rank tp {worker.tp_rank}/{worker.tp_size}, "
-                f"pp {worker.pp_rank}/{worker.pp_size} out of range"
-            )
-        ranks = (worker.pp_rank, worker.tp_rank)
-        if ranks in seen:
-            raise KvauditError(
-                f"{_describe(seen[ranks])} and {_describe(worker)} are both "
-                f"pp_rank {ranks[0]}, tp_rank {ranks[1]}"
-            )
-        seen[ranks] = worker
-    return [
-        (pp, tp)
-        for pp in range(first.pp_size)
-        for tp in range(first.tp_size)
-        if (pp, tp) not in seen
-    ]
-
-
 def combine_workers(records: Sequence[WorkerRecord]) -> Record:
     """Sums the partial checksums of one engine's workers.
 
@@ -269,14 +234,14 @@ def combine_workers(records: Sequence[WorkerRecord]) -> Record:
     for record in records:
         if record.positions not in POSITION_NUMBERINGS:
             raise KvauditError(
-                f"{_describe(record.worker)}: unknown position numbering {record.positions!r}"
+                f"{describe_worker(record.worker)}: unknown position numbering {record.positions!r}"
             )
         if record.positions != first.positions:
             raise KvauditError(
-                f"workers disagree on positions: {_describe(first.worker)} numbers them by "
-                f"{first.positions}, {_describe(record.worker)} by {record.positions}"
+                f"workers disagree on positions: {describe_worker(first.worker)} numbers them by "
+                f"{first.positions}, {describe_worker(record.worker)} by {record.positions}"
             )
-    missing = _check_layout([record.worker for record in records])
+    missing = worker_layout([record.worker for record in records])
 
     # Per PP stage, the worker of lowest TP rank present reports the stage's fingerprints.
     stage_reporters: dict[int, WorkerRecord] = {}
@@ -306,8 +271,8 @@ def _combine_request(
     for record in holders:
         if record.requests[request_id].num_tokens != num_tokens:
             raise KvauditError(
-                f"request {request_id}: {_describe(first.worker)} has {num_tokens} tokens, "
-                f"{_describe(record.worker)} has {record.requests[request_id].num_tokens}"
+                f"request {request_id}: {describe_worker(first.worker)} has {num_tokens} tokens, "
+                f"{describe_worker(record.worker)} has {record.requests[request_id].num_tokens}"
             )
     group_ids = sorted({gid for record in holders for gid in record.requests[request_id].groups})
     groups: dict[int, GroupChecksums] = {}
@@ -332,8 +297,8 @@ def _combine_group(
     for record, group in parts:
         if group.block_size != first_group.block_size:
             raise KvauditError(
-                f"request {request_id} group {gid}: {_describe(first_record.worker)} has "
-                f"block size {first_group.block_size}, {_describe(record.worker)} has "
+                f"request {request_id} group {gid}: {describe_worker(first_record.worker)} has "
+                f"block size {first_group.block_size}, {describe_worker(record.worker)} has "
                 f"{group.block_size}"
             )
     keys = sorted({tuple(key) for _, group in parts for key in group.replica_keys})
@@ -404,43 +369,24 @@ _WORKER_KEYS = (
 _GROUP_KEYS = ("block_size", "start", "fingerprint", "replica_keys", "values", "totals")
 
 
-def _short(value: object) -> str:
-    """A value for a one-line message: its JSON (or repr), cut short."""
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 def _item(path: str, key: str | int) -> str:
     """The key path of a list item (``path[3]``) or an object member (``path["id"]``)."""
     return f"{path}[{key}]" if isinstance(key, int) else f"{path}[{json.dumps(key)}]"
 
 
-def _field(path: str, name: str) -> str:
-    """The key path of a named field (``path.name``, or ``name`` at the top)."""
-    return f"{path}.{name}" if path else name
-
-
-class _Reader:
+class _Reader(Checker):
     """Typed access to a record's JSON with errors that name the source and key path."""
 
-    def __init__(self, source: str) -> None:
-        self.source = source
-
-    def fail(self, path: str, problem: str) -> NoReturn:
-        """Raise the ``KvauditError`` naming the source, the key path and the problem."""
-        raise KvauditError(f"{path}: {problem}", source=self.source)
+    limit = 40
 
     def obj(self, value: object, path: str) -> Mapping:
         if not isinstance(value, Mapping):
-            self.fail(path, f"expected an object, got {_short(value)}")
+            self.fail(path, f"expected an object, {self.got(value)}")
         return value
 
     def array(self, value: object, path: str) -> list:
         if not isinstance(value, list):
-            self.fail(path, f"expected a list, got {_short(value)}")
+            self.fail(path, f"expected a list, {self.got(value)}")
         return value
 
     def keys(
@@ -450,25 +396,25 @@ class _Reader:
         data = self.obj(value, path or "record")
         for key in required:
             if key not in data:
-                self.fail(_field(path, key), "missing")
+                self.fail(join(path, key), "missing")
         for key in data:
             if key not in required and key not in optional:
-                self.fail(_field(path, str(key)), "unknown key")
+                self.fail(join(path, str(key)), "unknown key")
         return data
 
     def integer(self, value: object, path: str, minimum: int = 0) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            self.fail(path, f"expected an integer >= {minimum}, got {_short(value)}")
+            self.fail(path, f"expected an integer >= {minimum}, {self.got(value)}")
         return value
 
     def string(self, value: object, path: str) -> str:
         if not isinstance(value, str):
-            self.fail(path, f"expected a string, got {_short(value)}")
+            self.fail(path, f"expected a string, {self.got(value)}")
         return value
 
     def hex64(self, value: object, path: str) -> int:
         if not isinstance(value, str) or not _HEX.fullmatch(value):
-            self.fail(path, f"expected 16 lowercase hex digits, got {_short(value)}")
+            self.fail(path, f"expected 16 lowercase hex digits, {self.got(value)}")
         return from_hex(value)
 
     def group_id(self, key: object, path: str) -> int:
@@ -481,24 +427,22 @@ class _Reader:
 def _worker_from_json(reader: _Reader, value: object, path: str) -> WorkerSummary:
     """One ``workers`` entry, validated."""
     data = reader.keys(value, path, _WORKER_KEYS, ("engine",))
-    role = reader.string(data["role"], _field(path, "role"))
-    if role not in ROLES:
-        reader.fail(_field(path, "role"), f"expected one of {ROLES}, got {_short(role)}")
+    role = reader.role(reader.string(data["role"], join(path, "role")), join(path, "role"))
     info = WorkerInfo(
-        tp_rank=reader.integer(data["tp_rank"], _field(path, "tp_rank")),
-        tp_size=reader.integer(data["tp_size"], _field(path, "tp_size"), minimum=1),
-        pp_rank=reader.integer(data["pp_rank"], _field(path, "pp_rank")),
-        pp_size=reader.integer(data["pp_size"], _field(path, "pp_size"), minimum=1),
+        tp_rank=reader.integer(data["tp_rank"], join(path, "tp_rank")),
+        tp_size=reader.integer(data["tp_size"], join(path, "tp_size"), minimum=1),
+        pp_rank=reader.integer(data["pp_rank"], join(path, "pp_rank")),
+        pp_size=reader.integer(data["pp_size"], join(path, "pp_size"), minimum=1),
         role=role,
-        engine=reader.string(data.get("engine", ""), _field(path, "engine")),
-        source=reader.string(data["source"], _field(path, "source")),
+        engine=reader.string(data.get("engine", ""), join(path, "engine")),
+        source=reader.string(data["source"], join(path, "source")),
     )
-    fp_path = _field(path, "fingerprints")
+    fp_path = join(path, "fingerprints")
     fingerprints = {
         reader.group_id(key, fp_path): reader.hex64(fp, _item(fp_path, key))
         for key, fp in reader.obj(data["fingerprints"], fp_path).items()
     }
-    nc_path = _field(path, "not_covered")
+    nc_path = join(path, "not_covered")
     not_covered = {
         reader.group_id(key, nc_path): reader.string(reason, _item(nc_path, key))
         for key, reason in reader.obj(data["not_covered"], nc_path).items()
@@ -509,8 +453,8 @@ def _worker_from_json(reader: _Reader, value: object, path: str) -> WorkerSummar
 def _request_from_json(reader: _Reader, value: object, path: str) -> RequestChecksums:
     """One ``requests`` entry, validated."""
     data = reader.keys(value, path, ("num_tokens", "groups"))
-    num_tokens = reader.integer(data["num_tokens"], _field(path, "num_tokens"))
-    groups_path = _field(path, "groups")
+    num_tokens = reader.integer(data["num_tokens"], join(path, "num_tokens"))
+    groups_path = join(path, "groups")
     groups = {
         reader.group_id(key, groups_path): _group_from_json(reader, item, _item(groups_path, key))
         for key, item in reader.obj(data["groups"], groups_path).items()
@@ -522,28 +466,28 @@ def _group_from_json(reader: _Reader, value: object, path: str) -> GroupChecksum
     """One group of a request, validated: unique replica keys, rows one value per key,
     totals that are the sums of the replica-0 values."""
     data = reader.keys(value, path, _GROUP_KEYS)
-    block_size = reader.integer(data["block_size"], _field(path, "block_size"), minimum=1)
-    start = reader.integer(data["start"], _field(path, "start"))
-    fingerprint = reader.hex64(data["fingerprint"], _field(path, "fingerprint"))
+    block_size = reader.integer(data["block_size"], join(path, "block_size"), minimum=1)
+    start = reader.integer(data["start"], join(path, "start"))
+    fingerprint = reader.hex64(data["fingerprint"], join(path, "fingerprint"))
 
-    keys_path = _field(path, "replica_keys")
+    keys_path = join(path, "replica_keys")
     keys: list[ReplicaKey] = []
     for k, item in enumerate(reader.array(data["replica_keys"], keys_path)):
         key_path = _item(keys_path, k)
         pair = reader.array(item, key_path)
         if len(pair) != 2:
-            reader.fail(key_path, f"expected [replicas, replica_index], got {_short(pair)}")
+            reader.fail(key_path, f"expected [replicas, replica_index], {reader.got(pair)}")
         replicas = reader.integer(pair[0], _item(key_path, 0), minimum=1)
         index = reader.integer(pair[1], _item(key_path, 1))
         if index >= replicas:
             reader.fail(key_path, f"replica index {index} is not below {replicas} replicas")
         if (replicas, index) in keys:
-            reader.fail(key_path, f"replica key {_short(pair)} repeated")
+            reader.fail(key_path, f"replica key {short(pair, 40)} repeated")
         keys.append((replicas, index))
     if not keys:
         reader.fail(keys_path, "expected at least one replica key")
 
-    values_path = _field(path, "values")
+    values_path = join(path, "values")
     rows = reader.array(data["values"], values_path)
     values = np.zeros((len(rows), len(keys)), dtype=np.uint64)
     for i, row in enumerate(rows):
@@ -556,7 +500,7 @@ def _group_from_json(reader: _Reader, value: object, path: str) -> GroupChecksum
         values[i] = [reader.hex64(item, _item(row_path, k)) for k, item in enumerate(row)]
     group = GroupChecksums(block_size, start, keys, values, fingerprint)
 
-    totals_path = _field(path, "totals")
+    totals_path = join(path, "totals")
     totals = reader.array(data["totals"], totals_path)
     if len(totals) != len(rows):
         reader.fail(

@@ -48,7 +48,8 @@ from .checksummer import Checksummer, RequestBlocks
 from .description import CacheDescription, load_description, parse_description
 from .dumps import Dump, DumpRequest, DumpSet, checksum_dump_set, open_dump_set, total_bytes
 from .errors import KvauditError
-from .records import ROLES, Record, WorkerInfo, WorkerRecord, combine_workers
+from .records import Record, WorkerInfo, WorkerRecord, combine_workers
+from .validation import check_worker
 from .views import GroupViews, LayerTensor
 
 LIVE_PREFIX = "live:"
@@ -755,15 +756,8 @@ def _live_worker_info(name: str, rank: Mapping[str, Any]) -> WorkerInfo:
     )
     # A Checksummer's checks, made here too: inspect builds none, yet must reject what
     # checksum rejects.
-    if worker.role not in ROLES:
-        raise KvauditError(
-            f"unknown role {worker.role!r}, expected one of {', '.join(ROLES)}", name
-        )
     with _live_errors(name):
-        if not 0 <= worker.pp_rank < worker.pp_size:
-            raise KvauditError(f"pp_rank {worker.pp_rank} is not in 0..{worker.pp_size - 1}", name)
-        if not 0 <= worker.tp_rank < worker.tp_size:
-            raise KvauditError(f"tp_rank {worker.tp_rank} is not in 0..{worker.tp_size - 1}", name)
+        check_worker(worker, worker.role, name)
     return worker
 
 

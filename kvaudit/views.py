@@ -22,6 +22,7 @@ from .dtypes import dtype_name, dtype_size
 from .errors import UnsupportedGroupError
 from .fingerprint import group_fingerprint
 from .scheme import MAX_KV_HEADS_PER_LAYER, ReplicaKey, layer_module, slice_number
+from .validation import Checker
 
 LayerTensor = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 """A layer's cache: one tensor in its layout, or K and V tensors for layouts without ``K``."""
@@ -103,8 +104,7 @@ def build_group_views(
     ``num_blocks`` is the number of manager blocks the tensors hold (default: the
     description's); a dump holds only its dumped rows.
     """
-    if not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tp_rank {tp_rank} is not in 0..{tp_size - 1}")
+    Checker(None).rank(tp_rank, tp_size, "tp_rank")
     blocks = description.num_blocks if num_blocks is None else num_blocks
     result = {}
     for group in description.groups:
@@ -247,14 +247,7 @@ def _attention_parts(
             "read from ExampleConnector folders"
         )
     kernel_blocks = spec.block_size // spec.kernel_block_size
-    sizes = {
-        "N": num_blocks * kernel_blocks,
-        "T": spec.kernel_block_size,
-        "H": spec.num_kv_heads,
-        "K": 2,
-        "D": spec.head_size,
-        "C": spec.head_size + spec.head_size_v,
-    }
+    sizes = spec.axis_sizes(kernel_blocks=num_blocks * kernel_blocks)
     if "D" in layout and "K" not in layout:
         if not isinstance(tensor, tuple):
             raise UnsupportedGroupError(

@@ -21,12 +21,13 @@ from ..records import (
     WorkerRecord,
     combine_workers,
 )
+from ..validation import fail, worker_layout
 from ..views import LayerTensor
 from .dump import Dump, DumpSet
 from .example_connector import is_example_connector, safetensors_files
 from .layers import kernel_blocks_per_block, layer_parts, owner_layers
 from .reading import open_dump
-from .safetensors_io import as_integers, fail, tensor_nbytes
+from .safetensors_io import as_integers, tensor_nbytes
 
 BATCH_BYTES = 64 << 20
 """Dumped bytes ``checksum_dump_set`` reads per batch before dropping the mapped pages."""
@@ -71,31 +72,8 @@ def open_dump_set(
     if not files:
         raise KvauditError("no dumps given")
     dumps = [open_dump(file, config) for file in files]
-    first = dumps[0].worker
-    seen: dict[tuple[int, int], Dump] = {}
-    for dump in dumps:
-        worker = dump.worker
-        for name in ("tp_size", "pp_size"):
-            if getattr(worker, name) != getattr(first, name):
-                fail(
-                    dump.path,
-                    f"{name} {getattr(worker, name)}, but {dumps[0].path} has {name} "
-                    f"{getattr(first, name)}: the dumps of one set come from one engine",
-                )
-        ranks = (worker.pp_rank, worker.tp_rank)
-        if ranks in seen:
-            fail(
-                dump.path,
-                f"same worker (pp_rank {ranks[0]}, tp_rank {ranks[1]}) as {seen[ranks].path}",
-            )
-        seen[ranks] = dump
+    missing = worker_layout([dump.worker for dump in dumps])
     dumps.sort(key=lambda dump: (dump.worker.pp_rank, dump.worker.tp_rank))
-    missing = [
-        (pp, tp)
-        for pp in range(first.pp_size)
-        for tp in range(first.tp_size)
-        if (pp, tp) not in seen
-    ]
     return DumpSet(dumps, not missing, missing)
 
 

@@ -15,9 +15,10 @@ from ..description import CacheDescription, LayerEntry, LayerSpec
 from ..dtypes import dtype_name
 from ..errors import KvauditError
 from ..records import WorkerInfo
+from ..validation import fail
 from .dump import META_FORMAT, Dump, DumpRequest
 from .layers import kv_apart, owner_layers
-from .safetensors_io import Entry, fail, map_file, read_header, tensor_view
+from .safetensors_io import Entry, map_file, read_header, tensor_view
 
 EXAMPLE_CONNECTOR_TENSOR = "kv_cache"
 
@@ -126,13 +127,7 @@ def open_example_connector(folder: str, config: CacheDescription | None) -> Dump
 
 def _layout_sizes(spec: LayerSpec, tokens: int) -> tuple[int, ...]:
     """A token-major tensor's shape: the layout without ``N``, ``T`` spanning every token."""
-    sizes = {
-        "T": tokens,
-        "H": spec.num_kv_heads,
-        "K": 2,
-        "D": spec.head_size,
-        "C": spec.head_size + spec.head_size_v,
-    }
+    sizes = spec.axis_sizes(tokens=tokens)
     return tuple(sizes[letter] for letter in spec.layout.replace("N", ""))
 
 

@@ -12,8 +12,8 @@ import torch
 
 from ..description import CacheDescription, LayerEntry, LayerSpec
 from ..dtypes import dtype_name, dtype_size
+from ..validation import fail
 from ..views import LayerTensor
-from .safetensors_io import fail
 
 
 def kernel_blocks_per_block(spec: LayerSpec) -> int:
@@ -22,14 +22,7 @@ def kernel_blocks_per_block(spec: LayerSpec) -> int:
 
 def _attention_shapes(spec: LayerSpec, kernel_blocks: int) -> list[tuple[int, ...]]:
     """The expected shapes of an attention layer's tensor (K and V where kept apart)."""
-    sizes = {
-        "N": kernel_blocks,
-        "T": spec.kernel_block_size,
-        "H": spec.num_kv_heads,
-        "K": 2,
-        "D": spec.head_size,
-        "C": spec.head_size + spec.head_size_v,
-    }
+    sizes = spec.axis_sizes(kernel_blocks=kernel_blocks)
     if kv_apart(spec):
         return [
             tuple({**sizes, "D": size}[letter] for letter in spec.layout)

@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..checksummer import ROLES
 from ..description import CacheDescription
 from ..description import parse_description as _parse_description
 from ..dtypes import dtype_name
 from ..records import WorkerInfo
+from ..validation import check_worker, fail, is_int, short
 from ..views import LayerTensor
 from .dump import (
     FORMAT,
@@ -34,17 +34,7 @@ from .dump import (
 )
 from .example_connector import open_example_connector
 from .layers import check_layer, owner_layers, tensor_names
-from .safetensors_io import (
-    PAD_PREFIX,
-    Entry,
-    Header,
-    fail,
-    is_int,
-    map_file,
-    read_header,
-    short,
-    tensor_view,
-)
+from .safetensors_io import PAD_PREFIX, Entry, Header, map_file, read_header, tensor_view
 
 _WORKER_KEYS = ("tp_rank", "tp_size", "pp_rank", "pp_size", "role", "engine")
 _REQUEST_KEYS = ("num_tokens", "groups", "block_hashes", "received")
@@ -78,16 +68,12 @@ def _parse_worker(metadata: Mapping[str, str], source: str) -> WorkerInfo:
             kind = "a positive" if minimum else "a non-negative"
             fail(source, f"{where}.{key}: expected {kind} integer, got {short(value)}")
         values[key] = int(value)
-    for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size")):
-        if values[rank] >= values[size]:
-            fail(source, f"{where}.{rank}: {values[rank]} is not below {size} {values[size]}")
-    role = data.get("role")
-    if role not in ROLES:
-        fail(source, f"{where}.role: expected one of {', '.join(ROLES)}, got {short(role)}")
     engine = data.get("engine", "")
     if not isinstance(engine, str):
         fail(source, f"{where}.engine: expected a string, got {short(engine)}")
-    return WorkerInfo(role=role, engine=engine, source=source, **values)
+    worker = WorkerInfo(role=data.get("role"), engine=engine, source=source, **values)
+    check_worker(worker, worker.role, source, where)
+    return worker
 
 
 def _embedded_description(metadata: Mapping[str, str], source: str) -> CacheDescription:

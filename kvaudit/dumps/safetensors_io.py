@@ -15,14 +15,13 @@ import struct
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, BinaryIO, NoReturn
+from typing import Any, BinaryIO
 
-import numpy as np
 import torch
 
 from ..dtypes import dtype_size, parse_dtype, safetensors_dtype_name
-from ..errors import KvauditError
 from ..files import atomic_path
+from ..validation import fail, is_int, short
 
 PAD_PREFIX = "kvaudit/pad/"
 """Names of the U8 tensors a writer inserts so that every tensor starts 64-byte aligned."""
@@ -52,19 +51,6 @@ class Header:
 
     tensors: dict[str, Entry]
     metadata: dict[str, str]
-
-
-def fail(source: str, message: str) -> NoReturn:
-    raise KvauditError(message, source=source)
-
-
-def short(value: object) -> str:
-    text = json.dumps(value) if isinstance(value, (list, dict, str)) else repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def is_int(value: object) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def read_header(path: str) -> Header:

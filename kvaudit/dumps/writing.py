@@ -16,11 +16,11 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from ..checksummer import ROLES
 from ..description import CacheDescription, description_to_dict
 from ..dtypes import safetensors_dtype_name
 from ..inputs import LayerTensors, RequestBlocks, plain_requests, tensors_by_name
 from ..records import WorkerInfo
+from ..validation import check_worker, fail, is_int, short
 from ..views import LayerTensor
 from .dump import (
     COPY_BYTES,
@@ -37,10 +37,7 @@ from .reading import check_group_blocks
 from .safetensors_io import (
     Output,
     as_integers,
-    fail,
     header_bytes,
-    is_int,
-    short,
     with_padding,
     write_atomically,
     write_bytes,
@@ -254,14 +251,7 @@ def write_dump(
 
     """
     target = os.fspath(path)
-    if worker.role not in ROLES:
-        fail(target, f"worker role {worker.role!r} is not one of {', '.join(ROLES)}")
-    if not (0 <= worker.tp_rank < worker.tp_size and 0 <= worker.pp_rank < worker.pp_size):
-        fail(
-            target,
-            f"worker ranks tp {worker.tp_rank}/{worker.tp_size}, pp "
-            f"{worker.pp_rank}/{worker.pp_size} are out of range",
-        )
+    check_worker(worker, worker.role, target, "worker")
     tensors = tensors_by_name(description, tensors, target)
     requests = plain_requests(requests, target)
     description = _alias_shared_storage(description, tensors)
