@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from kvaudit.checksummer import RequestBlocks
-from kvaudit.corrupt import corrupt_dump
+from kvaudit.corrupt import PlantedFault, corrupt_dump
 from kvaudit.description import parse_description
 from kvaudit.dumps import write_dump
 from kvaudit.records import WorkerInfo
@@ -167,7 +167,7 @@ BROKEN = {"request_id": "req-medium", "group_id": 0, "position": 4, "mode": "sta
 BROKEN_RANK = 1
 
 
-def write_broken(root: Path, seed: int) -> dict:
+def write_broken(root: Path, seed: int) -> PlantedFault:
     """Write ``root / "consumer-broken"``: the consumer's dumps with ``BROKEN`` planted in
     rank ``BROKEN_RANK``'s; returns what ``corrupt_dump`` changed."""
     folder = root / "consumer-broken"

@@ -19,25 +19,30 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from .compare import DiffReport
-from .corrupt import MODES, corrupt_dump
+from .corrupt import MODES, CorruptMode, corrupt_dump
 from .description import CacheDescription, load_description
 from .diffing import diff_sources, diff_work, verify_sources, verify_work
 from .errors import KvauditError
 from .files import atomic_path
+from .formats import (
+    diff_json_text,
+    diff_junit,
+    inventory_to_json,
+    json_text,
+    planted_to_json,
+    record_csv,
+    record_to_json,
+)
+from .progress import progress_bar
 from .report import (
     DIFF_SIDES,
     Sides,
-    diff_json_text,
-    inventory_to_json,
-    json_text,
     make_console,
     missing_workers_text,
     print_corrupted,
     print_diff,
     print_inventory,
     print_record,
-    progress_bar,
-    record_csv,
     render_text,
 )
 from .sources import Source, open_source, resolve_device
@@ -243,7 +248,7 @@ def checksum(
     with progress_bar(source.work(wanted), "checksum", enabled=not quiet) as advance:
         record = source.checksum(wanted, positions, runtime, progress=advance)
     if output_format == "json":
-        _emit(json_text(record.to_json()) + "\n", output)
+        _emit(json_text(record_to_json(record)) + "\n", output)
     elif output_format == "csv":
         _emit(record_csv(record), output)
     else:
@@ -428,7 +433,7 @@ def corrupt(
     layer: str | None,
     head: int | None,
     token: int | None,
-    mode: str,
+    mode: CorruptMode,
     seed: int,
     output_format: str,
     config_path: str | None,
@@ -440,7 +445,7 @@ def corrupt(
     resolve_device(device or "auto")
     if os.path.exists(output) and os.path.exists(source) and os.path.samefile(source, output):
         raise KvauditError("the output is SOURCE itself; corrupt writes a copy elsewhere", output)
-    result = corrupt_dump(
+    fault = corrupt_dump(
         source,
         output,
         request_id=request_id,
@@ -454,9 +459,9 @@ def corrupt(
         config=_config(config_path),
     )
     if output_format == "json":
-        click.echo(json_text(result))
+        click.echo(json_text(planted_to_json(fault)))
     else:
-        print_corrupted(make_console(), result)
+        print_corrupted(make_console(), fault)
     return EXIT_OK
 
 
@@ -472,7 +477,7 @@ def _emit_report(
     if output_format == "json":
         _emit(diff_json_text(report), output)
     elif output_format == "junit":
-        _emit(report.to_junit(suite), output)
+        _emit(diff_junit(report, suite), output)
     else:
         _emit_table(functools.partial(print_diff, report=report, title=title, sides=sides), output)
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .compare.model import LocatedDifference
 from .description import CacheDescription, LayerSpec
 from .dtypes import dtype_size
 from .dumps import Dump, DumpSet
@@ -376,7 +377,7 @@ def _elements(raw: np.ndarray, dtype: torch.dtype) -> np.ndarray:
 
 def _located_entry(
     position: int, name: str, head: int, reference: _Slice, other: _Slice, replica: int
-) -> dict | None:
+) -> LocatedDifference | None:
     """The located entry of one slice pair at the tokens both hold, or None when their
     cells agree there; ``replica`` (when not 0) is the consumer replica compared."""
     tokens, index_a, index_b = np.intersect1d(reference.tokens, other.tokens, return_indices=True)
@@ -388,18 +389,16 @@ def _located_entry(
     if not len(rows):
         return None
     max_abs, max_rel = element_errors(a[rows], b[rows], reference.segments)
-    entry = {
-        "position": position,
-        "layer": name,
-        "head": head,
-        "tokens": [int(t) for t in tokens[rows]],
-        "first_byte": int(np.argmax(differ[rows[0]])),
-        "max_abs_error": max_abs,
-        "max_rel_error": max_rel,
-    }
-    if replica:
-        entry["replica"] = replica
-    return entry
+    return LocatedDifference(
+        position=position,
+        layer=name,
+        head=head,
+        tokens=[int(t) for t in tokens[rows]],
+        first_byte=int(np.argmax(differ[rows[0]])),
+        max_abs_error=max_abs,
+        max_rel_error=max_rel,
+        replica=replica,
+    )
 
 
 # Locating.
@@ -413,15 +412,15 @@ def locate_differences(
     positions: Iterable[int],
     block_size: int,
     num_tokens: int,
-) -> list[dict]:
+) -> list[LocatedDifference]:
     """The (layer, global head) slices that differ at each of ``positions`` (numbered in
     blocks of ``block_size`` tokens, which may be coarser than either side's), with their
     differing request positions, first differing byte and largest errors.
 
     Position ``p`` covers request positions ``p * block_size .. p * block_size +
     block_size - 1`` below ``num_tokens``. Producer replica 0 is compared with consumer
-    replica 0; each consumer replica ``r > 0`` with consumer replica 0 (its entries carry
-    ``"replica": r``). Only the blocks of those positions are read. Entries are sorted by
+    replica 0; each consumer replica ``r > 0`` with consumer replica 0 (its entries have
+    ``replica == r``). Only the blocks of those positions are read. Entries are sorted by
     position, replica, layer number, layer name and head.
 
     Raises:
@@ -431,7 +430,7 @@ def locate_differences(
     if block_size < 1:
         raise KvauditError(f"block size must be positive, got {block_size}")
     sides = [_Side.open(dump_set, request_id, group_id) for dump_set in (producer, consumer)]
-    entries: list[dict] = []
+    entries: list[LocatedDifference] = []
     for position in sorted(set(positions)):
         lo = position * block_size
         hi = lo + int(valid_tokens(num_tokens, block_size, position))

@@ -1,7 +1,8 @@
 """Records: checksums per request, group and block position under each replica key.
 
 A ``WorkerRecord`` is what one worker computed; ``Record`` sums the workers of one
-engine (a dump set) and is what ``kvaudit checksum --format json`` writes (docs/cli.md).
+engine (a dump set) and is what ``kvaudit checksum --format json`` writes (docs/cli.md;
+``kvaudit.formats`` writes it, ``Record.from_json`` reads it back).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from .validation import (
 from .wire import WireChecksums, WireGroup
 
 RECORD_FORMAT = "kvaudit.record/1"
-CSV_HEADER = ("request", "group", "position", "replica_key", "value")
 
 
 @dataclass
@@ -134,25 +134,6 @@ class Record:
     requests: dict[str, RequestChecksums]
     missing_workers: list[tuple[int, int]] = field(default_factory=list)
 
-    def to_json(self) -> dict:
-        """The record as ``checksum --format json`` writes it (docs/cli.md)."""
-        return {
-            "format": RECORD_FORMAT,
-            "positions": self.positions,
-            "workers": [_worker_to_json(summary) for summary in self.workers],
-            "complete": self.complete,
-            "requests": {
-                request_id: {
-                    "num_tokens": int(request.num_tokens),
-                    "groups": {
-                        str(gid): _group_to_json(request.groups[gid])
-                        for gid in sorted(request.groups)
-                    },
-                }
-                for request_id, request in self.requests.items()
-            },
-        }
-
     @classmethod
     def from_json(cls, data: Mapping, source: str) -> Record:
         """A record read back from its JSON form, validated strictly.
@@ -196,23 +177,6 @@ class Record:
             for request_id, item in requests_data.items()
         }
         return cls(positions, workers, complete, requests, missing)
-
-    def to_csv_rows(self) -> list[list[str]]:
-        """A header and, per request, group and position, one row per replica key and a
-        ``total`` row."""
-        rows = [list(CSV_HEADER)]
-        for request_id, request in self.requests.items():
-            for gid in sorted(request.groups):
-                group = request.groups[gid]
-                keys = [f"{replicas}:{index}" for replicas, index in group.replica_keys]
-                values = group.values.tolist()
-                totals = group.totals().tolist()
-                for i, row in enumerate(values):
-                    position = str(group.start + i)
-                    for key, value in zip(keys, row, strict=True):
-                        rows.append([request_id, str(gid), position, key, to_hex(value)])
-                    rows.append([request_id, str(gid), position, "total", to_hex(totals[i])])
-        return rows
 
 
 def combine_workers(records: Sequence[WorkerRecord]) -> Record:
@@ -326,33 +290,6 @@ def _combine_group(
         values=values,
         fingerprint=fingerprint & MASK64,
     )
-
-
-def _worker_to_json(summary: WorkerSummary) -> dict:
-    """A worker's entry of a record's JSON ``workers``."""
-    worker = summary.worker
-    return {
-        "source": worker.source,
-        "tp_rank": worker.tp_rank,
-        "tp_size": worker.tp_size,
-        "pp_rank": worker.pp_rank,
-        "pp_size": worker.pp_size,
-        "role": worker.role,
-        "fingerprints": {str(gid): to_hex(fp) for gid, fp in sorted(summary.fingerprints.items())},
-        "not_covered": {str(gid): reason for gid, reason in sorted(summary.not_covered.items())},
-    }
-
-
-def _group_to_json(group: GroupChecksums) -> dict:
-    """A group's entry of a record's JSON: its values and totals as hex."""
-    return {
-        "block_size": int(group.block_size),
-        "start": int(group.start),
-        "fingerprint": to_hex(group.fingerprint),
-        "replica_keys": [[int(replicas), int(index)] for replicas, index in group.replica_keys],
-        "values": [[to_hex(value) for value in row] for row in group.values.tolist()],
-        "totals": [to_hex(value) for value in group.totals().tolist()],
-    }
 
 
 _HEX = re.compile(r"[0-9a-f]{16}")

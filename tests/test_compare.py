@@ -16,6 +16,7 @@ import pytest
 from kvaudit.compare import (
     DiffReport,
     GroupComparison,
+    LocatedDifference,
     StoredCheck,
     compare_records,
     stored_report,
@@ -24,6 +25,7 @@ from kvaudit.compare import (
     verify_stored_blocks,
 )
 from kvaudit.errors import KvauditError, WireFormatError
+from kvaudit.formats import diff_junit, diff_to_json
 from kvaudit.records import (
     GroupChecksums,
     Record,
@@ -478,17 +480,17 @@ def mixed_report() -> tuple[DiffReport, Record, Record]:
 
 def test_json_shape_and_values() -> None:
     report, _, _ = mixed_report()
-    located = {
-        "position": 2,
-        "layer": "model.layers.1.self_attn.attn",
-        "head": 3,
-        "tokens": [35],
-        "first_byte": 1234,
-        "max_abs_error": 0.5,
-        "max_rel_error": 0.01,
-    }
+    located = LocatedDifference(
+        position=2,
+        layer="model.layers.1.self_attn.attn",
+        head=3,
+        tokens=[35],
+        first_byte=1234,
+        max_abs_error=0.5,
+        max_rel_error=0.01,
+    )
     report.requests["req-a"][0].located.append(located)
-    data = json.loads(json.dumps(report.to_json()))
+    data = json.loads(json.dumps(diff_to_json(report)))
     check_json_shape(data)
     assert data["ok"] is False and data["ok"] == report.ok
     assert data["positions"] == "request"
@@ -499,7 +501,17 @@ def test_json_shape_and_values() -> None:
         "mismatched_positions": [2],
         "replicas_differing": [[2, 1]],
         "unverified": None,
-        "located": [located],
+        "located": [
+            {
+                "position": 2,
+                "layer": "model.layers.1.self_attn.attn",
+                "head": 3,
+                "tokens": [35],
+                "first_byte": 1234,
+                "max_abs_error": 0.5,
+                "max_rel_error": 0.01,
+            }
+        ],
     }
     a1 = data["requests"]["req-a"]["groups"]["1"]
     assert a1["unverified"].startswith("covered on the producer only") and a1["compared"] == 0
@@ -508,14 +520,14 @@ def test_json_shape_and_values() -> None:
 
 def test_json_ok_true_when_everything_matches() -> None:
     requests = standard(22)
-    data = compare_records(build(requests), build(requests, tp_size=2)).to_json()
+    data = diff_to_json(compare_records(build(requests), build(requests, tp_size=2)))
     check_json_shape(data)
     assert data["ok"] is True
 
 
 def test_junit_counts_and_messages() -> None:
     report, _, _ = mixed_report()
-    root = ET.fromstring(report.to_junit())
+    root = ET.fromstring(diff_junit(report))
     suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
     assert len(suites) == 1
     suite = suites[0]
@@ -550,7 +562,7 @@ def test_junit_escapes_awkward_request_ids() -> None:
         "request",
         {awkward: {0: GroupComparison(unverified='fingerprints <differ> & "so"', block_size=16)}},
     )
-    root = ET.fromstring(report.to_junit())
+    root = ET.fromstring(diff_junit(report))
     case = root.iter("testcase").__next__()
     assert case.get("classname").startswith("kvaudit.a<b>&\"c'")
     assert case.find("error").get("message") == 'fingerprints <differ> & "so"'
@@ -559,8 +571,8 @@ def test_junit_escapes_awkward_request_ids() -> None:
 def test_empty_report_is_ok() -> None:
     report = DiffReport("request")
     assert report.ok
-    check_json_shape(report.to_json())
-    root = ET.fromstring(report.to_junit())
+    check_json_shape(diff_to_json(report))
+    root = ET.fromstring(diff_junit(report))
     assert int(next(root.iter("testsuite")).get("tests")) == 0
 
 
@@ -729,5 +741,5 @@ def test_stored_report_merges_workers() -> None:
     assert report.requests["s"][0].unverified == "the dump has no stored checksums"
     assert report.requests["t"][0].unverified is not None
     assert not report.ok
-    check_json_shape(report.to_json())
+    check_json_shape(diff_to_json(report))
     assert stored_report(checks[2:3], positions="request").ok

@@ -10,6 +10,7 @@ layers, heads and tokens with the right first byte and errors.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from test_locate import (
     with_file,
 )
 
-from kvaudit.corrupt import MODES, corrupt_dump
+from kvaudit.corrupt import MODES, PlantedFault, corrupt_dump
 from kvaudit.dumps import open_dump_set
 from kvaudit.errors import KvauditError
 from kvaudit.locate import locate_differences
@@ -108,7 +109,7 @@ def test_planted_fault_is_where_it_says_and_located(
     before_bytes = np.fromfile(source, dtype=np.uint8)
     after_bytes = np.fromfile(out, dtype=np.uint8)
     assert before_bytes.shape == after_bytes.shape
-    described = [offset for start, end in result["byte_ranges"] for offset in range(start, end)]
+    described = [offset for start, end in result.byte_ranges for offset in range(start, end)]
     assert np.flatnonzero(before_bytes != after_bytes).tolist() == described
 
     # ... and in exactly the cells it names: (layer, global head, request position).
@@ -116,25 +117,25 @@ def test_planted_fault_is_where_it_says_and_located(
     before, after = decode(w, source), decode(w, str(out))
     changed = {key for key in before if not np.array_equal(before[key].data, after[key].data)}
     named = {
-        (rid, change["layer"], change["head"], t)
-        for change in result["changes"]
-        for t in change["tokens"] + change["tokens_past_end"]
+        (rid, change.layer, change.head, t)
+        for change in result.changes
+        for t in change.tokens + change.tokens_past_end
     }
     assert changed == named
     block_size = group_block_size(side, gid)
     first, end = position * block_size, (position + 1) * block_size
     num_tokens = TOKENS[rid]
-    for change in result["changes"]:
-        assert all(first <= t < min(end, num_tokens) for t in change["tokens"])
-        assert all(num_tokens <= t < end for t in change["tokens_past_end"])
-    assert result["tokens"], "the fault must touch a valid token"
+    for change in result.changes:
+        assert all(first <= t < min(end, num_tokens) for t in change.tokens)
+        assert all(num_tokens <= t < end for t in change.tokens_past_end)
+    assert result.tokens, "the fault must touch a valid token"
     if layer is not None:
-        assert result["layers"] == [layer]
+        assert result.layers == [layer]
     if head is not None:
-        assert head in result["heads"]
-        assert mode == "swap-heads" or result["heads"] == [head]
+        assert head in result.heads
+        assert mode == "swap-heads" or result.heads == [head]
     if token is not None:
-        assert token in result["tokens"]
+        assert token in result.tokens
     check_mode(result, before, after, block_size, min(end, num_tokens))
 
     # Located: exactly the planted slices, with their first byte and errors.
@@ -147,7 +148,7 @@ def test_planted_fault_is_where_it_says_and_located(
         consumer_paths = with_file(sets.consumer, worker, out)
         consumer_cells = decode_set(sets.consumer, consumer_paths)
     compared = COMPARED[gid]
-    positions = sorted({t // compared for t in result["tokens"]})
+    positions = sorted({t // compared for t in result.tokens})
     found = locate_differences(
         open_dump_set(producer_paths),
         open_dump_set(consumer_paths),
@@ -162,18 +163,18 @@ def test_planted_fault_is_where_it_says_and_located(
     )
     assert found == expected
     assert found, "a planted fault is always found"
-    replica = w.tp_rank % replica_count(result["layers"][0], w.tp_size)
-    direct = {(e["layer"], e["head"], tuple(e["tokens"])) for e in found if "replica" not in e}
+    replica = w.tp_rank % replica_count(result.layers[0], w.tp_size)
+    direct = {(e.layer, e.head, tuple(e.tokens)) for e in found if not e.replica}
     planted = {
-        (change["layer"], change["head"], tuple(change["tokens"]))
-        for change in result["changes"]
-        if change["tokens"]
+        (change.layer, change.head, tuple(change.tokens))
+        for change in result.changes
+        if change.tokens
     }
     if side == "producer" or replica == 0:
         assert direct == planted
     else:
         assert direct == set()
-        assert {e["replica"] for e in found} == {replica}
+        assert {e.replica for e in found} == {replica}
 
     # The same seed plants the same fault.
     again = tmp_path / "again.safetensors"
@@ -189,7 +190,7 @@ def test_planted_fault_is_where_it_says_and_located(
         mode=mode,
         seed=11,
     )
-    assert {**repeat, "out": str(out)} == result
+    assert dataclasses.replace(repeat, out=str(out)) == result
     assert again.read_bytes() == out.read_bytes()
     assert sorted(os.listdir(tmp_path)) == ["again.safetensors", "corrupted.safetensors"]
 
@@ -201,52 +202,54 @@ def replica_count(name: str, tp_size: int) -> int:
     return 1
 
 
-def check_mode(result: dict, before: dict, after: dict, block_size: int, valid_end: int) -> None:
+def check_mode(
+    result: PlantedFault, before: dict, after: dict, block_size: int, valid_end: int
+) -> None:
     """The cells changed the way the mode says; ``valid_end`` ends the block's valid tokens."""
-    mode, rid = result["mode"], result["request"]
-    first = result["position"] * block_size
+    mode, rid = result.mode, result.request
+    first = result.position * block_size
 
     def same_block(token: int) -> bool:
-        return token // block_size == result["position"]
+        return token // block_size == result.position
 
     if mode == "flip":
-        flip = result["flip"]
-        key = (rid, flip["layer"], flip["head"], flip["token"])
+        flip = result.flip
+        key = (rid, flip.layer, flip.head, flip.token)
         diff = before[key].data ^ after[key].data
-        assert np.flatnonzero(diff).tolist() == [flip["byte"]]
-        assert diff[flip["byte"]] == 1 << flip["bit"]
+        assert np.flatnonzero(diff).tolist() == [flip.byte]
+        assert diff[flip.byte] == 1 << flip.bit
     elif mode == "zero":
         for (r, name, _, token), cell in after.items():
-            if r == rid and name in result["layers"] and same_block(token):
+            if r == rid and name in result.layers and same_block(token):
                 assert not cell.data.any()
     elif mode == "swap-tokens":
-        swap = result["swap"]
-        t1, t2 = swap["tokens"]
-        key = (rid, swap["layer"], swap["head"])
+        swap = result.swap
+        t1, t2 = swap.tokens
+        key = (rid, swap.layer, swap.head)
         assert np.array_equal(after[(*key, t1)].data, before[(*key, t2)].data)
         assert np.array_equal(after[(*key, t2)].data, before[(*key, t1)].data)
         assert t1 < t2 < valid_end
     elif mode == "swap-heads":
-        swap = result["swap"]
-        h1, h2 = swap["heads"]
+        swap = result.swap
+        h1, h2 = swap.heads
         for (r, name, head, token), cell in before.items():
-            if r == rid and name == swap["layer"] and head in (h1, h2) and same_block(token):
+            if r == rid and name == swap.layer and head in (h1, h2) and same_block(token):
                 other = h2 if head == h1 else h1
                 assert np.array_equal(after[r, name, other, token].data, cell.data)
     elif mode == "stale":
-        origin = result["from"]
-        assert origin["request"] not in (None, rid)
-        for change in result["changes"]:
-            for t in change["tokens"] + change["tokens_past_end"]:
-                source = origin["position"] * block_size + (t - first)
-                key = (origin["request"], change["layer"], change["head"], source)
+        origin = result.origin
+        assert origin.request not in (None, rid)
+        for change in result.changes:
+            for t in change.tokens + change.tokens_past_end:
+                source = origin.position * block_size + (t - first)
+                key = (origin.request, change.layer, change.head, source)
                 assert np.array_equal(
-                    after[rid, change["layer"], change["head"], t].data, before[key].data
+                    after[rid, change.layer, change.head, t].data, before[key].data
                 )
     elif mode == "shift":
-        for change in result["changes"]:
-            name, head = change["layer"], change["head"]
-            assert change["tokens_past_end"] == []
+        for change in result.changes:
+            name, head = change.layer, change.head
+            assert change.tokens_past_end == []
             for t in range(first + 1, valid_end):
                 assert np.array_equal(
                     after[rid, name, head, t].data, before[rid, name, head, t - 1].data
@@ -270,8 +273,8 @@ def test_choices_fall_on_valid_tokens(sets: Sets, tmp_path: Path) -> None:
                 mode=mode,
                 seed=seed,
             )
-            assert result["tokens"] and all(40 <= t < 45 for t in result["tokens"])
-            assert all(not change["tokens_past_end"] for change in result["changes"])
+            assert result.tokens and all(40 <= t < 45 for t in result.tokens)
+            assert all(not change.tokens_past_end for change in result.changes)
 
 
 def test_corrupting_in_place_replaces_the_file(sets: Sets, tmp_path: Path) -> None:
@@ -283,7 +286,7 @@ def test_corrupting_in_place_replaces_the_file(sets: Sets, tmp_path: Path) -> No
     )
     data = np.frombuffer(path.read_bytes(), dtype=np.uint8)
     differ = np.flatnonzero(data != np.frombuffer(original, dtype=np.uint8))
-    assert differ.tolist() == [result["byte_ranges"][0][0]]
+    assert differ.tolist() == [result.byte_ranges[0][0]]
     assert os.listdir(tmp_path) == ["dump.safetensors"]
 
 

@@ -27,6 +27,7 @@ from kvaudit.dumps import (
     write_dump,
 )
 from kvaudit.errors import DescriptionError, KvauditError
+from kvaudit.formats import record_to_json
 from kvaudit.records import WorkerInfo, combine_workers
 
 NUM_BLOCKS = 16
@@ -153,7 +154,7 @@ def live_record_json(
         role=worker.role,
         backend="torch",
     )
-    return combine_workers([checksummer.checksum(requests, positions)]).to_json()
+    return record_to_json(combine_workers([checksummer.checksum(requests, positions)]))
 
 
 # Writing and reading back.
@@ -319,7 +320,7 @@ def test_dump_checksums_equal_the_live_checksums(
     record = checksum_dump_set(
         dump_set, positions=positions, batch_bytes=batch_bytes, progress=done.append
     )
-    got = record.to_json()
+    got = record_to_json(record)
     assert got["requests"] == live["requests"]
     assert got["workers"][0]["fingerprints"] == live["workers"][0]["fingerprints"]
     assert got["workers"][0]["not_covered"] == {}
@@ -337,7 +338,7 @@ def test_checksum_of_some_requests(tmp_path: Path) -> None:
     tensors = write(path)
     dump_set = open_dump_set([path])
     subset = {"c": REQUESTS["c"], "a": REQUESTS["a"]}
-    got = checksum_dump_set(dump_set, request_ids=["c", "a"]).to_json()
+    got = record_to_json(checksum_dump_set(dump_set, request_ids=["c", "a"]))
     assert list(got["requests"]) == ["c", "a"]
     assert got["requests"] == live_record_json(description(), tensors, subset)["requests"]
     assert total_bytes(dump_set, ["c"]) < total_bytes(dump_set)
@@ -358,7 +359,7 @@ def test_one_tensor_under_two_names_is_dumped_once(tmp_path: Path) -> None:
     assert ATTN_SHARED not in dump.tensors
     shared = next(e for e in dump.description.groups[0].layers if e.name == ATTN_SHARED)
     assert shared.shares == ATTN
-    got = checksum_dump_set(open_dump_set([path])).to_json()
+    got = record_to_json(checksum_dump_set(open_dump_set([path])))
     assert got["requests"] == live_record_json(desc, tensors, REQUESTS)["requests"]
 
 
@@ -367,14 +368,14 @@ def test_dump_checksummer_over_the_whole_dump(tmp_path: Path) -> None:
     tensors = write(path)
     dump = open_dump(path)
     record = dump.checksummer(backend="torch").checksum(dump.request_blocks())
-    got = combine_workers([record]).to_json()
+    got = record_to_json(combine_workers([record]))
     assert got["requests"] == live_record_json(description(), tensors, REQUESTS)["requests"]
 
 
 def test_whole_cache_dump_checksums(tmp_path: Path) -> None:
     path = tmp_path / "whole.safetensors"
     tensors = write(path, whole_cache=True)
-    got = checksum_dump_set(open_dump_set([path]), batch_bytes=2000).to_json()
+    got = record_to_json(checksum_dump_set(open_dump_set([path]), batch_bytes=2000))
     assert got["requests"] == live_record_json(description(), tensors, REQUESTS)["requests"]
 
 
@@ -387,7 +388,7 @@ def test_dump_without_blocks(tmp_path: Path) -> None:
     assert dump.num_rows == 0
     assert dump.block_ids == []
     assert dump.tensors[ATTN].shape == (0, 2, 2, 8)
-    got = checksum_dump_set(open_dump_set([path])).to_json()
+    got = record_to_json(checksum_dump_set(open_dump_set([path])))
     assert got["requests"] == live_record_json(description(), live_tensors(), requests)["requests"]
     assert got["requests"]["e"]["groups"]["1"]["start"] == 2
     assert got["requests"]["e"]["groups"]["1"]["values"] == []
@@ -466,17 +467,17 @@ def test_tp2_dump_set_sums_to_the_tp1_checksums(tmp_path: Path) -> None:
     }
     _write_engine(tmp_path / "tp1", 1, kv, seed=1)
     _write_engine(tmp_path / "tp2", 2, kv, seed=2)
-    one = checksum_dump_set(open_dump_set([tmp_path / "tp1"])).to_json()
+    one = record_to_json(checksum_dump_set(open_dump_set([tmp_path / "tp1"])))
     two_set = open_dump_set([tmp_path / "tp2"])
     assert [d.worker.tp_rank for d in two_set.dumps] == [0, 1]
-    two = checksum_dump_set(two_set).to_json()
+    two = record_to_json(checksum_dump_set(two_set))
     assert two["complete"] is True
     assert two["requests"] == one["requests"]
     assert len(one["requests"]["r1"]["groups"]["0"]["totals"]) == 3
 
     # One rank's partial sums alone differ: the ranks' shares add up.
     alone = checksum_dump_set(open_dump_set([tmp_path / "tp2" / "rank0.safetensors"]))
-    assert alone.to_json()["requests"] != one["requests"]
+    assert record_to_json(alone)["requests"] != one["requests"]
 
 
 def test_incomplete_set(tmp_path: Path) -> None:
@@ -893,7 +894,7 @@ def test_example_connector_folder(
     assert list(dump.requests) == ["req-42"]
     assert dump.requests["req-42"].num_tokens == tokens
     assert dump.num_rows == positions
-    got = checksum_dump_set(dump_set).to_json()
+    got = record_to_json(checksum_dump_set(dump_set))
     requests = {"req-42": RequestBlocks(tokens, {0: (0, table)})}
     worker = WorkerInfo(0, 1, 0, 1, "producer")
     live_config = parse_description(
@@ -992,6 +993,6 @@ def test_dump_checksums_on_the_gpu_equal_the_cpu_ones(tmp_path: Path) -> None:
     path = tmp_path / "rank0.safetensors"
     write(path)
     dump_set = open_dump_set([path])
-    cpu = checksum_dump_set(dump_set).to_json()
-    gpu = checksum_dump_set(dump_set, device="cuda", batch_bytes=700).to_json()
+    cpu = record_to_json(checksum_dump_set(dump_set))
+    gpu = record_to_json(checksum_dump_set(dump_set, device="cuda", batch_bytes=700))
     assert gpu["requests"] == cpu["requests"]

@@ -37,6 +37,7 @@ from kvaudit.checksummer import Checksummer, RequestBlocks
 from kvaudit.cli import main
 from kvaudit.description import parse_description
 from kvaudit.dumps import write_dump
+from kvaudit.formats import diff_to_json
 from kvaudit.records import WorkerInfo
 from kvaudit.testing import LiveSide, diff_kv
 
@@ -502,7 +503,7 @@ def run_case(case: Case, folder: Path) -> Outcome:
             live_side(built.producer_workers, "producer"),
             live_side(built.consumer_workers, "consumer"),
         )
-        return Outcome(built, report.to_json())
+        return Outcome(built, diff_to_json(report))
     producer = dump_side(built.producer_workers, "producer", folder / "producer")
     consumer = dump_side(built.consumer_workers, "consumer", folder / "consumer")
     result = CliRunner().invoke(

@@ -25,7 +25,8 @@ import torch
 from safetensors import safe_open
 
 from kvaudit.checksummer import RequestBlocks
-from kvaudit.corrupt import corrupt_dump
+from kvaudit.compare import LocatedDifference
+from kvaudit.corrupt import PlantedFault, corrupt_dump
 from kvaudit.description import parse_description
 from kvaudit.dumps import open_dump, open_dump_set, write_dump
 from kvaudit.locate import CellSegment, element_errors, locate_differences, slice_checksums
@@ -273,7 +274,7 @@ def expected_located(
     positions: list[int],
     block_size: int,
     num_tokens: int,
-) -> list[dict]:
+) -> list[LocatedDifference]:
     """Per position: producer replica 0 against consumer replica 0, then each consumer
     replica against consumer replica 0, slice by slice."""
     layers = {layer.name for layer in MODEL.group(group_id).layers}
@@ -303,21 +304,18 @@ def expected_located(
                 continue
             _, a0, b0 = differing[0]
             errors = [expected_errors(a.data, b.data, a.dtype) for _, a, b in differing]
-            entry = {
-                "position": position,
-                "layer": name,
-                "head": head,
-                "tokens": [t for t, _, _ in differing],
-                "first_byte": int(np.flatnonzero(a0.data != b0.data)[0]),
-                "max_abs_error": max(e[0] for e in errors),
-                "max_rel_error": max(e[1] for e in errors),
-            }
-            if replica:
-                entry["replica"] = replica
+            entry = LocatedDifference(
+                position=position,
+                layer=name,
+                head=head,
+                tokens=[t for t, _, _ in differing],
+                first_byte=int(np.flatnonzero(a0.data != b0.data)[0]),
+                max_abs_error=max(e[0] for e in errors),
+                max_rel_error=max(e[1] for e in errors),
+                replica=replica,
+            )
             found.append(entry)
-        found.sort(
-            key=lambda e: (e.get("replica", 0), ref.layer_number(e["layer"]), e["layer"], e["head"])
-        )
+        found.sort(key=lambda e: (e.replica, ref.layer_number(e.layer), e.layer, e.head))
         entries.extend(found)
     return entries
 
@@ -375,7 +373,7 @@ def locate(producer_paths: list[str], consumer_paths: list[str], rid: str, gid: 
     )
 
 
-def flip(sets: Sets, worker: int, key: CellKey, target: Path) -> tuple[list[str], dict]:
+def flip(sets: Sets, worker: int, key: CellKey, target: Path) -> tuple[list[str], PlantedFault]:
     """The consumer set with one bit of one cell flipped in worker ``worker``'s dump, and
     what ``corrupt_dump`` says it changed; checked against the decoded files: exactly
     that bit of that cell differs."""
@@ -400,9 +398,9 @@ def flip(sets: Sets, worker: int, key: CellKey, target: Path) -> tuple[list[str]
     changed = [k for k in before if not np.array_equal(before[k].data, after[k].data)]
     assert changed == [key]
     diff = before[key].data ^ after[key].data
-    byte = result["flip"]["byte"]
+    byte = result.flip.byte
     assert np.flatnonzero(diff).tolist() == [byte]
-    assert diff[byte] == 1 << result["flip"]["bit"]
+    assert diff[byte] == 1 << result.flip.bit
     return with_file(sets.consumer, worker, target), result
 
 
@@ -434,17 +432,15 @@ def test_fault_in_third_finer_block_of_a_coarse_position(sets: Sets, tmp_path: P
         sets.producer_cells, cells, "req-a", 0, [0, 1, 2], COMPARED[0], TOKENS["req-a"]
     )
     assert found == expected
-    assert [(e["position"], e["layer"], e["head"], e["tokens"]) for e in found] == [
-        (1, L1, 2, [26])
-    ]
+    assert [(e.position, e.layer, e.head, e.tokens) for e in found] == [(1, L1, 2, [26])]
     # The error of the one fp32 element that holds the flipped bit, from the model's KV.
-    byte = planted["flip"]["byte"]
-    assert found[0]["first_byte"] == byte
+    byte = planted.flip.byte
+    assert found[0].first_byte == byte
     a = sets.requests["req-a"].data[L1][26, 2].copy()
     b = a.copy()
-    b[byte] ^= 1 << planted["flip"]["bit"]
+    b[byte] ^= 1 << planted.flip.bit
     element = slice(byte // 4 * 4, byte // 4 * 4 + 4)
-    assert (found[0]["max_abs_error"], found[0]["max_rel_error"]) == expected_errors(
+    assert (found[0].max_abs_error, found[0].max_rel_error) == expected_errors(
         a[element], b[element], torch.float32
     )
 
@@ -456,9 +452,9 @@ def test_replica_difference_is_named(sets: Sets, tmp_path: Path) -> None:
     consumer_paths, _ = flip(sets, worker, key, tmp_path / "consumer-tp3.safetensors")
     positions = all_positions(1, TOKENS["req-b"])
     found = locate(sets.producer.paths, consumer_paths, "req-b", 1, positions)
-    assert [
-        (e["position"], e["layer"], e["head"], e["tokens"], e.get("replica")) for e in found
-    ] == [(1, L2, 0, [11], 3)]
+    assert [(e.position, e.layer, e.head, e.tokens, e.replica) for e in found] == [
+        (1, L2, 0, [11], 3)
+    ]
     cells = decode_set(sets.consumer, consumer_paths)
     assert found == expected_located(
         sets.producer_cells, cells, "req-b", 1, positions, 8, TOKENS["req-b"]
@@ -562,10 +558,10 @@ def test_several_faults_in_one_slice(sets: Sets, tmp_path: Path) -> None:
         corrupt_dump(source, first, position=8, token=35, seed=1, **common),
         corrupt_dump(first, second, position=8, token=33, seed=2, **common),
     ]
-    assert planted[0]["flip"]["byte"] != planted[1]["flip"]["byte"]
+    assert planted[0].flip.byte != planted[1].flip.byte
     consumer_paths = with_file(sets.consumer, 1, second)
     found = locate(sets.producer.paths, consumer_paths, "req-a", 0, [2])
-    assert [(e["layer"], e["head"], e["tokens"]) for e in found] == [(L0, 1, [33, 35])]
-    assert found[0]["first_byte"] == planted[1]["flip"]["byte"]
+    assert [(e.layer, e.head, e.tokens) for e in found] == [(L0, 1, [33, 35])]
+    assert found[0].first_byte == planted[1].flip.byte
     cells = decode_set(sets.consumer, consumer_paths)
     assert found == expected_located(sets.producer_cells, cells, "req-a", 0, [2], 16, 45)

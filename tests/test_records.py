@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvaudit.errors import KvauditError
+from kvaudit.formats import record_csv_rows, record_to_json
 from kvaudit.records import (
     GroupChecksums,
     Record,
@@ -163,7 +164,7 @@ def test_worker_order_does_not_matter() -> None:
     random.Random(5).shuffle(shuffled)
     first, second = combine_workers(workers), combine_workers(shuffled)
     assert record_cells(first) == record_cells(second)
-    assert first.to_json()["requests"] == second.to_json()["requests"]
+    assert record_to_json(first)["requests"] == record_to_json(second)["requests"]
 
 
 def test_incomplete_set_sums_the_workers_present() -> None:
@@ -233,7 +234,7 @@ def test_other_disagreements_raise() -> None:
 def test_json_shape_and_round_trip() -> None:
     workers, _ = make_set(6)
     record = combine_workers(workers[:3])
-    data = record.to_json()
+    data = record_to_json(record)
     assert data["format"] == "kvaudit.record/1"
     assert data["complete"] is False
     assert data["workers"][1] == {
@@ -258,7 +259,7 @@ def test_json_shape_and_round_trip() -> None:
 
     text = json.dumps(data)
     back = Record.from_json(json.loads(text), "saved.json")
-    assert back.to_json() == data
+    assert record_to_json(back) == data
     assert back.missing_workers == [(1, 1)]
     assert record_cells(back) == record_cells(record)
     assert back.workers[0].fingerprints == {0: 2**64 - 3, 1: 1000}
@@ -267,7 +268,7 @@ def test_json_shape_and_round_trip() -> None:
 def test_engine_is_optional_when_reading() -> None:
     # Records hold exactly cli.md's worker keys; an "engine" key is still read.
     workers, _ = make_set()
-    data = combine_workers(workers).to_json()
+    data = record_to_json(combine_workers(workers))
     assert all("engine" not in worker for worker in data["workers"])
     assert Record.from_json(data, "r.json").workers[0].worker.engine == ""
     data["workers"][0]["engine"] = "decode"
@@ -313,7 +314,7 @@ MUTATIONS = [
 @pytest.mark.parametrize(("path", "mutate"), MUTATIONS)
 def test_from_json_rejects(path: str, mutate) -> None:
     workers, _ = make_set()
-    data = combine_workers(workers).to_json()
+    data = record_to_json(combine_workers(workers))
     mutate(data)
     with pytest.raises(KvauditError) as caught:
         Record.from_json(data, "saved/record.json")
@@ -331,7 +332,7 @@ def test_from_json_rejects_a_non_object() -> None:
 def test_csv_rows() -> None:
     workers, reference = make_set(8)
     record = combine_workers(workers)
-    rows = record.to_csv_rows()
+    rows = record_csv_rows(record)
     assert rows[0] == ["request", "group", "position", "replica_key", "value"]
     body = rows[1:]
     # req-a: group 0 has 5 positions x (3 keys + total), group 1 has 3 x (1 + total);

@@ -11,10 +11,9 @@ from __future__ import annotations
 import re
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .compare import DiffReport, GroupComparison
+from ..compare.model import DiffReport, GroupComparison
+from .json import located_items
 
 # Characters XML 1.0 cannot hold at all, escaped or not.
 _NOT_XML = re.compile("[^\u0009\u000a\u000d\u0020-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
@@ -49,7 +48,7 @@ def failure_message(group: GroupComparison) -> str:
 def _located_text(group: GroupComparison) -> str:
     """The located differences, one per line."""
     return "\n".join(
-        ", ".join(f"{key} {value}" for key, value in item.items()) for item in group.located
+        ", ".join(f"{key} {value}" for key, value in located_items(item)) for item in group.located
     )
 
 

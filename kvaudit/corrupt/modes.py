@@ -1,34 +1,27 @@
-"""Planting faults in dumps: a copy of one worker's dump with one fault in one block.
+"""The faults ``corrupt`` plants: each mode's new cells for a block of a dump.
 
-``corrupt_dump`` writes a copy of a dump whose block at one position of one request
-differs from the original in one of the ways KV goes wrong in practice: a flipped bit, a
-zeroed block, swapped tokens or heads, a stale block (the slot reused by another request),
-or tokens shifted by one slot. What it leaves unspecified (layer, head, token) it chooses
-from the seed among the block's valid tokens, so that the fault always changes the
-block's checksum. The copy is written next to the output, changed in place through the
-same cell layout ``kvaudit.locate`` reads, synced and renamed over the output.
+A mode gets the block (its views, dump row and valid slots), the ``layer`` and global
+``head`` it is restricted to, a ``token`` where it takes one and a seeded generator, and
+returns the new cells per view and its own details. What is left open it chooses from
+the generator among the block's valid slots, so that the fault always changes the
+block's checksum.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .description import CacheDescription
-from .dumps import Dump, open_dump
-from .errors import KvauditError
-from .files import atomic_path
-from .locate import block_row, cell_addresses, counted_slots, group_views, layer_specs, read_block
-from .views import LayerView
-
-MODES = ("flip", "zero", "swap-tokens", "swap-heads", "stale", "shift")
+from ..dumps import Dump
+from ..errors import KvauditError
+from ..locate import block_row, counted_slots, group_views, layer_specs, read_block
+from ..views import LayerView
+from .result import CorruptMode, FlippedBit, StaleOrigin, SwappedHeads, SwappedTokens
 
 # The modes that take no ``token``, and what they change instead.
-_WHOLE_BLOCK_MODES = {
+WHOLE_BLOCK_MODES: dict[CorruptMode, str] = {
     "zero": "clears whole blocks",
     "swap-heads": "swaps whole heads",
     "stale": "replaces whole blocks",
@@ -37,7 +30,7 @@ _WHOLE_BLOCK_MODES = {
 
 
 @dataclass
-class _Block:
+class Block:
     """The block a fault goes into: its views, its dump row, its first request position
     and ``valid``, the slots of it that count (its valid tokens; 1 for a state block)."""
 
@@ -70,7 +63,7 @@ class _Block:
 
 
 @dataclass
-class _Change:
+class Change:
     """New cells for one view of the block."""
 
     index: int
@@ -78,86 +71,17 @@ class _Change:
 
 
 @dataclass
-class _Fault:
-    """What a mode planted: new cells per view and what to tell about it."""
+class Fault:
+    """What a mode planted: new cells per view and the mode's own details (a flipped
+    bit, a swap, a stale block's origin)."""
 
-    changes: list[_Change]
-    details: dict = field(default_factory=dict)
-
-
-def corrupt_dump(
-    source: str | os.PathLike[str],
-    out: str | os.PathLike[str],
-    *,
-    request_id: str,
-    group_id: int,
-    position: int,
-    layer: str | None = None,
-    head: int | None = None,
-    token: int | None = None,
-    mode: str = "flip",
-    seed: int = 0,
-    config: CacheDescription | None = None,
-) -> dict:
-    """Write a copy of a dump with one fault in a request's block at ``position`` (in the
-    dump's block size of the group), and say what changed.
-
-    Modes: ``flip`` one bit of one valid token's cell; ``zero`` the block of ``layer``
-    (default every layer of the group); ``swap-tokens`` ``token`` and the next valid token
-    of one layer and head; ``swap-heads`` two local heads of one layer; ``stale`` the
-    block's content replaced by another block of the dump (another request's, where there
-    is one); ``shift`` each valid token gets the previous token's KV (the first keeps its
-    own). ``layer`` and ``head`` (global) restrict every mode; what is left open is chosen
-    from ``seed``. The result lists the changed layers, global heads and request positions
-    (``changes``; ``tokens_past_end`` are changed slots at or past ``num_tokens``), the
-    changed bytes of the output file (``byte_ranges``, ``[start, end)``) and the mode's
-    own details. ``config`` stands in for (or overrides) the description the dump embeds.
-
-    Raises:
-        KvauditError: One line naming the file: an unknown request, group, layer or
-            position, a token that is not valid, a head not on this worker, a mode that
-            does not apply to the block, or a file that cannot be written.
-
-    """
-    path = os.fspath(source)
-    target = os.fspath(out)
-    if mode not in MODES:
-        raise KvauditError(f"unknown mode {mode!r}, expected one of {', '.join(MODES)}", path)
-    if os.path.isdir(path):
-        raise KvauditError("is a directory; corrupt writes a copy of one dump file", path)
-    dump = open_dump(path, config)
-    block = _open_block(dump, request_id, group_id, position)
-    if token is not None and mode in _WHOLE_BLOCK_MODES:
-        raise block.fail(f"{mode} {_WHOLE_BLOCK_MODES[mode]}; it takes no token")
-    rng = np.random.default_rng(seed)
-    fault = _MODES[mode](block, layer, head, token, rng)
-
-    offsets, values, changes = _changed_bytes(block, fault)
-    if not any(change["tokens"] for change in changes):
-        raise block.fail(f"{mode} would change no valid token of the block")
-    _write_copy(path, target, offsets, values)
-    result = {
-        "source": path,
-        "out": target,
-        "mode": mode,
-        "seed": seed,
-        "request": request_id,
-        "group": group_id,
-        "position": position,
-        "block": block.block_id,
-        "row": block.row,
-        "num_tokens": dump.requests[request_id].num_tokens,
-        "layers": sorted({change["layer"] for change in changes}),
-        "heads": sorted({change["head"] for change in changes}),
-        "tokens": sorted({t for change in changes for t in change["tokens"]}),
-        "changes": changes,
-        "byte_ranges": _ranges(offsets),
-    }
-    result.update(fault.details)
-    return result
+    changes: list[Change]
+    flip: FlippedBit | None = None
+    swap: SwappedTokens | SwappedHeads | None = None
+    origin: StaleOrigin | None = None
 
 
-def _open_block(dump: Dump, request_id: str, group_id: int, position: int) -> _Block:
+def open_block(dump: Dump, request_id: str, group_id: int, position: int) -> Block:
     """The request's block at ``position``, checked to hold a checksummed layer and a
     valid token."""
     row, first, block_id = block_row(dump, request_id, group_id, position)
@@ -166,7 +90,7 @@ def _open_block(dump: Dump, request_id: str, group_id: int, position: int) -> _B
     is_state = any(specs[view.name].is_state for view in views.views)
     num_tokens = dump.requests[request_id].num_tokens
     valid = counted_slots(position, views.group.block_size, is_state, num_tokens)
-    block = _Block(
+    block = Block(
         dump, request_id, group_id, position, block_id, row, first, valid, is_state, views.views
     )
     if not views.views:
@@ -190,7 +114,7 @@ def _rotated(items: list, rng: np.random.Generator) -> list:
     return items[start:] + items[:start]
 
 
-def _heads(block: _Block, layer: str | None, head: int | None) -> list[tuple[int, int]]:
+def _heads(block: Block, layer: str | None, head: int | None) -> list[tuple[int, int]]:
     """The ``(view index, local head)`` pairs that ``layer`` and global ``head`` allow."""
     indices = list(range(len(block.views)))
     if layer is not None:
@@ -228,7 +152,7 @@ def _spans(values: list[int]) -> str:
     return ", ".join(f"{a}..{b}" if a != b else str(a) for a, b in runs)
 
 
-def _token_index(block: _Block, token: int | None, rng: np.random.Generator) -> int:
+def _token_index(block: Block, token: int | None, rng: np.random.Generator) -> int:
     """The block index of ``token`` (a request position), or a seeded valid one."""
     if token is None:
         return int(rng.integers(block.valid))
@@ -247,7 +171,7 @@ def _token_index(block: _Block, token: int | None, rng: np.random.Generator) -> 
     return token - block.first
 
 
-def _needs_tokens(block: _Block, mode: str) -> None:
+def _needs_tokens(block: Block, mode: str) -> None:
     """Raise unless the block holds two valid tokens (a state block holds one state)."""
     if block.is_state:
         raise block.fail(f"{mode} needs tokens, and a state block holds one state")
@@ -259,8 +183,8 @@ def _needs_tokens(block: _Block, mode: str) -> None:
 
 
 def _flip(
-    block: _Block, layer: str | None, head: int | None, token: int | None, rng: np.random.Generator
-) -> _Fault:
+    block: Block, layer: str | None, head: int | None, token: int | None, rng: np.random.Generator
+) -> Fault:
     """One bit of one valid token's cell of one head."""
     pairs = _heads(block, layer, head)
     index, h = pairs[int(rng.integers(len(pairs)))]
@@ -269,21 +193,11 @@ def _flip(
     bit = int(rng.integers(cells.shape[2] * 8))
     cells[h, u, bit // 8] ^= np.uint8(1 << (bit % 8))
     view = block.views[index]
-    details = {
-        "flip": {
-            "layer": view.name,
-            "head": view.first_head + h,
-            "token": block.first + u,
-            "byte": bit // 8,
-            "bit": bit % 8,
-        }
-    }
-    return _Fault([_Change(index, cells)], details)
+    flipped = FlippedBit(view.name, view.first_head + h, block.first + u, bit // 8, bit % 8)
+    return Fault([Change(index, cells)], flip=flipped)
 
 
-def _selected(
-    block: _Block, layer: str | None, head: int | None
-) -> Iterator[tuple[int, list[int]]]:
+def _selected(block: Block, layer: str | None, head: int | None) -> Iterator[tuple[int, list[int]]]:
     """Each view index with its local heads that ``layer`` and ``head`` allow."""
     by_view: dict[int, list[int]] = {}
     for index, h in _heads(block, layer, head):
@@ -292,20 +206,20 @@ def _selected(
 
 
 def _zero(
-    block: _Block, layer: str | None, head: int | None, token: int | None, rng: np.random.Generator
-) -> _Fault:
+    block: Block, layer: str | None, head: int | None, token: int | None, rng: np.random.Generator
+) -> Fault:
     """Every selected head's cells of the block set to zero."""
     changes = []
     for index, heads in _selected(block, layer, head):
         cells = block.cells(index).copy()
         cells[heads] = 0
-        changes.append(_Change(index, cells))
-    return _Fault(changes)
+        changes.append(Change(index, cells))
+    return Fault(changes)
 
 
 def _swap_tokens(
-    block: _Block, layer: str | None, head: int | None, token: int | None, rng: np.random.Generator
-) -> _Fault:
+    block: Block, layer: str | None, head: int | None, token: int | None, rng: np.random.Generator
+) -> Fault:
     """Two neighbouring valid tokens of one head swapped: the first candidate pair, in
     seeded order, whose cells differ."""
     _needs_tokens(block, "swap-tokens")
@@ -324,14 +238,14 @@ def _swap_tokens(
             cells[h, [u, other]] = original[h, [other, u]]
             view = block.views[index]
             swapped = sorted([block.first + u, block.first + other])
-            details = {"swap": {"layer": view.name, "head": view.first_head + h, "tokens": swapped}}
-            return _Fault([_Change(index, cells)], details)
+            swap = SwappedTokens(view.name, view.first_head + h, swapped)
+            return Fault([Change(index, cells)], swap=swap)
     raise block.fail("swap-tokens would change nothing: the candidate tokens hold the same KV")
 
 
 def _swap_heads(
-    block: _Block, layer: str | None, head: int | None, token: int | None, rng: np.random.Generator
-) -> _Fault:
+    block: Block, layer: str | None, head: int | None, token: int | None, rng: np.random.Generator
+) -> Fault:
     """Two neighbouring local heads of one layer swapped: the first candidate pair, in
     seeded order, whose valid slots differ."""
     pairs = [(i, h) for i, h in _heads(block, layer, head) if block.views[i].heads >= 2]
@@ -351,18 +265,18 @@ def _swap_heads(
         cells = original.copy()
         cells[[h, other]] = original[[other, h]]
         swapped = sorted([view.first_head + h, view.first_head + other])
-        return _Fault([_Change(index, cells)], {"swap": {"layer": view.name, "heads": swapped}})
+        return Fault([Change(index, cells)], swap=SwappedHeads(view.name, swapped))
     raise block.fail("swap-heads would change nothing: the candidate heads hold the same KV")
 
 
 def _stale(
-    block: _Block, layer: str | None, head: int | None, token: int | None, rng: np.random.Generator
-) -> _Fault:
+    block: Block, layer: str | None, head: int | None, token: int | None, rng: np.random.Generator
+) -> Fault:
     """The selected heads' cells replaced by another row's that differ in a valid slot:
     another request's block first, else any other row of the dump."""
     selected = list(_selected(block, layer, head))
     dump = block.dump
-    others: list[tuple[int, dict]] = []
+    others: list[StaleOrigin] = []
     seen = {block.row}
     for request_id in sorted(dump.requests):
         if request_id == block.request_id:
@@ -375,15 +289,15 @@ def _stale(
             row = dump.row_of(block_id)
             if row not in seen:
                 seen.add(row)
-                origin = {"request": request_id, "position": start + offset, "block": block_id}
-                others.append((row, origin))
+                others.append(StaleOrigin(request_id, start + offset, block_id, row))
     rest = [
-        (row, {"request": None, "position": None, "block": _block_id(dump, row)})
+        StaleOrigin(None, None, _block_id(dump, row), row)
         for row in range(dump.num_rows)
         if row not in seen
     ]
     valid = slice(0, block.valid)
-    for row, origin in _rotated(others, rng) + _rotated(rest, rng):
+    for origin in _rotated(others, rng) + _rotated(rest, rng):
+        row = origin.row
         changes = []
         differs = False
         for index, heads in selected:
@@ -393,9 +307,9 @@ def _stale(
             differs = differs or not np.array_equal(
                 cells[heads, valid], block.cells(index)[heads, valid]
             )
-            changes.append(_Change(index, cells))
+            changes.append(Change(index, cells))
         if differs:
-            return _Fault(changes, {"from": {**origin, "row": row}})
+            return Fault(changes, origin=origin)
     raise block.fail("stale would change nothing: no other block of the dump differs")
 
 
@@ -405,8 +319,8 @@ def _block_id(dump: Dump, row: int) -> int:
 
 
 def _shift(
-    block: _Block, layer: str | None, head: int | None, token: int | None, rng: np.random.Generator
-) -> _Fault:
+    block: Block, layer: str | None, head: int | None, token: int | None, rng: np.random.Generator
+) -> Fault:
     """Each valid token of the selected heads given the previous token's cell."""
     _needs_tokens(block, "shift")
     changes = []
@@ -415,13 +329,14 @@ def _shift(
         cells = original.copy()
         for h in heads:
             cells[h, 1 : block.valid] = original[h, : block.valid - 1]
-        changes.append(_Change(index, cells))
-    return _Fault(changes)
+        changes.append(Change(index, cells))
+    return Fault(changes)
 
 
-_MODES: dict[
-    str, Callable[[_Block, str | None, int | None, int | None, np.random.Generator], _Fault]
-] = {
+ModeFault = Callable[[Block, str | None, int | None, int | None, np.random.Generator], Fault]
+"""A mode: ``(block, layer, head, token, rng) -> Fault``."""
+
+MODE_FAULTS: dict[CorruptMode, ModeFault] = {
     "flip": _flip,
     "zero": _zero,
     "swap-tokens": _swap_tokens,
@@ -429,71 +344,3 @@ _MODES: dict[
     "stale": _stale,
     "shift": _shift,
 }
-
-
-# Writing.
-
-
-def _file_base(dump: Dump, view: LayerView) -> int:
-    """The address the dump file's first byte has where the view's tensors map it."""
-    pieces = view.parts[0].pieces
-    return pieces.data_ptr() - dump.file_offset(pieces)
-
-
-def _changed_bytes(block: _Block, fault: _Fault) -> tuple[np.ndarray, np.ndarray, list[dict]]:
-    """The file offsets and new values of the bytes the fault changes, and per changed
-    (layer, global head) its changed request positions."""
-    length = os.path.getsize(block.dump.path)
-    offsets, values, changes = [], [], []
-    for change in sorted(fault.changes, key=lambda change: change.index):
-        view = block.views[change.index]
-        original = block.cells(change.index)
-        differ = change.cells != original
-        if not differ.any():
-            continue
-        addresses = cell_addresses(view, block.row) - _file_base(block.dump, view)
-        if addresses.min() < 0 or addresses.max() >= length:
-            raise block.fail(f"layer {view.name}: its cells lie outside the file's mapping")
-        offsets.append(addresses[differ])
-        values.append(change.cells[differ])
-        cell_changed = differ.any(axis=2)
-        for h in range(view.heads):
-            slots = np.flatnonzero(cell_changed[h])
-            if not len(slots):
-                continue
-            positions = [block.first + int(u) for u in slots]
-            end = block.first + block.valid
-            changes.append(
-                {
-                    "layer": view.name,
-                    "head": view.first_head + h,
-                    "tokens": [t for t in positions if t < end],
-                    "tokens_past_end": [t for t in positions if t >= end],
-                }
-            )
-    if not offsets:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint8), []
-    all_offsets = np.concatenate(offsets)
-    all_values = np.concatenate(values)
-    order = np.argsort(all_offsets, kind="stable")
-    return all_offsets[order], all_values[order], changes
-
-
-def _ranges(offsets: np.ndarray) -> list[list[int]]:
-    """Sorted byte offsets as ``[start, end)`` runs."""
-    if not len(offsets):
-        return []
-    breaks = np.flatnonzero(np.diff(offsets) != 1) + 1
-    starts = np.concatenate([[0], breaks])
-    ends = np.concatenate([breaks, [len(offsets)]])
-    return [[int(offsets[s]), int(offsets[e - 1]) + 1] for s, e in zip(starts, ends)]
-
-
-def _write_copy(source: str, target: str, offsets: np.ndarray, values: np.ndarray) -> None:
-    """A copy of ``source`` with the bytes at ``offsets`` set, written whole over ``target``."""
-    with atomic_path(target) as temporary:
-        shutil.copyfile(source, temporary)
-        data = np.memmap(temporary, dtype=np.uint8, mode="r+")
-        data[offsets] = values
-        data.flush()
-        del data

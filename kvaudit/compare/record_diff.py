@@ -1,0 +1,194 @@
+"""A record compared with a record: a producer with a consumer (``diff``), or a dump set's
+checksums with a saved record (``verify --against``).
+
+Per request present on both sides and per group either side holds:
+
+- Both records must number positions the same way (``request`` or ``block``), else
+  ``KvauditError``.
+- A group is unverified when a worker of either side is missing or only one side holds
+  it; otherwise it is compared by the rules of ``kvaudit.compare.sides``.
+- A request only the producer has is a failure (the consumer never got it); a request
+  only the consumer has is informational (it may have been computed locally).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..errors import KvauditError
+from ..records import Record
+from .model import DiffReport, GroupComparison
+from .sides import Side, compare_sides
+
+
+def _missing_reason(label: str, record: Record) -> str | None:
+    """Why a side's checksums are partial, or None when all its workers are present."""
+    if record.complete:
+        return None
+    if not record.missing_workers:
+        return f"a worker is missing on the {label}"
+    ranks = "; ".join(f"pp {pp}, tp {tp}" for pp, tp in record.missing_workers)
+    if len(record.missing_workers) == 1:
+        return f"a worker is missing on the {label} ({ranks})"
+    return f"workers are missing on the {label} ({ranks})"
+
+
+def _not_covered_reason(record: Record, gid: int) -> str | None:
+    """The reasons the record's workers give for not covering a group, if any."""
+    reasons = dict.fromkeys(
+        summary.not_covered[gid] for summary in record.workers if gid in summary.not_covered
+    )
+    return "; ".join(reasons) if reasons else None
+
+
+def _covered_on_one_side(lacking: str, record: Record, gid: int, absence: str | None) -> str:
+    """Why a group the ``lacking`` side (``record``) does not hold is unverified: its
+    workers' reason for not covering the group, else ``absence`` (by default, that it
+    holds no block of it)."""
+    holder = "producer" if lacking == "consumer" else "consumer"
+    known = _not_covered_reason(record, gid)
+    if known is not None:
+        reason = f"{lacking}: {known}"
+    elif absence is not None:
+        reason = absence
+    else:
+        reason = f"the {lacking} holds no block of it for this request"
+    return f"covered on the {holder} only ({reason})"
+
+
+def _first_source(record: Record) -> str:
+    """`` (source)`` of the record's first worker that names one, for a message."""
+    sources = [summary.worker.source for summary in record.workers if summary.worker.source]
+    return f" ({sources[0]})" if sources else ""
+
+
+def _check_numbering(producer: Record, consumer: Record) -> None:
+    """Raise ``KvauditError`` unless both records number positions the same way."""
+    if producer.positions != consumer.positions:
+        raise KvauditError(
+            f"positions are numbered by {producer.positions} on the producer"
+            f"{_first_source(producer)} and by {consumer.positions} on the consumer"
+            f"{_first_source(consumer)}: records of different numberings are never compared"
+        )
+
+
+def _select(
+    producer: Record, consumer: Record, request_ids: Sequence[str] | None
+) -> tuple[list[str], list[str], list[str]]:
+    """The requests on both sides, on the producer only and on the consumer only."""
+    if request_ids is None:
+        wanted = list(dict.fromkeys([*producer.requests, *consumer.requests]))
+    else:
+        wanted = list(dict.fromkeys(request_ids))
+        absent = [
+            rid for rid in wanted if rid not in producer.requests and rid not in consumer.requests
+        ]
+        if absent:
+            raise KvauditError(
+                f"request {', '.join(absent)} is on neither the producer nor the consumer"
+            )
+    both = [rid for rid in wanted if rid in producer.requests and rid in consumer.requests]
+    only_producer = [rid for rid in wanted if rid not in consumer.requests]
+    only_consumer = [rid for rid in wanted if rid not in producer.requests]
+    return both, only_producer, only_consumer
+
+
+def _compare_request(
+    producer: Record,
+    consumer: Record,
+    request_id: str,
+    *,
+    missing: str | None,
+    per_key: bool,
+    producer_absence: str | None,
+) -> dict[int, GroupComparison]:
+    """Each group of one request present on both sides; ``missing`` says which side's
+    workers are missing, if any."""
+    produced = producer.requests[request_id]
+    consumed = consumer.requests[request_id]
+    result: dict[int, GroupComparison] = {}
+    for gid in sorted({*produced.groups, *consumed.groups}):
+        left, right = produced.groups.get(gid), consumed.groups.get(gid)
+        if missing is None and left is not None and right is not None:
+            result[gid] = compare_sides(
+                Side.of(left, produced.num_tokens),
+                Side.of(right, consumed.num_tokens),
+                consumer.positions,
+                per_key=per_key,
+            )
+            continue
+        if missing is not None:
+            reason = missing
+        elif left is None:
+            reason = _covered_on_one_side("producer", producer, gid, producer_absence)
+        else:
+            reason = _covered_on_one_side("consumer", consumer, gid, None)
+        block_size = max(group.block_size for group in (left, right) if group is not None)
+        result[gid] = GroupComparison(unverified=reason, block_size=block_size)
+    return result
+
+
+def compare(
+    producer: Record,
+    consumer: Record,
+    request_ids: Sequence[str] | None,
+    *,
+    per_key: bool,
+    producer_absence: str | None = None,
+) -> DiffReport:
+    """Two records compared by the module's rules; ``per_key`` compares every column
+    where the replica keys agree, and ``producer_absence`` replaces the reason given for
+    a group only the consumer holds when the producer's workers give none."""
+    _check_numbering(producer, consumer)
+    both, only_producer, only_consumer = _select(producer, consumer, request_ids)
+    reasons = [
+        reason
+        for reason in (_missing_reason("producer", producer), _missing_reason("consumer", consumer))
+        if reason is not None
+    ]
+    missing = "; ".join(reasons) if reasons else None
+    requests = {
+        rid: _compare_request(
+            producer,
+            consumer,
+            rid,
+            missing=missing,
+            per_key=per_key,
+            producer_absence=producer_absence,
+        )
+        for rid in both
+    }
+    return DiffReport(consumer.positions, requests, only_producer, only_consumer)
+
+
+def compare_records(
+    producer: Record, consumer: Record, *, request_ids: Sequence[str] | None = None
+) -> DiffReport:
+    """The producer's totals compared with the consumer's totals and replicas.
+
+    With ``request_ids``, only those requests (in that order); others in record order.
+
+    Raises:
+        KvauditError: The records number positions differently, or a requested id is on
+            neither side.
+
+    """
+    return compare(producer, consumer, request_ids, per_key=False)
+
+
+def verify_against_record(
+    current: Record, saved: Record, *, request_ids: Sequence[str] | None = None
+) -> DiffReport:
+    """A regression check: ``saved`` plays the producer, ``current`` the consumer.
+
+    Besides the totals and the current replicas, when both sides have the same replica
+    keys (the same engine layout) every column must equal the saved one: a differing
+    replica-0 column marks the position mismatched, another column lists it under
+    ``replicas_differing``.
+
+    Raises:
+        KvauditError: The records number positions differently, or a requested id is on
+            neither side.
+
+    """
+    return compare(saved, current, request_ids, per_key=True)

@@ -1,0 +1,31 @@
+"""The machine forms of kvaudit's results, one module per format: ``json.py`` (records,
+diff reports, inventories, planted faults), ``csv.py`` (records), ``junit.py`` (diff
+reports). A new report format is one module here, called from ``kvaudit.cli``."""
+
+from .csv import CSV_HEADER, record_csv, record_csv_rows
+from .json import (
+    DIFF_FORMAT,
+    INVENTORY_FORMAT,
+    diff_json_text,
+    diff_to_json,
+    inventory_to_json,
+    json_text,
+    planted_to_json,
+    record_to_json,
+)
+from .junit import diff_junit
+
+__all__ = [
+    "CSV_HEADER",
+    "DIFF_FORMAT",
+    "INVENTORY_FORMAT",
+    "diff_json_text",
+    "diff_junit",
+    "diff_to_json",
+    "inventory_to_json",
+    "json_text",
+    "planted_to_json",
+    "record_csv",
+    "record_csv_rows",
+    "record_to_json",
+]

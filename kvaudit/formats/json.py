@@ -1,0 +1,236 @@
+"""The JSON forms of kvaudit's results: records (``checksum --format json``), diff
+reports (``diff``/``verify --format json``), inventories (``inspect --format json``) and
+planted faults (``corrupt --format json``), and the indented text they are written as
+(docs/cli.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import TYPE_CHECKING, Any
+
+from ..compare.model import DiffReport, GroupComparison, LocatedDifference
+from ..corrupt.result import PlantedFault
+from ..records import RECORD_FORMAT, GroupChecksums, Record, WorkerSummary
+from ..scheme import to_hex
+
+if TYPE_CHECKING:
+    from ..sources import Inventory
+
+DIFF_FORMAT = "kvaudit.diff/1"
+INVENTORY_FORMAT = "kvaudit.inventory/1"
+JSON_INLINE_WIDTH = 72
+"""The longest list JSON output keeps on one line."""
+
+
+def json_text(value: object, level: int = 0) -> str:
+    """Strict JSON (a NaN or infinity raises ``ValueError``) indented by two spaces, with
+    each short list of plain values or lists on one line (``"replica_keys": [[1, 0]]``)
+    and longer ones an item a line."""
+    inner = "  " * (level + 1)
+    close = "  " * level
+    if isinstance(value, dict) and value:
+        items = [
+            f"{inner}{json.dumps(key)}: {json_text(item, level + 1)}" for key, item in value.items()
+        ]
+        return "{\n" + ",\n".join(items) + f"\n{close}}}"
+    flat = json.dumps(value, separators=(", ", ": "), allow_nan=False)
+    if isinstance(value, list) and (
+        len(flat) > JSON_INLINE_WIDTH or any(isinstance(item, dict) for item in value)
+    ):
+        items = [inner + json_text(item, level + 1) for item in value]
+        return "[\n" + ",\n".join(items) + f"\n{close}]"
+    return flat
+
+
+# Records.
+
+
+def record_to_json(record: Record) -> dict[str, Any]:
+    """The record as ``checksum --format json`` writes it (``Record.from_json`` reads it)."""
+    return {
+        "format": RECORD_FORMAT,
+        "positions": record.positions,
+        "workers": [_worker_to_json(summary) for summary in record.workers],
+        "complete": record.complete,
+        "requests": {
+            request_id: {
+                "num_tokens": int(request.num_tokens),
+                "groups": {
+                    str(gid): _group_to_json(request.groups[gid]) for gid in sorted(request.groups)
+                },
+            }
+            for request_id, request in record.requests.items()
+        },
+    }
+
+
+def _worker_to_json(summary: WorkerSummary) -> dict[str, Any]:
+    """A worker's entry of a record's JSON ``workers``."""
+    worker = summary.worker
+    return {
+        "source": worker.source,
+        "tp_rank": worker.tp_rank,
+        "tp_size": worker.tp_size,
+        "pp_rank": worker.pp_rank,
+        "pp_size": worker.pp_size,
+        "role": worker.role,
+        "fingerprints": {str(gid): to_hex(fp) for gid, fp in sorted(summary.fingerprints.items())},
+        "not_covered": {str(gid): reason for gid, reason in sorted(summary.not_covered.items())},
+    }
+
+
+def _group_to_json(group: GroupChecksums) -> dict[str, Any]:
+    """A group's entry of a record's JSON: its values and totals as hex."""
+    return {
+        "block_size": int(group.block_size),
+        "start": int(group.start),
+        "fingerprint": to_hex(group.fingerprint),
+        "replica_keys": [[int(replicas), int(index)] for replicas, index in group.replica_keys],
+        "values": [[to_hex(value) for value in row] for row in group.values.tolist()],
+        "totals": [to_hex(value) for value in group.totals().tolist()],
+    }
+
+
+# Diff reports.
+
+
+def located_items(item: LocatedDifference) -> list[tuple[str, object]]:
+    """A located entry's fields in order, ``replica`` only for a replica compared with
+    replica 0 (as JSON and JUnit list them)."""
+    return [
+        (entry.name, getattr(item, entry.name))
+        for entry in dataclasses.fields(item)
+        if entry.name != "replica" or item.replica
+    ]
+
+
+def _finite(value: object) -> object:
+    """A located entry's value for strict JSON: an infinite or NaN error becomes None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def located_to_json(item: LocatedDifference) -> dict[str, Any]:
+    """A located entry of a diff report's JSON (non-finite errors as null)."""
+    return {
+        name: list(value) if isinstance(value, list) else _finite(value)
+        for name, value in located_items(item)
+    }
+
+
+def group_to_json(group: GroupComparison) -> dict[str, Any]:
+    """A group's entry of a diff report's JSON."""
+    return {
+        "compared": int(group.compared),
+        "mismatched_positions": [int(position) for position in group.mismatched_positions],
+        "replicas_differing": [
+            [int(replicas), int(index)] for replicas, index in group.replicas_differing
+        ],
+        "unverified": group.unverified,
+        "located": [located_to_json(item) for item in group.located],
+    }
+
+
+def diff_to_json(report: DiffReport) -> dict[str, Any]:
+    """The report as ``diff --format json`` writes it (docs/cli.md)."""
+    return {
+        "format": DIFF_FORMAT,
+        "ok": report.ok,
+        "positions": report.positions,
+        "requests": {
+            request_id: {"groups": {str(gid): group_to_json(groups[gid]) for gid in sorted(groups)}}
+            for request_id, groups in report.requests.items()
+        },
+        "only_in_producer": list(report.only_in_producer),
+        "only_in_consumer": list(report.only_in_consumer),
+    }
+
+
+def diff_json_text(report: DiffReport) -> str:
+    """The ``--format json`` text of a diff report."""
+    return json_text(diff_to_json(report)) + "\n"
+
+
+# Inventories.
+
+
+def inventory_to_json(inventory: Inventory) -> dict[str, Any]:
+    """The ``inspect --format json`` form of an inventory."""
+    return {
+        "format": INVENTORY_FORMAT,
+        "kind": inventory.kind,
+        "sources": list(inventory.sources),
+        "complete": inventory.complete,
+        "missing_workers": [{"pp_rank": pp, "tp_rank": tp} for pp, tp in inventory.missing_workers],
+        "workers": [
+            {
+                "source": item.worker.source,
+                "tp_rank": item.worker.tp_rank,
+                "tp_size": item.worker.tp_size,
+                "pp_rank": item.worker.pp_rank,
+                "pp_size": item.worker.pp_size,
+                "role": item.worker.role,
+                "engine": item.worker.engine,
+                "rows": item.rows,
+                "groups": {
+                    str(group.id): {
+                        "type": group.type,
+                        "block_size": group.block_size,
+                        "kernel_block_size": group.kernel_block_size,
+                        "layout": group.layout,
+                        "layers": group.layers,
+                        "bytes": group.bytes,
+                        "fingerprint": to_hex(group.fingerprint),
+                        "covered": group.covered,
+                        "reason": group.reason,
+                    }
+                    for group in item.groups
+                },
+            }
+            for item in inventory.workers
+        ],
+        "requests": {
+            request_id: {
+                "num_tokens": request.num_tokens,
+                "groups": {
+                    str(gid): sorted(held) for gid, held in sorted(request.positions.items())
+                },
+            }
+            for request_id, request in inventory.requests.items()
+        },
+    }
+
+
+# Planted faults.
+
+
+def planted_to_json(fault: PlantedFault) -> dict[str, Any]:
+    """What ``corrupt --format json`` writes: the fault's fields, then the mode's own
+    details under ``flip``, ``swap`` or ``from``."""
+    data: dict[str, Any] = {
+        "source": fault.source,
+        "out": fault.out,
+        "mode": fault.mode,
+        "seed": fault.seed,
+        "request": fault.request,
+        "group": fault.group,
+        "position": fault.position,
+        "block": fault.block,
+        "row": fault.row,
+        "num_tokens": fault.num_tokens,
+        "layers": list(fault.layers),
+        "heads": list(fault.heads),
+        "tokens": list(fault.tokens),
+        "changes": [dataclasses.asdict(change) for change in fault.changes],
+        "byte_ranges": [list(byte_range) for byte_range in fault.byte_ranges],
+    }
+    if fault.flip is not None:
+        data["flip"] = dataclasses.asdict(fault.flip)
+    if fault.swap is not None:
+        data["swap"] = dataclasses.asdict(fault.swap)
+    if fault.origin is not None:
+        data["from"] = dataclasses.asdict(fault.origin)
+    return data

@@ -1,0 +1,192 @@
+"""The ``diff`` and ``verify`` tables: per request and group what was compared and what
+differs, the verdict line, and the located differences."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ..compare.model import DiffReport, GroupComparison
+from .text import error_text, filled_table, plural, ranges
+
+LOCATED_ROWS = 40
+"""Located differences a table shows per request and group; JSON holds them all."""
+
+
+@dataclass(frozen=True)
+class Sides:
+    """What a report's two sides are called: the side that plays the producer, the one
+    that plays the consumer, and what a compared block is (``compared``, ``checked``)."""
+
+    producer: str = "producer"
+    consumer: str = "consumer"
+    compared: Literal["compared", "checked"] = "compared"
+
+
+DIFF_SIDES = Sides()
+
+
+def diff_verdict(report: DiffReport, sides: Sides = DIFF_SIDES) -> str:
+    """One line: ``OK: ...`` when the report is ok, else ``MISMATCH: ...`` (blocks,
+    replicas or requests differ or are missing) or ``UNVERIFIED: ...`` (only groups that
+    could not be compared)."""
+    groups = [group for _, _, group in report.groups()]
+    requests = len(report.requests)
+    blocks = sum(group.compared for group in groups)
+    differing = sum(len(group.mismatched_positions) for group in groups)
+    replicas = sum(len(group.replica_mismatches) for group in groups)
+    unverified = sum(1 for group in groups if group.unverified is not None)
+    requests_differing = sum(
+        1
+        for groups_of in report.requests.values()
+        if any(
+            group.mismatched_positions or group.replicas_differing for group in groups_of.values()
+        )
+    )
+    scope = f"{plural(requests, 'request')}, {plural(blocks, 'block')} {sides.compared}"
+    if report.ok:
+        extra = ""
+        if report.only_in_consumer:
+            extra = (
+                f" ({plural(len(report.only_in_consumer), 'request')} on the "
+                f"{sides.consumer} only, not compared)"
+            )
+        return f"OK: {scope}, all match{extra}"
+    parts = []
+    if differing:
+        parts.append(
+            f"{differing} of {plural(blocks, 'block')} {sides.compared} differ, in "
+            f"{requests_differing} of {plural(requests, 'request')}"
+        )
+    if replicas:
+        parts.append(f"{plural(replicas, 'replica block')} differ from replica 0")
+    if report.only_in_producer:
+        parts.append(
+            f"{plural(len(report.only_in_producer), 'request')} missing on the {sides.consumer}"
+        )
+    if unverified:
+        parts.append(f"{plural(unverified, 'group')} could not be verified")
+    if differing or replicas or report.only_in_producer:
+        return "MISMATCH: " + "; ".join(parts)
+    return f"UNVERIFIED: {scope}; " + "; ".join(parts)
+
+
+def _result_cell(group: GroupComparison) -> Text:
+    """A group's result in the diff table: unverified and why, MISMATCH or ok."""
+    if group.unverified is not None:
+        return Text(f"unverified: {group.unverified}", style="yellow")
+    if group.mismatched_positions or group.replicas_differing:
+        return Text("MISMATCH", style="bold red")
+    return Text("ok", style="green")
+
+
+def _replica_text(mismatches: list[tuple[int, int, int]]) -> str:
+    """``(position, R, r)`` triples as ``4 (2:1, 4:3), 5 (2:1)``: each position with the
+    replica keys that differ there."""
+    by_position: dict[int, list[tuple[int, int]]] = {}
+    for position, replicas, index in mismatches:
+        by_position.setdefault(position, []).append((replicas, index))
+    return ", ".join(
+        f"{position} ({', '.join(f'{r}:{i}' for r, i in sorted(keys))})"
+        for position, keys in sorted(by_position.items())
+    )
+
+
+def print_diff(
+    console: Console, report: DiffReport, *, title: str | None = None, sides: Sides = DIFF_SIDES
+) -> None:
+    """The ``diff`` and ``verify`` tables: a row per request and group (blocks compared,
+    blocks and replicas that differ, the result or why it could not be compared), the
+    verdict line, the requests only one side holds, and the located differences."""
+    if title:
+        console.print(Text(title, style="bold"), soft_wrap=True)
+    table = Table(title=None)
+    for name, justify in (
+        ("request", "left"),
+        ("group", "right"),
+        ("block", "right"),
+        (sides.compared, "right"),
+        ("differing positions", "left"),
+        ("replicas differing", "left"),
+        ("result", "left"),
+    ):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for request_id, groups in report.requests.items():
+        if not groups:
+            table.add_row(request_id, "-", "", "0", "", "", Text("no group to compare", "yellow"))
+        for gid in sorted(groups):
+            group = groups[gid]
+            mismatched = group.mismatched_positions
+            table.add_row(
+                request_id,
+                str(gid),
+                str(group.block_size) if group.block_size else "",
+                str(group.compared),
+                f"{len(mismatched)}: {ranges(mismatched)}" if mismatched else "-",
+                _replica_text(group.replica_mismatches) if group.replica_mismatches else "-",
+                _result_cell(group),
+            )
+    if report.requests:
+        console.print(table)
+    verdict = diff_verdict(report, sides)
+    console.print(Text(verdict, style="bold green" if report.ok else "bold red"), soft_wrap=True)
+    if report.only_in_producer:
+        console.print(
+            Text(
+                f"missing on the {sides.consumer} (on the {sides.producer} only): "
+                + ", ".join(report.only_in_producer),
+                style="red",
+            ),
+            soft_wrap=True,
+        )
+    if report.only_in_consumer:
+        console.print(
+            f"on the {sides.consumer} only (not compared): " + ", ".join(report.only_in_consumer),
+            soft_wrap=True,
+        )
+    _print_located(console, report)
+
+
+def _print_located(console: Console, report: DiffReport) -> None:
+    """The located differences table, at most ``LOCATED_ROWS`` per request and group."""
+    rows: list[list[str]] = []
+    for request_id, gid, group in report.groups():
+        for item in group.located[:LOCATED_ROWS]:
+            rows.append(
+                [
+                    request_id,
+                    str(gid),
+                    str(item.position),
+                    item.layer,
+                    str(item.head),
+                    str(item.replica) if item.replica else "",
+                    ranges(item.tokens),
+                    str(item.first_byte),
+                    error_text(item.max_abs_error),
+                    error_text(item.max_rel_error),
+                ]
+            )
+        hidden = len(group.located) - LOCATED_ROWS
+        if hidden > 0:
+            more = f"... {hidden} more (--format json lists all)"
+            rows.append([request_id, str(gid), "", more, "", "", "", "", "", ""])
+    if not rows:
+        return
+    columns = (
+        "request",
+        ">group",
+        ">position",
+        "layer",
+        ">head",
+        ">replica",
+        "tokens",
+        ">first byte",
+        ">max abs error",
+        ">max rel error",
+    )
+    console.print(Text("Located differences", style="bold"))
+    console.print(filled_table("", columns, rows))

@@ -1,0 +1,94 @@
+"""The ``inspect`` tables: what a source holds."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ..scheme import to_hex
+from .text import (
+    completeness,
+    filled_table,
+    human_bytes,
+    layout_line,
+    print_missing,
+    ranges,
+    worker_name,
+)
+
+if TYPE_CHECKING:
+    from ..sources import Inventory
+
+
+def print_inventory(console: Console, inventory: Inventory) -> None:
+    """The ``inspect`` tables: workers, groups per worker, requests."""
+    workers = [item.worker for item in inventory.workers]
+    console.print(
+        Text.assemble(
+            (f"{inventory.kind}: ", "bold"),
+            " ".join(inventory.sources),
+            f" ({layout_line(workers)}, ",
+            completeness(inventory.complete),
+            ")",
+        )
+    )
+    if not inventory.complete:
+        print_missing(console, inventory.missing_workers, "checksums of this set are partial")
+
+    rows: list[list[str | Text]] = []
+    for item in inventory.workers:
+        worker = item.worker
+        rows.append(
+            [
+                worker_name(worker),
+                f"{worker.tp_rank}/{worker.tp_size}",
+                f"{worker.pp_rank}/{worker.pp_size}",
+                worker.role,
+                worker.engine,
+                "" if item.rows is None else str(item.rows),
+            ]
+        )
+    console.print(filled_table("Workers", ("source", "tp", "pp", "role", "engine", ">rows"), rows))
+
+    rows = []
+    for item in inventory.workers:
+        for group in item.groups:
+            block = ""
+            if group.block_size is not None:
+                block = str(group.block_size)
+                if group.kernel_block_size not in (None, group.block_size):
+                    block += f" ({group.kernel_block_size})"
+            rows.append(
+                [
+                    worker_name(item.worker),
+                    str(group.id),
+                    group.type or "",
+                    block,
+                    group.layout or "",
+                    "" if group.layers is None else str(group.layers),
+                    "" if group.bytes is None else human_bytes(group.bytes),
+                    to_hex(group.fingerprint),
+                    Text("yes", style="green")
+                    if group.covered
+                    else Text(f"no: {group.reason}", style="yellow"),
+                ]
+            )
+    columns = ("worker", ">group", "type", "block", "layout", ">layers", ">bytes")
+    console.print(filled_table("Groups", (*columns, "fingerprint", "covered"), rows))
+
+    group_ids = sorted({gid for req in inventory.requests.values() for gid in req.positions})
+    table = Table(title="Requests", title_justify="left")
+    table.add_column("request")
+    table.add_column("tokens", justify="right")
+    for gid in group_ids:
+        table.add_column(f"group {gid} blocks")
+    for request_id, request in inventory.requests.items():
+        cells = []
+        for gid in group_ids:
+            held = request.positions.get(gid)
+            cells.append(f"{len(held)} ({ranges(held)})" if held else "-")
+        table.add_row(request_id, str(request.num_tokens), *cells)
+    console.print(table)

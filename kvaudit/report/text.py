@@ -1,0 +1,114 @@
+"""What every table of the command line shares: the console, plain text for files, and
+the small formatting helpers (ranges of positions, byte counts, plurals)."""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Callable, Iterable, Sequence
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ..records import WorkerInfo
+
+PLAIN_WIDTH = 160
+"""Columns of table output written to a file or a pipe (rich's default there is 80)."""
+# Names print as they are: no rich markup ("[b]"), emoji codes (":x:") or highlighting.
+_LITERAL = {"markup": False, "emoji": False, "highlight": False}
+
+
+def make_console() -> Console:
+    """A console on stdout: plain and wide when stdout is not a terminal."""
+    console = Console(**_LITERAL)
+    if not console.is_terminal:
+        console = Console(width=PLAIN_WIDTH, color_system=None, **_LITERAL)
+    return console
+
+
+def render_text(render: Callable[..., None], *args: object) -> str:
+    """What ``render(console, *args)`` prints, as plain text."""
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=PLAIN_WIDTH, color_system=None, **_LITERAL)
+    render(console, *args)
+    return buffer.getvalue()
+
+
+def human_bytes(count: int) -> str:
+    """A byte count in B, KiB, MiB or GiB."""
+    if count < 1024:
+        return f"{count} B"
+    value = count / 1024
+    for unit in ("KiB", "MiB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
+
+
+def ranges(positions: Iterable[int]) -> str:
+    """Positions as sorted compact ranges: ``0-2, 5, 7-9``."""
+    items = sorted(positions)
+    parts = []
+    first = 0
+    for i in range(len(items)):
+        if i + 1 == len(items) or items[i + 1] != items[i] + 1:
+            parts.append(f"{items[first]}" if first == i else f"{items[first]}-{items[i]}")
+            first = i + 1
+    return ", ".join(parts)
+
+
+def plural(count: int, noun: str) -> str:
+    """``1 block``, ``2 blocks``."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def worker_name(worker: WorkerInfo) -> str:
+    """A worker in a table: its source, else its ranks."""
+    return worker.source or f"pp{worker.pp_rank} tp{worker.tp_rank}"
+
+
+def layout_line(workers: list[WorkerInfo]) -> str:
+    """``2 workers of TP 2 x PP 1``."""
+    first = workers[0]
+    return f"{plural(len(workers), 'worker')} of TP {first.tp_size} x PP {first.pp_size}"
+
+
+def completeness(complete: bool) -> tuple[str, str]:
+    """A set's ``complete`` or ``INCOMPLETE``, with its style."""
+    return ("complete", "bold green") if complete else ("INCOMPLETE", "bold red")
+
+
+def missing_workers_text(missing: list[tuple[int, int]]) -> str:
+    """Missing workers as ``pp_rank 0 tp_rank 2, ...``."""
+    return ", ".join(f"pp_rank {pp} tp_rank {tp}" for pp, tp in missing)
+
+
+def print_missing(console: Console, missing: list[tuple[int, int]], consequence: str) -> None:
+    """The red line that names an incomplete set's missing workers."""
+    console.print(
+        Text(f"missing workers: {missing_workers_text(missing)}; {consequence}", style="red")
+    )
+
+
+def filled_table(title: str, columns: Sequence[str], rows: list[list[str | Text]]) -> Table:
+    """A table of ``rows``, leaving out the columns no row fills (a record keeps less
+    than a dump); a column name starting with ``>`` is right-justified."""
+    filled = [k for k in range(len(columns)) if any(str(row[k]) for row in rows)]
+    table = Table(title=title, title_justify="left")
+    for k in filled:
+        name = columns[k]
+        table.add_column(name.lstrip(">"), justify="right" if name.startswith(">") else "left")
+    for row in rows:
+        table.add_row(*(row[k] for k in filled))
+    return table
+
+
+def error_text(value: float) -> str:
+    """A located error for a table: 4 significant digits, ``inf`` or ``nan``."""
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf"
+    return f"{value:.4g}"
