@@ -1,0 +1,133 @@
+"""The cache description's model: a worker's KV cache groups, their layers, specs and
+layouts, as typed, immutable dataclasses (docs/cache-description.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+ATTENTION_TYPES = (
+    "full_attention",
+    "sliding_window",
+    "chunked_local_attention",
+    "mla",
+    "sliding_window_mla",
+)
+MLA_TYPES = ("mla", "sliding_window_mla")
+SPEC_TYPES = (*ATTENTION_TYPES, "mamba")
+
+
+@dataclass(frozen=True)
+class StateSplit:
+    """How one Mamba state is split across TP ranks: the split axis and its segments.
+
+    Each segment is ``(local_rows, replicas)``: this worker's rows of the segment along
+    ``axis``, and how many consecutive ranks hold the same rows.
+    """
+
+    axis: int
+    segments: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What one layer's cache holds and how its tensor is laid out (a group's spec,
+    with a layer's overrides merged over it)."""
+
+    type: str
+    block_size: int
+    kernel_block_size: int
+    num_kv_heads: int = 1
+    head_size: int = 0
+    head_size_v: int = 0
+    dtype: torch.dtype = torch.bfloat16
+    layout: str = "NTHC"
+    sliding_window: int | None = None
+    max_tp_shards: int | None = None
+    # chunked_local_attention only: tokens per attention chunk, where known.
+    attention_chunk_size: int | None = None
+    # Mamba only.
+    shapes: tuple[tuple[int, ...], ...] = ()
+    dtypes: tuple[torch.dtype, ...] = ()
+    checksummed_states: int | None = None
+    tp_replicated: bool = False
+    state_splits: tuple[StateSplit, ...] | None = None
+
+    @property
+    def is_state(self) -> bool:
+        return self.type == "mamba"
+
+    @property
+    def is_mla(self) -> bool:
+        return self.type in MLA_TYPES
+
+    def axis_sizes(self, *, kernel_blocks: int = 1, tokens: int | None = None) -> dict[str, int]:
+        """The size of each layout letter (docs/cache-description.md, "Layouts"):
+        ``kernel_blocks`` along N, ``tokens`` along T (default: a kernel block's)."""
+        return {
+            "N": kernel_blocks,
+            "T": self.kernel_block_size if tokens is None else tokens,
+            "H": self.num_kv_heads,
+            "K": 2,
+            "D": self.head_size,
+            "C": self.head_size + self.head_size_v,
+        }
+
+    @property
+    def covered_states(self) -> int:
+        """How many leading Mamba states are checksummed."""
+        if self.checksummed_states is None:
+            return len(self.shapes)
+        return self.checksummed_states
+
+
+@dataclass(frozen=True)
+class LayerEntry:
+    """One layer of a group: its name, merged spec, and the layer whose cache it aliases."""
+
+    name: str
+    spec: LayerSpec
+    shares: str | None = None
+
+
+@dataclass(frozen=True)
+class GroupDescription:
+    """A KV cache group: layers that share one block table and block size."""
+
+    id: int
+    spec: LayerSpec
+    layers: tuple[LayerEntry, ...]
+    transfer: bool = True
+    host_resident: bool = False
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+
+@dataclass(frozen=True)
+class CacheDescription:
+    """A worker's whole KV cache description."""
+
+    num_blocks: int
+    groups: tuple[GroupDescription, ...]
+    model_kv_heads: int | None = None
+    draft_layers: frozenset[str] = field(default_factory=frozenset)
+    # Where it was read from, for error messages; not part of what the description says.
+    source: str = field(default="<description>", compare=False)
+
+    def group(self, group_id: int) -> GroupDescription:
+        for group in self.groups:
+            if group.id == group_id:
+                return group
+        raise KeyError(group_id)
+
+
+FORMAT_VERSION = 1
+"""The description format version a description's ``kvaudit`` key must give."""
+
+LAYOUT_AXES = "NTHKDC"
+"""The axis letters of a layout (see docs/cache-description.md, "Layouts")."""
+
+SLIDING_TYPES = ("sliding_window", "sliding_window_mla")
