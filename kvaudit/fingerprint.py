@@ -1,24 +1,28 @@
 """Group fingerprints and the tags of stored checksums (docs/checksum.md).
 
 A group's fingerprint identifies the layers its checksums cover: the sum of a hash of
-each layer's identity (name, spec type, dtypes, global state shapes), so that two
-engines whose layers differ are reported as not comparable rather than corrupted.
+each layer's identity (name, vLLM spec class, dtypes, global state shapes), so that two
+engines whose layers differ are reported as not comparable rather than corrupted. It is
+the seed engine's own fingerprint, bit for bit, so kvaudit's records compare with the
+checksums an engine running the seed's checksum worker computes.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import struct
 from collections.abc import Sequence
 
 import numpy as np
 
 from .description import GroupDescription, LayerEntry
-from .dtypes import dtype_name
 from .scheme import MASK64
 
 _U64 = struct.Struct("<Q")
+
+StateShapes = tuple[tuple[int, ...], ...]
+SplitStates = list[tuple[tuple[int, ...], tuple[int, ...]]]
+LayerIdentity = tuple[str, str, str] | tuple[str, str, StateShapes | SplitStates, list[str]]
 
 
 def _uint64_le(digest: bytes) -> int:
@@ -26,43 +30,35 @@ def _uint64_le(digest: bytes) -> int:
     return int(_U64.unpack_from(digest)[0])
 
 
-def layer_identity(entry: LayerEntry, tp_size: int) -> list:
+def layer_identity(entry: LayerEntry, tp_size: int) -> LayerIdentity:
     """What identifies one layer in a fingerprint: the same on every TP rank and PP layout.
 
-    Attention: ``[name, type, dtype]``. Unsplit state: ``[name, "mamba", shapes, dtypes]``
-    of the checksummed states. TP-split state: ``[name, "mamba", [[global segment rows,
-    other dims] per state], dtypes]``.
+    Attention: ``(name, spec class, str(dtype))``. Unsplit state: ``(name, spec class,
+    shapes, [str(dtype), ...])`` of the checksummed states. TP-split state: ``(name, spec
+    class, [(global segment rows, other dims) per state], [str(dtype), ...])``.
     """
     spec = entry.spec
     if not spec.is_state:
-        return [entry.name, spec.type, dtype_name(spec.dtype)]
+        return (entry.name, spec.class_name, str(spec.dtype))
     if spec.state_splits is None:
         covered = spec.covered_states
-        return [
-            entry.name,
-            "mamba",
-            [[int(size) for size in shape] for shape in spec.shapes[:covered]],
-            [dtype_name(dtype) for dtype in spec.dtypes[:covered]],
-        ]
-    states = []
+        shapes = tuple(tuple(int(size) for size in shape) for shape in spec.shapes[:covered])
+        return (entry.name, spec.class_name, shapes, [str(d) for d in spec.dtypes[:covered]])
+    states: SplitStates = []
     for shape, split in zip(spec.shapes, spec.state_splits, strict=True):
         # Global rows, not local ones: the identity must not depend on the TP size.
-        rows = [
+        rows = tuple(
             int(local_rows) * tp_size // int(replicas) for local_rows, replicas in split.segments
-        ]
-        others = [int(size) for axis, size in enumerate(shape) if axis != split.axis]
-        states.append([rows, others])
-    return [entry.name, "mamba", states, [dtype_name(dtype) for dtype in spec.dtypes]]
+        )
+        others = tuple(int(size) for axis, size in enumerate(shape) if axis != split.axis)
+        states.append((rows, others))
+    dtypes = [str(dtype) for dtype in spec.dtypes[: len(spec.state_splits)]]
+    return (entry.name, spec.class_name, states, dtypes)
 
 
-def canonical_json(value: object) -> bytes:
-    """``json.dumps(value, separators=(",", ":"))`` as UTF-8 bytes."""
-    return json.dumps(value, separators=(",", ":")).encode("utf-8")
-
-
-def layer_fingerprint(identity: object) -> int:
-    """``uint64_le(sha256(canonical JSON of identity)[:8])``."""
-    return _uint64_le(hashlib.sha256(canonical_json(identity)).digest())
+def layer_fingerprint(identity: LayerIdentity) -> int:
+    """``uint64_le(sha256(utf8(repr(identity)))[:8])``."""
+    return _uint64_le(hashlib.sha256(repr(identity).encode("utf-8")).digest())
 
 
 def group_fingerprint(

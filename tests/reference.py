@@ -8,7 +8,6 @@ its caches in global form (every global head, every token), each with its replic
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -264,12 +263,12 @@ def slow_block_checksum(
     return result
 
 
-def identity_hash(identity: list) -> int:
-    """``uint64_le(sha256(canonical JSON)[:8])`` of one layer's identity."""
-    text = json.dumps(identity, separators=(",", ":")).encode("utf-8")
+def identity_hash(identity: tuple) -> int:
+    """``uint64_le(sha256(utf8(repr(identity)))[:8])`` of one layer's identity tuple."""
+    text = repr(identity).encode("utf-8")
     return int.from_bytes(hashlib.sha256(text).digest()[:8], "little")
 
 
-def fingerprint(identities: list[list]) -> int:
+def fingerprint(identities: list[tuple]) -> int:
     """A worker's group fingerprint: the identities' hashes summed mod 2**64."""
     return sum(identity_hash(identity) for identity in identities) % MOD64

@@ -392,6 +392,37 @@ G3 = ("groups", 3, "spec")
 L1_SPEC = ("groups", 0, "layers", 1, "spec")
 SPLIT0 = (*G3, "state_splits", 0)
 
+
+def test_spec_class_defaults_to_the_types_vllm_class() -> None:
+    data = base()
+    data["groups"][0]["spec"]["spec_class"] = "SinkFullAttentionSpec"
+    data["groups"][0]["layers"][1]["spec"]["spec_class"] = "OtherAttentionSpec"
+    description = parse_description(data, "test")
+    names = {
+        layer.name: layer.spec.class_name for group in description.groups for layer in group.layers
+    }
+    # Given on group 0 and overridden by L1; elsewhere, vLLM's class of each type
+    # (docs/cache-description.md).
+    assert names == {
+        L0: "SinkFullAttentionSpec",
+        L1: "OtherAttentionSpec",
+        L2: "SinkFullAttentionSpec",
+        L3: "SlidingWindowSpec",
+        L4: "ChunkedLocalAttentionSpec",
+        L5: "MLAAttentionSpec",
+        L6: "MLAAttentionSpec",
+        L7: "MambaSpec",
+        L8: "MambaSpec",
+    }
+    assert description.groups[1].spec.spec_class is None
+    dumped = description_to_dict(description)
+    assert dumped["groups"][0]["spec"]["spec_class"] == "SinkFullAttentionSpec"
+    assert dumped["groups"][0]["layers"][1]["spec"]["spec_class"] == "OtherAttentionSpec"
+    assert "spec_class" not in dumped["groups"][1]["spec"]
+    assert parse_description(dumped, "again") == description
+    assert parse_description(base(), "test") != description
+
+
 ERROR_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     # Top level.
     ("version missing", del_(("kvaudit",)), "kvaudit", "missing"),
@@ -515,6 +546,19 @@ ERROR_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
         "string",
     ),
     # Spec: common keys.
+    (
+        "spec_class with a space",
+        set_((*G0, "spec_class"), "Sink Spec"),
+        "groups[0].spec.spec_class",
+        "expected a class name (a Python identifier) such as FullAttentionSpec, got 'Sink Spec'",
+    ),
+    ("spec_class number", set_((*G3, "spec_class"), 5), "groups[3].spec.spec_class", "got 5"),
+    (
+        "spec_class keyword override",
+        set_((*L1_SPEC, "spec_class"), "class"),
+        "groups[0].layers[1].spec.spec_class",
+        "a class name",
+    ),
     ("unknown spec key", set_((*G0, "num_heads"), 4), "groups[0].spec.num_heads", "unknown key"),
     (
         "unknown mamba key",

@@ -410,7 +410,7 @@ MODEL = kb.Model(
     model_kv_heads=4,
 )
 TOKENS = {"r1": 40, "r2": 21}
-FINGERPRINT = ref.fingerprint([[name, "full_attention", "bfloat16"] for name in LAYERS])
+FINGERPRINT = ref.fingerprint([(name, "FullAttentionSpec", "torch.bfloat16") for name in LAYERS])
 
 
 @dataclass

@@ -877,25 +877,30 @@ def test_fingerprints_of_built_workers() -> None:
     want = {
         0: ref.fingerprint(
             [
-                [L0, "full_attention", "float16"],
-                [L1, "mla", "float8_e4m3fn"],
-                [L2, "full_attention", "float16"],
+                (L0, "FullAttentionSpec", "torch.float16"),
+                (L1, "MLAAttentionSpec", "torch.float8_e4m3fn"),
+                (L2, "FullAttentionSpec", "torch.float16"),
             ]
         ),
         1: ref.fingerprint(
             [
-                [
+                (
                     MIXER.format(i),
-                    "mamba",
-                    [[[16, 4, 4], [3]], [[8], [4, 2]]],
-                    ["bfloat16", "float32"],
-                ]
+                    "MambaSpec",
+                    [((16, 4, 4), (3,)), ((8,), (4, 2))],
+                    ["torch.bfloat16", "torch.float32"],
+                )
                 for i in (1, 3)
             ]
         ),
         2: ref.fingerprint(
             [
-                [MIXER.format(i), "mamba", [[3, 8], [2, 4, 4]], ["bfloat16", "float32"]]
+                (
+                    MIXER.format(i),
+                    "MambaSpec",
+                    ((3, 8), (2, 4, 4)),
+                    ["torch.bfloat16", "torch.float32"],
+                )
                 for i in (5, 6)
             ]
         ),

@@ -1,9 +1,8 @@
-"""Group fingerprints and stored-checksum tags against hashlib/json references of the spec."""
+"""Group fingerprints and stored-checksum tags against hashlib/repr references of the spec."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 from dataclasses import replace
 
@@ -30,10 +29,10 @@ SPLIT = "model.layers.3.mixer"
 DRAFT = "drafter.layers.0.self_attn.attn"
 
 
-def ref_hash(identity: object) -> int:
-    """uint64_le(sha256(canonical JSON)[:8]), written from the spec."""
-    text = json.dumps(identity, separators=(",", ":")).encode("utf-8")
-    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little")
+def ref_hash(identity: tuple) -> int:
+    """uint64_le(sha256(utf8(repr(identity)))[:8]), written from the spec."""
+    digest = hashlib.sha256(repr(identity).encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "little")
 
 
 def ref_tag(block_hash: bytes, fingerprint: int) -> int:
@@ -41,12 +40,23 @@ def ref_tag(block_hash: bytes, fingerprint: int) -> int:
     return int.from_bytes(hashlib.sha256(message).digest()[:8], "little")
 
 
-# Hand-written identities of the layers below, as the spec spells them.
-ATTN_ID = [ATTN, "full_attention", "bfloat16"]
-MLA_ID = [MLA, "mla", "float8_e4m3fn"]
-SHARED_ID = [SHARED, "full_attention", "bfloat16"]
-UNSPLIT_ID = [UNSPLIT, "mamba", [[3, 64]], ["bfloat16"]]
-SPLIT_ID = [SPLIT, "mamba", [[[1024, 512, 4], [3]], [[32], [8, 4]]], ["bfloat16", "float32"]]
+# Hand-written identities of the layers below, as the spec spells them (the seed's
+# tuples: vLLM spec class names, str() of torch dtypes).
+ATTN_ID = (ATTN, "FullAttentionSpec", "torch.bfloat16")
+MLA_ID = (MLA, "MLAAttentionSpec", "torch.float8_e4m3fn")
+SHARED_ID = (SHARED, "FullAttentionSpec", "torch.bfloat16")
+UNSPLIT_ID = (UNSPLIT, "MambaSpec", ((3, 64),), ["torch.bfloat16"])
+SPLIT_ID = (
+    SPLIT,
+    "MambaSpec",
+    [((1024, 512, 4), (3,)), ((32,), (8, 4))],
+    ["torch.bfloat16", "torch.float32"],
+)
+
+# uint64_le of the first 8 bytes of sha256 of the spec's example string, computed with
+# coreutils: printf '%s' "('model.layers.0.self_attn.attn', 'FullAttentionSpec',
+# 'torch.bfloat16')" | sha256sum, its first 8 bytes read little-endian.
+SPEC_EXAMPLE_FINGERPRINT = 0xD8FE581622DF5382
 
 
 def attention_spec(block_size: int = 16) -> LayerSpec:
@@ -120,17 +130,56 @@ def test_layer_identities_match_the_spec() -> None:
     assert identities == [ATTN_ID, MLA_ID, UNSPLIT_ID, SPLIT_ID, SHARED_ID]
 
 
-def test_layer_identity_json_is_canonical() -> None:
+def test_layer_identity_repr_is_the_seeds() -> None:
     entry = LayerEntry(SPLIT, split_spec(4))
-    text = json.dumps(layer_identity(entry, 4), separators=(",", ":"))
-    assert text == (
-        '["model.layers.3.mixer","mamba",[[[1024,512,4],[3]],[[32],[8,4]]],["bfloat16","float32"]]'
+    assert repr(layer_identity(entry, 4)) == (
+        "('model.layers.3.mixer', 'MambaSpec', [((1024, 512, 4), (3,)), ((32,), (8, 4))], "
+        "['torch.bfloat16', 'torch.float32'])"
+    )
+    assert repr(layer_identity(LayerEntry(ATTN, attention_spec()), 1)) == (
+        "('model.layers.0.self_attn.attn', 'FullAttentionSpec', 'torch.bfloat16')"
     )
 
 
-def test_layer_fingerprint_is_sha256_of_canonical_json() -> None:
+def test_layer_fingerprint_is_sha256_of_the_repr() -> None:
     for identity in (ATTN_ID, MLA_ID, UNSPLIT_ID, SPLIT_ID):
         assert layer_fingerprint(identity) == ref_hash(identity)
+
+
+def test_the_spec_example_has_its_fixed_value() -> None:
+    group = GroupDescription(
+        id=0, spec=attention_spec(), layers=(LayerEntry(ATTN, attention_spec()),)
+    )
+    assert group_fingerprint(group, 1) == SPEC_EXAMPLE_FINGERPRINT
+    assert ref_hash(ATTN_ID) == SPEC_EXAMPLE_FINGERPRINT
+
+
+# Each spec type's vLLM class, as docs/checksum.md lists them.
+SPEC_CLASSES = {
+    "full_attention": "FullAttentionSpec",
+    "sliding_window": "SlidingWindowSpec",
+    "chunked_local_attention": "ChunkedLocalAttentionSpec",
+    "mla": "MLAAttentionSpec",
+    "sliding_window_mla": "SlidingWindowMLASpec",
+}
+
+
+def test_every_type_names_its_vllm_class_and_spec_class_overrides_it() -> None:
+    for type_, class_name in SPEC_CLASSES.items():
+        spec = replace(attention_spec(), type=type_, dtype=torch.float16)
+        assert layer_identity(LayerEntry(ATTN, spec), 1) == (ATTN, class_name, "torch.float16")
+    sink = replace(attention_spec(), spec_class="SinkFullAttentionSpec")
+    assert layer_identity(LayerEntry(ATTN, sink), 2) == (
+        ATTN,
+        "SinkFullAttentionSpec",
+        "torch.bfloat16",
+    )
+    state = replace(unsplit_spec(), spec_class="MambaSubclassSpec")
+    assert layer_identity(LayerEntry(UNSPLIT, state), 2)[1] == "MambaSubclassSpec"
+    base = group_fingerprint(make_group(), 2)
+    layers = list(make_group().layers)
+    layers[0] = LayerEntry(ATTN, sink)
+    assert group_fingerprint(replace(make_group(), layers=tuple(layers)), 2) != base
 
 
 def test_group_fingerprint_sums_every_layer_including_shared() -> None:
@@ -181,12 +230,12 @@ def test_dtype_name_and_checksummed_states_change_it() -> None:
         layers = list(group.layers)
         layers[index] = entry
         assert group_fingerprint(replace(group, layers=tuple(layers)), 2) != base
-    assert layer_identity(two_states, 2) == [
+    assert layer_identity(two_states, 2) == (
         UNSPLIT,
-        "mamba",
-        [[3, 64], [8, 16, 4]],
-        ["bfloat16", "float32"],
-    ]
+        "MambaSpec",
+        ((3, 64), (8, 16, 4)),
+        ["torch.bfloat16", "torch.float32"],
+    )
 
 
 def test_block_checksum_tag_matches_reference() -> None:

@@ -3,6 +3,7 @@ one ``DescriptionError`` naming the source and key path."""
 
 from __future__ import annotations
 
+import keyword
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,8 +18,8 @@ TOP_KEYS = ("kvaudit", "num_blocks", "model_kv_heads", "draft_layers", "groups")
 GROUP_KEYS = ("id", "transfer", "host_resident", "spec", "layers")
 LAYER_KEYS = ("name", "spec", "shares")
 SPLIT_KEYS = ("axis", "segments")
-COMMONSPEC_KEYS = ("type", "block_size", "kernel_block_size")
-ATTENTIONSPEC_KEYS = (
+COMMON_SPEC_KEYS = ("type", "block_size", "kernel_block_size")
+ATTENTION_SPEC_KEYS = (
     "num_kv_heads",
     "head_size",
     "head_size_v",
@@ -28,8 +29,10 @@ ATTENTIONSPEC_KEYS = (
     "attention_chunk_size",
     "max_tp_shards",
 )
-STATESPEC_KEYS = ("shapes", "dtypes", "checksummed_states", "tp_replicated", "state_splits")
-SPEC_KEYS = (*COMMONSPEC_KEYS, *ATTENTIONSPEC_KEYS, *STATESPEC_KEYS)
+STATE_SPEC_KEYS = ("shapes", "dtypes", "checksummed_states", "tp_replicated", "state_splits")
+# vLLM's KVCacheSpec class (any type), for the fingerprint.
+SPEC_CLASS_KEY = "spec_class"
+SPEC_KEYS = (*COMMON_SPEC_KEYS, *ATTENTION_SPEC_KEYS, *STATE_SPEC_KEYS, SPEC_CLASS_KEY)
 # Spec keys a layer may not set to another value than its group's.
 GROUP_WIDE_KEYS = ("block_size", "kernel_block_size")
 
@@ -110,6 +113,16 @@ class FieldChecker(Checker):
             self.fail(path, f"expected {what} (a non-empty string), {self.got(value)}")
         return value
 
+    def class_name(self, value: object, path: str) -> str:
+        """A Python class name, such as vLLM's ``FullAttentionSpec``."""
+        if not isinstance(value, str) or not value.isidentifier() or keyword.iskeyword(value):
+            self.fail(
+                path,
+                "expected a class name (a Python identifier) such as FullAttentionSpec, "
+                + self.got(value),
+            )
+        return value
+
     def choice(self, value: object, path: str, choices: tuple[str, ...]) -> str:
         if value is None:
             self.fail(path, f"missing; expected one of {' | '.join(choices)}")
@@ -142,10 +155,10 @@ class FieldChecker(Checker):
     def spec_mapping(self, value: object, path: str) -> dict[Any, Any]:
         """A spec's mapping; an unknown key's error lists the keys its type takes."""
         if isinstance(value, Mapping) and value.get("type") in SPEC_TYPES:
-            type_keys = STATESPEC_KEYS if value["type"] == "mamba" else ATTENTIONSPEC_KEYS
+            type_keys = STATE_SPEC_KEYS if value["type"] == "mamba" else ATTENTION_SPEC_KEYS
             for key in value:
                 if key not in SPEC_KEYS:
-                    allowed = ", ".join((*COMMONSPEC_KEYS, *type_keys))
+                    allowed = ", ".join((*COMMON_SPEC_KEYS, *type_keys, SPEC_CLASS_KEY))
                     self.fail(join(path, key), f"unknown key; expected one of {allowed}")
         return self.mapping(value, path, SPEC_KEYS, "a layer spec")
 

@@ -17,6 +17,16 @@ ATTENTION_TYPES = (
 MLA_TYPES = ("mla", "sliding_window_mla")
 SPEC_TYPES = (*ATTENTION_TYPES, "mamba")
 
+SPEC_CLASSES = {
+    "full_attention": "FullAttentionSpec",
+    "sliding_window": "SlidingWindowSpec",
+    "chunked_local_attention": "ChunkedLocalAttentionSpec",
+    "mla": "MLAAttentionSpec",
+    "sliding_window_mla": "SlidingWindowMLASpec",
+    "mamba": "MambaSpec",
+}
+"""vLLM's ``KVCacheSpec`` class of each spec type: part of a layer's fingerprint."""
+
 
 @dataclass(frozen=True)
 class StateSplit:
@@ -53,6 +63,14 @@ class LayerSpec:
     checksummed_states: int | None = None
     tp_replicated: bool = False
     state_splits: tuple[StateSplit, ...] | None = None
+    # vLLM's KVCacheSpec class, where the engine uses another than the type's own.
+    spec_class: str | None = None
+
+    @property
+    def class_name(self) -> str:
+        """The name of vLLM's ``KVCacheSpec`` class for this layer (``spec_class``, else
+        the type's class)."""
+        return self.spec_class or SPEC_CLASSES[self.type]
 
     @property
     def is_state(self) -> bool:

@@ -15,6 +15,8 @@ def _spec_to_dict(spec: LayerSpec) -> dict[str, Any]:
         "block_size": spec.block_size,
         "kernel_block_size": spec.kernel_block_size,
     }
+    if spec.spec_class is not None:
+        out["spec_class"] = spec.spec_class
     if spec.is_state:
         out["shapes"] = [list(shape) for shape in spec.shapes]
         out["dtypes"] = [dtype_name(dtype) for dtype in spec.dtypes]

@@ -4,13 +4,14 @@ and TP splits, validated into ``LayerSpec``s."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from ..validation import join
 from .fields import (
-    ATTENTIONSPEC_KEYS,
+    ATTENTION_SPEC_KEYS,
     SPLIT_KEYS,
-    STATESPEC_KEYS,
+    STATE_SPEC_KEYS,
     FieldChecker,
     is_list,
 )
@@ -32,14 +33,19 @@ class SpecChecker(FieldChecker):
                 f"expected a divisor of block_size ({block_size}), got {kernel_block_size}",
             )
         if type_ == "mamba":
-            return self.state_spec(raw, path, block_size, kernel_block_size)
-        return self.attention_spec(raw, path, type_, block_size, kernel_block_size)
+            spec = self.state_spec(raw, path, block_size, kernel_block_size)
+        else:
+            spec = self.attention_spec(raw, path, type_, block_size, kernel_block_size)
+        if "spec_class" in raw:
+            class_name = self.class_name(raw["spec_class"], join(path, "spec_class"))
+            spec = replace(spec, spec_class=class_name)
+        return spec
 
     def spec_keys_for_type(self, raw: Mapping[str, Any], path: str, type_: str) -> None:
         for key in raw:
-            if type_ == "mamba" and key in ATTENTIONSPEC_KEYS:
+            if type_ == "mamba" and key in ATTENTION_SPEC_KEYS:
                 self.fail(join(path, key), "not allowed for type mamba (attention types only)")
-            if type_ != "mamba" and key in STATESPEC_KEYS:
+            if type_ != "mamba" and key in STATE_SPEC_KEYS:
                 self.fail(join(path, key), f"not allowed for type {type_} (mamba only)")
             if key == "sliding_window" and type_ not in SLIDING_TYPES:
                 self.fail(
