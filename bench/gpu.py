@@ -2,7 +2,7 @@
 
     python bench/gpu.py [--tokens 65536] [--request-tokens 2048] [--repeats 20] [--skip-tests]
 
-On one CUDA GPU, in one run of a few minutes:
+On one CUDA GPU, in one run of a few minutes (docs/gpu.md):
 
 1. ``pytest -q -m cuda tests/``: the compiled kernel against the tests' reference.
 2. On a Llama-3.1-8B-shaped cache (32 layers, 8 KV heads of 128 bf16, K and V stored
@@ -12,8 +12,12 @@ On one CUDA GPU, in one run of a few minutes:
    (b) the kernel on a large batch (``--tokens``) in two layouts, aligned and not;
    (c) the kernel on one ``--request-tokens`` request (target: under 100 us for 2048);
    (d) a torch gather-multiply-sum of the same blocks (index_select, int64 mul, sum);
-   (e) the library end to end (``Checksummer.checksum``, host time included).
+   (e) the library end to end (``Checksummer.checksum``, host time included);
+   (f) the compiled variants' registers, spills and programs per SM for this GPU
+       (kvaudit/kernels/triton_compile.py, as bench/kernel_resources.py prints them).
    It checks that (b), (c), (d) and (e) agree and prints GB/s and the ratios.
+
+It stays under 10 minutes on an H200 (the tests are stopped after 300 s).
 
 Exits 2 without CUDA, 1 if a test fails or results disagree, else 0.
 """
@@ -36,6 +40,8 @@ LAYERS, HEADS, HEAD_SIZE, BLOCK = 32, 8, 128, 16
 PIECES = HEAD_SIZE * 2 // 8  # 8-byte pieces of one K (or V) row
 MAX_HEADS = 65536
 REQUEST_TARGET_US = 100.0
+# The whole script stays under 10 minutes: the tests get at most this, the figures the rest.
+TESTS_TIMEOUT_S = 300
 DEVICE = "cuda"
 
 
@@ -61,11 +67,11 @@ def run_tests() -> bool:
             cwd=REPO,
             capture_output=True,
             text=True,
-            timeout=400,
+            timeout=TESTS_TIMEOUT_S,
             check=False,
         )
     except subprocess.TimeoutExpired:
-        print("  the tests ran past 400 s and were stopped")
+        print(f"  the tests ran past {TESTS_TIMEOUT_S} s and were stopped")
         return False
     lines = (done.stdout + done.stderr).strip().splitlines()
     failures = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
@@ -99,14 +105,14 @@ def make_cache(layout: str, blocks: int, generator: torch.Generator) -> Cache:
 
 def entry_table(cache: Cache) -> torch.Tensor:
     """The kernel's table: every layer's K and V, offsets from the first K view."""
-    base = cache.planes[0].data_ptr()
-    rows = []
+    from kvaudit.kernels import LaunchPart
+    from kvaudit.kernels.triton_kernel import entry_table as kernel_table
+
+    parts = []
     for index, view in enumerate(cache.planes):
         layer, plane = divmod(index, 2)
-        rows.append(
-            [(view.data_ptr() - base) // 8, layer * MAX_HEADS, 0, plane * PIECES, 2 * PIECES]
-        )
-    return torch.tensor(rows, dtype=torch.int64, device=DEVICE)
+        parts.append(LaunchPart(view, layer * MAX_HEADS, 0, plane * PIECES, 2 * PIECES))
+    return kernel_table(parts)
 
 
 def request_rows(block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -173,18 +179,20 @@ def back_to_back_ms(run: Callable[[], object], count: int) -> float:
     return start.elapsed_time(end) / count
 
 
-def kernel_report() -> str:
-    """Registers and spills of the compiled kernel variants, where Triton exposes them."""
-    from kvaudit.kernels import triton_kernel
+def kernel_report(template: torch.Tensor, aligned: bool) -> str:
+    """Registers, spills and resident programs of the variant this layout compiles, as
+    bench/kernel_resources.py works them out for this GPU's architecture."""
+    from kvaudit.kernels.triton_compile import Variant, compile_variant
 
-    found = []
-    try:
-        for caches in triton_kernel._accumulate_kernel.device_caches.values():
-            for compiled in caches[0].values():
-                found.append(f"{compiled.n_regs} regs/{compiled.n_spills} spills")
-    except Exception:  # a best-effort report: the cache layout differs between versions
-        return "registers: not exposed by this Triton"
-    return "compiled variants: " + ", ".join(sorted(set(found)))
+    major, minor = torch.cuda.get_device_capability()
+    variant = Variant(
+        tuple(template.shape), template.stride(), 8, aligned, template.data_ptr() % 16
+    )
+    r = compile_variant(variant, 10 * major + minor)
+    return (
+        f"sm_{10 * major + minor}: {r.registers} regs, {r.spill_bytes} B spilled, "
+        f"{r.programs_per_sm} programs/SM, {r.bytes_in_flight // 1024} KB in flight per SM"
+    )
 
 
 def end_to_end(cache: Cache, block_ids: list[int]) -> tuple[float, torch.Tensor]:
@@ -285,7 +293,9 @@ def bench_layout(
                     f"({request_bytes / us / 1e3:5.0f} GB/s; back to back {steady:6.1f} us)"
                     f"  {verdict} the {REQUEST_TARGET_US:.0f} us target"
                 )
-    print("  " + kernel_report())
+    for aligned in (True, False):
+        kind = "aligned" if aligned else "unaligned"
+        print(f"  {kind} variant: " + kernel_report(template, aligned))
 
     torch_small_ms = median_ms(lambda: torch_checksum(cache, *small_rows), 5, flush)
     torch_small = torch_checksum(cache, *small_rows)
@@ -335,6 +345,7 @@ def main() -> int:
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}",
         flush=True,
     )
+    started = time.perf_counter()
     ok = True
     if not args.skip_tests:
         ok = run_tests() and ok
@@ -349,7 +360,8 @@ def main() -> int:
         del cache
         torch.cuda.empty_cache()
 
-    print("\nall checks passed" if ok else "\nSOME CHECKS FAILED")
+    print(f"\n{time.perf_counter() - started:.0f} s in all")
+    print("all checks passed" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1
 
 

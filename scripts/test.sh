@@ -10,3 +10,17 @@ python3 -m venv .venv
 .venv/bin/ruff check kvaudit tests bench examples scripts
 .venv/bin/ruff format --check kvaudit tests bench examples scripts
 .venv/bin/python -m pytest -q
+
+# --- Stage: the oldest supported Triton -----------------------------------------------
+# GPU machines may carry an older Triton than the newest in pyproject.toml's range: the
+# kernel's interpreter tests and the ahead-of-time compile test (main variants on every
+# architecture, the test matrix on sm_90) run again under the range's lower bound, in a
+# virtual environment of their own.
+oldest_triton=$(sed -n 's/.*"triton>=\([0-9.]*\),.*/\1/p' pyproject.toml)
+python3 -m venv .venv-triton-oldest
+.venv-triton-oldest/bin/pip install -q torch==2.13.0
+.venv-triton-oldest/bin/pip install -q "triton==${oldest_triton}" -e '.[test]'
+.venv-triton-oldest/bin/python -m pytest -q -m "not slow" \
+    tests/test_kernel_backends.py tests/test_triton_kernel.py tests/test_triton_engine.py \
+    tests/test_kernel_compile.py
+# --- End of stage: the oldest supported Triton ----------------------------------------

@@ -376,14 +376,28 @@ def launch(case: Case) -> list[list[int]]:
     return [[value & MASK64 for value in row] for row in out.cpu().tolist()]
 
 
+# Cases run a second time with at most this many chunks (programs per row and entry), so
+# that programs loop over several tiles, as launches do only for cells of over 65535 tiles.
+LOOPED = {"long_cell": 3, "many_cell_rows": 1}
+
+
 def _interpreter_main() -> None:
     """Runs every case on the CPU under the interpreter and prints the results as JSON."""
+    from kvaudit.kernels import triton_tiling
     from kvaudit.kernels.triton_kernel import warm_up
 
     results = {name: launch(build("cpu", False)) for name, build in CASES.items()}
+    looped = {}
+    default = triton_tiling.MAX_CHUNKS
+    for name, max_chunks in LOOPED.items():
+        triton_tiling.MAX_CHUNKS = max_chunks
+        triton_tiling.launch_config.cache_clear()
+        looped[name] = launch(CASES[name]("cpu", False))
+    triton_tiling.MAX_CHUNKS = default
+    triton_tiling.launch_config.cache_clear()
     template = case_nthc_two_layers("cpu", False).template
     warm_up(template, 2, aligned=True)
-    print(json.dumps({"results": results, "warm_up": "ok"}))
+    print(json.dumps({"results": results, "looped": looped, "warm_up": "ok"}))
 
 
 @pytest.fixture(scope="module")
@@ -413,6 +427,13 @@ def test_interpreted_kernel_matches_reference(interpreted: dict, name: str) -> N
         assert expected == [[v & MASK64 for v in row] for row in case.expected]
 
 
+@pytest.mark.parametrize("name", list(LOOPED))
+def test_interpreted_kernel_looping_over_tiles_matches_reference(
+    interpreted: dict, name: str
+) -> None:
+    assert interpreted["looped"][name] == reference(CASES[name]("cpu", False))
+
+
 def test_warm_up_runs(interpreted: dict) -> None:
     assert interpreted["warm_up"] == "ok"
 
@@ -421,16 +442,18 @@ def test_cases_cover_the_tilings() -> None:
     """The small cases reach several piece tiles, chunks and row tiles, and both row orders."""
     from kvaudit.kernels.triton_tiling import launch_config
 
-    def config(name: str):
+    def config(name: str, max_chunks: int | None = None):
         template = CASES[name]("cpu", False).template
         return launch_config(
-            tuple(template.shape), template.stride(), template.element_size(), False
+            tuple(template.shape), template.stride(), template.element_size(), False, max_chunks
         )
 
     long_cell = config("long_cell")
-    assert long_cell.piece_tiles > long_cell.tiles_per_program > 1
-    assert long_cell.chunks > 1
-    many_rows = config("many_cell_rows")
+    assert long_cell.piece_tiles == long_cell.chunks > 1 and long_cell.tiles_per_program == 1
+    looped = config("long_cell", LOOPED["long_cell"])
+    assert looped.piece_tiles > looped.tiles_per_program > 1 and looped.chunks > 1
+    assert looped.tiles_per_program * looped.chunks > looped.piece_tiles  # a ragged last chunk
+    many_rows = config("many_cell_rows", LOOPED["many_cell_rows"])
     assert many_rows.tiles_per_program > 1 and many_rows.piece_tiles == 1
     assert config("nthc_two_layers").heads_fastest
     assert not config("nhtc_kv_apart").heads_fastest

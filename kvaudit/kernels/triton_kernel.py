@@ -66,9 +66,11 @@ def _accumulate_kernel(
     """One program: one row, one table entry, one chunk of that entry's (cell row, piece) tiles.
 
     A tile is ``BLOCK_R`` cell rows (kernel block, head, token) by ``BLOCK_P`` pieces. Each
-    element is weighed by ``m_h * (2 * j + 1) = alpha_r + beta_r * p`` with per-row
-    ``alpha_r = m_h * (2 * j0_r + 1)``, ``beta_r = 2 * m_h``; products add up elementwise in
-    registers and are reduced once, then added into the output with one atomic.
+    element's weight ``m_h * (2 * j + 1)`` with ``j = j0_r + p`` splits per cell row into
+    ``m_h * ((2 * j0_r + 1) * S_r + 2 * Q_r)``, ``S_r`` the row's plain sum and ``Q_r`` its
+    sum weighed by piece index: per element one add and one product by a small ``p``, the
+    64-bit weights only per row. Row results add up in registers over the program's tiles
+    and go into the output with one atomic.
     """
     row = tl.program_id(0)
     entry = tl.program_id(1)
@@ -94,7 +96,7 @@ def _accumulate_kernel(
 
     rows_local = tl.arange(0, BLOCK_R)
     pieces_local = tl.arange(0, BLOCK_P)
-    acc = tl.zeros([BLOCK_R, BLOCK_P], dtype=tl.int64)
+    acc = tl.zeros([BLOCK_R], dtype=tl.int64)
     for step in range(TILES_PER_PROGRAM):
         tile = chunk * TILES_PER_PROGRAM + step
         r = (tile // PIECE_TILES) * BLOCK_R + rows_local
@@ -124,12 +126,12 @@ def _accumulate_kernel(
             x = x.to(tl.uint16, bitcast=True).to(tl.int64)
         elif PIECE_BITS == 32:
             x = x.to(tl.uint32, bitcast=True).to(tl.int64)
+        plain = tl.sum(x, axis=1)
+        ramp = tl.sum(x * p.to(tl.int64)[None, :], axis=1)
         factor = 2 * (first_slice + h) + 1
         j0 = (first + u) * cell_pieces + piece_offset
-        alpha = factor * (2 * j0 + 1)
-        beta = 2 * factor
-        acc += x * (alpha[:, None] + beta[:, None] * p.to(tl.int64)[None, :])
-    total = tl.sum(tl.sum(acc, axis=0), axis=0)
+        acc += factor * ((2 * j0 + 1) * plain + 2 * ramp)
+    total = tl.sum(acc, axis=0)
     tl.atomic_add(out_ptr + row.to(tl.int64) * num_columns + column, total, sem="relaxed")
 
 

@@ -13,16 +13,18 @@ from dataclasses import dataclass
 # Elements one program holds in registers per tile; 4096 int64 are 32 KB, 16 per thread at
 # 8 warps, enough loads in flight per SM to cover memory latency at full bandwidth.
 TILE_ELEMENTS = 4096
-# A program walks at most this many tiles, so that a very large cell (a Mamba state) is
-# spread over several programs instead of being read by one.
-MAX_TILES_PER_PROGRAM = 8
+# A program reads one tile: a program that loops over tiles lets the compiler keep two
+# tiles' loads live at once (Llama NTHC on sm_90: 100 registers instead of 64), which halves
+# the programs an SM holds. It loops only where a cell has more tiles than one launch may
+# have chunks (the grid's third dimension).
+MAX_CHUNKS = 65535
 # A tile's piece segment per cell row is at least this many bytes (two 32-byte sectors),
 # so that splitting long rows into piece tiles keeps every memory sector fully used.
 MIN_SEGMENT_BYTES = 64
 # Tile elements per warp, and the most warps of one program.
 ELEMENTS_PER_WARP = 512
 MAX_WARPS = 8
-# CUDA's limit on the grid's second and third dimensions.
+# CUDA's limit on the grid's second dimension (table entries).
 MAX_GRID_YZ = 65535
 
 PIECE_BITS = {8: 64, 4: 32, 2: 16}
@@ -79,8 +81,11 @@ def layout_is_aligned(shape: Shape, strides: Shape, piece_bytes: int, data_ptr: 
 
 
 @functools.lru_cache(maxsize=256)
-def launch_config(shape: Shape, strides: Shape, piece_bytes: int, aligned: bool) -> LaunchConfig:
-    """The tiling for a ``[blocks, kernel_blocks, heads, tokens, pieces]`` template.
+def launch_config(
+    shape: Shape, strides: Shape, piece_bytes: int, aligned: bool, max_chunks: int | None = None
+) -> LaunchConfig:
+    """The tiling for a ``[blocks, kernel_blocks, heads, tokens, pieces]`` template, with at
+    most ``max_chunks`` (default ``MAX_CHUNKS``) programs per row and entry.
 
     It depends only on the layout, never on the number of rows, so that ``warm_up``
     compiles the variant that later launches use.
@@ -91,7 +96,7 @@ def launch_config(shape: Shape, strides: Shape, piece_bytes: int, aligned: bool)
     block_rows = min(_next_power_of_2(cell_rows), max(1, TILE_ELEMENTS // block_pieces))
     piece_tiles = _cdiv(pieces, block_pieces)
     tiles = _cdiv(cell_rows, block_rows) * piece_tiles
-    tiles_per_program = max(min(tiles, MAX_TILES_PER_PROGRAM), _cdiv(tiles, MAX_GRID_YZ))
+    tiles_per_program = _cdiv(tiles, MAX_CHUNKS if max_chunks is None else max_chunks)
     return LaunchConfig(
         block_rows=block_rows,
         block_pieces=block_pieces,
