@@ -80,7 +80,7 @@ class RequestChecksums:
     num_tokens: int
     groups: dict[int, GroupChecksums] = field(default_factory=dict)
 
-    def to_wire(self, numbering: str) -> WireChecksums:
+    def to_wire(self, numbering: Positions) -> WireChecksums:
         """What a producer sends for the request (``encode_wire``): its token count, the
         record's position ``numbering`` and the totals per group, in group id order."""
         groups = [self.groups[gid].to_wire(gid) for gid in sorted(self.groups)]
@@ -128,7 +128,7 @@ class Record:
     set lacks; ``complete`` is true when there are none.
     """
 
-    positions: str
+    positions: Positions
     workers: list[WorkerSummary]
     complete: bool
     requests: dict[str, RequestChecksums]

@@ -17,12 +17,13 @@ import numpy as np
 
 from .errors import WireFormatError
 from .scheme import MASK64
+from .validation import Positions
 
 MAGIC = b"KVC2"
 RETIRED_MAGIC = b"KVC1"
-# Wire code of each position numbering (records.POSITION_NUMBERINGS names them).
-NUMBERING_CODES = {"request": 0, "block": 1}
-_NUMBERING_NAMES = {code: name for name, code in NUMBERING_CODES.items()}
+# Wire code of each position numbering.
+NUMBERING_CODES: dict[Positions, int] = {"request": 0, "block": 1}
+_NUMBERING_NAMES: dict[int, Positions] = {code: name for name, code in NUMBERING_CODES.items()}
 _HEADER = struct.Struct("<4sQBH")
 _GROUP = struct.Struct("<IQIII")
 _TOTAL_BYTES = 8
@@ -68,7 +69,7 @@ class WireChecksums:
     were numbered (``"request"`` or ``"block"``) and the totals per group."""
 
     num_tokens: int
-    numbering: str
+    numbering: Positions
     groups: list[WireGroup] = field(default_factory=list)
 
 
@@ -140,7 +141,7 @@ def encode_wire(checksums: WireChecksums) -> bytes:
     return b"".join(parts)
 
 
-def _decode_header(data: bytes, source: str) -> tuple[int, str, int]:
+def _decode_header(data: bytes, source: str) -> tuple[int, Positions, int]:
     """``(num_tokens, numbering, num_groups)`` of the buffer's header."""
     size = len(data)
     if size >= 4 and data[:4] == RETIRED_MAGIC:

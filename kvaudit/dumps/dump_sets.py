@@ -14,14 +14,13 @@ from ..checksummer import Checksummer, RequestBlocks
 from ..description import CacheDescription, LayerEntry
 from ..errors import KvauditError
 from ..records import (
-    POSITION_NUMBERINGS,
     GroupChecksums,
     Record,
     RequestChecksums,
     WorkerRecord,
     combine_workers,
 )
-from ..validation import fail, worker_layout
+from ..validation import POSITION_NUMBERINGS, Positions, fail, worker_layout
 from ..views import LayerTensor
 from .dump import Dump, DumpSet
 from .example_connector import is_example_connector, safetensors_files
@@ -117,7 +116,7 @@ def checksum_dump_set(
     dump_set: DumpSet,
     *,
     request_ids: Sequence[str] | None = None,
-    positions: str = "request",
+    positions: Positions = "request",
     backend: str = "auto",
     device: str | torch.device = "cpu",
     progress: Callable[[int], None] | None = None,
@@ -209,7 +208,7 @@ class _DumpBatches:
     def checksum(
         self,
         request_ids: Sequence[str],
-        positions: str,
+        positions: Positions,
         progress: Callable[[int], None] | None,
     ) -> WorkerRecord:
         """The worker's record of the requests."""

@@ -18,7 +18,7 @@ from ..description import CacheDescription
 from ..description import parse_description as _parse_description
 from ..dtypes import dtype_name
 from ..records import WorkerInfo
-from ..validation import check_worker, fail, is_int, short
+from ..validation import Checker, fail, is_int, join, short
 from ..views import LayerTensor
 from .dump import (
     FORMAT,
@@ -71,8 +71,10 @@ def _parse_worker(metadata: Mapping[str, str], source: str) -> WorkerInfo:
     engine = data.get("engine", "")
     if not isinstance(engine, str):
         fail(source, f"{where}.engine: expected a string, got {short(engine)}")
-    worker = WorkerInfo(role=data.get("role"), engine=engine, source=source, **values)
-    check_worker(worker, worker.role, source, where)
+    checker = Checker(source)
+    role = checker.role(data.get("role"), join(where, "role"))
+    worker = WorkerInfo(role=role, engine=engine, source=source, **values)
+    checker.ranks(worker, where)
     return worker
 
 
