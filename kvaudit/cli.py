@@ -14,7 +14,7 @@ import importlib.metadata
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import click
 
@@ -68,7 +68,11 @@ DIFF_EXIT_HELP = (
     "2 bad usage or bad input."
 )
 CORRUPT_EXIT_HELP = "Exit status: 0 the fault was planted; 2 bad usage or bad input."
-REPORT_FORMATS = ("table", "json", "junit")
+InventoryFormat = Literal["table", "json"]
+RecordFormat = Literal["table", "json", "csv"]
+ReportFormat = Literal["table", "json", "junit"]
+PlantedFormat = Literal["text", "json"]
+REPORT_FORMATS: tuple[ReportFormat, ...] = get_args(ReportFormat)
 # click >= 8.2 raises this for a bare `kvaudit`; its message is the help text.
 _NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
@@ -196,11 +200,11 @@ def main() -> None:
 
 @main.command(epilog=EXIT_HELP)
 @click.argument("sources", metavar="SOURCE...", nargs=-1, required=True)
-@_format_option(("table", "json"), "Output format.")
+@_format_option(get_args(InventoryFormat), "Output format.")
 @common_options
 def inspect(
     sources: tuple[str, ...],
-    output_format: str,
+    output_format: InventoryFormat,
     config_path: str | None,
     device: str | None,
     quiet: bool,
@@ -225,14 +229,14 @@ def inspect(
     help="Number pieces from the request's first token, or from each block's "
     "[default: request; a record keeps its own].",
 )
-@_format_option(("table", "json", "csv"), "Output format.")
+@_format_option(get_args(RecordFormat), "Output format.")
 @_output_option()
 @common_options
 def checksum(
     sources: tuple[str, ...],
     request_ids: tuple[str, ...],
     positions: str | None,
-    output_format: str,
+    output_format: RecordFormat,
     output: str | None,
     config_path: str | None,
     device: str | None,
@@ -293,7 +297,7 @@ def diff(
     consumer: str,
     request_ids: tuple[str, ...],
     locate: bool | None,
-    output_format: str,
+    output_format: ReportFormat,
     output: str | None,
     producer_config: str | None,
     consumer_config: str | None,
@@ -345,7 +349,7 @@ def verify(
     received: bool,
     stored: bool,
     request_ids: tuple[str, ...],
-    output_format: str,
+    output_format: ReportFormat,
     output: str | None,
     config_path: str | None,
     device: str | None,
@@ -422,7 +426,7 @@ def verify(
 @click.option(
     "--seed", metavar="N", type=int, default=0, show_default=True, help="Seed of the choices."
 )
-@_format_option(("text", "json"), "How to say what changed.")
+@_format_option(get_args(PlantedFormat), "How to say what changed.")
 @common_options
 def corrupt(
     source: str,
@@ -435,7 +439,7 @@ def corrupt(
     token: int | None,
     mode: CorruptMode,
     seed: int,
-    output_format: str,
+    output_format: PlantedFormat,
     config_path: str | None,
     device: str | None,
     quiet: bool,
@@ -467,7 +471,7 @@ def corrupt(
 
 def _emit_report(
     report: DiffReport,
-    output_format: str,
+    output_format: ReportFormat,
     output: str | None,
     title: str,
     sides: Sides,
