@@ -84,7 +84,7 @@ def _hybrid() -> kb.Model:
 
 
 def _matrix() -> dict[str, Callable[[], list[Variant]]]:
-    """The test matrix's layouts and dtypes (tests/test_engine.py), small shapes."""
+    """The test matrix's layouts and dtypes (tests/engine_runs.py), small shapes."""
     cases: dict[str, Callable[[], list[Variant]]] = {}
     for layout in ALL_LAYOUTS:
         cases[f"matrix {layout} bf16"] = lambda lay=layout: variants_of(
@@ -113,7 +113,7 @@ def _matrix() -> dict[str, Callable[[], list[Variant]]]:
 
 
 def _small_mamba(split: bool) -> kb.Model:
-    """tests/test_engine.py's Mamba models."""
+    """tests/engine_runs.py's Mamba models."""
     if split:
         layer = kb.Mamba(
             "model.layers.{}.mixer",

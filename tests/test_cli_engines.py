@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import engine_runs as er
 import kvbuild as kb
 import numpy as np
 import pytest
 import reference as ref
-import test_engine as te
 from click.testing import CliRunner
 
 from kvaudit.cli import main
@@ -30,10 +30,10 @@ def _mixed_model() -> kb.Model:
     attention = kb.GroupModel(
         0,
         (
-            kb.Attn(te.L0, heads=4, head_size=8),
-            kb.Attn(te.L1, heads=4, head_size=8),
-            kb.Attn(te.L3, heads=4, head_size=8),
-            kb.Attn(te.INDEXER3, heads=1, head_size=16, type="mla", layout="NTC"),
+            kb.Attn(er.L0, heads=4, head_size=8),
+            kb.Attn(er.L1, heads=4, head_size=8),
+            kb.Attn(er.L3, heads=4, head_size=8),
+            kb.Attn(er.INDEXER3, heads=1, head_size=16, type="mla", layout="NTC"),
         ),
         8,
         layout="NTHC",
@@ -44,23 +44,23 @@ def _mixed_model() -> kb.Model:
         8,
         layout="NTC",
     )
-    states = te.mamba_model(split=True, numbers=(5, 6)).groups[0]
+    states = er.mamba_model(split=True, numbers=(5, 6)).groups[0]
     return kb.Model((attention, mla, kb.GroupModel(2, states.layers, 8)))
 
 
 CASES = {
-    "nthc-tp2": (te.attn_model(layout="NTHC"), kb.Engine(tp_size=2, seed=1)),
+    "nthc-tp2": (er.attn_model(layout="NTHC"), kb.Engine(tp_size=2, seed=1)),
     "knhtd-tp4-kernel-blocks": (
-        te.attn_model(layout="KNHTD", heads=8, block_size=16),
+        er.attn_model(layout="KNHTD", heads=8, block_size=16),
         kb.Engine(tp_size=4, kernel_block_sizes={0: 4}, seed=2),
     ),
     "nkthd-tp2-pp2": (
-        te.attn_model(layout="NKTHD", layers=4),
+        er.attn_model(layout="NKTHD", layers=4),
         kb.Engine(tp_size=2, pp_size=2, seed=3),
     ),
-    "nthd-pairs-pp3": (te.attn_model(layout="NTHD", layers=3), kb.Engine(pp_size=3, seed=4)),
+    "nthd-pairs-pp3": (er.attn_model(layout="NTHD", layers=3), kb.Engine(pp_size=3, seed=4)),
     "gqa-tp4-replicas": (
-        te.attn_model(heads=2, layout="NHTC", model_kv_heads=2),
+        er.attn_model(heads=2, layout="NHTC", model_kv_heads=2),
         kb.Engine(tp_size=4, seed=5),
     ),
     "mixed-groups-tp2": (_mixed_model(), kb.Engine(tp_size=2, seed=6)),
@@ -74,7 +74,7 @@ def _write_dumps(workers: list[kb.Worker], folder: Path, role: str) -> None:
             folder / f"pp{worker.pp_rank}-tp{worker.tp_rank}.safetensors",
             parse_description(worker.description, "test"),
             worker.tensors,
-            te.request_blocks(worker),
+            er.request_blocks(worker),
             worker=WorkerInfo(
                 worker.tp_rank, worker.tp_size, worker.pp_rank, worker.pp_size, role, "test"
             ),
@@ -86,7 +86,7 @@ def _write_dumps(workers: list[kb.Worker], folder: Path, role: str) -> None:
 def test_checksum_json_equals_the_reference(case: str, role: str, tmp_path: Path) -> None:
     model, engine = CASES[case]
     tokens = {"req-a": 29, "req-b": 45}
-    requests, workers = te.build(model, engine, tokens)
+    requests, workers = er.build(model, engine, tokens)
     _write_dumps(workers, tmp_path / "dumps", role)
 
     result = CliRunner().invoke(main, ["checksum", str(tmp_path / "dumps"), "--format", "json"])
@@ -98,7 +98,7 @@ def test_checksum_json_equals_the_reference(case: str, role: str, tmp_path: Path
         block_size = engine.block_size(group)
         for rid in tokens:
             got = record.requests[rid].groups[group.id]
-            want = te.expected(
+            want = er.expected(
                 model, group.id, requests, workers, rid, engine.tp_size, "request", block_size
             )
             keys = {(r, i) for r in want for i in range(r if role == "consumer" else 1)}

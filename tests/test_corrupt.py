@@ -17,7 +17,7 @@ from pathlib import Path
 import kvbuild as kb
 import numpy as np
 import pytest
-from test_locate import (
+from dumped_sets import (
     COMPARED,
     CONSUMER,
     L0,
@@ -29,7 +29,6 @@ from test_locate import (
     PRODUCER,
     TOKENS,
     Sets,
-    build_sets,
     decode,
     decode_set,
     expected_located,
@@ -40,12 +39,6 @@ from kvaudit.corrupt import MODES, PlantedFault, corrupt_dump
 from kvaudit.dumps import open_dump_set
 from kvaudit.errors import KvauditError
 from kvaudit.locate import locate_differences
-
-
-@pytest.fixture(scope="module")
-def sets(tmp_path_factory: pytest.TempPathFactory) -> Sets:
-    return build_sets(tmp_path_factory.mktemp("corrupt"))
-
 
 # (mode, side, worker, request, group, position in the side's block size, layer, head, token)
 CASES = [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -134,7 +135,7 @@ def write_yaml(tmp_path: Path, data: Any, name: str = "cfg.yaml") -> Path:
 
 
 # Expected specs, written out field by field from the description above and the defaults
-# the format documents.
+# the format documents; a layer's spec is its group's with the override's fields replaced.
 FULL = LayerSpec(
     type="full_attention",
     block_size=32,
@@ -145,15 +146,8 @@ FULL = LayerSpec(
     dtype=torch.bfloat16,
     layout="NHTC",
 )
-FULL_L1 = LayerSpec(
-    type="full_attention",
-    block_size=32,
-    kernel_block_size=16,
-    num_kv_heads=2,
-    head_size=32,
-    head_size_v=32,
-    dtype=torch.float8_e4m3fn,
-    layout="KNTHD",
+FULL_L1 = replace(
+    FULL, num_kv_heads=2, head_size=32, head_size_v=32, dtype=torch.float8_e4m3fn, layout="KNTHD"
 )
 SLIDING = LayerSpec(
     type="sliding_window",
@@ -167,17 +161,8 @@ SLIDING = LayerSpec(
     sliding_window=128,
     max_tp_shards=2,
 )
-CHUNKED = LayerSpec(
-    type="chunked_local_attention",
-    block_size=16,
-    kernel_block_size=16,
-    num_kv_heads=2,
-    head_size=64,
-    head_size_v=32,
-    dtype=torch.float16,
-    layout="NTHC",
-    max_tp_shards=2,
-    attention_chunk_size=64,
+CHUNKED = replace(
+    SLIDING, type="chunked_local_attention", sliding_window=None, attention_chunk_size=64
 )
 MLA = LayerSpec(
     type="mla",
@@ -189,16 +174,7 @@ MLA = LayerSpec(
     dtype=torch.float8_e4m3fn,
     layout="NTC",
 )
-INDEXER = LayerSpec(
-    type="mla",
-    block_size=64,
-    kernel_block_size=64,
-    num_kv_heads=1,
-    head_size=132,
-    head_size_v=0,
-    dtype=torch.uint8,
-    layout="NTC",
-)
+INDEXER = replace(MLA, head_size=132, dtype=torch.uint8)
 SPLITS = (
     StateSplit(axis=1, segments=((16, 1), (8, 2))),
     StateSplit(axis=0, segments=((4, 1),)),
@@ -212,16 +188,7 @@ MAMBA = LayerSpec(
     checksummed_states=1,
     state_splits=SPLITS,
 )
-MAMBA_L8 = LayerSpec(
-    type="mamba",
-    block_size=16,
-    kernel_block_size=16,
-    shapes=((3, 64), (4, 8, 2)),
-    dtypes=(torch.bfloat16, torch.float32),
-    checksummed_states=2,
-    tp_replicated=True,
-    state_splits=SPLITS,
-)
+MAMBA_L8 = replace(MAMBA, checksummed_states=2, tp_replicated=True)
 
 
 def check_full_description(description: CacheDescription) -> None:
@@ -336,16 +303,7 @@ def test_round_trip_of_a_description_built_in_code() -> None:
         layout="NTHC",
         max_tp_shards=4,
     )
-    layer_spec = LayerSpec(
-        type="full_attention",
-        block_size=16,
-        kernel_block_size=8,
-        num_kv_heads=2,
-        head_size=8,
-        head_size_v=8,
-        dtype=torch.float32,
-        layout="NTHC",
-    )
+    layer_spec = replace(group_spec, max_tp_shards=None)
     built = CacheDescription(
         num_blocks=4,
         groups=(

@@ -15,13 +15,13 @@ import os
 import subprocess
 import sys
 
+import engine_runs as er
 import kvbuild as kb
 import numpy as np
 import pytest
-import test_engine as te
 import torch
 
-L0, L1 = te.L0, te.L1
+L0, L1 = er.L0, er.L1
 
 
 def _cases() -> dict[str, tuple[kb.Model, kb.Engine, int]]:
@@ -38,25 +38,25 @@ def _cases() -> dict[str, tuple[kb.Model, kb.Engine, int]]:
         model_kv_heads=2,
     )
     return {
-        "nthc-tp2": (te.attn_model(layout="NTHC"), kb.Engine(tp_size=2, seed=1), 29),
+        "nthc-tp2": (er.attn_model(layout="NTHC"), kb.Engine(tp_size=2, seed=1), 29),
         "knhtd-kernel-blocks": (
-            te.attn_model(layout="KNHTD", block_size=8),
+            er.attn_model(layout="KNHTD", block_size=8),
             kb.Engine(tp_size=2, kernel_block_sizes={0: 2}, seed=2),
             37,
         ),
         "kv-pairs-non-contiguous": (
-            te.attn_model(layout="NTHD"),
+            er.attn_model(layout="NTHD"),
             kb.Engine(tp_size=1, physical={"NTHD": "HNTD"}, seed=3),
             21,
         ),
         "mla-fp8-replicas": (
-            te.attn_model(heads=1, head_size=16, type="mla", layout="NTC", dtype="float8_e4m3fn"),
+            er.attn_model(heads=1, head_size=16, type="mla", layout="NTC", dtype="float8_e4m3fn"),
             kb.Engine(tp_size=2, seed=4),
             19,
         ),
         "gqa-replicas": (gqa, kb.Engine(tp_size=4, seed=5), 23),
-        "split-states": (te.mamba_model(split=True), kb.Engine(tp_size=2, seed=6), 29),
-        "unsplit-states": (te.mamba_model(checksummed=2), kb.Engine(tp_size=1, seed=7), 29),
+        "split-states": (er.mamba_model(split=True), kb.Engine(tp_size=2, seed=6), 29),
+        "unsplit-states": (er.mamba_model(checksummed=2), kb.Engine(tp_size=1, seed=7), 29),
     }
 
 
@@ -65,10 +65,10 @@ def _run_cases(backend: str) -> dict[str, dict]:
     over workers, for the producer and the consumer."""
     results: dict[str, dict] = {}
     for name, (model, engine, tokens) in _cases().items():
-        _, workers = te.build(model, engine, tokens)
+        _, workers = er.build(model, engine, tokens)
         results[name] = {}
         for role in ("producer", "consumer"):
-            record = te.run(workers, role, sums=te.checksummers(workers, role, backend))
+            record = er.run(workers, role, sums=er.checksummers(workers, role, backend))
             results[name][role] = {
                 rid: {
                     str(gid): {
@@ -105,9 +105,9 @@ def test_triton_engine_equals_torch_path(interpreted: dict[str, dict], case: str
 @pytest.mark.parametrize("case", ["nthc-tp2", "gqa-replicas", "split-states"])
 def test_triton_engine_equals_reference(interpreted: dict[str, dict], case: str) -> None:
     model, engine, tokens = _cases()[case]
-    requests, workers = te.build(model, engine, tokens)
+    requests, workers = er.build(model, engine, tokens)
     block_size = engine.block_size(model.group(0))
-    want = te.expected(model, 0, requests, workers, "req-1", engine.tp_size, "request", block_size)
+    want = er.expected(model, 0, requests, workers, "req-1", engine.tp_size, "request", block_size)
     got = interpreted[case]["consumer"]["req-1"]["0"]
     for k, (replicas, _) in enumerate(got["keys"]):
         column = np.array([int(row[k], 16) for row in got["values"]], dtype=np.uint64)
@@ -119,14 +119,14 @@ def test_triton_engine_equals_reference(interpreted: dict[str, dict], case: str)
 @pytest.mark.parametrize("case", list(_cases()))
 def test_cuda_engine_equals_torch_path(case: str) -> None:
     model, engine, tokens = _cases()[case]
-    _, workers = te.build(model, engine, tokens)
+    _, workers = er.build(model, engine, tokens)
     for worker in workers:
         worker.tensors = {
             name: tuple(t.cuda() for t in tensor) if isinstance(tensor, tuple) else tensor.cuda()
             for name, tensor in worker.tensors.items()
         }
     for role in ("producer", "consumer"):
-        on_gpu = te.run(workers, role, sums=te.checksummers(workers, role, "triton"))
+        on_gpu = er.run(workers, role, sums=er.checksummers(workers, role, "triton"))
         cpu_workers = [
             dataclasses.replace(
                 w,
@@ -137,7 +137,7 @@ def test_cuda_engine_equals_torch_path(case: str) -> None:
             )
             for w in workers
         ]
-        on_cpu = te.run(cpu_workers, role)
+        on_cpu = er.run(cpu_workers, role)
         for rid, request in on_cpu.requests.items():
             for gid, group in request.groups.items():
                 np.testing.assert_array_equal(on_gpu.requests[rid].groups[gid].values, group.values)
