@@ -118,7 +118,8 @@ def child(folder: str) -> None:
     """Checksum the set in this process and print what it took, as JSON."""
     import torch
 
-    from kvaudit.dumps import checksum_dump_set, open_dump_set
+    from kvaudit.dumps import open_dump_set
+    from kvaudit.sources import checksum_dump_set
 
     after_import = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     done = 0

@@ -22,11 +22,12 @@ from .compare import (
     verify_received,
     verify_stored_blocks,
 )
-from .dumps import Dump, DumpSet, checksum_dump_set
+from .dumps import Dump, DumpSet
 from .errors import KvauditError
 from .locate import locate_differences
 from .records import Record
-from .sources import DumpSource, Progress, RecordSource, Runtime, Source, resolve_device
+from .sources import Progress, Runtime, Source, checksum_dump_set, resolve_device
+from .sources.raw import RawWorker
 
 NO_STORED = "a dump of the set holds no stored checksums"
 
@@ -61,11 +62,10 @@ def _check_wanted(
 
 
 def _numbering(*sources: Source) -> str:
-    """The position numbering to checksum with: a record's own, else ``request``."""
-    for source in sources:
-        if isinstance(source, RecordSource):
-            return source.record.positions
-    return "request"
+    """The position numbering to checksum with: one a source is fixed to (a record's),
+    else ``request``."""
+    fixed = [source.positions for source in sources if source.positions is not None]
+    return fixed[0] if fixed else "request"
 
 
 def shared_tokens(
@@ -164,7 +164,7 @@ def diff_sources(
 
 def _raw_kv(
     producer: Source, consumer: Source, locate: bool | None
-) -> tuple[DumpSet, DumpSet] | None:
+) -> tuple[list[RawWorker], list[RawWorker]] | None:
     """Both sides' raw KV where differences are to be located (``locate``: None when
     both hold it, True always, False never), else None.
 
@@ -187,7 +187,10 @@ def _raw_kv(
 
 
 def locate_report(
-    report: DiffReport, producer: DumpSet, consumer: DumpSet, num_tokens: Mapping[str, int]
+    report: DiffReport,
+    producer: Sequence[RawWorker],
+    consumer: Sequence[RawWorker],
+    num_tokens: Mapping[str, int],
 ) -> None:
     """Fill each differing group's ``located`` with the layers, heads, tokens and bytes
     that differ at its mismatched positions and replica-differing positions."""
@@ -237,14 +240,15 @@ def verify_sources(
         return _verify_against(source, against, ids, runtime, progress)
     if ids is not None:
         source.check_request_ids(ids)
-    if not isinstance(source, DumpSource):
+    dump_set = source.carried_checksums()
+    if dump_set is None:
         what = "--received" if received else "--stored"
         raise KvauditError(
             f"{what} reads what dumps carry; {', '.join(source.names)} is a {source.kind}"
         )
     if received:
-        return _verify_received(source, ids, runtime, progress)
-    return verify_stored(source.dump_set, request_ids=ids, runtime=runtime, progress=progress)
+        return _verify_received(source, dump_set, ids, runtime, progress)
+    return verify_stored(dump_set, request_ids=ids, runtime=runtime, progress=progress)
 
 
 def _verify_against(
@@ -290,10 +294,14 @@ def received_bytes(dump_set: DumpSet, request_ids: Sequence[str] | None = None) 
 
 
 def _verify_received(
-    source: DumpSource, ids: list[str] | None, runtime: Runtime, progress: Progress | None
+    source: Source,
+    dump_set: DumpSet,
+    ids: list[str] | None,
+    runtime: Runtime,
+    progress: Progress | None,
 ) -> DiffReport:
     record = source.checksum(ids, "request", runtime, progress)
-    wire = received_bytes(source.dump_set, ids)
+    wire = received_bytes(dump_set, ids)
     return verify_received(record, wire, source=", ".join(source.names), request_ids=ids)
 
 

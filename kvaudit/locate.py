@@ -1,11 +1,11 @@
 """Narrowing a differing block down: which layers, heads, tokens and bytes differ.
 
-Given a producer and a consumer dump set and a block position at which their checksums
-differ, ``locate_differences`` reads only that position's block rows on both sides and
+Given a producer's and a consumer's raw KV (``kvaudit.sources.raw.RawWorker``: dumps or
+live tensors, one per worker) and a block position at which their checksums differ,
+``locate_differences`` reads only that position's block rows on both sides and
 compares the cells of each (layer, global head) slice byte by byte: the tokens whose cells
 differ, the first differing byte and the largest errors of the differing elements read in
 their dtype. A consumer replica is also compared with replica 0 of the same heads.
-``slice_checksums`` gives one worker's slice checksums ``s(L, h, b)`` of a block.
 
 The helpers that map a block row of a ``LayerView`` to its cells (``read_block``) and to
 the memory addresses of the cells' bytes (``cell_addresses``) are shared with
@@ -25,14 +25,10 @@ import torch
 from .compare.model import LocatedDifference
 from .description import CacheDescription, LayerSpec
 from .dtypes import dtype_size
-from .dumps import Dump, DumpSet
 from .errors import KvauditError
 from .scheme import valid_tokens
+from .sources.raw import RawWorker
 from .views import GroupViews, LayerView
-
-SliceKey = tuple[str, int]
-"""``(layer name, global head)``: one slice of a block."""
-
 
 # Cells of a block row.
 
@@ -134,8 +130,8 @@ def counted_slots(position: int, block_size: int, is_state: bool, num_tokens: in
     return min(valid, 1) if is_state else valid
 
 
-def group_views(dump: Dump, group_id: int) -> GroupViews:
-    """A dump's views of one group, as its checksummer builds them.
+def group_views(dump: RawWorker, group_id: int) -> GroupViews:
+    """A worker's views of one group, as its checksummer builds them.
 
     Raises:
         KvauditError: The group is not a group of the dump, or it is not covered.
@@ -146,61 +142,18 @@ def group_views(dump: Dump, group_id: int) -> GroupViews:
     if views is None:
         known = ", ".join(str(gid) for gid in sorted(groups)) or "none"
         raise KvauditError(
-            f"no group {group_id} in this dump (its groups: {known})", source=dump.path
+            f"no group {group_id} in this dump (its groups: {known})", source=dump.name
         )
     if not views.covered:
-        raise KvauditError(f"group {group_id} is not covered: {views.reason}", source=dump.path)
+        raise KvauditError(f"group {group_id} is not covered: {views.reason}", source=dump.name)
     return views
 
 
-# Slice checksums.
-
-
-def slice_checksum(cells: np.ndarray, tokens: np.ndarray, size: int) -> int:
-    """``s = sum over tokens t, pieces p of x(t, p) * (2 * (t * P + p) + 1)`` mod 2**64 of
-    uint8 cells ``[tokens, cell bytes]`` read as little-endian ``size``-byte pieces."""
-    if not len(tokens):
-        return 0
-    x = np.ascontiguousarray(cells).view(f"<u{size}").astype(np.uint64)
-    count = x.shape[1]
-    j = np.asarray(tokens, dtype=np.uint64)[:, None] * np.uint64(count) + np.arange(
-        count, dtype=np.uint64
-    )
-    with np.errstate(over="ignore"):
-        return int((x * (np.uint64(2) * j + np.uint64(1))).sum(dtype=np.uint64))
-
-
-def slice_checksums(
-    dump: Dump, request_id: str, group_id: int, position: int
-) -> dict[SliceKey, int]:
-    """The slice checksum ``s(L, h, b)`` of every (layer, global head) this worker holds
-    in a request's block at ``position`` (in the dump's block size), over its valid tokens.
-
-    Raises:
-        KvauditError: The request, the group or the position is not in the dump.
-
-    """
-    views = group_views(dump, group_id)
-    row, first, _ = block_row(dump, request_id, group_id, position)
-    num_tokens = dump.requests[request_id].num_tokens
-    specs = layer_specs(dump.description, group_id)
-    result = {}
-    for view in views.views:
-        slots = counted_slots(
-            position, views.group.block_size, specs[view.name].is_state, num_tokens
-        )
-        tokens = first + np.arange(slots)
-        cells = read_block(view, row)
-        for h in range(view.heads):
-            result[view.name, view.first_head + h] = slice_checksum(
-                cells[h, :slots], tokens, piece_bytes(view)
-            )
-    return result
-
-
-def block_row(dump: Dump, request_id: str, group_id: int, position: int) -> tuple[int, int, int]:
-    """The dump row, first request position and engine block id of a request's block at
-    ``position`` (in the dump's block size of the group).
+def block_row(
+    dump: RawWorker, request_id: str, group_id: int, position: int
+) -> tuple[int, int, int]:
+    """The row, first request position and engine block id of a request's block at
+    ``position`` (in the worker's block size of the group).
 
     Raises:
         KvauditError: The request, its group or the position is not in the dump.
@@ -208,12 +161,12 @@ def block_row(dump: Dump, request_id: str, group_id: int, position: int) -> tupl
     """
     request = dump.requests.get(request_id)
     if request is None:
-        raise KvauditError(f"no request {request_id!r} in this dump", source=dump.path)
+        raise KvauditError(f"no request {request_id!r} in this dump", source=dump.name)
     listed = request.groups.get(group_id)
     if listed is None:
         raise KvauditError(
             f"request {request_id!r} has no blocks of group {group_id} in this dump",
-            source=dump.path,
+            source=dump.name,
         )
     start, block_ids = listed
     if not start <= position < start + len(block_ids):
@@ -221,7 +174,7 @@ def block_row(dump: Dump, request_id: str, group_id: int, position: int) -> tupl
         raise KvauditError(
             f"request {request_id!r} group {group_id}: position {position} is not in this "
             f"dump (positions held: {held})",
-            source=dump.path,
+            source=dump.name,
         )
     block_id = block_ids[position - start]
     block_size = dump.description.group(group_id).block_size
@@ -249,16 +202,16 @@ _SliceId = tuple[str, int, int]
 
 @dataclass
 class _Side:
-    """One dump set's workers that hold a request's group, with their views of the group
+    """One side's workers that hold a request's group, with their views of the group
     (covered ones only) and its layers' specs."""
 
-    workers: list[tuple[Dump, GroupViews, dict[str, LayerSpec]]]
+    workers: list[tuple[RawWorker, GroupViews, dict[str, LayerSpec]]]
 
     @classmethod
-    def open(cls, dump_set: DumpSet, request_id: str, group_id: int) -> _Side:
-        """The workers of ``dump_set`` that list blocks of the request's group and cover it."""
+    def open(cls, raw: Sequence[RawWorker], request_id: str, group_id: int) -> _Side:
+        """The workers of ``raw`` that list blocks of the request's group and cover it."""
         workers = []
-        for dump in dump_set.dumps:
+        for dump in raw:
             request = dump.requests.get(request_id)
             if request is None or group_id not in request.groups:
                 continue
@@ -405,8 +358,8 @@ def _located_entry(
 
 
 def locate_differences(
-    producer: DumpSet,
-    consumer: DumpSet,
+    producer: Sequence[RawWorker],
+    consumer: Sequence[RawWorker],
     request_id: str,
     group_id: int,
     positions: Iterable[int],
@@ -429,7 +382,7 @@ def locate_differences(
     """
     if block_size < 1:
         raise KvauditError(f"block size must be positive, got {block_size}")
-    sides = [_Side.open(dump_set, request_id, group_id) for dump_set in (producer, consumer)]
+    sides = [_Side.open(raw, request_id, group_id) for raw in (producer, consumer)]
     entries: list[LocatedDifference] = []
     for position in sorted(set(positions)):
         lo = position * block_size

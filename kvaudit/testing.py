@@ -32,10 +32,9 @@ from .compare import DiffReport
 from .description import CacheDescription, load_description
 from .diffing import diff_sources
 from .dumps import DumpSet
-from .errors import KvauditError
 from .records import Record
 from .report import print_diff, render_text
-from .sources import ChecksummerSource, DumpSource, RecordSource, Source, open_source
+from .sources import ChecksummerSource, Source, register_object, source_of
 from .views import LayerTensor
 
 
@@ -68,6 +67,8 @@ class LiveSide:
         return ChecksummerSource(self.checksummers, requests, self.tensors, self.name)
 
 
+register_object(LiveSide, lambda side, config, label: side.source(), "a LiveSide")
+
 Side = str | os.PathLike | Sequence[str | os.PathLike] | Record | DumpSet | LiveSide
 """What ``assert_kv_equal`` takes for a producer or a consumer."""
 
@@ -80,30 +81,14 @@ def _description(config: CacheDescription | str | os.PathLike | None) -> CacheDe
 
 
 def as_source(side: Side, config: CacheDescription | None = None, label: str = "side") -> Source:
-    """A side of ``assert_kv_equal`` as a source; ``config`` applies to dumps.
+    """A side of ``assert_kv_equal`` as a source (through the source registry); ``config``
+    applies to dumps.
 
     Raises:
         KvauditError: A path that cannot be read, or an object of another type.
 
     """
-    if isinstance(side, LiveSide):
-        return side.source()
-    if isinstance(side, Record):
-        return RecordSource(label, side)
-    if isinstance(side, DumpSet):
-        return DumpSource([dump.path for dump in side.dumps], side)
-    if isinstance(side, (str, os.PathLike)):
-        return open_source([os.fspath(side)], config)
-    if (
-        isinstance(side, Sequence)
-        and side
-        and all(isinstance(item, (str, os.PathLike)) for item in side)
-    ):
-        return open_source([os.fspath(item) for item in side], config)
-    raise KvauditError(
-        f"the {label} must be dump paths, a Record, a DumpSet or a LiveSide, "
-        f"got {type(side).__name__}"
-    )
+    return source_of(side, config, label)
 
 
 def diff_kv(

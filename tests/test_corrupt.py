@@ -143,8 +143,8 @@ def test_planted_fault_is_where_it_says_and_located(
     compared = COMPARED[gid]
     positions = sorted({t // compared for t in result.tokens})
     found = locate_differences(
-        open_dump_set(producer_paths),
-        open_dump_set(consumer_paths),
+        open_dump_set(producer_paths).dumps,
+        open_dump_set(consumer_paths).dumps,
         rid,
         gid,
         positions,

@@ -19,16 +19,12 @@ from safetensors.torch import save_file
 
 from kvaudit.checksummer import Checksummer, RequestBlocks
 from kvaudit.description import CacheDescription, parse_description
-from kvaudit.dumps import (
-    checksum_dump_set,
-    open_dump,
-    open_dump_set,
-    total_bytes,
-    write_dump,
-)
+from kvaudit.dumps import open_dump, open_dump_set, write_dump
 from kvaudit.errors import DescriptionError, KvauditError
 from kvaudit.formats import record_to_json
 from kvaudit.records import WorkerInfo, combine_workers
+from kvaudit.sources import checksum_dump_set, total_bytes
+from kvaudit.sources.raw import request_rows
 
 NUM_BLOCKS = 16
 ATTN = "model.layers.0.attn"
@@ -207,7 +203,7 @@ def test_round_trip_holds_the_requests_blocks(tmp_path: Path) -> None:
     with pytest.raises(KvauditError, match="does not hold block 12"):
         dump.row_of(12)
 
-    blocks = dump.request_blocks(["c"])
+    blocks = request_rows(dump, ["c"])
     assert blocks["c"].num_tokens == 20
     assert blocks["c"].groups == {0: (3, [DUMPED.index(0), DUMPED.index(8)])}
 
@@ -363,11 +359,22 @@ def test_one_tensor_under_two_names_is_dumped_once(tmp_path: Path) -> None:
     assert got["requests"] == live_record_json(desc, tensors, REQUESTS)["requests"]
 
 
-def test_dump_checksummer_over_the_whole_dump(tmp_path: Path) -> None:
+def test_checksummer_over_a_dumps_mapped_rows(tmp_path: Path) -> None:
+    # A Checksummer reads a dump's memory-mapped rows in place, its requests as rows.
     path = tmp_path / "rank0.safetensors"
     tensors = write(path)
     dump = open_dump(path)
-    record = dump.checksummer(backend="torch").checksum(dump.request_blocks())
+    worker = dump.worker
+    summer = Checksummer(
+        dump.description,
+        dump.tensors,
+        tp_rank=worker.tp_rank,
+        tp_size=worker.tp_size,
+        role=worker.role,
+        backend="torch",
+        num_blocks=dump.num_rows,
+    )
+    record = summer.checksum(request_rows(dump))
     got = record_to_json(combine_workers([record]))
     assert got["requests"] == live_record_json(description(), tensors, REQUESTS)["requests"]
 

@@ -26,7 +26,6 @@ from dumped_sets import (
     L1,
     L2,
     MODEL,
-    PRODUCER,
     TOKENS,
     CellKey,
     Sets,
@@ -40,14 +39,15 @@ from dumped_sets import (
 )
 
 from kvaudit.corrupt import PlantedFault, corrupt_dump
-from kvaudit.dumps import open_dump, open_dump_set
-from kvaudit.locate import CellSegment, element_errors, locate_differences, slice_checksums
+from kvaudit.dumps import open_dump_set
+from kvaudit.locate import CellSegment, element_errors, locate_differences
+from kvaudit.sources import checksum_dump_set
 
 
 def locate(producer_paths: list[str], consumer_paths: list[str], rid: str, gid: int, positions):
     return locate_differences(
-        open_dump_set(producer_paths),
-        open_dump_set(consumer_paths),
+        open_dump_set(producer_paths).dumps,
+        open_dump_set(consumer_paths).dumps,
         rid,
         gid,
         positions,
@@ -144,45 +144,24 @@ def test_replica_difference_is_named(sets: Sets, tmp_path: Path) -> None:
     )
 
 
-def test_slice_checksums_follow_the_definition(sets: Sets) -> None:
-    # Every worker's slices of every block, against the definition over the model's KV.
-    for dumped, engine in ((sets.producer, PRODUCER), (sets.consumer, CONSUMER)):
-        for worker, path in zip(dumped.workers, dumped.paths, strict=True):
-            dump = open_dump(path)
-            for rid, (num_tokens, groups) in worker.requests.items():
-                for gid, (start, block_ids) in groups.items():
-                    block_size = engine.block_size(MODEL.group(gid))
-                    for position in range(start, start + len(block_ids)):
-                        got = slice_checksums(dump, rid, gid, position)
-                        want = reference_slices(
-                            sets.requests[rid], gid, position, block_size, num_tokens
-                        )
-                        assert got == {key: want[key] for key in got}, (path, rid, gid, position)
-                        assert got
-
-
-def reference_slices(
-    request: kb.RequestKV, group_id: int, position: int, block_size: int, num_tokens: int
-) -> dict[tuple[str, int], int]:
-    """``s(L, h, b)`` of every global (layer, head) of a group, by the definition's loops
-    over the tests' reference slices (global form)."""
-    group = kb.reference_group(MODEL, group_id, request, tp_size=1, block_size=block_size)
-    names = [layer.name for layer in MODEL.group(group_id).layers]
-    valid = ref.valid_tokens(num_tokens, block_size, position)
-    first = position * block_size
-    result = {}
-    for part in ref.group_slices(group):
-        name = next(n for n in names if ref.layer_number(n) == part.number)
-        tokens = [first] if part.per_block and valid else list(range(first, first + valid))
-        count = part.pieces.shape[2]
-        for h in range(part.pieces.shape[1]):
-            total = 0
-            for t in tokens:
-                item = position if part.per_block else t
-                for p in range(count):
-                    total += int(part.pieces[item, h, p]) * (2 * (t * count + p) + 1)
-            result[name, part.first_head + h] = total % 2**64
-    return result
+def test_dumped_blocks_follow_the_definition(sets: Sets) -> None:
+    # Each side's checksums (its workers summed) of every block, against the definition
+    # over the model's KV: the blocks locate reads are the blocks that were checksummed.
+    for dumped in (sets.producer, sets.consumer):
+        record = checksum_dump_set(open_dump_set(dumped.paths), backend="torch")
+        assert set(record.requests) == set(TOKENS)
+        for rid, request in record.requests.items():
+            assert set(request.groups) == {0, 1, 2}
+            for gid, group in request.groups.items():
+                reference = kb.reference_group(
+                    MODEL, gid, sets.requests[rid], tp_size=1, block_size=group.block_size
+                )
+                want = [
+                    ref.slow_block_checksum(reference, request.num_tokens, position)
+                    for position in range(group.start, group.end)
+                ]
+                assert [int(v) for v in group.totals()] == want, (dumped.paths, rid, gid)
+                assert group.count > 0
 
 
 def test_element_errors() -> None:

@@ -22,8 +22,9 @@ from click.testing import CliRunner
 from kvaudit.checksummer import Checksummer, RequestBlocks
 from kvaudit.cli import main
 from kvaudit.description import parse_description
-from kvaudit.dumps import checksum_dump_set, open_dump_set
+from kvaudit.dumps import open_dump_set
 from kvaudit.errors import KvauditError
+from kvaudit.sources import checksum_dump_set
 from kvaudit.testing import LiveSide, assert_kv_equal, diff_kv
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,19 +6,20 @@ from __future__ import annotations
 
 import functools
 import mmap
-from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from ..checksummer import Checksummer, RequestBlocks
 from ..description import CacheDescription
 from ..errors import KvauditError
 from ..records import WorkerInfo
 from ..views import GroupViews, LayerTensor, build_group_views
 from .layers import layer_parts
-from .safetensors_io import as_integers, tensor_nbytes
+from .safetensors_io import tensor_nbytes
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = "1"
 """The dump format version a dump's ``kvaudit.format`` gives."""
@@ -27,7 +28,7 @@ STORED_CHECKSUMS = "kvaudit/stored_checksums"
 """The optional int64 tensor of each dumped row's stored checksum."""
 
 COPY_BYTES = 64 << 20
-"""Bytes per copy when writing a dump or moving its tensors to a device."""
+"""Bytes per copy when writing a dump."""
 
 META_FORMAT = "kvaudit.format"
 META_WORKER = "kvaudit.worker"
@@ -75,6 +76,11 @@ class Dump:
         if self.block_ids is not None:
             self._rows = {block_id: row for row, block_id in enumerate(self.block_ids)}
 
+    @property
+    def name(self) -> str:
+        """The dump in messages: its path."""
+        return self.path
+
     def holds(self, block_id: int) -> bool:
         """Whether the dump holds a row of this engine block."""
         if self._rows is not None:
@@ -91,29 +97,6 @@ class Dump:
         if not self.holds(block_id):
             raise KvauditError(f"the dump does not hold block {block_id}", source=self.path)
         return self._rows[block_id] if self._rows is not None else block_id
-
-    def request_blocks(self, request_ids: Iterable[str] | None = None) -> dict[str, RequestBlocks]:
-        """The requests' blocks as rows of this dump (all requests by default), for a
-        ``Checksummer`` over ``tensors``.
-
-        Raises:
-            KvauditError: A request the dump does not list.
-
-        """
-        ids = list(self.requests) if request_ids is None else list(dict.fromkeys(request_ids))
-        result = {}
-        for request_id in ids:
-            request = self.requests.get(request_id)
-            if request is None:
-                raise KvauditError(f"no request {request_id!r} in this dump", source=self.path)
-            result[request_id] = RequestBlocks(
-                request.num_tokens,
-                {
-                    group_id: (start, [self.row_of(block_id) for block_id in block_ids])
-                    for group_id, (start, block_ids) in request.groups.items()
-                },
-            )
-        return result
 
     def row_bytes(self) -> dict[int, int]:
         """Per group, the bytes of one dumped row its checksummed layers read."""
@@ -169,42 +152,6 @@ class Dump:
             tp_size=self.worker.tp_size,
             num_blocks=self.num_rows,
         )
-
-    def checksummer(
-        self, *, backend: str = "auto", device: str | torch.device = "cpu"
-    ) -> Checksummer:
-        """A ``Checksummer`` over the dump's rows, with the dump's ranks and role; for a
-        device other than the CPU, the tensors are copied there in bounded pieces first."""
-        target = torch.device(device)
-        tensors = self.tensors
-        if target.type != "cpu":
-            tensors = {name: self._to_device(tensor, target) for name, tensor in tensors.items()}
-        return Checksummer(
-            self.description,
-            tensors,
-            tp_rank=self.worker.tp_rank,
-            tp_size=self.worker.tp_size,
-            pp_rank=self.worker.pp_rank,
-            pp_size=self.worker.pp_size,
-            role=self.worker.role,
-            backend=backend,
-            num_blocks=self.num_rows,
-            engine=self.worker.engine,
-            source=self.path,
-        )
-
-    def _to_device(self, tensor: LayerTensor, target: torch.device) -> LayerTensor:
-        if isinstance(tensor, tuple):
-            return (self._to_device(tensor[0], target), self._to_device(tensor[1], target))
-        if not tensor.is_contiguous():
-            return tensor.to(target)
-        out = torch.empty(tensor.shape, dtype=tensor.dtype, device=target)
-        source, dest = as_integers(tensor.reshape(-1)), as_integers(out.view(-1))
-        step = max(1, COPY_BYTES // tensor.element_size())
-        for start in range(0, source.numel(), step):
-            dest[start : start + step].copy_(source[start : start + step])
-            self.drop_pages()
-        return out
 
 
 @dataclass

@@ -1,0 +1,62 @@
+"""Sources: what a command's SOURCE arguments (or a test's sides) are, resolved into one
+thing to inspect, checksum or diff.
+
+A command's SOURCEs are one of (docs/cli.md):
+
+- dump files and directories of dump files (``*.safetensors``): together, one dump set;
+- one record, the JSON ``kvaudit checksum --format json`` writes (a ``.json`` file, or any
+  file whose content starts with ``{``);
+- live handles ``live:PATH``, each one worker of a running process
+  (``kvaudit.sources.live_source``).
+
+In Python, ``ChecksummerSource`` wraps an engine's live ``Checksummer`` objects
+(``kvaudit.testing.LiveSide``).
+
+Modules: ``base`` (the ``Source`` interface, ``Runtime``), ``inventory`` (what ``inspect``
+shows), ``raw`` (the raw-KV protocol dumps and live tensors share, for checksumming and
+locating), ``registry`` (kinds by prefix or sniffing, objects by type), then one module per
+kind: ``record_source``, ``dump_source`` (with ``dump_checksums``, the bounded-memory
+checksums of a dump set), ``live_source``, ``checksummer_source``. A new kind is one module
+that registers itself, imported here.
+"""
+
+from . import record_source, dump_source, live_source  # noqa: I001  (registration order)
+from .base import Progress, Runtime, Source, resolve_device
+from .checksummer_source import ChecksummerSource
+from .dump_checksums import BATCH_BYTES, checksum_dump_set, total_bytes
+from .dump_source import DumpSource
+from .inventory import GroupInfo, Inventory, RequestInventory, WorkerInventory
+from .live_source import LiveSource
+from .raw import LiveWorker, RawKVSource, RawWorker
+from .record_source import RecordSource, load_record
+from .registry import SourceKind, open_source, register_kind, register_object, source_of
+
+__all__ = [
+    "BATCH_BYTES",
+    "ChecksummerSource",
+    "DumpSource",
+    "GroupInfo",
+    "Inventory",
+    "LiveSource",
+    "LiveWorker",
+    "Progress",
+    "RawKVSource",
+    "RawWorker",
+    "RecordSource",
+    "RequestInventory",
+    "Runtime",
+    "Source",
+    "SourceKind",
+    "WorkerInventory",
+    "checksum_dump_set",
+    "dump_source",
+    "live_source",
+    "load_record",
+    "open_source",
+    "record_source",
+    "register_kind",
+    "register_object",
+    "resolve_device",
+    "source_of",
+    "total_bytes",
+]

@@ -1,0 +1,178 @@
+"""What every source is: the ``Source`` interface the commands and the diff driver use,
+where checksums are computed (``Runtime``), and the request bookkeeping sources share.
+
+A source holds requests' KV or their checksums, says each request's token count and
+gives a ``Record``. Its capabilities, each None where it lacks them: ``trimmed`` (it can be
+checksummed again over fewer tokens), ``raw_kv`` (its workers' raw KV, for locating
+differences), ``carried_checksums`` (dumps carrying checksums to verify) and ``positions``
+(a record's fixed position numbering).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+from ..errors import KvauditError
+
+if TYPE_CHECKING:
+    from ..dumps import DumpSet
+    from ..records import Record, WorkerInfo
+    from .inventory import Inventory
+    from .raw import RawWorker
+
+Progress = Callable[[int], None]
+"""Called with the bytes checksummed since its last call."""
+
+
+class Listing(Protocol):
+    """A request as a worker lists it: its token count and, per group, the position of the
+    first listed block and the engine block ids of consecutive positions."""
+
+    num_tokens: int
+    groups: Mapping[int, tuple[int, Sequence[int]]]
+
+
+_Listed = TypeVar("_Listed")
+"""A request as a worker lists it (``DumpRequest``, ``RequestBlocks``): a ``Listing``."""
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where checksums are computed: the backend and device ``--device`` resolves to."""
+
+    backend: str
+    device: str
+
+
+def resolve_device(choice: str) -> Runtime:
+    """The runtime of a ``--device`` choice; ``auto`` is CUDA with the Triton kernel where
+    available, else the CPU torch path.
+
+    Raises:
+        KvauditError: ``cuda`` without a CUDA device, or an unknown choice.
+
+    """
+    if choice not in ("auto", "cuda", "cpu"):
+        raise KvauditError(f"--device {choice}: expected auto, cpu or cuda")
+    if choice == "cpu":
+        return Runtime("torch", "cpu")
+    import torch  # only to ask for a GPU
+
+    available = torch.cuda.is_available()
+    if choice == "auto":
+        return Runtime("auto", "cuda") if available else Runtime("torch", "cpu")
+    if not available:
+        raise KvauditError("--device cuda: no CUDA device is available")
+    return Runtime("auto", "cuda")
+
+
+class Source(ABC):
+    """Resolved SOURCE arguments: something to inspect and checksum."""
+
+    kind: str = ""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = list(names)
+
+    @property
+    @abstractmethod
+    def request_ids(self) -> list[str]:
+        """The requests the source holds, in order."""
+
+    @abstractmethod
+    def inventory(self) -> Inventory:
+        """What the source holds."""
+
+    @abstractmethod
+    def checksum(
+        self,
+        request_ids: Sequence[str] | None,
+        positions: str | None,
+        runtime: Runtime,
+        progress: Progress | None = None,
+    ) -> Record:
+        """The record of the requests (all when ``request_ids`` is None), summed over the
+        source's workers; ``positions`` None means the source's own or ``request``."""
+
+    @abstractmethod
+    def token_counts(self) -> dict[str, int]:
+        """Each request's token count, as the source holds it."""
+
+    def work(self, request_ids: Sequence[str] | None) -> int:
+        """Bytes a checksum of the requests reads (0: not worth a progress bar)."""
+        return 0
+
+    @property
+    def positions(self) -> str | None:
+        """The position numbering the source's checksums are fixed to (a record's); None
+        when it can checksum with either."""
+        return None
+
+    def trimmed(self, num_tokens: Mapping[str, int]) -> Source | None:
+        """The same source with the given requests cut to at most ``num_tokens[id]``
+        tokens, so that its checksums cover only those; None when the source cannot be
+        checksummed again (a record)."""
+        return None
+
+    def raw_kv(self) -> list[RawWorker] | None:
+        """Each worker's raw KV (``kvaudit.sources.raw.RawWorker``: dumps, live tensors)
+        for locating differences; None when the source holds only checksums."""
+        return None
+
+    def carried_checksums(self) -> DumpSet | None:
+        """The dumps whose carried checksums (the producer's wire bytes a consumer
+        received, stored checksums of offloaded blocks) ``verify`` checks; None for a
+        source that carries none."""
+        return None
+
+    def describe(self) -> str:
+        """The source in a report's title: its names, its kind and, where its dumps or
+        record state it, the engine's TP x PP layout."""
+        worker = self._stated_worker()
+        layout = f", TP {worker.tp_size} x PP {worker.pp_size}" if worker is not None else ""
+        return f"{', '.join(self.names)} ({self.kind}{layout})"
+
+    def _stated_worker(self) -> WorkerInfo | None:
+        """A worker as the source's files state it, for ``describe``; None for live ones."""
+        return None
+
+    def check_request_ids(self, request_ids: Sequence[str]) -> None:
+        """Reject a request id the source does not hold."""
+        known = self.request_ids
+        for request_id in request_ids:
+            if request_id not in known:
+                held = ", ".join(known) if known else "none"
+                raise KvauditError(
+                    f"unknown request {request_id!r} in {', '.join(self.names)} (it holds: {held})"
+                )
+
+
+def request_ids_of(mappings: Iterable[Mapping[str, object]]) -> list[str]:
+    """The request ids of the workers' mappings, each once, in order of appearance."""
+    return list(dict.fromkeys(rid for mapping in mappings for rid in mapping))
+
+
+def token_counts_of(mappings: Iterable[Mapping[str, Listing]]) -> dict[str, int]:
+    """Each request's token count, from the first worker that lists it."""
+    counts: dict[str, int] = {}
+    for mapping in mappings:
+        for request_id, request in mapping.items():
+            counts.setdefault(request_id, request.num_tokens)
+    return counts
+
+
+def trim(requests: Mapping[str, _Listed], num_tokens: Mapping[str, int]) -> dict[str, _Listed]:
+    """The requests (dataclasses with ``num_tokens``) with each one in ``num_tokens`` cut
+    to at most that many tokens."""
+    return {
+        rid: (
+            dataclasses.replace(request, num_tokens=min(request.num_tokens, num_tokens[rid]))
+            if rid in num_tokens
+            else request
+        )
+        for rid, request in requests.items()
+    }

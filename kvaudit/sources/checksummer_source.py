@@ -1,0 +1,113 @@
+"""Live ``Checksummer`` objects as a source: one engine's workers handed over in Python
+(``kvaudit.testing.LiveSide``), with the requests' blocks of each and, optionally, the
+tensors each checksummer was built over (with them, differences can be located).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from ..checksummer import Checksummer, RequestBlocks
+from ..errors import KvauditError
+from ..records import Record
+from ..validation import worker_layout
+from .base import Progress, Runtime, Source, request_ids_of, token_counts_of, trim
+from .inventory import Inventory, WorkerInventory, group_info, request_inventory
+from .raw import LiveWorker, RawWorker, checksum_each
+
+if TYPE_CHECKING:
+    from ..views import LayerTensor
+
+
+class ChecksummerSource(Source):
+    """One engine's workers as ``Checksummer`` objects, with each worker's requests' blocks
+    and, optionally, the tensors each checksummer was built over."""
+
+    kind = "live"
+
+    def __init__(
+        self,
+        checksummers: Sequence[Checksummer],
+        requests: Sequence[Mapping[str, RequestBlocks]],
+        tensors: Sequence[Mapping[str, LayerTensor]] | None = None,
+        name: str = "live",
+    ) -> None:
+        if not checksummers:
+            raise KvauditError("no checksummers given", name)
+        if len(requests) != len(checksummers):
+            raise KvauditError(
+                f"{len(checksummers)} checksummers but {len(requests)} request mappings", name
+            )
+        if tensors is not None and len(tensors) != len(checksummers):
+            raise KvauditError(
+                f"{len(checksummers)} checksummers but {len(tensors)} tensor mappings", name
+            )
+        super().__init__([name])
+        self.checksummers = list(checksummers)
+        self.requests = [dict(mapping) for mapping in requests]
+        self.tensors = None if tensors is None else list(tensors)
+
+    @property
+    def request_ids(self) -> list[str]:
+        return request_ids_of(self.requests)
+
+    def inventory(self) -> Inventory:
+        workers = [
+            WorkerInventory(
+                summer.worker,
+                summer.num_blocks,
+                [group_info(views, None) for _, views in sorted(summer.groups.items())],
+            )
+            for summer in self.checksummers
+        ]
+        missing = worker_layout([summer.worker for summer in self.checksummers])
+        return Inventory(
+            self.kind,
+            self.names,
+            workers,
+            not missing,
+            missing,
+            request_inventory(self.requests),
+        )
+
+    def checksum(
+        self,
+        request_ids: Sequence[str] | None,
+        positions: str | None,
+        runtime: Runtime,
+        progress: Progress | None = None,
+    ) -> Record:
+        workers = zip(self.checksummers, self.requests, strict=True)
+        return checksum_each(workers, request_ids, positions)
+
+    def token_counts(self) -> dict[str, int]:
+        return token_counts_of(self.requests)
+
+    def trimmed(self, num_tokens: Mapping[str, int]) -> ChecksummerSource:
+        requests = [trim(mapping, num_tokens) for mapping in self.requests]
+        return ChecksummerSource(self.checksummers, requests, self.tensors, self.names[0])
+
+    def raw_kv(self) -> list[RawWorker] | None:
+        if self.tensors is None:
+            return None
+        worker_layout([summer.worker for summer in self.checksummers])
+        workers = []
+        for summer, mapping, tensors in zip(
+            self.checksummers, self.requests, self.tensors, strict=True
+        ):
+            name = summer.worker.source or (
+                f"{self.names[0]} pp{summer.worker.pp_rank} tp{summer.worker.tp_rank}"
+            )
+            workers.append(
+                LiveWorker(
+                    name=name,
+                    worker=dataclasses.replace(summer.worker, source=name),
+                    description=summer.description,
+                    tensors=tensors,
+                    num_rows=summer.num_blocks,
+                    requests=dict(mapping),
+                )
+            )
+        return sorted(workers, key=lambda raw: (raw.worker.pp_rank, raw.worker.tp_rank))

@@ -1,0 +1,200 @@
+"""Live handles as sources: ``live:PATH`` arguments, each one worker of a running process.
+
+``PATH`` is a Python file (``tools/live.py``) or an importable module (``mypkg.kv_live``)
+that defines ``kvaudit_live()``, which returns ``(description, tensors, rank, requests)``:
+
+- ``description``: a ``CacheDescription``, a description dict, or the path of a YAML file;
+- ``tensors``: layer name to its cache tensor (or ``(k, v)`` tensors), any strides, on the
+  CPU or a GPU;
+- ``rank``: a dict with any of ``tp_rank``, ``tp_size``, ``pp_rank``, ``pp_size``, ``role``,
+  ``engine``, ``num_blocks``;
+- ``requests``: request id to a ``RequestBlocks``, or to a dict
+  ``{"num_tokens": n, "groups": {group_id: [start, [block ids]]}}`` as in a dump's metadata.
+
+The workers' tensors are checksummed in place (or moved to ``--device`` when it is given)
+and read in place to locate differences.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..checksummer import RequestBlocks
+from ..description import CacheDescription, load_description, parse_description
+from ..errors import KvauditError
+from ..records import Record, WorkerInfo
+from ..validation import check_worker
+from .base import Progress, Runtime
+from .raw import LiveWorker, RawKVSource, checksum_each, one_line, one_line_errors
+from .registry import OpenOptions, SourceKind, register_kind
+
+LIVE_PREFIX = "live:"
+LIVE_FUNCTION = "kvaudit_live"
+_RANK_KEYS = ("tp_rank", "tp_size", "pp_rank", "pp_size", "role", "engine", "num_blocks")
+
+
+class LiveSource(RawKVSource):
+    """Workers of a running process, each from its ``live:PATH`` handle."""
+
+    kind = "live"
+    workers: list[LiveWorker]
+
+    def __init__(self, workers: Sequence[LiveWorker], device_given: bool) -> None:
+        super().__init__([worker.name for worker in workers], workers)
+        self.device_given = device_given
+
+    def checksum(
+        self,
+        request_ids: Sequence[str] | None,
+        positions: str | None,
+        runtime: Runtime,
+        progress: Progress | None = None,
+    ) -> Record:
+        placement = runtime if self.device_given else None
+        workers = ((live.checksummer(placement), live.requests) for live in self.workers)
+        return checksum_each(workers, request_ids, positions)
+
+    def trimmed(self, num_tokens: Mapping[str, int]) -> LiveSource:
+        return LiveSource(self.trimmed_workers(num_tokens), self.device_given)
+
+
+def _open(names: Sequence[str], handles: Sequence[str], options: OpenOptions) -> LiveSource:
+    if len(handles) != len(names):
+        raise KvauditError("live: handles cannot be mixed with dumps or records")
+    workers = [_load_live(name, options.config) for name in names]
+    return LiveSource(workers, options.device_given)
+
+
+def _load_live(name: str, config: CacheDescription | None) -> LiveWorker:
+    """Import a ``live:PATH`` handle and call its ``kvaudit_live()``."""
+    target = name[len(LIVE_PREFIX) :]
+    if not target:
+        raise KvauditError("expected live:PATH, a Python file or module", name)
+    module = _import_live(name, target)
+    function = getattr(module, LIVE_FUNCTION, None)
+    if not callable(function):
+        raise KvauditError(f"defines no {LIVE_FUNCTION}() function", name)
+    try:
+        result = function()
+    except KvauditError:
+        raise
+    except Exception as error:
+        raise KvauditError(f"{LIVE_FUNCTION}() raised {one_line(error)}", name) from None
+    if not isinstance(result, (tuple, list)) or len(result) != 4:
+        raise KvauditError(
+            f"{LIVE_FUNCTION}() must return (description, tensors, rank, requests)", name
+        )
+    description, tensors, rank, requests = result
+    if config is not None:
+        description = config
+    elif isinstance(description, (str, os.PathLike)):
+        description = load_description(description)
+    elif isinstance(description, Mapping):
+        description = parse_description(description, name)
+    elif not isinstance(description, CacheDescription):
+        raise KvauditError(
+            f"{LIVE_FUNCTION}(): the description must be a CacheDescription, a dict or a "
+            f"YAML path, got {type(description).__name__}",
+            name,
+        )
+    if not isinstance(tensors, Mapping):
+        raise KvauditError(f"{LIVE_FUNCTION}(): tensors must be a dict of layer tensors", name)
+    if not isinstance(rank, Mapping) or any(key not in _RANK_KEYS for key in rank):
+        raise KvauditError(
+            f"{LIVE_FUNCTION}(): rank must be a dict with keys among {', '.join(_RANK_KEYS)}",
+            name,
+        )
+    listed = _live_requests(name, requests)
+    num_blocks = rank.get("num_blocks")
+    return LiveWorker(
+        name=name,
+        description=description,
+        tensors=tensors,
+        worker=_live_worker_info(name, rank),
+        num_rows=description.num_blocks if num_blocks is None else num_blocks,
+        requests=listed,
+    )
+
+
+def _live_worker_info(name: str, rank: Mapping[str, Any]) -> WorkerInfo:
+    """The worker a handle's ``rank`` dict describes (a consumer by default).
+
+    Raises:
+        KvauditError: An unknown role, or a rank outside its size; the message names the
+            handle.
+
+    """
+    worker = WorkerInfo(
+        tp_rank=rank.get("tp_rank", 0),
+        tp_size=rank.get("tp_size", 1),
+        pp_rank=rank.get("pp_rank", 0),
+        pp_size=rank.get("pp_size", 1),
+        role=rank.get("role", "consumer"),
+        engine=rank.get("engine", ""),
+        source=name,
+    )
+    # A Checksummer's checks, made here too: inspect builds none, yet must reject what
+    # checksum rejects.
+    with one_line_errors(name):
+        check_worker(worker, worker.role, name)
+    return worker
+
+
+def _import_live(name: str, target: str) -> Any:
+    """The module of a live handle: a file path, or an importable module name."""
+    try:
+        if target.endswith(".py") or os.path.sep in target or os.path.isfile(target):
+            if not os.path.isfile(target):
+                raise KvauditError("no such Python file", name)
+            # One module name per file: two handles' files may share a file name.
+            digest = hashlib.sha256(os.path.abspath(target).encode()).hexdigest()[:16]
+            module_name = f"kvaudit_live_{digest}"
+            spec = importlib.util.spec_from_file_location(module_name, target)
+            if spec is None or spec.loader is None:
+                raise KvauditError("cannot load as a Python file", name)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[module_name] = module  # dataclasses look their module up
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[module_name]
+                raise
+            return module
+        return importlib.import_module(target)
+    except KvauditError:
+        raise
+    except Exception as error:
+        raise KvauditError(f"cannot import: {one_line(error)}", name) from None
+
+
+def _live_requests(name: str, requests: object) -> dict[str, RequestBlocks]:
+    """``kvaudit_live()``'s requests as ``RequestBlocks``."""
+    if not isinstance(requests, Mapping):
+        raise KvauditError(f"{LIVE_FUNCTION}(): requests must be a dict", name)
+    result = {}
+    for request_id, blocks in requests.items():
+        if isinstance(blocks, RequestBlocks):
+            result[str(request_id)] = blocks
+            continue
+        try:
+            groups = {
+                int(gid): (start, list(block_ids))
+                for gid, (start, block_ids) in blocks["groups"].items()
+            }
+            result[str(request_id)] = RequestBlocks(blocks["num_tokens"], groups)
+        except (KeyError, TypeError, ValueError):
+            raise KvauditError(
+                f"{LIVE_FUNCTION}(): request {request_id!r}: expected "
+                '{"num_tokens": n, "groups": {id: [start, [block ids]]}}',
+                name,
+            ) from None
+    return result
+
+
+register_kind(SourceKind("live", _open, prefix=LIVE_PREFIX))

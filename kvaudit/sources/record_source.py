@@ -1,0 +1,158 @@
+"""Records as sources: the JSON ``kvaudit checksum --format json`` writes, read back.
+
+A record holds checksums only: it can be compared and inspected, not checksummed again
+over fewer tokens nor located in. It is a ``.json`` file or any file whose content starts
+with ``{``, and stands alone among a command's SOURCE arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..description import CacheDescription
+from ..errors import KvauditError
+from ..records import Record, WorkerInfo
+from .base import Progress, Runtime, Source
+from .inventory import GroupInfo, Inventory, RequestInventory, WorkerInventory, add_request
+from .registry import OpenOptions, SourceKind, register_kind, register_object
+
+RECORD_SUFFIX = ".json"
+DUMP_SUFFIX = ".safetensors"
+
+
+class RecordSource(Source):
+    """A record saved by ``kvaudit checksum --format json``."""
+
+    kind = "record"
+
+    def __init__(self, name: str, record: Record) -> None:
+        super().__init__([name])
+        self.record = record
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self.record.requests)
+
+    @property
+    def positions(self) -> str:
+        return self.record.positions
+
+    def token_counts(self) -> dict[str, int]:
+        return {rid: request.num_tokens for rid, request in self.record.requests.items()}
+
+    def inventory(self) -> Inventory:
+        block_sizes: dict[int, int] = {}
+        requests: dict[str, RequestInventory] = {}
+        for request_id, request in self.record.requests.items():
+            held = {}
+            for gid, group in request.groups.items():
+                block_sizes.setdefault(gid, group.block_size)
+                held[gid] = (group.start, range(group.count))
+            add_request(requests, request_id, request.num_tokens, held)
+        workers = []
+        for summary in self.record.workers:
+            gids = sorted(set(summary.fingerprints) | set(summary.not_covered))
+            groups = [
+                GroupInfo(
+                    id=gid,
+                    fingerprint=summary.fingerprints.get(gid, 0),
+                    covered=gid not in summary.not_covered,
+                    reason=summary.not_covered.get(gid),
+                    block_size=block_sizes.get(gid),
+                )
+                for gid in gids
+            ]
+            workers.append(WorkerInventory(summary.worker, None, groups))
+        return Inventory(
+            self.kind,
+            self.names,
+            workers,
+            self.record.complete,
+            list(self.record.missing_workers),
+            requests,
+        )
+
+    def _stated_worker(self) -> WorkerInfo | None:
+        return self.record.workers[0].worker if self.record.workers else None
+
+    def checksum(
+        self,
+        request_ids: Sequence[str] | None,
+        positions: str | None,
+        runtime: Runtime,
+        progress: Progress | None = None,
+    ) -> Record:
+        record = self.record
+        if positions is not None and positions != record.positions:
+            raise KvauditError(
+                f"the record numbers positions by {record.positions}, not {positions}; "
+                "checksum the dumps again to renumber them",
+                self.names[0],
+            )
+        if request_ids is None:
+            return record
+        return Record(
+            record.positions,
+            record.workers,
+            record.complete,
+            {request_id: record.requests[request_id] for request_id in request_ids},
+            list(record.missing_workers),
+        )
+
+
+def load_record(path: str) -> Record:
+    """Read a record JSON file.
+
+    Raises:
+        KvauditError: The file is missing, not JSON, or not a record; the message names it.
+
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise KvauditError("no such file", path) from None
+    except UnicodeDecodeError:
+        raise KvauditError("not a UTF-8 text file, expected a record (JSON)", path) from None
+    except OSError as error:
+        raise KvauditError(f"cannot read: {error.strerror}", path) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise KvauditError(
+            f"line {error.lineno}: not valid JSON ({error.msg}), expected a record", path
+        ) from None
+    return Record.from_json(data, path)
+
+
+def is_record(name: str) -> bool:
+    """A record: a ``.json`` file, or a file whose first non-blank byte is ``{``."""
+    if name.lower().endswith(RECORD_SUFFIX):
+        return True
+    if name.lower().endswith(DUMP_SUFFIX) or not os.path.isfile(name):
+        return False
+    try:
+        with open(name, "rb") as handle:
+            head = handle.read(64)
+    except OSError:
+        return False
+    # A safetensors file starts with an 8-byte header length, never with "{".
+    return head.lstrip()[:1] == b"{"
+
+
+def _open(names: Sequence[str], records: Sequence[str], options: OpenOptions) -> RecordSource:
+    if len(names) != 1:
+        raise KvauditError(
+            f"{records[0]}: a record stands alone; give one record, or dumps without records"
+        )
+    return RecordSource(records[0], load_record(records[0]))
+
+
+def _wrap(record: Record, config: CacheDescription | None, label: str) -> RecordSource:
+    return RecordSource(label, record)
+
+
+register_kind(SourceKind("record", _open, sniff=is_record))
+register_object(Record, _wrap, "a Record")

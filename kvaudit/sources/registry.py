@@ -1,0 +1,136 @@
+"""The source registry: which kind of source a SOURCE argument or a Python object is.
+
+A kind registers how it recognises its arguments, by a prefix (``live:``) or by sniffing
+the path (a record file), and how it opens them; one kind (dumps) takes what no other
+claims. Python objects (a ``Record``, a ``DumpSet``, ``kvaudit.testing.LiveSide``) register
+how they become a source. ``open_source`` serves the command line, ``source_of`` serves
+``kvaudit.testing``. A new kind of source is one module that calls ``register_kind``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from ..description import CacheDescription
+from ..errors import KvauditError
+from .base import Source
+
+
+@dataclass(frozen=True)
+class OpenOptions:
+    """What the command line says about all its SOURCE arguments: ``config`` supplies or
+    overrides a description; ``device_given``: live tensors move to ``--device`` when it was
+    given, else they are checksummed where they are."""
+
+    config: CacheDescription | None = None
+    device_given: bool = False
+
+
+Opener = Callable[[Sequence[str], Sequence[str], OpenOptions], Source]
+"""Opens a command's SOURCE arguments (all of them, then those the kind claims)."""
+
+
+@dataclass(frozen=True)
+class SourceKind:
+    """A kind of SOURCE argument: it claims those with its ``prefix``, or those ``sniff``
+    accepts, and opens them with ``opener`` (which rejects mixes it cannot take)."""
+
+    name: str
+    opener: Opener
+    prefix: str | None = None
+    sniff: Callable[[str], bool] | None = None
+
+    def claims(self, name: str) -> bool:
+        """Whether a SOURCE argument is of this kind."""
+        if self.prefix is not None and name.startswith(self.prefix):
+            return True
+        return self.sniff is not None and self.sniff(name)
+
+
+_KINDS: list[SourceKind] = []
+_FALLBACK: list[SourceKind] = []
+
+
+def register_kind(kind: SourceKind, *, fallback: bool = False) -> None:
+    """Register a kind of SOURCE argument. Kinds with a prefix are tried first, then the
+    sniffing ones in the order registered, then the fallback, which takes any argument."""
+    if fallback:
+        _FALLBACK[:] = [kind]
+    else:
+        _KINDS.append(kind)
+
+
+def open_source(
+    names: Sequence[str], config: CacheDescription | None = None, *, device_given: bool = False
+) -> Source:
+    """Resolve a command's SOURCE arguments into one source (docs/cli.md, SOURCE).
+
+    ``config`` supplies or overrides the dumps' and live workers' description.
+    ``device_given``: live tensors move to ``--device`` when it was given, else they are
+    checksummed where they are.
+
+    Raises:
+        KvauditError: A source that does not exist or cannot be read, or a mix of kinds.
+
+    """
+    if not names:
+        raise KvauditError("no SOURCE given")
+    options = OpenOptions(config, device_given)
+    prefixed = [kind for kind in _KINDS if kind.prefix is not None]
+    sniffed = [kind for kind in _KINDS if kind.prefix is None]
+    for kind in (*prefixed, *sniffed, *_FALLBACK):
+        claimed = [name for name in names if kind.claims(name)]
+        if claimed or kind in _FALLBACK:
+            return kind.opener(names, claimed or list(names), options)
+    raise KvauditError(f"not a source kvaudit knows: {names[0]}")
+
+
+_Side = TypeVar("_Side")
+Wrapper = Callable[[_Side, CacheDescription | None, str], Source]
+"""Makes a Python object a source: ``(object, config, label)``."""
+
+_ACCEPTED: list[str] = []
+
+
+@functools.singledispatch
+def _wrap(side: object, config: CacheDescription | None, label: str) -> Source:
+    *rest, last = _ACCEPTED
+    accepted = f"{', '.join(rest)} or {last}" if rest else last
+    raise KvauditError(f"the {label} must be {accepted}, got {type(side).__name__}")
+
+
+def register_object(cls: type, wrapper: Wrapper, accepted: str) -> None:
+    """Register how an object of ``cls`` (or a subclass) becomes a source; ``accepted``
+    names it in the error for an object of no registered type (``"a Record"``)."""
+    _wrap.register(cls)(wrapper)
+    _ACCEPTED.append(accepted)
+
+
+def source_of(side: object, config: CacheDescription | None = None, label: str = "side") -> Source:
+    """A Python object as a source: paths as on the command line, or an object of a
+    registered type; ``config`` applies to dumps, ``label`` names the side in errors.
+
+    Raises:
+        KvauditError: A path that cannot be read, or an object of another type.
+
+    """
+    return _wrap(side, config, label)
+
+
+def _path(side: str | os.PathLike, config: CacheDescription | None, label: str) -> Source:
+    return open_source([os.fspath(side)], config)
+
+
+def _paths(side: Sequence[object], config: CacheDescription | None, label: str) -> Source:
+    if side and all(isinstance(item, (str, os.PathLike)) for item in side):
+        return open_source([os.fspath(item) for item in side], config)  # type: ignore[arg-type]
+    return _wrap.dispatch(object)(side, config, label)
+
+
+register_object(str, _path, "dump paths")
+_wrap.register(os.PathLike)(_path)
+_wrap.register(Sequence)(_paths)
