@@ -27,15 +27,15 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .checksummer import Checksummer, RequestBlocks
+from .checksummer import Checksummer
 from .compare import DiffReport
 from .description import CacheDescription, load_description
 from .diffing import diff_sources
 from .dumps import DumpSet
+from .inputs import LayerTensors, RequestBlocks
 from .records import Record
 from .report import print_diff, render_text
 from .sources import ChecksummerSource, Source, register_object, source_of
-from .views import LayerTensor
 
 
 @dataclass
@@ -48,14 +48,15 @@ class LiveSide:
     ``requests``: the requests' blocks in the engine's block ids, as ``RequestBlocks``:
     one mapping that every worker shares (engines keep one block table), or a list with
     one mapping per checksummer.
-    ``tensors``: optionally, per checksummer (same order), the tensors it was built over;
+    ``tensors``: optionally, per checksummer (same order), the tensors it was built over
+    (by layer name, or the ``kv_caches`` list);
     with them on both sides differences are located down to layers, heads, tokens and
     bytes, as for dumps.
     """
 
     checksummers: Sequence[Checksummer]
     requests: Mapping[str, RequestBlocks] | Sequence[Mapping[str, RequestBlocks]]
-    tensors: Sequence[Mapping[str, LayerTensor]] | None = None
+    tensors: Sequence[LayerTensors] | None = None
     name: str = "live"
 
     def source(self) -> ChecksummerSource:

@@ -9,8 +9,9 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from ..checksummer import Checksummer, RequestBlocks
+from ..checksummer import Checksummer
 from ..errors import KvauditError
+from ..inputs import RequestBlocks, tensors_by_name
 from ..records import Record
 from ..validation import worker_layout
 from .base import Progress, Runtime, Source, request_ids_of, token_counts_of, trim
@@ -18,7 +19,7 @@ from .inventory import Inventory, WorkerInventory, group_info, request_inventory
 from .raw import LiveWorker, RawWorker, checksum_each
 
 if TYPE_CHECKING:
-    from ..views import LayerTensor
+    from ..inputs import LayerTensors
 
 
 class ChecksummerSource(Source):
@@ -31,7 +32,7 @@ class ChecksummerSource(Source):
         self,
         checksummers: Sequence[Checksummer],
         requests: Sequence[Mapping[str, RequestBlocks]],
-        tensors: Sequence[Mapping[str, LayerTensor]] | None = None,
+        tensors: Sequence[LayerTensors] | None = None,
         name: str = "live",
     ) -> None:
         if not checksummers:
@@ -105,7 +106,7 @@ class ChecksummerSource(Source):
                     name=name,
                     worker=dataclasses.replace(summer.worker, source=name),
                     description=summer.description,
-                    tensors=tensors,
+                    tensors=tensors_by_name(summer.description, tensors, name),
                     num_rows=summer.num_blocks,
                     requests=dict(mapping),
                 )

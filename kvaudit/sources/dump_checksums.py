@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..checksummer import Checksummer, RequestBlocks
+from ..checksummer import Checksummer
 from ..description import LayerEntry
 from ..dumps import Dump, DumpSet
 from ..dumps.layers import kernel_blocks_per_block, layer_parts, owner_layers
 from ..dumps.safetensors_io import as_integers, tensor_nbytes
 from ..errors import KvauditError
+from ..inputs import RequestBlocks
 from ..records import (
     GroupChecksums,
     Record,

@@ -25,9 +25,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..checksummer import RequestBlocks
 from ..description import CacheDescription, load_description, parse_description
 from ..errors import KvauditError
+from ..inputs import RequestBlocks
 from ..records import Record, WorkerInfo
 from ..validation import check_worker
 from .base import Progress, Runtime

@@ -17,9 +17,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from ..checksummer import Checksummer, RequestBlocks
+from ..checksummer import Checksummer
 from ..description import CacheDescription
 from ..errors import KvauditError
+from ..inputs import RequestBlocks
 from ..records import Record, WorkerInfo, WorkerRecord, combine_workers
 from ..validation import worker_layout
 from ..views import GroupViews, build_group_views
