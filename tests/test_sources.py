@@ -20,6 +20,7 @@ from kvaudit.description import parse_description
 from kvaudit.diffing import diff_sources
 from kvaudit.dumps import open_dump_set, write_dump
 from kvaudit.errors import KvauditError
+from kvaudit.formats import record_to_json
 from kvaudit.inputs import RequestBlocks
 from kvaudit.locate import locate_differences
 from kvaudit.records import Record, WorkerInfo
@@ -137,7 +138,7 @@ def test_a_registered_kind_is_opened_checksummed_and_located(memory_kind: None, 
     assert not report.ok
     group = report.requests["r"][0]
     assert group.mismatched_positions == [1]
-    assert [(e["position"], e["layer"], e["head"], e["tokens"]) for e in group.located] == [
+    assert [(e.position, e.layer, e.head, e.tokens) for e in group.located] == [
         (1, LAYERS[1], 1, [5])
     ]
     # The same checksums as the dump path reads from a dump of the same cache.
@@ -152,9 +153,7 @@ def test_locate_reads_dumps_and_live_tensors_alike(dump: Path) -> None:
     live = [LiveWorker("live", CONSUMER, DESCRIPTION, broken, 6, dict(REQUESTS))]
     dumps = open_dump_set([dump]).dumps
     found = locate_differences(dumps, live, "r", 0, [0, 1, 2], 4, 10)
-    assert [(e["position"], e["layer"], e["head"], e["tokens"]) for e in found] == [
-        (2, LAYERS[0], 0, [8])
-    ]
+    assert [(e.position, e.layer, e.head, e.tokens) for e in found] == [(2, LAYERS[0], 0, [8])]
     clean = [LiveWorker("live", CONSUMER, DESCRIPTION, cache(), 6, dict(REQUESTS))]
     assert locate_differences(dumps, clean, "r", 0, [0, 1, 2], 4, 10) == []
 
@@ -169,7 +168,7 @@ def test_objects_become_sources_by_type(dump: Path, tmp_path: Path) -> None:
     assert source_of(record, label="saved").names == ["saved"]
     assert isinstance(source_of(record), RecordSource)
     saved = tmp_path / "record.json"
-    saved.write_text(json.dumps(record.to_json()))
+    saved.write_text(json.dumps(record_to_json(record)))
     assert isinstance(source_of(saved), RecordSource)
     for bad in (42, [], [1, 2], b"x"):
         with pytest.raises(KvauditError) as raised:
@@ -182,7 +181,7 @@ def test_objects_become_sources_by_type(dump: Path, tmp_path: Path) -> None:
 
 def test_kinds_do_not_mix(dump: Path, tmp_path: Path) -> None:
     saved = tmp_path / "record.json"
-    saved.write_text(json.dumps(checksum_dump_set(open_dump_set([dump])).to_json()))
+    saved.write_text(json.dumps(record_to_json(checksum_dump_set(open_dump_set([dump])))))
     with pytest.raises(KvauditError, match=r"^live: handles cannot be mixed with dumps"):
         open_source(["live:handle.py", str(dump)])
     with pytest.raises(KvauditError, match="a record stands alone"):
