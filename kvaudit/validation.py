@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Literal, NoReturn, Protocol, get_args
+from typing import Literal, NoReturn, Protocol, cast, get_args
 
 import numpy as np
 
@@ -78,7 +78,7 @@ class Checker:
         """A worker role: producer, consumer or offload."""
         if value not in ROLES:
             self.fail(path, f"expected one of {', '.join(ROLES)}, {self.got(value)}")
-        return value  # type: ignore[return-value]
+        return cast(Role, value)
 
     def rank(self, rank: int, size: int, path: str) -> None:
         """A rank from 0 to one below its size."""
