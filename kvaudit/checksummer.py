@@ -97,6 +97,18 @@ class Checksummer:
             raise KvauditError(
                 f"unknown position numbering {positions!r}, expected request or block"
             )
+        return self.launch(requests, positions).result()
+
+    def launch(
+        self, requests: Mapping[str, RequestBlocks], positions: Positions = "request"
+    ) -> PendingChecksums:
+        """Queue the checksums of the requests' blocks on the current device stream and
+        start their asynchronous copy to the host; ``result()`` of what it returns waits
+        for that copy. On the CPU everything is computed before it returns."""
+        if positions not in POSITION_NUMBERINGS:
+            raise KvauditError(
+                f"unknown position numbering {positions!r}, expected request or block"
+            )
         record = WorkerRecord(
             self.worker, positions, self.fingerprints, self.not_covered, requests={}
         )
@@ -117,22 +129,65 @@ class Checksummer:
             rows = torch.from_numpy(
                 np.stack(_rows(segments, self.groups[group_id].group.block_size, positions))
             )
-            if plan.device.type == "cuda":
+            cuda = plan.device.type == "cuda"
+            if cuda:
                 rows = rows.pin_memory()
             ids, first_tokens, valid_tokens = rows.to(plan.device, non_blocking=True)
-            launched.append((group_id, segments, plan.checksum(ids, first_tokens, valid_tokens)))
-        for group_id, segments, device_values in launched:
-            values = device_values.cpu().numpy().view(np.uint64)
+            device_values = plan.checksum(ids, first_tokens, valid_tokens)
+            if cuda:
+                host = torch.empty(device_values.shape, dtype=torch.int64, pin_memory=True)
+                host.copy_(device_values, non_blocking=True)
+            else:
+                host = device_values
+            launched.append((group_id, segments, host))
+        done = None
+        if any(self.plans[group_id].device.type == "cuda" for group_id, _, _ in launched):
+            done = torch.cuda.Event()
+            done.record()
+        return PendingChecksums(record, launched, self, done)
+
+
+class PendingChecksums:
+    """A worker's checksums on their way to the host: ``ready()`` says whether the copy
+    finished, ``result()`` waits for it and gives the ``WorkerRecord``."""
+
+    def __init__(
+        self,
+        record: WorkerRecord,
+        launched: list[tuple[int, list[tuple[str, int, list[int], int]], torch.Tensor]],
+        checksummer: Checksummer,
+        done: torch.cuda.Event | None,
+    ) -> None:
+        self._record = record
+        self._launched = launched
+        self._checksummer = checksummer
+        self._done = done
+        self._result: WorkerRecord | None = None
+
+    def ready(self) -> bool:
+        """Whether ``result()`` would return without waiting."""
+        return self._result is not None or self._done is None or self._done.query()
+
+    def result(self) -> WorkerRecord:
+        """The worker's record, once the values reached the host."""
+        if self._result is not None:
+            return self._result
+        if self._done is not None:
+            self._done.synchronize()
+        record, summer = self._record, self._checksummer
+        for group_id, segments, host in self._launched:
+            values = host.numpy().view(np.uint64)
             row = 0
             for req_id, start, block_ids, _ in segments:
                 record.requests[req_id].groups[group_id] = GroupChecksums(
-                    block_size=self.groups[group_id].group.block_size,
+                    block_size=summer.groups[group_id].group.block_size,
                     start=start,
-                    replica_keys=list(self.plans[group_id].replica_keys),
+                    replica_keys=list(summer.plans[group_id].replica_keys),
                     values=values[row : row + len(block_ids)].copy(),
-                    fingerprint=self.groups[group_id].fingerprint,
+                    fingerprint=summer.groups[group_id].fingerprint,
                 )
                 row += len(block_ids)
+        self._result, self._launched = record, []
         return record
 
 

@@ -1,0 +1,1 @@
+"""Integrations of kvaudit into serving engines (``kvaudit.integrations.vllm``)."""

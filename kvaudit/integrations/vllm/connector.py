@@ -1,0 +1,549 @@
+"""``KVAuditConnector``: a vLLM v1 KV connector that wraps the deployment's connector,
+delegates every call to it unchanged, and audits the KV it sends and receives.
+
+Configured under ``kv_connector_extra_config``: ``"kvaudit"`` holds the audit's settings
+(``config.py``), ``"wrapped"`` the wrapped connector's ``KVTransferConfig`` fields (its
+other fields are this connector's). Without ``"wrapped"`` it audits on its own.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    CopyBlocksOp,
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+    supports_hma,
+)
+from vllm.v1.attention.backend import AttentionMetadata
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
+from vllm.v1.outputs import KVConnectorOutput
+
+from ...description import parse_description
+from ...records import WorkerInfo
+from .config import AuditConfig, parse_config
+from .describe import describe_vllm_cache
+from .messages import (
+    KVAuditMetadata,
+    KVAuditPromMetrics,
+    KVAuditStats,
+    KVAuditWorkerMetadata,
+    class_path,
+)
+from .scheduler import GroupLayout, SchedulerAudit
+from .worker import WorkerAudit
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvaudit.vllm")
+
+AUDIT_KEY = "kvaudit"
+WRAPPED_KEY = "wrapped"
+
+
+def wrapped_transfer_config(config: KVTransferConfig) -> KVTransferConfig | None:
+    """The wrapped connector's ``KVTransferConfig``: ``"wrapped"`` laid over this
+    connector's fields (None: nothing wrapped)."""
+    wrapped = config.kv_connector_extra_config.get(WRAPPED_KEY)
+    if wrapped is None:
+        return None
+    if not isinstance(wrapped, dict) or not wrapped.get("kv_connector"):
+        raise ValueError(
+            "kv_connector_extra_config.wrapped: expected a mapping with kv_connector, "
+            f"got {wrapped!r}"
+        )
+    own = ("kv_connector", "kv_connector_module_path", "kv_connector_extra_config")
+    base = {
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(config)
+        if f.init and f.name not in own
+    }
+    return KVTransferConfig(**{**base, **wrapped})
+
+
+def _wrapped_class(vllm_config: VllmConfig) -> type[KVConnectorBase_V1] | None:
+    assert vllm_config.kv_transfer_config is not None
+    inner = wrapped_transfer_config(vllm_config.kv_transfer_config)
+    return None if inner is None else KVConnectorFactory.get_connector_class(inner)
+
+
+def _with_transfer_config(vllm_config: VllmConfig, config: KVTransferConfig) -> VllmConfig:
+    out = copy.copy(vllm_config)
+    out.kv_transfer_config = config
+    return out
+
+
+def worker_ranks(vllm_config: VllmConfig) -> tuple[int, int, int, int]:
+    """``(tp_rank, tp_size, pp_rank, pp_size)`` of this worker."""
+    from vllm.distributed import parallel_state
+
+    parallel = vllm_config.parallel_config
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, parallel.tensor_parallel_size, 0, parallel.pipeline_parallel_size
+    return (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pp_group().rank_in_group,
+        parallel_state.get_pp_group().world_size,
+    )
+
+
+class KVAuditConnector(KVConnectorBase_V1):
+    """Audits the KV a wrapped connector moves: checksums on the producer when the KV is
+    complete, on the consumer once loaded; the producer's wire in ``kv_transfer_params``
+    under ``"kvaudit"``; mismatches logged, counted and (policy ``fail``) reported as load
+    errors. Every call is delegated to the wrapped connector, its results unchanged."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.audit_config: AuditConfig = parse_config(extra.get(AUDIT_KEY))
+        inner_config = wrapped_transfer_config(self._kv_transfer_config)
+        self.wrapped: KVConnectorBase_V1 | None = None
+        if inner_config is not None:
+            created = KVConnectorFactory.create_connector(
+                _with_transfer_config(vllm_config, inner_config), role, kv_cache_config
+            )
+            assert isinstance(created, KVConnectorBase_V1)
+            self.wrapped = created
+        self._wrapped_class = class_path(type(self.wrapped) if self.wrapped else None)
+        self._load_async: dict[str, bool] = {}
+        self.worker_audit: WorkerAudit | None = None
+        self.scheduler_audit: SchedulerAudit | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            parallel = vllm_config.parallel_config
+            self.scheduler_audit = SchedulerAudit(
+                self.audit_config,
+                _group_layouts(kv_cache_config),
+                producer=self._kv_transfer_config.is_kv_producer,
+                world_size=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
+                single_group=len(kv_cache_config.kv_cache_groups) == 1,
+            )
+
+    @property
+    def engine_label(self) -> str:
+        """The engine's name in records."""
+        config = self._kv_transfer_config
+        return self.audit_config.engine or f"vLLM {config.kv_role} {config.engine_id}"
+
+    # Properties and class methods: the wrapped connector's.
+
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        return self.wrapped.supports_divergent_local_hybrid_hits if self.wrapped else False
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        if self.wrapped is None:
+            return super().requires_kv_delivery
+        return self.wrapped.requires_kv_delivery
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        inner = wrapped_transfer_config(kv_transfer_config)
+        if inner is None:
+            return True
+        return KVConnectorFactory.get_connector_class(inner).supports_sleep_mode(inner)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        assert vllm_config.kv_transfer_config is not None
+        inner = wrapped_transfer_config(vllm_config.kv_transfer_config)
+        if inner is None:
+            return None
+        wrapped = KVConnectorFactory.get_connector_class(inner)
+        return wrapped.get_required_kvcache_layout(_with_transfer_config(vllm_config, inner))
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        wrapped = extra_config.get(WRAPPED_KEY)
+        if not wrapped:
+            return False
+        inner = KVTransferConfig(**wrapped)
+        return KVConnectorFactory.get_connector_class(inner).requires_piecewise_for_cudagraph(
+            inner.kv_connector_extra_config
+        )
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KVAuditStats.from_dict(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        assert vllm_config.kv_transfer_config is not None
+        inner = wrapped_transfer_config(vllm_config.kv_transfer_config)
+        if inner is None:
+            return None
+        inner_vllm = _with_transfer_config(vllm_config, inner)
+        wrapped = KVConnectorFactory.get_connector_class(inner).build_prom_metrics(
+            inner_vllm, metric_types, labelnames, per_engine_labelvalues
+        )
+        if wrapped is None:
+            return None
+        return KVAuditPromMetrics(
+            wrapped, vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
+
+    # Worker side.
+
+    def get_mem_pool_context(self) -> AbstractContextManager | None:
+        return self.wrapped.get_mem_pool_context() if self.wrapped else None
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, KVAuditMetadata)
+        if self.wrapped is not None and connector_metadata.inner is not None:
+            self.wrapped.bind_connector_metadata(connector_metadata.inner)
+        if self.worker_audit is not None:
+            self.worker_audit.bind(connector_metadata.audit)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self.wrapped is not None:
+            self.wrapped.clear_connector_metadata()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.wrapped is not None:
+            self.wrapped.register_kv_caches(kv_caches)
+        self._start_worker_audit(kv_caches)
+
+    def _start_worker_audit(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Describe the caches from the engine's KVCacheConfig and set up the checksums."""
+        tp_rank, tp_size, pp_rank, pp_size = worker_ranks(self._vllm_config)
+        worker = WorkerInfo(tp_rank, tp_size, pp_rank, pp_size, "consumer", self.engine_label)
+        heads = _model_kv_heads(self._vllm_config)
+        description_dict, _ = describe_vllm_cache(self._kv_cache_config, kv_caches, heads)
+        if not description_dict["groups"]:
+            logger.warning("kvaudit: no KV cache group of this worker can be audited")
+            return
+        description = parse_description(description_dict, "vLLM KVCacheConfig")
+        self.worker_audit = WorkerAudit(
+            description, description_dict, kv_caches, worker, self.audit_config
+        )
+
+    def unregister_kv_caches(self) -> None:
+        if self.wrapped is not None:
+            self.wrapped.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        if self.wrapped is not None:
+            self.wrapped.restore_kv_caches()
+
+    def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
+        if self.wrapped is not None:
+            self.wrapped.set_host_xfer_buffer_ops(copy_operation)
+
+    def finish_forward(self) -> None:
+        if self.wrapped is not None:
+            self.wrapped.finish_forward()
+        if self.worker_audit is not None:
+            self.worker_audit.forward_done()
+
+    def reset_capture_state(self) -> None:
+        if self.wrapped is not None:
+            self.wrapped.reset_capture_state()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, KVAuditMetadata)
+        if self.wrapped is not None and kv_connector_metadata.inner is not None:
+            self.wrapped.handle_preemptions(kv_connector_metadata.inner)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self.wrapped is not None:
+            self.wrapped.start_load_kv(forward_context, **kwargs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.wrapped is not None:
+            self.wrapped.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        if self.wrapped is not None:
+            self.wrapped.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self) -> None:
+        if self.wrapped is not None:
+            self.wrapped.wait_for_save()
+        if self.worker_audit is not None:
+            self.worker_audit.forward_done()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.wrapped is None:
+            return None, None
+        sending, recving = self.wrapped.get_finished(finished_req_ids)
+        if self.worker_audit is None:
+            return sending, recving
+        audited, _ = self.worker_audit.transfer_results(set(recving or ()), set())
+        self.worker_audit.finished(finished_req_ids)
+        return sending, audited if recving is not None or audited else recving
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self.wrapped is not None:
+            results = self.wrapped.get_transfer_results(finished_req_ids)
+        else:
+            results = KVConnectorTransferResults()
+        if self.worker_audit is None:
+            return results
+        finished, failed = self.worker_audit.transfer_results(
+            set(results.finished_recving), set(results.failed_recving)
+        )
+        self.worker_audit.finished(finished_req_ids)
+        return KVConnectorTransferResults(results.finished_sending, finished, failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors = self.wrapped.get_block_ids_with_load_errors() if self.wrapped else set()
+        if self.worker_audit is not None:
+            errors = set(errors) | self.worker_audit.load_errors()
+        return errors
+
+    def shutdown(self) -> None:
+        if self.wrapped is not None:
+            self.wrapped.shutdown()
+        if self.worker_audit is not None:
+            self.worker_audit.close()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        inner = self.wrapped.get_kv_connector_stats() if self.wrapped else None
+        stats = KVAuditStats(inner=inner, inner_class=self._wrapped_class)
+        if self.scheduler_audit is not None:
+            stats.data["kvaudit"] = self.scheduler_audit.take_counters().as_dict()
+        return None if stats.is_empty() and inner is None else stats
+
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
+        return self.wrapped.get_kv_connector_kv_cache_events() if self.wrapped else None
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self.wrapped.get_handshake_metadata() if self.wrapped else None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        inner = self.wrapped.build_connector_worker_meta() if self.wrapped else None
+        partials = self.worker_audit.partials() if self.worker_audit else []
+        if inner is None and not partials:
+            return None
+        return KVAuditWorkerMetadata(inner, partials)
+
+    # Scheduler side.
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        self._kv_cache_manager = kv_cache_manager
+        if self.wrapped is not None:
+            self.wrapped.bind_kv_cache_manager(kv_cache_manager)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        if self.wrapped is not None:
+            self.wrapped.bind_gpu_block_pool(gpu_block_pool)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        if self.wrapped is None:
+            return super().get_loaded_kv_cache_group_ids(request)
+        return self.wrapped.get_loaded_kv_cache_group_ids(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if self.wrapped is None:
+            return 0, False
+        result = self.wrapped.get_num_new_matched_tokens(request, num_computed_tokens)
+        self._load_async[request.request_id] = bool(result[1])
+        return result
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[Any, int]:
+        if self.wrapped is None:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return self.wrapped.get_external_cache_hit_sources(request, num_external_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if self.wrapped is not None:
+            self.wrapped.update_state_after_alloc(request, blocks, num_external_tokens)
+        if self.scheduler_audit is not None and num_external_tokens > 0:
+            load = "async" if self._load_async.get(request.request_id) else "sync"
+            self.scheduler_audit.after_alloc(
+                request, blocks.get_block_ids(), num_external_tokens, load
+            )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        inner = self.wrapped.build_connector_meta(scheduler_output) if self.wrapped else None
+        assert self.scheduler_audit is not None
+        audit = self.scheduler_audit.build(scheduler_output)
+        self.scheduler_audit.forget(scheduler_output.finished_req_ids)
+        for rid in scheduler_output.finished_req_ids:
+            self._load_async.pop(rid, None)
+        return KVAuditMetadata(inner, audit)
+
+    def on_new_request(self, request: Request) -> None:
+        if self.wrapped is not None:
+            self.wrapped.on_new_request(request)
+        if self.scheduler_audit is not None:
+            self.scheduler_audit.new_request(request)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        partials = []
+        if isinstance(meta, KVAuditWorkerMetadata):
+            partials = meta.partials
+            connector_output = dataclasses.replace(
+                connector_output, kv_connector_worker_meta=meta.inner
+            )
+        if self.wrapped is not None:
+            self.wrapped.update_connector_output(connector_output)
+        if self.scheduler_audit is not None and partials:
+            self.scheduler_audit.update(partials)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self.wrapped is not None:
+            delay_free, params = self.wrapped.request_finished(request, block_ids)
+        else:
+            delay_free, params = False, None
+        return delay_free, self._finished(request, params)
+
+    def _finished(self, request: Request, params: dict[str, Any] | None) -> dict[str, Any] | None:
+        self._load_async.pop(request.request_id, None)
+        if self.scheduler_audit is None:
+            return params
+        return self.scheduler_audit.finished(request, params)
+
+    def register_finished_partial_tail(
+        self,
+        request: Request,
+        block_ids: tuple[list[int], ...],
+        partial_tail_offloads: list[tuple[int, int, int]],
+    ) -> bool:
+        if self.wrapped is None:
+            return False
+        return self.wrapped.register_finished_partial_tail(
+            request, block_ids, partial_tail_offloads
+        )
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self.wrapped.take_events() if self.wrapped else ()
+
+    def has_pending_block_frees(self) -> bool:
+        return self.wrapped.has_pending_block_frees() if self.wrapped else False
+
+    def has_pending_push_work(self) -> bool:
+        return self.wrapped.has_pending_push_work() if self.wrapped else False
+
+    def get_finished_count(self) -> int | None:
+        return self.wrapped.get_finished_count() if self.wrapped else None
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        if self.wrapped is not None:
+            self.wrapped.set_xfer_handshake_metadata(metadata)
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        if self.wrapped is not None:
+            self.wrapped.set_xfer_handshake_metadata_pp_aware(metadata)
+
+    def reset_cache(self) -> bool | None:
+        return self.wrapped.reset_cache() if self.wrapped else None
+
+
+class KVAuditHMAConnector(KVAuditConnector, SupportsHMA):
+    """``KVAuditConnector`` for a wrapped connector that supports vLLM's hybrid memory
+    allocator (several KV cache groups), so that vLLM keeps HMA on."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if self.wrapped is not None and not supports_hma(self.wrapped):
+            raise ValueError(
+                f"KVAuditHMAConnector wraps {type(self.wrapped).__name__}, which does not "
+                "support HMA: use KVAuditConnector"
+            )
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self.wrapped is not None:
+            assert isinstance(self.wrapped, SupportsHMA)
+            delay_free, params = self.wrapped.request_finished_all_groups(request, block_ids)
+        else:
+            delay_free, params = False, None
+        return delay_free, self._finished(request, params)
+
+
+def _group_layouts(kv_cache_config: KVCacheConfig) -> dict[int, GroupLayout]:
+    """The transfer groups of attention layers, with their block sizes."""
+    out = {}
+    for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        specs = (
+            list(spec.kv_cache_specs.values())
+            if isinstance(spec, UniformTypeKVCacheSpecs)
+            else [spec]
+        )
+        if not group.enable_kv_transfer or not all(isinstance(s, AttentionSpec) for s in specs):
+            continue
+        windowed = any(isinstance(s, (SlidingWindowSpec, ChunkedLocalAttentionSpec)) for s in specs)
+        out[group_id] = GroupLayout(int(spec.block_size), windowed)
+    return out
+
+
+def _model_kv_heads(vllm_config: VllmConfig) -> int | None:
+    """The model's KV head count when every attention layer has it (None: unknown)."""
+    model = vllm_config.model_config
+    if model is None:
+        return None
+    try:
+        total = model.get_total_num_kv_heads()
+    except (AttributeError, ValueError):
+        return None
+    global_heads = getattr(model.hf_text_config, "num_global_key_value_heads", None)
+    return total if global_heads in (None, total) else None

@@ -1,0 +1,381 @@
+"""The scheduler side of the audit: which blocks each worker checksums, the workers'
+partial sums added up over TP ranks and PP stages, the producer's wire in
+``kv_transfer_params``, and the consumer's comparison on arrival (docs/vllm.md).
+
+It sees vLLM's objects only through the few attributes it reads, so that it is driven in
+tests with vLLM's real scheduler output and request objects as well as plain data.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ...errors import KvauditError
+from ...records import RequestChecksums, WorkerRecord, combine_workers
+from ...scheme import valid_tokens
+from ...wire import decode_wire_base64, encode_wire_base64
+from .config import AuditConfig
+from .jobs import CONSUMER, PRODUCER, AuditJob, AuditStep, WorkerPartials
+
+logger = logging.getLogger("kvaudit.vllm")
+
+PARAM_WIRE = "kvaudit"
+PARAM_ID = "kvaudit_id"
+_STALE_INDEX_SIZE = 1 << 16
+NULL_BLOCK = 0  # vLLM's block pool keeps block 0 as the null block of skipped positions
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """What the scheduler needs of a KV cache group: its block size and whether it may
+    hold null blocks for positions out of its window."""
+
+    block_size: int
+    windowed: bool = False
+
+
+@dataclass
+class AuditCounters:
+    """Counts since the last report, for vLLM's connector stats."""
+
+    producer_requests: int = 0
+    consumer_requests: int = 0
+    mismatched_requests: int = 0
+    mismatched_blocks: int = 0
+    not_comparable_groups: int = 0
+    unverified_requests: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Request:
+    request: str
+    audit_id: str
+    prompt_tokens: int
+    tables: list[list[int]] = field(default_factory=list)
+    role: str | None = None
+    produced: bool = False
+    loaded_tokens: int = 0
+    load: str | None = None
+    received: str | None = None
+    consumer_due: bool = False
+    params: dict[str, Any] | None = None
+    wire: str | None = None
+    jobs: dict[str, AuditJob] = field(default_factory=dict)
+    partials: dict[str, dict[tuple[int, int], WorkerRecord]] = field(default_factory=dict)
+
+
+class SchedulerAudit:
+    """Audit state of one engine's scheduler."""
+
+    def __init__(
+        self,
+        config: AuditConfig,
+        groups: Mapping[int, GroupLayout],
+        *,
+        producer: bool,
+        world_size: int,
+        single_group: bool,
+    ) -> None:
+        self.config = config
+        self.groups = dict(groups)
+        self.producer = producer
+        self.world_size = world_size
+        self.single_group = single_group
+        self.counters = AuditCounters()
+        self._requests: dict[str, _Request] = {}
+        self._step = AuditStep()
+        self._stale: OrderedDict[tuple[int, int], tuple[str, int]] = OrderedDict()
+
+    # Requests coming in.
+
+    def new_request(self, request: Any) -> None:
+        """Note a request the engine took (``on_new_request``)."""
+        rid = request.request_id
+        params = request.kv_transfer_params or {}
+        state = _Request(rid, str(params.get(PARAM_ID) or rid), int(request.num_prompt_tokens))
+        wire = params.get(PARAM_WIRE)
+        if isinstance(wire, str):
+            state.received = wire
+        self._requests[rid] = state
+
+    def after_alloc(
+        self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int,
+        load: str,
+    ) -> None:  # fmt: skip
+        """A consumer's blocks for the KV it loads (``update_state_after_alloc``)."""
+        if num_external_tokens <= 0:
+            return
+        state = self._requests.get(request.request_id)
+        if state is None:
+            self.new_request(request)
+            state = self._requests[request.request_id]
+        state.role = CONSUMER
+        state.loaded_tokens = int(request.num_computed_tokens) + int(num_external_tokens)
+        state.load = load
+        state.tables = [list(ids) for ids in block_ids]
+        state.consumer_due = True
+
+    # One step.
+
+    def build(self, scheduler_output: Any) -> AuditStep:
+        """This step's jobs (``build_connector_meta``)."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            if state.role != CONSUMER or not state.tables:
+                state.tables = [list(ids) for ids in new.block_ids]
+            self._maybe_produce(state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            state = self._requests.get(rid)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if rid in cached.resumed_req_ids:
+                    state.tables = [list(ids) for ids in new_ids]
+                else:
+                    for table, ids in zip(state.tables, new_ids, strict=False):
+                        table.extend(ids)
+            self._maybe_produce(state, cached.num_computed_tokens[i] + scheduled.get(rid, 0))
+        for state in self._requests.values():
+            if state.consumer_due:
+                state.consumer_due = False
+                self._add_consumer_job(state)
+        step, self._step = self._step, AuditStep()
+        return step
+
+    def _maybe_produce(self, state: _Request, computed: int) -> None:
+        if not self.producer or state.role == CONSUMER or state.produced:
+            return
+        if computed < state.prompt_tokens or state.prompt_tokens == 0:
+            return
+        state.role = PRODUCER
+        state.produced = True
+        job = AuditJob(
+            state.request, state.audit_id, PRODUCER, state.prompt_tokens,
+            self._groups_of(state, state.prompt_tokens), dump=self._sampled(state.audit_id),
+        )  # fmt: skip
+        state.jobs[PRODUCER] = job
+        self._step.jobs.append(job)
+
+    def _add_consumer_job(self, state: _Request) -> None:
+        num_tokens = state.loaded_tokens
+        received = None
+        if state.received is not None:
+            try:
+                wire = decode_wire_base64(state.received, f"request {state.request}")
+                num_tokens = min(num_tokens, wire.num_tokens)
+                received = base64.b64decode(state.received)
+            except KvauditError as error:
+                logger.warning("kvaudit: %s", error)
+                state.received = None
+        job = AuditJob(
+            state.request, state.audit_id, CONSUMER, num_tokens,
+            self._groups_of(state, num_tokens), load=state.load,
+            dump=self._sampled(state.audit_id), received=received,
+        )  # fmt: skip
+        state.jobs[CONSUMER] = job
+        self._step.jobs.append(job)
+
+    def _groups_of(self, state: _Request, num_tokens: int) -> dict[int, tuple[int, list[int]]]:
+        """Per audited group, the first position and block ids of the request's tokens."""
+        out = {}
+        for gid, layout in self.groups.items():
+            if gid >= len(state.tables):
+                continue
+            count = -(-num_tokens // layout.block_size)
+            ids = state.tables[gid][:count]
+            start = 0
+            if layout.windowed:
+                while start < len(ids) and ids[start] == NULL_BLOCK:
+                    start += 1
+            if start < len(ids):
+                out[gid] = (start, ids[start:])
+        return out
+
+    def _sampled(self, audit_id: str) -> bool:
+        """Whether both engines dump this request: a fraction ``dump_sample_rate`` of ids,
+        chosen by the id's hash so producer and consumer choose alike."""
+        rate = self.config.dump_sample_rate
+        if rate <= 0 or self.config.max_dump_bytes <= 0 or self.config.output is None:
+            return False
+        digest = hashlib.sha256(audit_id.encode("utf-8")).digest()
+        return int.from_bytes(digest[:8], "little") < rate * 2**64
+
+    # Requests going out.
+
+    def finished(self, request: Any, params: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The request's ``kv_transfer_params`` with the producer's wire added."""
+        state = self._requests.get(request.request_id)
+        if state is None or state.role != PRODUCER:
+            if state is None or CONSUMER not in state.jobs:
+                # A consumer's checksums may still be on their way: kept until they are in.
+                self._requests.pop(request.request_id, None)
+            return params
+        out = dict(params or {})
+        out[PARAM_ID] = state.audit_id
+        if state.wire is not None:
+            out[PARAM_WIRE] = state.wire
+            self._requests.pop(request.request_id, None)
+        else:
+            # The checksums of the step that finished the request arrive in this same
+            # update of the scheduler, after request_finished: filled in then.
+            state.params = out
+        return out
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop requests that ended without their checksums (aborted, preempted away)."""
+        for rid in request_ids:
+            state = self._requests.get(rid)
+            if state is not None and state.role == CONSUMER and not state.partials:
+                self._requests.pop(rid, None)
+
+    # Worker results.
+
+    def update(self, partials: Iterable[WorkerPartials]) -> None:
+        """Add up the workers' partial sums; send or compare each request once every
+        worker's are in (``update_connector_output``)."""
+        for partial in partials:
+            record = partial.record()
+            worker = (record.worker.pp_rank, record.worker.tp_rank)
+            for job in partial.jobs:
+                state = self._requests.get(job.request)
+                checksums = record.requests.get(job.request)
+                if state is None or checksums is None:
+                    continue
+                single = WorkerRecord(
+                    record.worker, record.positions, record.fingerprints, record.not_covered,
+                    {job.request: checksums},
+                )  # fmt: skip
+                collected = state.partials.setdefault(job.role, {})
+                collected[worker] = single
+                if len(collected) == record.worker.tp_size * record.worker.pp_size:
+                    combined = combine_workers(list(collected.values()))
+                    del state.partials[job.role]
+                    if job.role == PRODUCER:
+                        self._produced(state, combined.requests[job.request], combined.positions)
+                    else:
+                        self._arrived(state, job, combined.requests[job.request])
+
+    def _produced(self, state: _Request, checksums: RequestChecksums, positions: str) -> None:
+        self.counters.producer_requests += 1
+        state.wire = encode_wire_base64(checksums.to_wire(positions))
+        if state.params is not None:
+            state.params[PARAM_WIRE] = state.wire
+            self._requests.pop(state.request, None)
+
+    def _arrived(self, state: _Request, job: AuditJob, checksums: RequestChecksums) -> None:
+        self.counters.consumer_requests += 1
+        self._requests.pop(state.request, None)
+        if job.received is None:
+            self.counters.unverified_requests += 1
+            logger.info("kvaudit: request %s: no producer checksums received", state.audit_id)
+            self._release(state, [])
+            return
+        wire = decode_wire_base64(base64.b64encode(job.received).decode(), state.request)
+        bad_blocks: list[int] = []
+        for group in wire.groups:
+            mine = checksums.groups.get(group.group_id)
+            if mine is None:
+                continue
+            if mine.fingerprint != group.fingerprint:
+                self.counters.not_comparable_groups += 1
+                logger.warning(
+                    "kvaudit: request %s group %d not comparable: the engines' layers, "
+                    "specs or dtypes differ (fingerprint %016x here, %016x sent)",
+                    state.audit_id, group.group_id, mine.fingerprint, group.fingerprint,
+                )  # fmt: skip
+                continue
+            positions = _differing(group, mine, wire.num_tokens, job.num_tokens)
+            positions += [p for p in _replica_differences(mine) if p not in positions]
+            self._index(state.audit_id, group.group_id, group.start, group.totals)
+            if not positions:
+                continue
+            start, ids = job.groups[group.group_id]
+            blocks = [ids[p - start] for p in sorted(positions)]
+            bad_blocks.extend(blocks)
+            totals = mine.totals()
+            stale = []
+            for p in sorted(positions):
+                found = self._stale.get((group.group_id, int(totals[p - mine.start])))
+                if found is not None and found != (state.audit_id, p):
+                    stale.append(f"position {p} holds {found[0]} position {found[1]}")
+            logger.error(
+                "kvaudit: MISMATCH request %s group %d positions %s (blocks %s): stale "
+                "source: %s",
+                state.audit_id, group.group_id, sorted(positions), blocks,
+                "; ".join(stale) if stale else "none found among recent producers",
+            )  # fmt: skip
+            self.counters.mismatched_blocks += len(positions)
+        if bad_blocks:
+            self.counters.mismatched_requests += 1
+        self._release(state, bad_blocks)
+
+    def _release(self, state: _Request, bad_blocks: list[int]) -> None:
+        """Under policy ``fail``, report the differing blocks as load errors and let a
+        held load finish."""
+        if self.config.policy != "fail":
+            return
+        if bad_blocks:
+            if self.single_group:
+                self._step.load_errors.update(bad_blocks)
+            else:
+                self._step.failed_loads.add(state.request)
+        if state.load == "async":
+            self._step.released.add(state.request)
+
+    def _index(self, audit_id: str, group_id: int, start: int, totals: np.ndarray) -> None:
+        """Remember the producer's totals, to name the source of a stale block."""
+        for offset, value in enumerate(totals.tolist()):
+            self._stale[(group_id, int(value))] = (audit_id, start + offset)
+            self._stale.move_to_end((group_id, int(value)))
+        while len(self._stale) > _STALE_INDEX_SIZE:
+            self._stale.popitem(last=False)
+
+    def take_counters(self) -> AuditCounters:
+        """The counters since the last call."""
+        counters, self.counters = self.counters, AuditCounters()
+        return counters
+
+
+def _differing(group: Any, mine: Any, producer_tokens: int, consumer_tokens: int) -> list[int]:
+    """Positions both sides hold with the same valid tokens whose totals differ."""
+    totals = mine.totals()
+    out = []
+    for offset, value in enumerate(group.totals.tolist()):
+        p = group.start + offset
+        if not mine.start <= p < mine.end:
+            continue
+        size = group.block_size
+        if valid_tokens(producer_tokens, size, p) != valid_tokens(consumer_tokens, size, p):
+            continue
+        if int(totals[p - mine.start]) != value:
+            out.append(p)
+    return out
+
+
+def _replica_differences(mine: Any) -> list[int]:
+    """Positions where a consumer replica ``(R, r)`` differs from ``(R, 0)``."""
+    keys = [tuple(k) for k in mine.replica_keys]
+    out = set()
+    for k, (replicas, index) in enumerate(keys):
+        if index == 0 or (replicas, 0) not in keys:
+            continue
+        base = keys.index((replicas, 0))
+        for row in np.nonzero(mine.values[:, k] != mine.values[:, base])[0].tolist():
+            out.add(mine.start + row)
+    return sorted(out)

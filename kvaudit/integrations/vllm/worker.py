@@ -1,0 +1,225 @@
+"""The worker side of the audit: checksums of the blocks the scheduler names, taken when
+the KV is complete, without blocking the forward pass (docs/vllm.md).
+
+On a GPU the checksums run on a side stream that waits for the forward's stream, and their
+values are copied to pinned host memory asynchronously; the next step's stream waits for
+the side stream before it can overwrite a block. On the CPU they are computed directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from ...checksummer import Checksummer, RequestBlocks
+from ...description import CacheDescription
+from ...dumps import write_dump
+from ...errors import KvauditError
+from ...records import WorkerInfo
+from ...views import LayerTensor
+from . import output
+from .config import AuditConfig
+from .jobs import CONSUMER, PRODUCER, AuditJob, AuditStep, WorkerPartials
+
+logger = logging.getLogger("kvaudit.vllm")
+
+
+class WorkerAudit:
+    """One worker's audit: its checksummers, the jobs waiting for their KV, the checksums
+    on their way to the scheduler and to the output folder."""
+
+    def __init__(
+        self,
+        description: CacheDescription,
+        description_dict: Mapping[str, object],
+        tensors: Mapping[str, LayerTensor],
+        worker: WorkerInfo,
+        config: AuditConfig,
+    ) -> None:
+        self.config = config
+        self.worker = worker
+        self.description = description
+        self.tensors = dict(tensors)
+        common = {
+            "tp_rank": worker.tp_rank,
+            "tp_size": worker.tp_size,
+            "pp_rank": worker.pp_rank,
+            "pp_size": worker.pp_size,
+            "backend": config.backend,
+            "engine": worker.engine,
+            "source": f"worker pp{worker.pp_rank} tp{worker.tp_rank}",
+        }
+        self.checksummers = {
+            PRODUCER: Checksummer(description, self.tensors, role="producer", **common),
+            CONSUMER: Checksummer(description, self.tensors, role="consumer", **common),
+        }
+        devices = {p.device for c in self.checksummers.values() for p in c.plans.values()}
+        self.stream = (
+            torch.cuda.Stream(device=next(iter(devices)))
+            if any(d.type == "cuda" for d in devices)
+            else None
+        )
+        for group_id, reason in self.checksummers[CONSUMER].not_covered.items():
+            logger.warning("kvaudit: KV cache group %d is not audited: %s", group_id, reason)
+        if config.output is not None:
+            output.write_description(config.output, description_dict, worker)
+        self._due: list[AuditJob] = []
+        self._waiting_loads: dict[str, AuditJob] = {}
+        self._held: set[str] = set()
+        self._released: set[str] = set()
+        self._failed: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._outgoing: list[WorkerPartials] = []
+        self._unwritten: list[WorkerPartials] = []
+        self._dumped_bytes = 0
+
+    def bind(self, step: AuditStep | None) -> None:
+        """Take the scheduler's work for this step; order this step's stream after the
+        checksums still reading blocks."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+        if step is None:
+            return
+        for job in step.jobs:
+            if job.role == CONSUMER and job.load == "async":
+                self._waiting_loads[job.request] = job
+            else:
+                self._due.append(job)
+        self._load_errors |= step.load_errors
+        self._failed |= step.failed_loads & self._held
+        self._released |= step.released & self._held
+
+    def forward_done(self) -> None:
+        """Checksum this step's producer jobs and sync loads (their KV is complete)."""
+        jobs, self._due = self._due, []
+        self._launch(jobs)
+
+    def transfer_results(
+        self, finished_recving: set[str], failed_recving: set[str]
+    ) -> tuple[set[str], set[str]]:
+        """Checksum the loads reported finished; under policy ``fail`` hold them until
+        the scheduler's verdict. Returns the finished and failed receives to report."""
+        self.forward_done()
+        loaded = []
+        for request in finished_recving:
+            job = self._waiting_loads.pop(request, None)
+            if job is not None and request not in failed_recving:
+                loaded.append(job)
+        self._launch(loaded)
+        finished = set(finished_recving)
+        failed = set(failed_recving)
+        if self.config.policy == "fail":
+            held_now = {job.request for job in loaded}
+            self._held |= held_now
+            finished -= held_now
+            released = self._released | (self._failed & self._held)
+            finished |= released
+            failed |= self._failed & released
+            self._held -= released
+            self._released -= released
+            self._failed -= released
+        return finished, failed
+
+    def load_errors(self) -> set[int]:
+        """Blocks the scheduler found corrupted (policy ``fail``), reported once."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def partials(self) -> list[WorkerPartials]:
+        """This step's checksums for the scheduler; writes those that reached the host."""
+        out, self._outgoing = self._outgoing, []
+        self._write(final=False)
+        return out
+
+    def finished(self, requests: Iterable[str]) -> None:
+        """Forget loads of requests that ended before their load finished."""
+        for request in requests:
+            self._waiting_loads.pop(request, None)
+
+    def close(self) -> None:
+        """Write every checksum still on its way."""
+        self._write(final=True)
+
+    def _launch(self, jobs: list[AuditJob]) -> None:
+        for role in (PRODUCER, CONSUMER):
+            chosen = [job for job in jobs if job.role == role]
+            if not chosen:
+                continue
+            summer = self.checksummers[role]
+            blocks = {
+                job.request: RequestBlocks(
+                    job.num_tokens, {g: v for g, v in job.groups.items() if g in summer.groups}
+                )
+                for job in chosen
+            }
+            if self.stream is not None:
+                self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+                with torch.cuda.stream(self.stream):
+                    pending = summer.launch(blocks, self.config.positions)
+            else:
+                pending = summer.launch(blocks, self.config.positions)
+            partial = WorkerPartials(chosen, pending)
+            self._outgoing.append(partial)
+            self._unwritten.append(partial)
+            for job in chosen:
+                if job.dump:
+                    self._dump(job)
+
+    def _dump(self, job: AuditJob) -> None:
+        """Dump the request's blocks, within ``max_dump_bytes``."""
+        if self.config.output is None:
+            return
+        size = self._job_bytes(job)
+        if self._dumped_bytes + size > self.config.max_dump_bytes:
+            logger.info("kvaudit: request %s not dumped: max_dump_bytes reached", job.audit_id)
+            return
+        path = output.dump_path(self.config.output, job.audit_id, self.worker.pp_rank,
+                                self.worker.tp_rank)  # fmt: skip
+        path.parent.mkdir(parents=True, exist_ok=True)
+        info = WorkerInfo(
+            self.worker.tp_rank, self.worker.tp_size, self.worker.pp_rank, self.worker.pp_size,
+            job.role, self.worker.engine,
+        )  # fmt: skip
+        received = {job.audit_id: job.received} if job.received else None
+        groups = {g: v for g, v in job.groups.items() if g in self.checksummers[job.role].groups}
+        try:
+            write_dump(
+                path, self.description, self.tensors,
+                {job.audit_id: RequestBlocks(job.num_tokens, groups)},
+                worker=info, received=received,
+            )  # fmt: skip
+        except KvauditError as error:
+            logger.warning("kvaudit: request %s not dumped: %s", job.audit_id, error)
+            return
+        self._dumped_bytes += size
+
+    def _job_bytes(self, job: AuditJob) -> int:
+        """The bytes a dump of the job's blocks holds (every layer's rows)."""
+        blocks = len({b for _, ids in job.groups.values() for b in ids})
+        total = 0
+        for tensor in self.tensors.values():
+            for part in tensor if isinstance(tensor, tuple) else (tensor,):
+                total += part.numel() * part.element_size() // max(1, self.description.num_blocks)
+        return total * blocks
+
+    def _write(self, final: bool) -> None:
+        """Append the checksums that reached the host (all of them if ``final``)."""
+        if self.config.output is None:
+            self._unwritten = []
+            return
+        lines = []
+        keep = []
+        for partial in self._unwritten:
+            if not final and not partial.ready():
+                keep.append(partial)
+                continue
+            record = partial.record()
+            for job in partial.jobs:
+                checksums = record.requests.get(job.request)
+                if checksums is not None:
+                    lines.append(output.checksum_line(record, checksums, job.audit_id, job.role))
+        self._unwritten = keep
+        if lines:
+            output.append_checksums(self.config.output, lines, self.worker)

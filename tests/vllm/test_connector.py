@@ -1,0 +1,191 @@
+"""kvaudit's connector driven as vLLM 0.33.0 drives it (see harness.py for the source
+lines followed): the cache description from the engine's KVCacheConfig, the producer's
+wire in kv_transfer_params, TP sums, the consumer's comparison, its log line, counter and
+load errors, and the output folder read back as a record."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import harness as h
+import pytest
+import torch
+from expected import totals
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from kvaudit.description import load_description
+from kvaudit.integrations.vllm.output import read_output_folder
+from kvaudit.wire import decode_wire_base64
+
+Plant = Callable[[h.Engine, SchedulerOutput], None]
+PROMPT = list(range(500, 534))  # 34 tokens: two full 16-token blocks and 2 tokens
+PROMPT_B = list(range(900, 934))
+
+
+def example(tmp_path: Path) -> dict:
+    """vLLM's ExampleConnector (its save and load run on CPU tensors), shared storage."""
+    return {
+        "kv_connector": "ExampleConnector",
+        "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "store")},
+    }
+
+
+@pytest.mark.parametrize(
+    ("tp_size", "mla", "layout"),
+    [
+        (1, False, KVCacheLayout.LBHNC),
+        (2, False, KVCacheLayout.BLHNC),
+        (2, True, KVCacheLayout.LHBNC),
+        (1, False, KVCacheLayout.BLNHC),
+    ],
+)
+def test_producer_sends_its_totals_in_kv_transfer_params(
+    tp_size: int, mla: bool, layout: KVCacheLayout, tmp_path: Path
+) -> None:
+    """Standalone (nothing wrapped): the producer's wire, summed over TP ranks, equals the
+    reference totals of the prompt's tokens; the description is the engine's."""
+    engine = h.make_engine({"output": str(tmp_path)}, None, tp_size=tp_size, mla=mla,
+                           layout=layout, head_size=16 if mla else 8)  # fmt: skip
+    engine.add("req-1", PROMPT)
+    params = engine.step()["finished"]["req-1"]
+    wire = decode_wire_base64(params["kvaudit"], "params")
+    assert params["kvaudit_id"] == "req-1"
+    assert (wire.num_tokens, wire.numbering) == (34, "request")
+    [group] = wire.groups
+    want = totals(PROMPT, 34, layers=2, heads=4, head_size=16 if mla else 8, block_size=16,
+                  mla=mla, tp_size=tp_size)  # fmt: skip
+    assert group.totals.tolist() == want and (group.start, group.block_size) == (0, 16)
+    described = load_description(tmp_path / "workers" / "pp0-tp0" / "cache.yaml")
+    spec = described.groups[0].spec
+    assert (spec.type, spec.layout, spec.spec_class) == (
+        "mla" if mla else "full_attention",
+        "NHTC",
+        "MLAAttentionSpec" if mla else "FullAttentionSpec",
+    )
+    assert spec.num_kv_heads == (1 if mla else 4 // tp_size)
+    record = read_output_folder(tmp_path)
+    assert record.requests["req-1"].groups[0].totals().tolist() == want
+    assert record.complete and len(record.workers) == tp_size
+
+
+def run_pair(
+    tmp_path: Path, plant: Plant | None = None, policy: str = "log", tp_size: int = 1
+) -> tuple[h.Engine, h.Engine, dict]:
+    """A producer and a consumer engine moving one prompt through ExampleConnector."""
+    settings = {"dump_sample_rate": 1.0, "max_dump_bytes": 1 << 24, "policy": policy}
+    producer = h.make_engine({"output": str(tmp_path / "prefill"), **settings},
+                             example(tmp_path), engine_id="P", tp_size=tp_size)  # fmt: skip
+    producer.add("req-b", PROMPT_B)
+    params_b = producer.step()["finished"]["req-b"]
+    producer.add("req-a", PROMPT)
+    params = producer.step()["finished"]["req-a"]
+    consumer = h.make_engine({"output": str(tmp_path / "decode"), **settings},
+                             example(tmp_path), engine_id="D", tp_size=tp_size)  # fmt: skip
+    consumer.before_forward = plant
+    consumer.add("d-b", PROMPT_B, params_b)
+    consumer.step()
+    consumer.add("d-a", PROMPT, params)
+    out = consumer.step()
+    return producer, consumer, out
+
+
+def counters(engine: h.Engine) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for stats in engine.stats:
+        if stats is not None:
+            for key, value in stats.to_dict()["kvaudit"].items():
+                total[key] = total.get(key, 0) + value
+    return total
+
+
+def test_a_clean_transfer_matches(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="kvaudit.vllm"):
+        producer, consumer, _ = run_pair(tmp_path)
+    assert "MISMATCH" not in caplog.text
+    assert counters(producer)["producer_requests"] == 2
+    got = counters(consumer)
+    assert got["consumer_requests"] == 2 and got["mismatched_blocks"] == 0
+    # The consumer checked what it loaded: ExampleConnector loads the 32 full-block tokens.
+    record = read_output_folder(tmp_path / "decode")
+    assert record.requests["req-a"].num_tokens == 32
+    want = totals(PROMPT, 32, layers=2, heads=4, head_size=8, block_size=16)
+    assert record.requests["req-a"].groups[0].totals().tolist() == want
+
+
+def corrupt_block(position: int, layer: int = 1, head: int = 2, token: int = 5) -> Plant:
+    """Flip one bit of the consumer's loaded KV of request d-a (after the load, before
+    the forward), as a broken transfer would."""
+
+    def plant(engine: h.Engine, output: SchedulerOutput) -> None:
+        if "d-a" not in output.num_scheduled_tokens:
+            return
+        block = engine.tables["d-a"][position]
+        for worker in engine.workers:
+            heads = worker.caches[h.LAYER.format(layer)].shape[1]
+            if worker.rank * heads <= head < (worker.rank + 1) * heads:
+                cell = worker.caches[h.LAYER.format(layer)][block, head % heads, token]
+                cell.view(torch.int16)[3] ^= 0x40
+
+    return plant
+
+
+def test_a_corrupted_block_is_logged_counted_and_dumped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tp_size = 1
+    with caplog.at_level(logging.INFO, logger="kvaudit.vllm"):
+        _, consumer, _ = run_pair(tmp_path, corrupt_block(1), tp_size=tp_size)
+    lines = [r.getMessage() for r in caplog.records if "MISMATCH" in r.getMessage()]
+    block = consumer.tables["d-a"][1]
+    assert lines == [
+        f"kvaudit: MISMATCH request req-a group 0 positions [1] (blocks [{block}]): stale "
+        "source: none found among recent producers"
+    ]
+    got = counters(consumer)
+    assert (got["mismatched_requests"], got["mismatched_blocks"]) == (1, 1)
+    for side in ("prefill", "decode"):
+        dumps = sorted((tmp_path / side / "dumps" / "req-a").glob("*.safetensors"))
+        assert [p.name for p in dumps] == [f"pp0-tp{r}.safetensors" for r in range(tp_size)]
+
+
+def test_policy_fail_reports_the_blocks_as_load_errors(tmp_path: Path) -> None:
+    _, consumer, out = run_pair(tmp_path, corrupt_block(0), policy="fail")
+    assert out["invalid_block_ids"] == set()
+    # The verdict reaches the workers with the next step's metadata, which report the
+    # block as a load error: vLLM's kv_load_failure_policy then applies.
+    assert consumer.step()["invalid_block_ids"] == {consumer.tables["d-a"][0]}
+    assert consumer.step()["invalid_block_ids"] == set()
+
+
+def test_a_stale_block_names_its_source(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Block 1 of d-a holds block 1 of d-b (req-b's KV): the log names req-b position 1."""
+
+    def stale(engine: h.Engine, output: SchedulerOutput) -> None:
+        if "d-a" in output.num_scheduled_tokens:
+            for worker in engine.workers:
+                for cache in worker.caches.values():
+                    cache[engine.tables["d-a"][1]] = cache[engine.tables["d-b"][1]]
+
+    with caplog.at_level(logging.INFO, logger="kvaudit.vllm"):
+        run_pair(tmp_path, stale)
+    [line] = [r.getMessage() for r in caplog.records if "MISMATCH" in r.getMessage()]
+    assert "stale source: position 1 holds req-b position 1" in line
+
+
+def test_example_connector_under_tp_2_is_caught(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ExampleConnector names its files by layer and prompt only: under TP=2 both ranks
+    write one file, and each consumer rank loads the shard written last. kvaudit reports
+    every block of both requests."""
+    with caplog.at_level(logging.INFO, logger="kvaudit.vllm"):
+        _, consumer, _ = run_pair(tmp_path, tp_size=2)
+    lines = sorted(r.getMessage() for r in caplog.records if "MISMATCH" in r.getMessage())
+    assert [line.split(" (")[0] for line in lines] == [
+        "kvaudit: MISMATCH request req-a group 0 positions [0, 1]",
+        "kvaudit: MISMATCH request req-b group 0 positions [0, 1]",
+    ]
+    assert counters(consumer)["mismatched_blocks"] == 4
