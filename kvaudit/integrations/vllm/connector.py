@@ -194,7 +194,8 @@ class KVAuditConnector(KVConnectorBase_V1):
         wrapped = extra_config.get(WRAPPED_KEY)
         if not wrapped:
             return False
-        inner = KVTransferConfig(**wrapped)
+        # The role only satisfies the config's validation: the class is what is asked.
+        inner = KVTransferConfig(**{"kv_role": "kv_both", **wrapped})
         return KVConnectorFactory.get_connector_class(inner).requires_piecewise_for_cudagraph(
             inner.kv_connector_extra_config
         )
