@@ -24,3 +24,16 @@ python3 -m venv .venv-triton-oldest
     tests/test_kernel_backends.py tests/test_triton_kernel.py tests/test_triton_engine.py \
     tests/test_kernel_compile.py
 # --- End of stage: the oldest supported Triton ----------------------------------------
+
+# --- Stage: vLLM -----------------------------------------------------------------------
+# kvaudit's vLLM connector against the real vLLM 0.33.0 (CPU torch, no _C extension), in a
+# virtual environment of its own: vLLM with --no-deps, then the packages its connector
+# modules import (requirements/vllm-test.txt). tests/vllm is left out of the main run
+# (pyproject.toml addopts); here an import failure of vLLM fails the run, never skips it.
+python3 -m venv .venv-vllm
+.venv-vllm/bin/pip install -q torch==2.13.0
+.venv-vllm/bin/pip install -q --no-deps vllm==0.33.0
+.venv-vllm/bin/pip install -q -r requirements/vllm-test.txt
+.venv-vllm/bin/pip install -q --no-deps -e .
+.venv-vllm/bin/python -m pytest -q -o addopts="" tests/vllm
+# --- End of stage: vLLM ----------------------------------------------------------------

@@ -24,6 +24,7 @@ LAYERS: list[list[str]] = [
     ["records"],
     ["checksummer"],
     ["dumps"],
+    ["integrations"],
     ["sources"],
     ["compare", "locate"],
     ["corrupt", "diffing"],

@@ -7,7 +7,8 @@ A command's SOURCEs are one of (docs/cli.md):
 - one record, the JSON ``kvaudit checksum --format json`` writes (a ``.json`` file, or any
   file whose content starts with ``{``);
 - live handles ``live:PATH``, each one worker of a running process
-  (``kvaudit.sources.live_source``).
+  (``kvaudit.sources.live_source``);
+- one output folder of kvaudit's vLLM connector (``kvaudit.sources.vllm_output_source``).
 
 In Python, ``ChecksummerSource`` wraps an engine's live ``Checksummer`` objects
 (``kvaudit.testing.LiveSide``).
@@ -15,12 +16,12 @@ In Python, ``ChecksummerSource`` wraps an engine's live ``Checksummer`` objects
 Modules: ``base`` (the ``Source`` interface, ``Runtime``), ``inventory`` (what ``inspect``
 shows), ``raw`` (the raw-KV protocol dumps and live tensors share, for checksumming and
 locating), ``registry`` (kinds by prefix or sniffing, objects by type), then one module per
-kind: ``record_source``, ``dump_source`` (with ``dump_checksums``, the bounded-memory
+kind: ``record_source``, ``vllm_output_source``, ``dump_source`` (with ``dump_checksums``, the bounded-memory
 checksums of a dump set), ``live_source``, ``checksummer_source``. A new kind is one module
 that registers itself, imported here.
 """
 
-from . import record_source, dump_source, live_source  # noqa: I001  (registration order)
+from . import record_source, vllm_output_source, dump_source, live_source  # noqa: I001  (registration order)
 from .base import Progress, Runtime, Source, resolve_device
 from .checksummer_source import ChecksummerSource
 from .dump_checksums import BATCH_BYTES, checksum_dump_set, total_bytes
