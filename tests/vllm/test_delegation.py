@@ -26,7 +26,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
-from kvaudit.integrations.vllm.connector import KVAuditConnector, KVAuditHMAConnector
+from kvaudit.integrations.vllm import KVAuditConnector, KVAuditHMAConnector
 from kvaudit.integrations.vllm.messages import (
     KVAuditMetadata,
     KVAuditStats,

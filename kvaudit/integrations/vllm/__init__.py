@@ -15,10 +15,14 @@ _CONNECTORS = ("KVAuditConnector", "KVAuditHMAConnector")
 
 def __getattr__(name: str) -> Any:
     """The connector classes, imported (with vLLM) on first use."""
-    if name in _CONNECTORS:
-        from . import connector
+    if name == "KVAuditConnector":
+        from .connector import KVAuditConnector
 
-        return getattr(connector, name)
+        return KVAuditConnector
+    if name == "KVAuditHMAConnector":
+        from .hma import KVAuditHMAConnector
+
+        return KVAuditHMAConnector
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

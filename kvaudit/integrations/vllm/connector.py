@@ -8,7 +8,6 @@ other fields are this connector's). Without ``"wrapped"`` it audits on its own.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 from collections.abc import Iterable
@@ -26,23 +25,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
-    SupportsHMA,
-    supports_hma,
 )
 from vllm.v1.attention.backend import AttentionMetadata
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.kv_cache_interface import (
-    AttentionSpec,
-    ChunkedLocalAttentionSpec,
-    SlidingWindowSpec,
-    UniformTypeKVCacheSpecs,
-)
 from vllm.v1.outputs import KVConnectorOutput
 
 from ...description import parse_description
 from ...records import WorkerInfo
 from .config import AuditConfig, parse_config
 from .describe import describe_vllm_cache
+from .engine import (
+    AUDIT_KEY,
+    WRAPPED_KEY,
+    group_layouts,
+    model_kv_heads,
+    with_transfer_config,
+    worker_ranks,
+    wrapped_transfer_config,
+)
 from .messages import (
     KVAuditMetadata,
     KVAuditPromMetrics,
@@ -50,7 +50,7 @@ from .messages import (
     KVAuditWorkerMetadata,
     class_path,
 )
-from .scheduler import GroupLayout, SchedulerAudit
+from .scheduler import SchedulerAudit
 from .worker import WorkerAudit
 
 if TYPE_CHECKING:
@@ -70,56 +70,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvaudit.vllm")
 
-AUDIT_KEY = "kvaudit"
-WRAPPED_KEY = "wrapped"
-
-
-def wrapped_transfer_config(config: KVTransferConfig) -> KVTransferConfig | None:
-    """The wrapped connector's ``KVTransferConfig``: ``"wrapped"`` laid over this
-    connector's fields (None: nothing wrapped)."""
-    wrapped = config.kv_connector_extra_config.get(WRAPPED_KEY)
-    if wrapped is None:
-        return None
-    if not isinstance(wrapped, dict) or not wrapped.get("kv_connector"):
-        raise ValueError(
-            "kv_connector_extra_config.wrapped: expected a mapping with kv_connector, "
-            f"got {wrapped!r}"
-        )
-    own = ("kv_connector", "kv_connector_module_path", "kv_connector_extra_config")
-    base = {
-        f.name: getattr(config, f.name)
-        for f in dataclasses.fields(config)
-        if f.init and f.name not in own
-    }
-    return KVTransferConfig(**{**base, **wrapped})
-
-
-def _wrapped_class(vllm_config: VllmConfig) -> type[KVConnectorBase_V1] | None:
-    assert vllm_config.kv_transfer_config is not None
-    inner = wrapped_transfer_config(vllm_config.kv_transfer_config)
-    return None if inner is None else KVConnectorFactory.get_connector_class(inner)
-
-
-def _with_transfer_config(vllm_config: VllmConfig, config: KVTransferConfig) -> VllmConfig:
-    out = copy.copy(vllm_config)
-    out.kv_transfer_config = config
-    return out
-
-
-def worker_ranks(vllm_config: VllmConfig) -> tuple[int, int, int, int]:
-    """``(tp_rank, tp_size, pp_rank, pp_size)`` of this worker."""
-    from vllm.distributed import parallel_state
-
-    parallel = vllm_config.parallel_config
-    if not parallel_state.model_parallel_is_initialized():
-        return 0, parallel.tensor_parallel_size, 0, parallel.pipeline_parallel_size
-    return (
-        parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_tensor_model_parallel_world_size(),
-        parallel_state.get_pp_group().rank_in_group,
-        parallel_state.get_pp_group().world_size,
-    )
-
 
 class KVAuditConnector(KVConnectorBase_V1):
     """Audits the KV a wrapped connector moves: checksums on the producer when the KV is
@@ -137,7 +87,7 @@ class KVAuditConnector(KVConnectorBase_V1):
         self.wrapped: KVConnectorBase_V1 | None = None
         if inner_config is not None:
             created = KVConnectorFactory.create_connector(
-                _with_transfer_config(vllm_config, inner_config), role, kv_cache_config
+                with_transfer_config(vllm_config, inner_config), role, kv_cache_config
             )
             assert isinstance(created, KVConnectorBase_V1)
             self.wrapped = created
@@ -149,7 +99,7 @@ class KVAuditConnector(KVConnectorBase_V1):
             parallel = vllm_config.parallel_config
             self.scheduler_audit = SchedulerAudit(
                 self.audit_config,
-                _group_layouts(kv_cache_config),
+                group_layouts(kv_cache_config),
                 producer=self._kv_transfer_config.is_kv_producer,
                 world_size=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
                 single_group=len(kv_cache_config.kv_cache_groups) == 1,
@@ -187,7 +137,7 @@ class KVAuditConnector(KVConnectorBase_V1):
         if inner is None:
             return None
         wrapped = KVConnectorFactory.get_connector_class(inner)
-        return wrapped.get_required_kvcache_layout(_with_transfer_config(vllm_config, inner))
+        return wrapped.get_required_kvcache_layout(with_transfer_config(vllm_config, inner))
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -216,7 +166,7 @@ class KVAuditConnector(KVConnectorBase_V1):
         inner = wrapped_transfer_config(vllm_config.kv_transfer_config)
         if inner is None:
             return None
-        inner_vllm = _with_transfer_config(vllm_config, inner)
+        inner_vllm = with_transfer_config(vllm_config, inner)
         wrapped = KVConnectorFactory.get_connector_class(inner).build_prom_metrics(
             inner_vllm, metric_types, labelnames, per_engine_labelvalues
         )
@@ -253,7 +203,7 @@ class KVAuditConnector(KVConnectorBase_V1):
         """Describe the caches from the engine's KVCacheConfig and set up the checksums."""
         tp_rank, tp_size, pp_rank, pp_size = worker_ranks(self._vllm_config)
         worker = WorkerInfo(tp_rank, tp_size, pp_rank, pp_size, "consumer", self.engine_label)
-        heads = _model_kv_heads(self._vllm_config)
+        heads = model_kv_heads(self._vllm_config)
         description_dict, _ = describe_vllm_cache(self._kv_cache_config, kv_caches, heads)
         if not description_dict["groups"]:
             logger.warning("kvaudit: no KV cache group of this worker can be audited")
@@ -493,58 +443,3 @@ class KVAuditConnector(KVConnectorBase_V1):
 
     def reset_cache(self) -> bool | None:
         return self.wrapped.reset_cache() if self.wrapped else None
-
-
-class KVAuditHMAConnector(KVAuditConnector, SupportsHMA):
-    """``KVAuditConnector`` for a wrapped connector that supports vLLM's hybrid memory
-    allocator (several KV cache groups), so that vLLM keeps HMA on."""
-
-    def __init__(
-        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
-    ) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
-        if self.wrapped is not None and not supports_hma(self.wrapped):
-            raise ValueError(
-                f"KVAuditHMAConnector wraps {type(self.wrapped).__name__}, which does not "
-                "support HMA: use KVAuditConnector"
-            )
-
-    def request_finished_all_groups(
-        self, request: Request, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        if self.wrapped is not None:
-            assert isinstance(self.wrapped, SupportsHMA)
-            delay_free, params = self.wrapped.request_finished_all_groups(request, block_ids)
-        else:
-            delay_free, params = False, None
-        return delay_free, self._finished(request, params)
-
-
-def _group_layouts(kv_cache_config: KVCacheConfig) -> dict[int, GroupLayout]:
-    """The transfer groups of attention layers, with their block sizes."""
-    out = {}
-    for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        specs = (
-            list(spec.kv_cache_specs.values())
-            if isinstance(spec, UniformTypeKVCacheSpecs)
-            else [spec]
-        )
-        if not group.enable_kv_transfer or not all(isinstance(s, AttentionSpec) for s in specs):
-            continue
-        windowed = any(isinstance(s, (SlidingWindowSpec, ChunkedLocalAttentionSpec)) for s in specs)
-        out[group_id] = GroupLayout(int(spec.block_size), windowed)
-    return out
-
-
-def _model_kv_heads(vllm_config: VllmConfig) -> int | None:
-    """The model's KV head count when every attention layer has it (None: unknown)."""
-    model = vllm_config.model_config
-    if model is None:
-        return None
-    try:
-        total = model.get_total_num_kv_heads()
-    except (AttributeError, ValueError):
-        return None
-    global_heads = getattr(model.hf_text_config, "num_global_key_value_heads", None)
-    return total if global_heads in (None, total) else None
