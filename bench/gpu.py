@@ -14,7 +14,10 @@ On one CUDA GPU, in one run of a few minutes (docs/gpu.md):
    (d) a torch gather-multiply-sum of the same blocks (index_select, int64 mul, sum);
    (e) the library end to end (``Checksummer.checksum``, host time included);
    (f) the compiled variants' registers, spills and programs per SM for this GPU
-       (kvaudit/kernels/triton_compile.py, as bench/kernel_resources.py prints them).
+       (kvaudit/kernels/triton_compile.py, as bench/kernel_resources.py prints them);
+   (g) the vLLM connector's per-step overhead for one ``--request-tokens`` producer
+       request (bench/vllm_overhead.py: side stream and asynchronous host copy, steps
+       with and without the audit back to back).
    It checks that (b), (c), (d) and (e) agree and prints GB/s and the ratios.
 
 It stays under 10 minutes on an H200 (the tests are stopped after 300 s).
@@ -359,6 +362,11 @@ def main() -> int:
         ok = bench_layout(cache, order, args, flush) and ok
         del cache
         torch.cuda.empty_cache()
+
+    from vllm_overhead import measure_overhead, report
+
+    overhead = measure_overhead(DEVICE, args.request_tokens)
+    print("\n" + report(overhead, DEVICE, args.request_tokens), flush=True)
 
     print(f"\n{time.perf_counter() - started:.0f} s in all")
     print("all checks passed" if ok else "SOME CHECKS FAILED")
