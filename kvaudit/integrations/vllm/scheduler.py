@@ -21,7 +21,7 @@ import numpy as np
 from ...errors import KvauditError
 from ...records import RequestChecksums, WorkerRecord, combine_workers
 from ...scheme import valid_tokens
-from ...wire import decode_wire_base64, encode_wire_base64
+from ...wire import decode_wire, decode_wire_base64, encode_wire_base64
 from .config import AuditConfig
 from .jobs import CONSUMER, PRODUCER, AuditJob, AuditStep, WorkerPartials
 
@@ -286,7 +286,7 @@ class SchedulerAudit:
             logger.info("kvaudit: request %s: no producer checksums received", state.audit_id)
             self._release(state, [])
             return
-        wire = decode_wire_base64(base64.b64encode(job.received).decode(), state.request)
+        wire = decode_wire(job.received, f"request {state.request}")
         bad_blocks: list[int] = []
         for group in wire.groups:
             mine = checksums.groups.get(group.group_id)
