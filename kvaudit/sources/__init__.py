@@ -16,9 +16,9 @@ In Python, ``ChecksummerSource`` wraps an engine's live ``Checksummer`` objects
 Modules: ``base`` (the ``Source`` interface, ``Runtime``), ``inventory`` (what ``inspect``
 shows), ``raw`` (the raw-KV protocol dumps and live tensors share, for checksumming and
 locating), ``registry`` (kinds by prefix or sniffing, objects by type), then one module per
-kind: ``record_source``, ``vllm_output_source``, ``dump_source`` (with ``dump_checksums``, the bounded-memory
-checksums of a dump set), ``live_source``, ``checksummer_source``. A new kind is one module
-that registers itself, imported here.
+kind: ``record_source``, ``vllm_output_source``, ``dump_source`` (with ``dump_checksums``,
+the bounded-memory checksums of a dump set), ``live_source``, ``checksummer_source``. A new
+kind is one module that registers itself, imported here.
 """
 
 from . import record_source, vllm_output_source, dump_source, live_source  # noqa: I001  (registration order)
@@ -60,4 +60,5 @@ __all__ = [
     "resolve_device",
     "source_of",
     "total_bytes",
+    "vllm_output_source",
 ]
