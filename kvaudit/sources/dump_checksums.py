@@ -21,7 +21,6 @@ from ..dumps import Dump, DumpSet
 from ..dumps.layers import kernel_blocks_per_block, layer_parts, owner_layers
 from ..dumps.safetensors_io import as_integers, tensor_nbytes
 from ..errors import KvauditError
-from ..inputs import RequestBlocks
 from ..records import (
     GroupChecksums,
     Record,
@@ -29,6 +28,7 @@ from ..records import (
     WorkerRecord,
     combine_workers,
 )
+from ..scheme import valid_tokens
 from ..validation import POSITION_NUMBERINGS, Positions
 from .base import Progress
 from .raw import request_rows
@@ -116,7 +116,8 @@ def checksum_dump_set(
 
 class _DumpBatches:
     """One dump checksummed batch by batch: buffers of ``rows`` consecutive rows of every
-    layer tensor, and one ``Checksummer`` over them."""
+    layer tensor, and one ``Checksummer`` over them whose plans each batch's rows are fed
+    to directly (a request's positions land wherever its rows fall)."""
 
     def __init__(self, dump: Dump, device: torch.device, backend: str, batch_bytes: int) -> None:
         self.dump = dump
@@ -179,83 +180,109 @@ class _DumpBatches:
     ) -> WorkerRecord:
         """The worker's record of the requests."""
         checksummer = self.checksummer
-        blocks = request_rows(self.dump, request_ids)
+        listed = request_rows(self.dump, request_ids)
         group_bytes = self.dump.row_bytes()
         record = checksummer.checksum({}, positions)
-        # Every listed position of a covered group: its (request, group) key, its index
-        # in the group's list and its row.
-        keys: list[tuple[str, int, int]] = []
-        values: list[np.ndarray] = []
-        rows: list[int] = []
-        key_of: list[int] = []
-        index_of: list[int] = []
-        for request_id, request in blocks.items():
+        entries = _Entries()
+        for request_id, request in listed.items():
             record.requests[request_id] = RequestChecksums(request.num_tokens)
-            for group_id, (start, group_rows) in request.groups.items():
-                plan = checksummer.plans.get(group_id)
-                if plan is None:
-                    if progress is not None and group_rows and group_bytes[group_id]:
-                        progress(len(group_rows) * group_bytes[group_id])
-                    continue
-                key = len(keys)
-                keys.append((request_id, group_id, start))
-                values.append(np.zeros((len(group_rows), len(plan.replica_keys)), np.uint64))
-                rows.extend(group_rows)
-                key_of.extend([key] * len(group_rows))
-                index_of.extend(range(len(group_rows)))
-        row_array = np.asarray(rows, dtype=np.int64)
-        order = np.argsort(row_array, kind="stable")
-        sorted_rows = row_array[order]
+            for group_id, (start, rows) in request.groups.items():
+                if group_id in checksummer.plans:
+                    entries.add(request_id, group_id, start, rows, request.num_tokens)
+                elif progress is not None and rows and group_bytes[group_id]:
+                    progress(len(rows) * group_bytes[group_id])
+        row, group, position, tokens, slot = entries.arrays()
+        values = {
+            gid: np.zeros((count, len(checksummer.plans[gid].replica_keys)), np.uint64)
+            for gid, count in entries.counts.items()
+        }
+        order = np.argsort(row, kind="stable")
+        sorted_rows = row[order]
         done = 0
         while done < len(order):
             first = int(sorted_rows[done])
             end = int(np.searchsorted(sorted_rows, first + self.rows, side="left"))
             self.load(first, int(sorted_rows[end - 1]) - first + 1)
-            batch = sorted(order[done:end].tolist(), key=lambda n: (key_of[n], index_of[n]))
-            runs = _runs(batch, key_of, index_of)
-            requests = {}
-            for number, (key, index, members) in enumerate(runs):
-                request_id, group_id, start = keys[key]
-                requests[str(number)] = RequestBlocks(
-                    blocks[request_id].num_tokens,
-                    {group_id: (start + index, [rows[n] - first for n in members])},
+            batch = order[done:end]
+            # Queue every group's launch before reading any back: one wait per batch.
+            launched = []
+            for group_id in dict.fromkeys(group[batch].tolist()):
+                members = batch[group[batch] == group_id]
+                out = self.launch(
+                    group_id, row[members] - first, position[members], tokens[members], positions
                 )
-            result = checksummer.checksum(requests, positions)
+                launched.append((group_id, members, out))
             covered = 0
-            for number, (key, index, members) in enumerate(runs):
-                group_id = keys[key][1]
-                group = result.requests[str(number)].groups[group_id]
-                values[key][index : index + len(members)] = group.values
+            for group_id, members, out in launched:
+                values[group_id][slot[members]] = out.cpu().numpy().view(np.uint64)
                 covered += len(members) * group_bytes[group_id]
             if progress is not None and covered:
                 progress(covered)
             done = end
-        for key, (request_id, group_id, start) in enumerate(keys):
+        for request_id, group_id, start, first_slot, count in entries.keys:
             views = checksummer.groups[group_id]
             record.requests[request_id].groups[group_id] = GroupChecksums(
                 block_size=views.group.block_size,
                 start=start,
                 replica_keys=list(checksummer.plans[group_id].replica_keys),
-                values=values[key],
+                values=values[group_id][first_slot : first_slot + count].copy(),
                 fingerprint=views.fingerprint,
             )
         return record
 
+    def launch(
+        self,
+        group_id: int,
+        rows: np.ndarray,
+        block_positions: np.ndarray,
+        num_tokens: np.ndarray,
+        positions: Positions,
+    ) -> torch.Tensor:
+        """Queue the checksums of buffer ``rows`` holding a group's blocks at request
+        ``block_positions`` of requests of ``num_tokens`` tokens; ``[rows, replica keys]``
+        int64 on the plan's device."""
+        plan = self.checksummer.plans[group_id]
+        block_size = self.checksummer.groups[group_id].group.block_size
+        first_tokens = block_positions * block_size
+        if positions == "block":
+            first_tokens = np.zeros_like(first_tokens)
+        valid = valid_tokens(num_tokens, block_size, block_positions)
+        table = torch.from_numpy(np.stack([rows, first_tokens, valid]).astype(np.int64))
+        if plan.device.type == "cuda":
+            table = table.pin_memory()
+        ids, firsts, counts = table.to(plan.device, non_blocking=True)
+        return plan.checksum(ids, firsts, counts)
 
-def _runs(
-    batch: Sequence[int], key_of: Sequence[int], index_of: Sequence[int]
-) -> list[tuple[int, int, list[int]]]:
-    """Entries sorted by key and index, cut into runs of consecutive positions of one key:
-    ``(key, first index, entries)``."""
-    runs: list[tuple[int, int, list[int]]] = []
-    for n in batch:
-        if runs:
-            key, index, members = runs[-1]
-            if key == key_of[n] and index + len(members) == index_of[n]:
-                members.append(n)
-                continue
-        runs.append((key_of[n], index_of[n], [n]))
-    return runs
+
+class _Entries:
+    """Every listed position of a covered group, as numpy columns: its dump row, group,
+    request position, request token count and slot (its index among its group's
+    positions); ``keys`` gives each request's group as ``(request, group, start, first
+    slot, count)``."""
+
+    def __init__(self) -> None:
+        self.columns: list[list[int]] = [[], [], [], [], []]
+        self.counts: dict[int, int] = {}
+        self.keys: list[tuple[str, int, int, int, int]] = []
+
+    def add(
+        self, request_id: str, group_id: int, start: int, rows: Sequence[int], num_tokens: int
+    ) -> None:
+        """One request's listed rows of one group, from position ``start``."""
+        first_slot = self.counts.get(group_id, 0)
+        count = len(rows)
+        self.counts[group_id] = first_slot + count
+        self.keys.append((request_id, group_id, start, first_slot, count))
+        row, group, position, tokens, slot = self.columns
+        row.extend(rows)
+        group.extend([group_id] * count)
+        position.extend(range(start, start + count))
+        tokens.extend([num_tokens] * count)
+        slot.extend(range(first_slot, first_slot + count))
+
+    def arrays(self) -> list[np.ndarray]:
+        """The columns as int64 arrays."""
+        return [np.asarray(column, dtype=np.int64) for column in self.columns]
 
 
 def _row_axis(entry: LayerEntry) -> tuple[int, int]:
