@@ -19,7 +19,7 @@ import torch
 
 from .description import CacheDescription, GroupDescription, LayerSpec
 from .dtypes import dtype_name, dtype_size
-from .errors import UnsupportedGroupError
+from .errors import KvauditError, UnsupportedGroupError
 from .fingerprint import group_fingerprint
 from .scheme import MAX_KV_HEADS_PER_LAYER, ReplicaKey, layer_module, slice_number
 from .validation import Checker
@@ -105,6 +105,7 @@ def build_group_views(
     description's); a dump holds only its dumped rows.
     """
     Checker(None).rank(tp_rank, tp_size, "tp_rank")
+    check_model_kv_heads(description, tp_size)
     blocks = description.num_blocks if num_blocks is None else num_blocks
     result = {}
     for group in description.groups:
@@ -116,6 +117,38 @@ def build_group_views(
             group_views.reason = str(error)
         result[group.id] = group_views
     return result
+
+
+def check_model_kv_heads(description: CacheDescription, tp_size: int) -> None:
+    """``model_kv_heads`` against every attention layer's heads per rank at this TP size.
+
+    Raises:
+        KvauditError: A layer whose heads across the TP ranks cannot be ``model_kv_heads``;
+            the message names the description's source and the layer.
+
+    """
+    model = description.model_kv_heads
+    if model is None:
+        return
+    for group in description.groups:
+        for entry in group.layers:
+            spec = entry.spec
+            if spec.is_state or spec.is_mla or entry.name in description.draft_layers:
+                continue
+            heads = spec.num_kv_heads
+            if spec.max_tp_shards is None and heads == 1 and tp_size > 1:
+                # One head per rank: the model's heads are replicated over the ranks.
+                if model <= tp_size and tp_size % model == 0:
+                    continue
+                held = f"one KV head per rank at TP {tp_size} needs a count that divides {tp_size}"
+            else:
+                shards = tp_size if spec.max_tp_shards is None else min(tp_size, spec.max_tp_shards)
+                if heads * shards == model:
+                    continue
+                held = f"{heads} KV heads per rank x {shards} TP shards = {heads * shards}"
+            raise KvauditError(
+                f"model_kv_heads {model} contradicts layer {entry.name}: {held}", description.source
+            )
 
 
 def _group_views(

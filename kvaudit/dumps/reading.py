@@ -17,6 +17,7 @@ import torch
 from ..description import CacheDescription
 from ..description import parse_description as _parse_description
 from ..dtypes import dtype_name
+from ..errors import KvauditError
 from ..records import WorkerInfo
 from ..validation import Checker, fail, is_int, join, short
 from ..views import LayerTensor
@@ -33,7 +34,8 @@ from .dump import (
     DumpRequest,
 )
 from .example_connector import open_example_connector
-from .layers import check_layer, owner_layers, tensor_names
+from .hints import DESCRIPTION_HINT, looks_like_description, other_engine_hint
+from .layers import check_layer, kernel_blocks_per_block, owner_layers, tensor_names
 from .safetensors_io import PAD_PREFIX, Entry, Header, map_file, read_header, tensor_view
 
 _WORKER_KEYS = ("tp_rank", "tp_size", "pp_rank", "pp_size", "role", "engine")
@@ -88,7 +90,11 @@ def _embedded_description(metadata: Mapping[str, str], source: str) -> CacheDesc
 
 
 def _parse_blocks(
-    metadata: Mapping[str, str], description: CacheDescription, source: str
+    metadata: Mapping[str, str],
+    description: CacheDescription,
+    source: str,
+    worker: WorkerInfo,
+    given: bool,
 ) -> list[int] | None:
     if META_BLOCKS not in metadata:
         return None
@@ -97,6 +103,13 @@ def _parse_blocks(
         fail(source, f"{META_BLOCKS}: expected a list of block ids, got {short(data)}")
     seen: set[int] = set()
     for index, block_id in enumerate(data):
+        if given and is_int(block_id) and block_id >= description.num_blocks:
+            fail(
+                source,
+                f"{META_BLOCKS}[{index}]: block id {block_id} is past the last block "
+                f"{description.num_blocks - 1}; "
+                + other_engine_hint(worker.role, description.num_blocks),
+            )
         if not is_int(block_id) or not 0 <= block_id < description.num_blocks:
             fail(
                 source,
@@ -279,6 +292,33 @@ def _dump_tensors(
     return found, stored
 
 
+def _check_whole_cache_rows(
+    source: str, header: Header, description: CacheDescription, worker: WorkerInfo
+) -> None:
+    """A whole-cache dump read under a given description: a layer whose tensor matches
+    its description but for the rows means the description is probably the other
+    engine's (one check, on the first such layer)."""
+    for entry in owner_layers(description):
+        spec = entry.spec
+        item = header.tensors.get(tensor_names(entry)[0])
+        if item is None or spec.is_state or "N" not in spec.layout:
+            continue
+        axis = spec.layout.index("N")
+        per_row = kernel_blocks_per_block(spec)
+        sizes = {**spec.axis_sizes(kernel_blocks=0), "D": spec.head_size}
+        others = [sizes[letter] for letter in spec.layout if letter != "N"]
+        shape = list(item.shape)
+        if len(shape) != len(spec.layout) or shape[:axis] + shape[axis + 1 :] != others:
+            return
+        if shape[axis] != description.num_blocks * per_row:
+            fail(
+                source,
+                f"layer {entry.name} holds {shape[axis] // per_row} blocks (the whole cache); "
+                + other_engine_hint(worker.role, description.num_blocks),
+            )
+        return
+
+
 def open_dump(path: str | os.PathLike[str], config: CacheDescription | None = None) -> Dump:
     """Open one worker's dump (or a vLLM ExampleConnector folder), checking it strictly.
 
@@ -295,7 +335,12 @@ def open_dump(path: str | os.PathLike[str], config: CacheDescription | None = No
     source = os.fspath(path)
     if os.path.isdir(source):
         return open_example_connector(source, config)
-    header = read_header(source)
+    try:
+        header = read_header(source)
+    except KvauditError:
+        if looks_like_description(source):
+            fail(source, DESCRIPTION_HINT)
+        raise
     metadata = header.metadata
     version = metadata.get(META_FORMAT)
     if version is None:
@@ -307,7 +352,9 @@ def open_dump(path: str | os.PathLike[str], config: CacheDescription | None = No
             fail(source, f"unknown metadata key {key}; expected {', '.join(META_KEYS)}")
     worker = _parse_worker(metadata, source)
     description = config if config is not None else _embedded_description(metadata, source)
-    block_ids = _parse_blocks(metadata, description, source)
+    block_ids = _parse_blocks(metadata, description, source, worker, config is not None)
+    if block_ids is None and config is not None:
+        _check_whole_cache_rows(source, header, config, worker)
     num_rows = len(block_ids) if block_ids is not None else description.num_blocks
     held = set(block_ids) if block_ids is not None else None
 

@@ -18,7 +18,13 @@ import torch
 
 from ..description import CacheDescription, description_to_dict
 from ..dtypes import safetensors_dtype_name
-from ..inputs import LayerTensors, RequestBlocks, plain_requests, tensors_by_name
+from ..inputs import (
+    LayerTensors,
+    RequestBlocks,
+    description_layer_names,
+    plain_requests,
+    tensors_by_name,
+)
 from ..records import WorkerInfo
 from ..validation import check_worker, fail, is_int, short
 from ..views import LayerTensor
@@ -246,13 +252,21 @@ def write_dump(
     nothing is left and an existing file at ``path`` is untouched.
 
     Raises:
-        KvauditError: A tensor missing or not matching the description, a bad request,
-            bad ranks or role, or a file that cannot be written.
+        KvauditError: A tensor missing, not matching the description or of a layer the
+            description does not have, a bad request, bad ranks or role, or a file that
+            cannot be written.
 
     """
     target = os.fspath(path)
     check_worker(worker, worker.role, target, "worker")
     tensors = tensors_by_name(description, tensors, target)
+    known = set(description_layer_names(description)) | description.draft_layers
+    for name in tensors:
+        if name not in known:
+            fail(
+                target,
+                f"tensor given for layer {name}, which is not in the cache description",
+            )
     requests = plain_requests(requests, target)
     description = _alias_shared_storage(description, tensors)
     request_items = _request_metadata(

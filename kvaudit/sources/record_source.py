@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..description import CacheDescription
+from ..dumps.hints import DESCRIPTION_HINT, is_description_data, looks_like_description
 from ..errors import KvauditError
 from ..records import Record, WorkerInfo
 from .base import Progress, Runtime, Source
@@ -121,9 +122,13 @@ def load_record(path: str) -> Record:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as error:
+        if looks_like_description(path):
+            raise KvauditError(DESCRIPTION_HINT, path) from None
         raise KvauditError(
             f"line {error.lineno}: not valid JSON ({error.msg}), expected a record", path
         ) from None
+    if is_description_data(data):
+        raise KvauditError(DESCRIPTION_HINT, path)
     return Record.from_json(data, path)
 
 

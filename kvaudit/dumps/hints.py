@@ -1,0 +1,61 @@
+"""Hints for common mistakes made when giving dumps: a cache description given where a dump
+(or a record) was expected, and a description that belongs to the other engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import yaml
+
+from ..validation import Role
+
+DESCRIPTION_HINT = "looks like a cache description: pass it with -c (--config), not as a SOURCE"
+"""The message for a cache description (YAML or JSON) given as a dump or a record."""
+
+_SNIFF_BYTES = 1 << 20  # a description is a few kilobytes; a larger file is not sniffed
+
+
+def is_description_data(data: object) -> bool:
+    """Whether parsed YAML or JSON is shaped as a cache description (``kvaudit`` and
+    ``groups`` at the top)."""
+    return isinstance(data, dict) and "kvaudit" in data and "groups" in data
+
+
+def looks_like_description(path: str) -> bool:
+    """Whether a file is a cache description (YAML or JSON) rather than a dump: small,
+    text, and parses to a mapping with ``kvaudit`` and ``groups``."""
+    try:
+        if os.path.getsize(path) > _SNIFF_BYTES:
+            return False
+        with open(path, "rb") as handle:
+            raw = handle.read(_SNIFF_BYTES)
+    except OSError:
+        return False
+    if b"\0" in raw:
+        return False
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    for parse in (json.loads, yaml.safe_load):
+        try:
+            if is_description_data(parse(text)):
+                return True
+        except (ValueError, yaml.YAMLError):
+            continue
+    return False
+
+
+def other_engine_hint(role: Role, num_blocks: int) -> str:
+    """What to do when a description's ``num_blocks`` does not fit a dump: it is probably
+    the other engine's; name this dump's side and the option that takes its own."""
+    if role in ("producer", "consumer"):
+        option = f"--{role}-config with diff, -c otherwise"
+    else:
+        option = "-c"
+    return (
+        f"the cache description given ({num_blocks} blocks) does not fit this {role}'s dump, "
+        f"it may be the other engine's: give the {role}'s own description ({option})"
+    )
