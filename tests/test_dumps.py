@@ -769,7 +769,7 @@ def test_workers_that_disagree_on_tp_size(tmp_path: Path) -> None:
 def test_set_paths_that_do_not_exist_or_hold_nothing(tmp_path: Path) -> None:
     with pytest.raises(KvauditError, match="no such file or directory"):
         open_dump_set([tmp_path / "nope"])
-    with pytest.raises(KvauditError, match=r"no \.safetensors files"):
+    with pytest.raises(KvauditError, match=r"no \.safetensors files or ExampleConnector folders"):
         open_dump_set([tmp_path])
 
 
@@ -988,7 +988,10 @@ def test_example_connector_folder_must_match_the_config(tmp_path: Path) -> None:
         open_dump(folder, config)
     message = str(error.value)
     assert message.startswith(str(folder / "model.layers.0.attn.safetensors"))
-    assert "expected kv_cache of shape [2xTx2x4]" in message
+    assert (
+        "expected kv_cache of shape [Tx2x8] ([tokens, heads, 2*head_size]) or [2xTx8] "
+        "([2, tokens, heads*head_size]), bfloat16; got [2, 8, 6] bfloat16"
+    ) in message
 
 
 # GPU.

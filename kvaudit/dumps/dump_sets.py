@@ -9,12 +9,18 @@ from ..description import CacheDescription
 from ..errors import KvauditError
 from ..validation import fail, worker_layout
 from .dump import DumpSet
-from .example_connector import is_example_connector, safetensors_files
+from .example_connector import (
+    example_connector_folders,
+    is_example_connector,
+    open_example_connectors,
+    safetensors_files,
+)
 from .reading import open_dump
 
 
 def _expand(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
-    """Dump files and ExampleConnector folders: each path, or a directory's files."""
+    """Dump files and ExampleConnector folders: each path, a directory's files, or the
+    ExampleConnector folders inside a directory that holds no files of its own."""
     result = []
     for path in paths:
         source = os.fspath(path)
@@ -22,9 +28,9 @@ def _expand(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
             if is_example_connector(source):
                 result.append(source)
                 continue
-            files = safetensors_files(source)
+            files = safetensors_files(source) or example_connector_folders(source)
             if not files:
-                fail(source, "no .safetensors files in this directory")
+                fail(source, "no .safetensors files or ExampleConnector folders in this directory")
             result.extend(files)
         elif os.path.exists(source):
             result.append(source)
@@ -37,7 +43,8 @@ def open_dump_set(
     paths: Sequence[str | os.PathLike[str]], config: CacheDescription | None = None
 ) -> DumpSet:
     """Open one engine's dumps: files, directories of ``*.safetensors`` dumps, or
-    ExampleConnector folders; ``config`` overrides each dump's description.
+    ExampleConnector folders (several read as one dump of their requests, or those inside
+    a directory given); ``config`` overrides each dump's description.
 
     A worker missing from the TP x PP layout is not an error: the set is incomplete.
 
@@ -51,7 +58,10 @@ def open_dump_set(
     files = _expand(paths)
     if not files:
         raise KvauditError("no dumps given")
-    dumps = [open_dump(file, config) for file in files]
+    folders = [file for file in files if os.path.isdir(file)]
+    dumps = [open_dump(file, config) for file in files if not os.path.isdir(file)]
+    if folders:
+        dumps.append(open_example_connectors(folders, config))
     missing = worker_layout([dump.worker for dump in dumps])
     dumps.sort(key=lambda dump: (dump.worker.pp_rank, dump.worker.tp_rank))
     return DumpSet(dumps, not missing, missing)

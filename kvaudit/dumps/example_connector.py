@@ -1,5 +1,13 @@
-"""vLLM ExampleConnector folders (one ``<layer_name>.safetensors`` file per layer, one
-token-major ``kv_cache`` tensor each) opened as one-request dumps.
+"""vLLM ExampleConnector folders opened as one-request dumps: one ``<layer_name>.safetensors``
+file per layer, one ``kv_cache`` tensor each holding the request's prompt KV, token-major.
+
+The connector saves ``layer[block_ids, :, offsets]`` of vLLM's standardized per-layer view
+``[blocks, heads, tokens, 2*head_size]``, that is ``[tokens, heads, 2*head_size]`` (MLA:
+``[tokens, width]``), whatever the engine's physical layout; older versions saved
+``[2, tokens, heads*head_size]``. Each layer is read in the form its tensor has, under the
+engine's own description: the dump's description gets the form's layout (with ``N``), as
+checksums do not depend on the layout. Several folders (one per request, the folder's name
+the request id) are read together as one dump.
 """
 
 from __future__ import annotations
@@ -7,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -21,6 +30,70 @@ from .layers import kv_apart, owner_layers
 from .safetensors_io import Entry, map_file, read_header, tensor_view
 
 EXAMPLE_CONNECTOR_TENSOR = "kv_cache"
+ENGINE = "vllm ExampleConnector"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Form:
+    """A form a connector saves a layer in: the tensor's axis letters (``T`` spans the
+    request's tokens; ``C`` is K's then V's row), and whether the axes after ``T`` may come
+    merged into one."""
+
+    name: str
+    letters: str
+    merged: bool
+
+
+def _forms(spec: LayerSpec) -> list[_Form]:
+    """The forms a layer's ``kv_cache`` may have, in order of preference: a token-major
+    description's own layout, then vLLM's current form, then its older one."""
+    forms = []
+    if "N" not in spec.layout:
+        forms.append(_Form(f"layout {spec.layout}", spec.layout, True))
+    if spec.is_mla:
+        forms.append(_Form("[tokens, width]", "TC", False))
+    else:
+        forms.append(_Form("[tokens, heads, 2*head_size]", "THC", False))
+        if spec.head_size == spec.head_size_v:
+            forms.append(_Form("[2, tokens, heads*head_size]", "KTHD", True))
+    return forms
+
+
+def _shapes(spec: LayerSpec, form: _Form, tokens: int) -> tuple[tuple[int, ...], ...]:
+    """The shapes a form's tensor of ``tokens`` tokens may have: whole, and merged after T."""
+    sizes = spec.axis_sizes(tokens=tokens)
+    full = tuple(sizes[letter] for letter in form.letters)
+    if not form.merged:
+        return (full,)
+    axis = form.letters.index("T")
+    return full, (*full[: axis + 1], math.prod(full[axis + 1 :]))
+
+
+def _match(file: str, entry: LayerEntry, item: Entry) -> tuple[_Form, int]:
+    """The form of a layer's ``kv_cache`` and its token count.
+
+    Raises:
+        KvauditError: No form of the layer's spec has the tensor's shape and dtype; the
+            message lists the forms expected.
+
+    """
+    spec = entry.spec
+    forms = _forms(spec)
+    if item.dtype == spec.dtype:
+        for form in forms:
+            axis = form.letters.index("T")
+            if len(item.shape) > axis and item.shape in _shapes(spec, form, item.shape[axis]):
+                return form, item.shape[axis]
+    expected = " or ".join(
+        f"[{'x'.join('T' if n == -1 else str(n) for n in _shapes(spec, form, -1)[-1])}] "
+        f"({form.name})"
+        for form in forms
+    )
+    fail(
+        file,
+        f"layer {entry.name}: expected kv_cache of shape {expected}, "
+        f"{dtype_name(spec.dtype)}; got {list(item.shape)} {dtype_name(item.dtype)}",
+    )
 
 
 def safetensors_files(folder: str) -> list[str]:
@@ -51,9 +124,26 @@ def is_example_connector(folder: str) -> bool:
     return True
 
 
+def example_connector_folders(directory: str) -> list[str]:
+    """The ExampleConnector folders directly inside a directory (a connector's storage
+    path), sorted by name."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError as error:
+        fail(directory, f"cannot list: {error.strerror}")
+    folders = [os.path.join(directory, name) for name in names]
+    return [folder for folder in folders if os.path.isdir(folder) and is_example_connector(folder)]
+
+
+def request_id_of(folder: str) -> str:
+    """A folder's request id: its name (the connector's hash of the prompt)."""
+    return Path(os.path.abspath(folder)).name
+
+
 def open_example_connector(folder: str, config: CacheDescription | None) -> Dump:
-    """One request's prompt KV saved by vLLM's ExampleConnector, token-major, as a
-    one-request dump whose rows are the request's block positions."""
+    """One request's prompt KV saved by vLLM's ExampleConnector as a one-request dump
+    whose rows are the request's block positions (views of the files, no copy but the
+    zero padding of a last block the tokens do not fill)."""
     if not is_example_connector(folder):
         fail(
             folder,
@@ -65,33 +155,105 @@ def open_example_connector(folder: str, config: CacheDescription | None) -> Dump
     files = {
         Path(file).name.removesuffix(".safetensors"): file for file in safetensors_files(folder)
     }
-    layers = [
-        entry
-        for entry in owner_layers(config)
-        if entry.name in files or entry.name not in config.draft_layers
-    ]
+    _check_files(files, config)
     num_tokens: int | None = None
-    loaded: dict[str, tuple[LayerEntry, torch.Tensor, str]] = {}
+    loaded: dict[str, tuple[LayerEntry, torch.Tensor, _Form]] = {}
     maps = []
-    for entry in layers:
+    for entry in owner_layers(config):
         spec = entry.spec
         file = files.get(entry.name)
         if file is None:
+            if entry.name in config.draft_layers:
+                continue
             fail(folder, f"layer {entry.name} has no file {entry.name}.safetensors")
         if spec.is_state or kv_apart(spec):
             kind = "a state layer" if spec.is_state else f"layout {spec.layout} keeps K and V apart"
             fail(file, f"layer {entry.name}: {kind}; ExampleConnector saves one kv_cache per layer")
-        header = read_header(file)
-        item = header.tensors[EXAMPLE_CONNECTOR_TENSOR]
-        layout = spec.layout.replace("N", "")
-        tokens = _example_tokens(file, entry, item, layout)
+        item = read_header(file).tensors[EXAMPLE_CONNECTOR_TENSOR]
+        form, tokens = _match(file, entry, item)
         if num_tokens is not None and tokens != num_tokens:
             fail(file, f"holds {tokens} tokens, the folder's other layers hold {num_tokens}")
         num_tokens = tokens
         mapped = map_file(file)
         maps.append(mapped)
-        sizes = _layout_sizes(spec, tokens)
-        loaded[entry.name] = (entry, tensor_view(mapped, item).reshape(sizes), layout)
+        whole = _shapes(spec, form, tokens)[0]
+        loaded[entry.name] = (entry, tensor_view(mapped, item).reshape(whole), form)
+    num_tokens = num_tokens or 0
+    rows = {-(-num_tokens // group.block_size) for group in config.groups}
+    if len(rows) > 1:
+        fail(folder, "the description's groups have different block sizes; a folder holds one")
+    num_rows = rows.pop()
+    tensors = {
+        name: _blocked(tensor, form.letters, entry.spec, num_rows)
+        for name, (entry, tensor, form) in loaded.items()
+    }
+    layouts = {name: _blocks_layout(form.letters) for name, (_, _, form) in loaded.items()}
+    request = DumpRequest(
+        num_tokens, {group.id: (0, list(range(num_rows))) for group in config.groups}
+    )
+    return Dump(
+        path=folder,
+        worker=WorkerInfo(0, 1, 0, 1, "producer", ENGINE, folder),
+        description=_with_layouts(config, layouts),
+        tensors=tensors,
+        num_rows=num_rows,
+        block_ids=list(range(num_rows)),
+        requests={request_id_of(folder): request},
+        maps=maps,
+    )
+
+
+def open_example_connectors(folders: Sequence[str], config: CacheDescription | None) -> Dump:
+    """Several request folders as one dump: each folder's rows after the previous one's,
+    each folder's name its request id. One folder is viewed in place; several are copied
+    into memory together (a connector's folders hold prompts, not a whole cache)."""
+    dumps = [open_example_connector(folder, config) for folder in folders]
+    if len(dumps) == 1:
+        return dumps[0]
+    first = dumps[0]
+    seen: dict[str, str] = {}
+    for dump in dumps:
+        (request_id,) = dump.requests
+        if request_id in seen:
+            fail(dump.path, f"request {request_id} is also the folder {seen[request_id]}")
+        seen[request_id] = dump.path
+        if dump.description != first.description:
+            fail(
+                dump.path,
+                f"its layers are saved in other forms than those of {first.path}; one "
+                "connector saves every request alike",
+            )
+    requests: dict[str, DumpRequest] = {}
+    offset = 0
+    for dump in dumps:
+        for request_id, request in dump.requests.items():
+            groups = {
+                gid: (start, [offset + row for row in ids])
+                for gid, (start, ids) in request.groups.items()
+            }
+            requests[request_id] = DumpRequest(request.num_tokens, groups)
+        offset += dump.num_rows
+    tensors = {}
+    for entry in owner_layers(first.description):
+        if entry.name not in first.tensors:
+            continue
+        axis = entry.spec.layout.index("N")
+        parts = [dump.tensors[entry.name] for dump in dumps]
+        tensors[entry.name] = torch.cat(parts, dim=axis)  # type: ignore[arg-type]
+    parent = os.path.commonpath([os.path.abspath(dump.path) for dump in dumps])
+    return Dump(
+        path=parent,
+        worker=WorkerInfo(0, 1, 0, 1, "producer", ENGINE, parent),
+        description=first.description,
+        tensors=tensors,
+        num_rows=offset,
+        block_ids=list(range(offset)),
+        requests=requests,
+    )
+
+
+def _check_files(files: dict[str, str], config: CacheDescription) -> None:
+    """Every file is a layer of the description that owns its cache."""
     owners = {entry.name for entry in owner_layers(config)}
     sharing = {entry.name: entry.shares for group in config.groups for entry in group.layers}
     for name, file in files.items():
@@ -100,92 +262,44 @@ def open_example_connector(folder: str, config: CacheDescription | None) -> Dump
         if name in sharing:
             fail(file, f"layer {name} shares the cache of {sharing[name]}: it has no file")
         fail(file, f"layer {name} is not a layer of the cache description")
-    num_tokens = num_tokens or 0
-    rows = {-(-num_tokens // group.block_size) for group in config.groups}
-    if len(rows) > 1:
-        fail(folder, "the description's groups have different block sizes; a folder holds one")
-    num_rows = rows.pop()
-    tensors = {
-        name: _blocked(tensor, layout, entry.spec, num_rows)
-        for name, (entry, tensor, layout) in loaded.items()
-    }
-    config = _with_blocks_axis(config)
-    request = DumpRequest(
-        num_tokens, {group.id: (0, list(range(num_rows))) for group in config.groups}
-    )
-    return Dump(
-        path=folder,
-        worker=WorkerInfo(0, 1, 0, 1, "producer", "vllm ExampleConnector", folder),
-        description=config,
-        tensors=tensors,
-        num_rows=num_rows,
-        block_ids=list(range(num_rows)),
-        requests={Path(os.path.abspath(folder)).name: request},
-        maps=maps,
-    )
 
 
-def _layout_sizes(spec: LayerSpec, tokens: int) -> tuple[int, ...]:
-    """A token-major tensor's shape: the layout without ``N``, ``T`` spanning every token."""
-    sizes = spec.axis_sizes(tokens=tokens)
-    return tuple(sizes[letter] for letter in spec.layout.replace("N", ""))
-
-
-def _example_tokens(file: str, entry: LayerEntry, item: Entry, layout: str) -> int:
-    """The token count of an ExampleConnector tensor, checked against the layout (the
-    axes after ``T`` may be merged into one, as vLLM saves them)."""
-    spec = entry.spec
-    axis = layout.index("T")
-    shape = item.shape
-    if len(shape) > axis:
-        tokens = shape[axis]
-        full = _layout_sizes(spec, tokens)
-        merged = (*full[: axis + 1], math.prod(full[axis + 1 :]))
-        if shape in (full, merged) and item.dtype == spec.dtype:
-            return tokens
-    want = _layout_sizes(spec, 0)
-    expected = "x".join("T" if i == axis else str(n) for i, n in enumerate(want))
-    fail(
-        file,
-        f"layer {entry.name}: expected kv_cache of shape [{expected}] ({layout}, "
-        f"{dtype_name(spec.dtype)}), got {list(shape)} {dtype_name(item.dtype)}",
-    )
-
-
-def _blocks_layout(layout: str) -> str:
+def _blocks_layout(letters: str) -> str:
     """A token-major layout with ``N`` put just outside ``T`` (unchanged if it has ``N``)."""
-    if "N" in layout:
-        return layout
-    axis = layout.index("T")
-    return layout[:axis] + "N" + layout[axis:]
+    if "N" in letters:
+        return letters
+    axis = letters.index("T")
+    return letters[:axis] + "N" + letters[axis:]
 
 
-def _with_blocks_axis(config: CacheDescription) -> CacheDescription:
-    """The description with every token-major attention layout given its ``N`` axis, as
-    the blocked views of ``_blocked`` lay the tensors out."""
+def _with_layouts(config: CacheDescription, layouts: dict[str, str]) -> CacheDescription:
+    """The description with each read layer in the layout its blocked tensor has (layers
+    sharing a cache follow their owner's; unread ones get ``N`` if they lack it); a
+    group's spec follows its first read layer."""
 
-    def spec_of(spec: LayerSpec) -> LayerSpec:
+    def spec_of(spec: LayerSpec, layout: str | None) -> LayerSpec:
         if spec.is_state:
             return spec
-        return dataclasses.replace(spec, layout=_blocks_layout(spec.layout))
+        return dataclasses.replace(spec, layout=layout or _blocks_layout(spec.layout))
 
-    groups = tuple(
-        dataclasses.replace(
-            group,
-            spec=spec_of(group.spec),
-            layers=tuple(
-                dataclasses.replace(entry, spec=spec_of(entry.spec)) for entry in group.layers
-            ),
+    groups = []
+    for group in config.groups:
+        entries = []
+        for entry in group.layers:
+            layout = layouts.get(entry.name) or layouts.get(entry.shares or "")
+            entries.append(dataclasses.replace(entry, spec=spec_of(entry.spec, layout)))
+        first = next((layouts[e.name] for e in group.layers if e.name in layouts), None)
+        groups.append(
+            dataclasses.replace(group, spec=spec_of(group.spec, first), layers=tuple(entries))
         )
-        for group in config.groups
-    )
-    return dataclasses.replace(config, groups=groups)
+    return dataclasses.replace(config, groups=tuple(groups))
 
 
-def _blocked(tensor: torch.Tensor, layout: str, spec: LayerSpec, num_rows: int) -> torch.Tensor:
-    """A token-major tensor as the description's layout, with ``N`` kernel blocks (a view;
-    a copy padded with zeros only when the tokens do not fill the last block)."""
-    axis = layout.index("T")
+def _blocked(tensor: torch.Tensor, letters: str, spec: LayerSpec, num_rows: int) -> torch.Tensor:
+    """A token-major tensor (axes ``letters``) with ``T`` cut into ``N`` kernel blocks of
+    ``T`` tokens: a view, or a copy padded with zeros when the tokens do not fill the
+    last block."""
+    axis = letters.index("T")
     tokens = num_rows * spec.block_size
     if tensor.shape[axis] != tokens:
         padded = torch.zeros(
@@ -194,6 +308,4 @@ def _blocked(tensor: torch.Tensor, layout: str, spec: LayerSpec, num_rows: int) 
         padded.narrow(axis, 0, tensor.shape[axis]).copy_(tensor)
         tensor = padded
     kernel = spec.kernel_block_size
-    blocked = tensor.unflatten(axis, (tokens // kernel, kernel))
-    letters = layout[:axis] + "NT" + layout[axis + 1 :]
-    return blocked.permute([letters.index(letter) for letter in _blocks_layout(spec.layout)])
+    return tensor.unflatten(axis, (tokens // kernel, kernel))
