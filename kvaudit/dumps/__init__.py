@@ -7,8 +7,9 @@ package is file I/O only: checksumming a dump set is ``kvaudit.sources.checksum_
 
 Modules, each using only those above it: ``safetensors_io`` (the file format), ``layers``
 (the tensors a description's layers have), ``dump`` (the dataclasses and the format's
-names), ``example_connector`` (vLLM ExampleConnector folders), ``reading`` (one dump,
-strictly), ``dump_sets`` (one engine's dumps opened together), ``writing`` (``write_dump``).
+names), ``example_connector`` (vLLM ExampleConnector folders), ``hints`` (hints for
+common mistakes), ``reading`` (one dump, strictly), ``dump_sets`` (one engine's dumps
+opened together), ``writing`` (``write_dump``).
 """
 
 from .dump import COPY_BYTES, FORMAT, STORED_CHECKSUMS, Dump, DumpRequest, DumpSet
