@@ -9,8 +9,8 @@ position numberings, so that nothing below it needs a bare string.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from typing import Literal, NoReturn, Protocol, cast, get_args
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal, NoReturn, Protocol, cast, get_args
 
 import numpy as np
 
@@ -26,6 +26,26 @@ Positions = Literal["request", "block"]
 
 POSITION_NUMBERINGS: tuple[Positions, ...] = get_args(Positions)
 
+# Limits on input (docs/cli.md, "Limits on input"): what a file may claim, checked before
+# anything is allocated or computed from it.
+MAX_HEADER_BYTES = 100_000_000
+"""The longest safetensors JSON header read (safetensors' own limit)."""
+MAX_DEPTH = 64
+"""The deepest nesting of JSON or YAML values (a description needs 5 levels)."""
+MAX_WORKERS = 1 << 16
+"""The most workers (``tp_size * pp_size``) one engine may have."""
+MAX_BLOCK_SIZE = 1 << 24
+"""The largest block size in tokens (a block of 16,777,216 tokens)."""
+MAX_TOKENS = 1 << 40
+"""The most tokens of one request; with the block size's limit no position's tokens
+overflow 64-bit integers."""
+MAX_POSITION_TOKEN = 1 << 62
+"""The furthest first token of a position past which nothing is computed."""
+MAX_COUNT = 1 << 48
+"""The largest other count or size (blocks, heads, head size, ...)."""
+MAX_YAML_NODES = 100_000
+"""The most YAML nodes a description may expand to, aliases counted at each use."""
+
 
 def is_int(value: object) -> bool:
     """True for a Python or numpy integer, but not a bool."""
@@ -36,8 +56,11 @@ def short(value: object, limit: int = 60) -> str:
     """A value for a one-line message: its JSON (else its repr), cut to ``limit``."""
     try:
         text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
+    except (TypeError, ValueError, RecursionError):
+        try:
+            text = repr(value)
+        except (RecursionError, ValueError):
+            text = f"a {type(value).__name__}"
     return short_text(text, limit)
 
 
@@ -54,6 +77,130 @@ def join(path: str, key: object) -> str:
 def fail(source: str | None, message: str) -> NoReturn:
     """Raise the ``KvauditError`` naming ``source`` (a file, a handle) and the problem."""
     raise KvauditError(message, source=source)
+
+
+def load_json(text: str | bytes, source: str | None, what: str) -> Any:
+    """Parse JSON ``text`` (``what`` in ``source``) and check it with ``check_plain``.
+
+    Raises:
+        KvauditError: Not JSON, nested too deeply, or a string that is not Unicode text.
+
+    """
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        fail(source, f"{what}: nested more than {MAX_DEPTH} levels deep")
+    except json.JSONDecodeError as error:
+        fail(source, f"{what}: line {error.lineno}: not valid JSON ({error.msg})")
+    except ValueError as error:
+        fail(source, f"{what}: not valid JSON ({short_text(str(error))})")
+    check_plain(data, source, what)
+    return data
+
+
+def check_plain(data: object, source: str | None, what: str = "") -> None:
+    """Check parsed JSON-like data (dicts, lists, scalars) before anything reads it: at
+    most ``MAX_DEPTH`` levels deep, and every string (keys too) encodable as UTF-8, so
+    that no lone surrogate reaches a message, a table or a file.
+
+    Raises:
+        KvauditError: The first problem, with the key path where it is.
+
+    """
+    pending: list[tuple[object, int, tuple[Any, ...]]] = [(data, 0, ())]
+    while pending:
+        value, depth, path = pending.pop()
+        if depth > MAX_DEPTH:
+            fail(source, f"{_path_text(what, path)}: nested more than {MAX_DEPTH} levels deep")
+        items: Iterable[tuple[object, object]]
+        if isinstance(value, dict):
+            items = value.items()
+        elif isinstance(value, list):
+            items = enumerate(value)
+        else:
+            if isinstance(value, str):
+                _check_text(value, source, what, path)
+            continue
+        for key, item in items:
+            if isinstance(key, str):
+                _check_text(key, source, what, (*path, key))
+            if isinstance(item, (dict, list, str)):
+                pending.append((item, depth + 1, (*path, key)))
+
+
+def _check_text(text: str, source: str | None, what: str, path: tuple[Any, ...]) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        fail(
+            source,
+            f"{_path_text(what, path)}: not Unicode text (a lone surrogate "
+            f"U+{ord(text[error.start]):04X} at character {error.start})",
+        )
+
+
+def _path_text(what: str, path: tuple[Any, ...]) -> str:
+    parts = [what] if what else []
+    for key in path:
+        if isinstance(key, int):
+            parts.append(f"[{key}]")
+        else:
+            safe = key.encode("utf-8", "backslashreplace").decode("utf-8")
+            parts.append(f"[{json.dumps(short_text(safe, 40))}]")
+    return "".join(parts) or "value"
+
+
+def check_int(
+    value: object, source: str | None, path: str, minimum: int = 0, maximum: int = MAX_COUNT
+) -> int:
+    """An integer (not a bool) from ``minimum`` to ``maximum``, as a Python int.
+
+    Raises:
+        KvauditError: Anything else; the message names ``path`` and the bounds.
+
+    """
+    if not is_int(value) or not minimum <= value <= maximum:
+        fail(source, f"{path}: expected an integer from {minimum} to {maximum}, got {short(value)}")
+    return int(value)  # type: ignore[call-overload]
+
+
+def check_positions(
+    source: str | None,
+    where: str,
+    num_tokens: int,
+    block_size: int,
+    start: int,
+    count: int,
+) -> None:
+    """A group's positions ``start .. start + count - 1`` against its request's tokens.
+
+    The first listed position must hold a token (``start * block_size < num_tokens``)
+    and the last must stay within the limits, so that no position's first token
+    overflows a 64-bit integer.
+
+    Raises:
+        KvauditError: A start at or beyond the request's tokens, or positions past the
+            limits; the message names ``where``.
+
+    """
+    if num_tokens > MAX_TOKENS:
+        fail(source, f"{where}: {num_tokens} tokens, more than the {MAX_TOKENS} kvaudit reads")
+    if block_size > MAX_BLOCK_SIZE:
+        fail(
+            source,
+            f"{where}: block size {block_size}, more than the {MAX_BLOCK_SIZE} kvaudit reads",
+        )
+    if count and start * block_size >= num_tokens:
+        fail(
+            source,
+            f"{where}: start position {start} (token {start * block_size}) is beyond the "
+            f"request's {num_tokens} tokens",
+        )
+    if (start + count) * block_size > MAX_POSITION_TOKEN:
+        fail(
+            source,
+            f"{where}: {count} positions from {start} reach past token {MAX_POSITION_TOKEN}",
+        )
 
 
 class Checker:
@@ -86,7 +233,26 @@ class Checker:
             self.fail(path, f"{rank} is not in 0..{size - 1}")
 
     def ranks(self, worker: WorkerRanks, path: str = "") -> None:
-        """A worker's TP and PP ranks, each below its size."""
+        """A worker's TP and PP ranks, each below its size, and at most ``MAX_WORKERS``
+        workers in its engine."""
+        for size in ("tp_size", "pp_size"):
+            value = getattr(worker, size)
+            if not is_int(value) or not 1 <= value <= MAX_WORKERS:
+                self.fail(
+                    join(path, size),
+                    f"expected an integer from 1 to {MAX_WORKERS}, {self.got(value)}",
+                )
+        for rank in ("tp_rank", "pp_rank"):
+            if not is_int(getattr(worker, rank)):
+                self.fail(
+                    join(path, rank), f"expected an integer, {self.got(getattr(worker, rank))}"
+                )
+        if worker.tp_size * worker.pp_size > MAX_WORKERS:
+            self.fail(
+                path,
+                f"tp_size {worker.tp_size} x pp_size {worker.pp_size} is more than the "
+                f"{MAX_WORKERS} workers kvaudit reads",
+            )
         self.rank(worker.tp_rank, worker.tp_size, join(path, "tp_rank"))
         self.rank(worker.pp_rank, worker.pp_size, join(path, "pp_rank"))
 

@@ -71,20 +71,17 @@ def _coarsen(side: Side, coarse: int) -> tuple[np.ndarray, np.ndarray]:
         return np.zeros(0, dtype=np.int64), np.zeros((0, width), dtype=np.uint64)
     if ratio == 1:
         return np.arange(side.start, side.start + count, dtype=np.int64), side.columns
-    first = side.start // ratio
-    last = (side.start + count - 1) // ratio
-    blocks = last - first + 1
-    offset = side.start - first * ratio
-    padded = np.zeros((blocks * ratio, width), dtype=np.uint64)
-    padded[offset : offset + count] = side.columns
-    held = np.zeros(blocks * ratio, dtype=bool)
-    held[offset : offset + count] = True
-    fine = np.arange(first * ratio, (last + 1) * ratio, dtype=np.int64)
-    empty = valid_tokens(side.num_tokens, side.block_size, fine) == 0
-    formed = (held | empty).reshape(blocks, ratio).all(axis=1)
+    # Memory in the rows held, not in the ratio: the held rows are consecutive, so each
+    # coarse block's rows are one slice and its valid fine positions one range.
+    end = side.start + count
+    positions = np.arange(side.start // ratio, (end - 1) // ratio + 1, dtype=np.int64)
+    lo = positions * ratio
+    edges = np.maximum(lo - side.start, 0)
     # uint64 addition wraps modulo 2**64, as block-size additivity requires.
-    sums = padded.reshape(blocks, ratio, width).sum(axis=1, dtype=np.uint64)
-    positions = np.arange(first, last + 1, dtype=np.int64)
+    sums = np.add.reduceat(side.columns, edges, axis=0, dtype=np.uint64)
+    with_tokens = -(-side.num_tokens // side.block_size)
+    hi = np.minimum(lo + ratio, with_tokens)
+    formed = (hi <= lo) | ((side.start <= lo) & (end >= hi))
     return positions[formed], sums[formed]
 
 
