@@ -17,10 +17,16 @@ import numpy as np
 from .errors import KvauditError
 from .scheme import MASK64, ReplicaKey, from_hex, to_hex
 from .validation import (
+    MAX_BLOCK_SIZE,
+    MAX_COUNT,
+    MAX_TOKENS,
+    MAX_WORKERS,
     POSITION_NUMBERINGS,
     Checker,
     Positions,
     Role,
+    check_plain,
+    check_positions,
     describe_worker,
     join,
     short,
@@ -144,6 +150,7 @@ class Record:
                 sums of the replica-0 values; the message names the source and key path.
 
         """
+        check_plain(data, source)
         reader = _Reader(source)
         reader.keys(data, "", ("format", "positions", "workers", "complete", "requests"))
         if data["format"] != RECORD_FORMAT:
@@ -339,9 +346,9 @@ class _Reader(Checker):
                 self.fail(join(path, str(key)), "unknown key")
         return data
 
-    def integer(self, value: object, path: str, minimum: int = 0) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            self.fail(path, f"expected an integer >= {minimum}, {self.got(value)}")
+    def integer(self, value: object, path: str, minimum: int = 0, maximum: int = MAX_COUNT) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+            self.fail(path, f"expected an integer from {minimum} to {maximum}, {self.got(value)}")
         return value
 
     def string(self, value: object, path: str) -> str:
@@ -367,9 +374,9 @@ def _worker_from_json(reader: _Reader, value: object, path: str) -> WorkerSummar
     role = reader.role(reader.string(data["role"], join(path, "role")), join(path, "role"))
     info = WorkerInfo(
         tp_rank=reader.integer(data["tp_rank"], join(path, "tp_rank")),
-        tp_size=reader.integer(data["tp_size"], join(path, "tp_size"), minimum=1),
+        tp_size=reader.integer(data["tp_size"], join(path, "tp_size"), 1, MAX_WORKERS),
         pp_rank=reader.integer(data["pp_rank"], join(path, "pp_rank")),
-        pp_size=reader.integer(data["pp_size"], join(path, "pp_size"), minimum=1),
+        pp_size=reader.integer(data["pp_size"], join(path, "pp_size"), 1, MAX_WORKERS),
         role=role,
         engine=reader.string(data.get("engine", ""), join(path, "engine")),
         source=reader.string(data["source"], join(path, "source")),
@@ -390,12 +397,17 @@ def _worker_from_json(reader: _Reader, value: object, path: str) -> WorkerSummar
 def _request_from_json(reader: _Reader, value: object, path: str) -> RequestChecksums:
     """One ``requests`` entry, validated."""
     data = reader.keys(value, path, ("num_tokens", "groups"))
-    num_tokens = reader.integer(data["num_tokens"], join(path, "num_tokens"))
+    num_tokens = reader.integer(data["num_tokens"], join(path, "num_tokens"), 0, MAX_TOKENS)
     groups_path = join(path, "groups")
-    groups = {
-        reader.group_id(key, groups_path): _group_from_json(reader, item, _item(groups_path, key))
-        for key, item in reader.obj(data["groups"], groups_path).items()
-    }
+    groups = {}
+    for key, item in reader.obj(data["groups"], groups_path).items():
+        group_id = reader.group_id(key, groups_path)
+        group_path = _item(groups_path, key)
+        group = _group_from_json(reader, item, group_path)
+        check_positions(
+            reader.source, group_path, num_tokens, group.block_size, group.start, group.count
+        )
+        groups[group_id] = group
     return RequestChecksums(num_tokens, groups)
 
 
@@ -403,8 +415,8 @@ def _group_from_json(reader: _Reader, value: object, path: str) -> GroupChecksum
     """One group of a request, validated: unique replica keys, rows one value per key,
     totals that are the sums of the replica-0 values."""
     data = reader.keys(value, path, _GROUP_KEYS)
-    block_size = reader.integer(data["block_size"], join(path, "block_size"), minimum=1)
-    start = reader.integer(data["start"], join(path, "start"))
+    block_size = reader.integer(data["block_size"], join(path, "block_size"), 1, MAX_BLOCK_SIZE)
+    start = reader.integer(data["start"], join(path, "start"), 0, MAX_TOKENS)
     fingerprint = reader.hex64(data["fingerprint"], join(path, "fingerprint"))
 
     keys_path = join(path, "replica_keys")
@@ -414,7 +426,7 @@ def _group_from_json(reader: _Reader, value: object, path: str) -> GroupChecksum
         pair = reader.array(item, key_path)
         if len(pair) != 2:
             reader.fail(key_path, f"expected [replicas, replica_index], {reader.got(pair)}")
-        replicas = reader.integer(pair[0], _item(key_path, 0), minimum=1)
+        replicas = reader.integer(pair[0], _item(key_path, 0), 1, MAX_WORKERS)
         index = reader.integer(pair[1], _item(key_path, 1))
         if index >= replicas:
             reader.fail(key_path, f"replica index {index} is not below {replicas} replicas")

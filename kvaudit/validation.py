@@ -91,7 +91,7 @@ def load_json(text: str | bytes, source: str | None, what: str) -> Any:
     except RecursionError:
         fail(source, f"{what}: nested more than {MAX_DEPTH} levels deep")
     except json.JSONDecodeError as error:
-        fail(source, f"{what}: line {error.lineno}: not valid JSON ({error.msg})")
+        fail(source, f"{what}: not valid JSON ({error})")
     except ValueError as error:
         fail(source, f"{what}: not valid JSON ({short_text(str(error))})")
     check_plain(data, source, what)
@@ -171,6 +171,7 @@ def check_positions(
     block_size: int,
     start: int,
     count: int,
+    error: type[KvauditError] = KvauditError,
 ) -> None:
     """A group's positions ``start .. start + count - 1`` against its request's tokens.
 
@@ -184,22 +185,24 @@ def check_positions(
 
     """
     if num_tokens > MAX_TOKENS:
-        fail(source, f"{where}: {num_tokens} tokens, more than the {MAX_TOKENS} kvaudit reads")
+        raise error(
+            f"{where}: {num_tokens} tokens, more than the {MAX_TOKENS} kvaudit reads", source
+        )
     if block_size > MAX_BLOCK_SIZE:
-        fail(
-            source,
+        raise error(
             f"{where}: block size {block_size}, more than the {MAX_BLOCK_SIZE} kvaudit reads",
+            source,
         )
     if count and start * block_size >= num_tokens:
-        fail(
-            source,
+        raise error(
             f"{where}: start position {start} (token {start * block_size}) is beyond the "
             f"request's {num_tokens} tokens",
+            source,
         )
     if (start + count) * block_size > MAX_POSITION_TOKEN:
-        fail(
-            source,
+        raise error(
             f"{where}: {count} positions from {start} reach past token {MAX_POSITION_TOKEN}",
+            source,
         )
 
 
@@ -269,6 +272,8 @@ class WorkerRanks(Protocol):
     @property
     def pp_size(self) -> int: ...
     @property
+    def role(self) -> str: ...
+    @property
     def source(self) -> str: ...
 
 
@@ -293,14 +298,21 @@ def worker_layout(workers: Sequence[WorkerRanks]) -> list[tuple[int, int]]:
     """The ``(pp_rank, tp_rank)`` that one engine's workers lack, in order.
 
     Raises:
-        KvauditError: Workers that disagree on the TP or PP size, ranks out of range, or
-            two workers with the same ranks; the message names them.
+        KvauditError: Workers that disagree on the role (producer, consumer, offload) or
+            on the TP or PP size, ranks out of range, more than ``MAX_WORKERS`` workers,
+            or two workers with the same ranks; the message names them.
 
     """
     first = workers[0]
     seen: dict[tuple[int, int], WorkerRanks] = {}
     for worker in workers:
         name = describe_worker(worker)
+        if worker.role != first.role:
+            fail(
+                name,
+                f"role {short(worker.role)}, but {describe_worker(first)} is a "
+                f"{short(first.role)}: the workers of one set have one role",
+            )
         for size in ("tp_size", "pp_size"):
             if getattr(worker, size) != getattr(first, size):
                 fail(

@@ -17,7 +17,7 @@ import numpy as np
 
 from .errors import WireFormatError
 from .scheme import MASK64
-from .validation import Positions
+from .validation import MAX_TOKENS, Positions, check_positions
 
 MAGIC = b"KVC2"
 RETIRED_MAGIC = b"KVC1"
@@ -164,6 +164,11 @@ def _decode_header(data: bytes, source: str) -> tuple[int, Positions, int]:
             f"unknown numbering {numbering} at byte 12, expected 0 (request) or 1 (block)",
             source,
         )
+    if num_tokens > MAX_TOKENS:
+        raise WireFormatError(
+            f"num_tokens {num_tokens} at byte 4 is more than the {MAX_TOKENS} kvaudit reads",
+            source,
+        )
     return num_tokens, _NUMBERING_NAMES[numbering], num_groups
 
 
@@ -173,8 +178,9 @@ def decode_wire(data: bytes, source: str = "<wire>") -> WireChecksums:
     Raises:
         WireFormatError: A wrong magic (KVC1 named as retired), an unknown numbering, a
             truncated or over-long buffer, a count that does not fit in the bytes left, a
-            zero block size or a duplicate group id; the message names the source and
-            the byte offset.
+            zero block size or a duplicate group id, a token count or block size past the
+            limits (``kvaudit.validation``) or a start beyond the token count; the message
+            names the source and the byte offset.
 
     """
     data = bytes(data)
@@ -203,6 +209,15 @@ def decode_wire(data: bytes, source: str = "<wire>") -> WireChecksums:
                 f"{needed} bytes, {size - offset} left",
                 source,
             )
+        check_positions(
+            source,
+            f"group {group_id} at byte {offset - _GROUP.size}",
+            num_tokens,
+            block_size,
+            start,
+            count,
+            WireFormatError,
+        )
         # A copy: the caller owns the totals, not a read-only view of the buffer.
         totals = np.frombuffer(data, dtype="<u8", count=count, offset=offset).astype(np.uint64)
         groups.append(WireGroup(group_id, fingerprint, block_size, start, totals))

@@ -204,7 +204,12 @@ def test_disagreeing_sizes_name_both_sources(size: str) -> None:
     info = workers[3].worker
     sizes = {"tp_size": info.tp_size, "pp_size": info.pp_size, size: 4}
     workers[3].worker = WorkerInfo(
-        info.tp_rank, sizes["tp_size"], info.pp_rank, sizes["pp_size"], source=info.source
+        info.tp_rank,
+        sizes["tp_size"],
+        info.pp_rank,
+        sizes["pp_size"],
+        info.role,
+        source=info.source,
     )
     with pytest.raises(KvauditError, match=size) as caught:
         combine_workers(workers)

@@ -29,12 +29,12 @@ def test_a_full_layout_misses_nothing_and_a_partial_one_lists_the_gaps() -> None
 
 
 def test_layout_errors_name_the_workers() -> None:
-    twice = [*workers(2, 1), WorkerInfo(1, 2, 0, 1, source="again")]
+    twice = [*workers(2, 1), WorkerInfo(1, 2, 0, 1, "consumer", source="again")]
     with pytest.raises(KvauditError) as caught:
         worker_layout(twice)
     assert str(caught.value) == "again: same worker (pp_rank 0, tp_rank 1) as pp0tp1"
 
-    sizes = [*workers(2, 1), WorkerInfo(2, 4, 0, 1, source="wide")]
+    sizes = [*workers(2, 1), WorkerInfo(2, 4, 0, 1, "consumer", source="wide")]
     with pytest.raises(KvauditError, match=r"^wide: tp_size 4, but pp0tp0 has tp_size 2"):
         worker_layout(sizes)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -19,7 +18,16 @@ from ..description import parse_description as _parse_description
 from ..dtypes import dtype_name
 from ..errors import KvauditError
 from ..records import WorkerInfo
-from ..validation import Checker, fail, is_int, join, short
+from ..validation import (
+    MAX_TOKENS,
+    Checker,
+    check_positions,
+    fail,
+    is_int,
+    join,
+    load_json,
+    short,
+)
 from ..views import LayerTensor
 from .dump import (
     FORMAT,
@@ -46,10 +54,7 @@ _REQUEST_KEYS = ("num_tokens", "groups", "block_hashes", "received")
 
 
 def _json(metadata: Mapping[str, str], key: str, source: str) -> Any:
-    try:
-        return json.loads(metadata[key])
-    except ValueError as error:
-        fail(source, f"{key}: not valid JSON ({error})")
+    return load_json(metadata[key], source, key)
 
 
 def _parse_worker(metadata: Mapping[str, str], source: str) -> WorkerInfo:
@@ -179,10 +184,11 @@ def _parse_requests(
             if key not in item:
                 fail(source, f"{where}: no {key}")
         num_tokens = item["num_tokens"]
-        if not is_int(num_tokens) or num_tokens < 0:
+        if not is_int(num_tokens) or not 0 <= num_tokens <= MAX_TOKENS:
             fail(
                 source,
-                f"{where}: num_tokens must be a non-negative integer, got {short(num_tokens)}",
+                f"{where}: num_tokens must be an integer from 0 to {MAX_TOKENS}, got "
+                f"{short(num_tokens)}",
             )
         groups_data = item["groups"]
         if not isinstance(groups_data, dict):
@@ -195,6 +201,10 @@ def _parse_requests(
                 fail(source, f"{group_where}: expected [start, [block ids]], got {short(entry)}")
             check_group_blocks(
                 source, group_where, entry[0], entry[1], holds, "is not held by the dump"
+            )
+            block_size = description.group(group_id).block_size
+            check_positions(
+                source, group_where, int(num_tokens), block_size, int(entry[0]), len(entry[1])
             )
             groups[group_id] = (int(entry[0]), [int(block_id) for block_id in entry[1]])
         hashes = _parse_hashes(source, where, item.get("block_hashes", {}), groups, group_ids)

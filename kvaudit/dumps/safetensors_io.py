@@ -21,13 +21,14 @@ import torch
 
 from ..dtypes import dtype_size, parse_dtype, safetensors_dtype_name
 from ..files import atomic_path
-from ..validation import fail, is_int, short
+from ..validation import MAX_DEPTH, MAX_HEADER_BYTES, check_plain, fail, is_int, short
 
 PAD_PREFIX = "kvaudit/pad/"
 """Names of the U8 tensors a writer inserts so that every tensor starts 64-byte aligned."""
 
 ALIGNMENT = 64
 _LENGTH = struct.Struct("<Q")
+_INT64_LIMIT = 1 << 63
 _INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -62,6 +63,12 @@ def read_header(path: str) -> Header:
             if len(head) < 8:
                 fail(path, f"not a safetensors file: {size} bytes, less than the 8-byte length")
             (length,) = _LENGTH.unpack(head)
+            if length > MAX_HEADER_BYTES:
+                fail(
+                    path,
+                    f"not a safetensors file: its header length is {length} bytes, more than "
+                    f"the {MAX_HEADER_BYTES} safetensors reads",
+                )
             if length > size - 8:
                 fail(
                     path,
@@ -79,6 +86,9 @@ def read_header(path: str) -> Header:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         fail(path, "not a safetensors file: its header is not JSON")
+    except RecursionError:
+        fail(path, f"safetensors header: nested more than {MAX_DEPTH} levels deep")
+    check_plain(header, path, "safetensors header")
     if not isinstance(header, dict):
         fail(path, "not a safetensors file: its header is not a JSON object")
     metadata = header.pop("__metadata__", {})
@@ -111,7 +121,7 @@ def _header_entry(path: str, name: str, info: object, data_start: int, size: int
     except ValueError:
         fail(path, f"{where}: unknown dtype {short(type_name)}")
     shape = info["shape"]
-    if not isinstance(shape, list) or not all(is_int(n) and n >= 0 for n in shape):
+    if not isinstance(shape, list) or not all(is_int(n) and 0 <= n < _INT64_LIMIT for n in shape):
         fail(path, f"{where}: shape {short(shape)} is not a list of sizes")
     offsets = info["data_offsets"]
     if (

@@ -16,6 +16,7 @@ from ..description import CacheDescription
 from ..dumps.hints import DESCRIPTION_HINT, is_description_data, looks_like_description
 from ..errors import KvauditError
 from ..records import Record, WorkerInfo
+from ..validation import MAX_DEPTH, short_text
 from .base import Progress, Runtime, Source
 from .inventory import GroupInfo, Inventory, RequestInventory, WorkerInventory, add_request
 from .registry import OpenOptions, SourceKind, register_kind, register_object
@@ -127,6 +128,10 @@ def load_record(path: str) -> Record:
         raise KvauditError(
             f"line {error.lineno}: not valid JSON ({error.msg}), expected a record", path
         ) from None
+    except RecursionError:
+        raise KvauditError(f"nested more than {MAX_DEPTH} levels deep", path) from None
+    except ValueError as error:  # an integer of more digits than Python converts
+        raise KvauditError(f"not valid JSON ({short_text(str(error))})", path) from None
     if is_description_data(data):
         raise KvauditError(DESCRIPTION_HINT, path)
     return Record.from_json(data, path)
