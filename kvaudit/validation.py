@@ -43,6 +43,8 @@ MAX_POSITION_TOKEN = 1 << 62
 """The furthest first token of a position past which nothing is computed."""
 MAX_COUNT = 1 << 48
 """The largest other count or size (blocks, heads, head size, ...)."""
+MAX_YAML_BYTES = 10_000_000
+"""The largest description YAML file read."""
 MAX_YAML_NODES = 100_000
 """The most YAML nodes a description may expand to, aliases counted at each use."""
 
@@ -98,7 +100,12 @@ def load_json(text: str | bytes, source: str | None, what: str) -> Any:
     return data
 
 
-def check_plain(data: object, source: str | None, what: str = "") -> None:
+def check_plain(
+    data: object,
+    source: str | None,
+    what: str = "",
+    error: type[KvauditError] = KvauditError,
+) -> None:
     """Check parsed JSON-like data (dicts, lists, scalars) before anything reads it: at
     most ``MAX_DEPTH`` levels deep, and every string (keys too) encodable as UTF-8, so
     that no lone surrogate reaches a message, a table or a file.
@@ -111,7 +118,9 @@ def check_plain(data: object, source: str | None, what: str = "") -> None:
     while pending:
         value, depth, path = pending.pop()
         if depth > MAX_DEPTH:
-            fail(source, f"{_path_text(what, path)}: nested more than {MAX_DEPTH} levels deep")
+            raise error(
+                f"{_path_text(what, path)}: nested more than {MAX_DEPTH} levels deep", source
+            )
         items: Iterable[tuple[object, object]]
         if isinstance(value, dict):
             items = value.items()
@@ -119,35 +128,37 @@ def check_plain(data: object, source: str | None, what: str = "") -> None:
             items = enumerate(value)
         else:
             if isinstance(value, str):
-                _check_text(value, source, what, path)
+                _check_text(value, source, what, path, error)
             continue
         for key, item in items:
             if isinstance(key, str):
-                _check_text(key, source, what, (*path, key))
+                _check_text(key, source, what, (*path, key), error)
             if isinstance(item, (dict, list, str)):
                 pending.append((item, depth + 1, (*path, key)))
 
 
-def _check_text(text: str, source: str | None, what: str, path: tuple[Any, ...]) -> None:
+def _check_text(
+    text: str, source: str | None, what: str, path: tuple[Any, ...], error: type[KvauditError]
+) -> None:
     try:
         text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        fail(
-            source,
+    except UnicodeEncodeError as bad:
+        raise error(
             f"{_path_text(what, path)}: not Unicode text (a lone surrogate "
-            f"U+{ord(text[error.start]):04X} at character {error.start})",
-        )
+            f"U+{ord(text[bad.start]):04X} at character {bad.start})",
+            source,
+        ) from None
 
 
 def _path_text(what: str, path: tuple[Any, ...]) -> str:
-    parts = [what] if what else []
+    text = what
     for key in path:
         if isinstance(key, int):
-            parts.append(f"[{key}]")
+            text += f"[{key}]"
         else:
-            safe = key.encode("utf-8", "backslashreplace").decode("utf-8")
-            parts.append(f"[{json.dumps(short_text(safe, 40))}]")
-    return "".join(parts) or "value"
+            safe = str(key).encode("utf-8", "backslashreplace").decode("utf-8")
+            text = join(text, short_text(safe, 40))
+    return text or "value"
 
 
 def check_int(

@@ -11,7 +11,7 @@ import torch
 
 from ..dtypes import parse_dtype
 from ..errors import DescriptionError
-from ..validation import Checker, join, short_text
+from ..validation import MAX_COUNT, Checker, join, short_text
 from .model import LAYOUT_AXES, SPEC_TYPES
 
 TOP_KEYS = ("kvaudit", "num_blocks", "model_kv_heads", "draft_layers", "groups")
@@ -71,8 +71,17 @@ class FieldChecker(Checker):
     # Scalars.
 
     def integer(
-        self, value: object, path: str, minimum: int = 1, maximum: int | None = None
+        self,
+        value: object,
+        path: str,
+        minimum: int = 1,
+        maximum: int | None = None,
+        limit: int = MAX_COUNT,
     ) -> int:
+        """An integer from ``minimum`` to ``maximum``; ``limit`` (docs/cli.md, "Limits on
+        input") caps it too, and is named only when exceeded."""
+        if isinstance(value, int) and not isinstance(value, bool) and value > limit:
+            maximum = limit if maximum is None else min(maximum, limit)
         if (
             isinstance(value, bool)
             or not isinstance(value, int)
@@ -92,13 +101,14 @@ class FieldChecker(Checker):
         default: int | None = None,
         minimum: int = 1,
         maximum: int | None = None,
+        limit: int = MAX_COUNT,
     ) -> int | None:
         value = raw.get(key)
         if value is None:
             if required:
                 self.fail(join(path, key), f"missing; expected {integer_kind(minimum, maximum)}")
             return default
-        return self.integer(value, join(path, key), minimum, maximum)
+        return self.integer(value, join(path, key), minimum, maximum, limit)
 
     def boolean(self, raw: Mapping[str, Any], path: str, key: str, default: bool) -> bool:
         value = raw.get(key)

@@ -1,5 +1,6 @@
-"""Reading a cache description YAML file: strict YAML (no key given twice), one-line
-errors naming the file and line, then ``parse_description``."""
+"""Reading a cache description YAML file: strict YAML (no key given twice, bounded alias
+expansion and nesting, no value a tag cannot build), one-line errors naming the file and
+line, then ``parse_description``."""
 
 from __future__ import annotations
 
@@ -10,12 +11,39 @@ from typing import Any
 import yaml
 
 from ..errors import DescriptionError
+from ..validation import MAX_DEPTH, MAX_YAML_BYTES, MAX_YAML_NODES, short_text
 from .model import CacheDescription
 from .validator import parse_description
 
+_STANDARD_TAGS = "tag:yaml.org,2002:"
+
 
 class _StrictLoader(yaml.SafeLoader):
-    """A safe YAML loader that refuses a key given twice in one mapping."""
+    """A safe YAML loader that refuses a key given twice in one mapping, a document that
+    expands (aliases counted at each use) to more than ``MAX_YAML_NODES`` nodes or nests
+    deeper than ``MAX_DEPTH``, an alias inside the value it names, and explicitly tagged
+    values their tag cannot build (``!!int x``, ``!!timestamp x``)."""
+
+    def get_single_data(self) -> Any:
+        node = self.get_single_node()
+        if node is None:
+            return None
+        _check_expansion(node)
+        return self.construct_document(node)
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep=deep)
+        except yaml.YAMLError:
+            raise
+        except (ValueError, TypeError, AttributeError, KeyError, IndexError, OverflowError):
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"cannot read {short_text(repr(_shown(node)), 40)} as "
+                f"{node.tag.replace(_STANDARD_TAGS, '!!')}",
+                node.start_mark,
+            ) from None
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
@@ -38,6 +66,57 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def _shown(node: yaml.Node) -> object:
+    return node.value if isinstance(node, yaml.ScalarNode) else f"a {node.id}"
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return []
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """Refuse a composed document that expands past the limits, before anything is built.
+
+    Aliases share nodes, so a few bytes can name billions of values (an "alias bomb");
+    each node's expanded size is counted once, from its children's.
+    """
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+    pending: list[tuple[yaml.Node, int, bool]] = [(root, 0, False)]
+    while pending:
+        node, depth, children_done = pending.pop()
+        key = id(node)
+        if children_done:
+            on_path.discard(key)
+            size = 1 + sum(sizes[id(child)] for child in _children(node))
+            if size > MAX_YAML_NODES:
+                raise yaml.composer.ComposerError(
+                    None,
+                    None,
+                    f"expands to more than {MAX_YAML_NODES} values (aliases counted at each use)",
+                    node.start_mark,
+                )
+            sizes[key] = size
+            continue
+        if key in sizes:
+            continue
+        if key in on_path:
+            raise yaml.composer.ComposerError(
+                None, None, "an alias inside the value it names", node.start_mark
+            )
+        if depth > MAX_DEPTH:
+            raise yaml.composer.ComposerError(
+                None, None, f"nested more than {MAX_DEPTH} levels deep", node.start_mark
+            )
+        on_path.add(key)
+        pending.append((node, depth, True))
+        pending.extend((child, depth + 1, False) for child in _children(node))
+
+
 def _yaml_problem(exc: yaml.YAMLError) -> str:
     if isinstance(exc, yaml.MarkedYAMLError):
         mark = exc.problem_mark or exc.context_mark
@@ -58,6 +137,12 @@ def load_description(path: str | os.PathLike[str]) -> CacheDescription:
     """
     source = os.fspath(path)
     try:
+        if os.path.getsize(source) > MAX_YAML_BYTES:
+            raise DescriptionError(
+                f"{os.path.getsize(source)} bytes, more than the {MAX_YAML_BYTES} a "
+                "description may have",
+                source=source,
+            )
         text = Path(source).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise DescriptionError("no such file", source=source) from None
@@ -71,6 +156,10 @@ def load_description(path: str | os.PathLike[str]) -> CacheDescription:
         data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: builds no objects
     except yaml.YAMLError as exc:
         raise DescriptionError(_yaml_problem(exc), source=source) from None
+    except RecursionError:
+        raise DescriptionError(
+            f"invalid YAML: nested more than {MAX_DEPTH} levels deep", source=source
+        ) from None
     if data is None:
         raise DescriptionError(
             "empty; expected a mapping with kvaudit, num_blocks and groups", source=source

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from ..validation import join
+from ..validation import MAX_BLOCK_SIZE, join
 from .fields import (
     ATTENTION_SPEC_KEYS,
     SPLIT_KEYS,
@@ -25,7 +25,7 @@ class SpecChecker(FieldChecker):
         raw = self.spec_mapping(value, path)
         type_ = self.choice(raw.get("type"), join(path, "type"), SPEC_TYPES)
         self.spec_keys_for_type(raw, path, type_)
-        block_size = self.field_int(raw, path, "block_size", required=True)
+        block_size = self.field_int(raw, path, "block_size", required=True, limit=MAX_BLOCK_SIZE)
         kernel_block_size = self.field_int(raw, path, "kernel_block_size", default=block_size)
         if block_size % kernel_block_size:
             self.fail(

@@ -7,7 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..validation import join
+from ..errors import DescriptionError
+from ..validation import check_plain, join
 from .fields import GROUP_KEYS, GROUP_WIDE_KEYS, LAYER_KEYS, TOP_KEYS, is_list
 from .model import (
     FORMAT_VERSION,
@@ -212,4 +213,5 @@ def parse_description(data: Mapping[str, Any], source: str) -> CacheDescription:
         DescriptionError: One line: the source, the key path and what is expected there.
 
     """
+    check_plain(data, source, error=DescriptionError)
     return _Validator(source).description(data)
