@@ -23,7 +23,16 @@ from .records import (
     WorkerRecord,
 )
 from .scheme import valid_tokens
-from .validation import POSITION_NUMBERINGS, Positions, Role, check_worker, is_int
+from .validation import (
+    MAX_POSITION_TOKEN,
+    MAX_TOKENS,
+    POSITION_NUMBERINGS,
+    Positions,
+    Role,
+    check_worker,
+    is_int,
+    short,
+)
 from .views import GroupViews, build_group_views
 
 
@@ -217,10 +226,10 @@ def _check_request(
 ) -> None:
     """Reject a request whose token count, positions or block ids cannot be right."""
     where = source or None
-    if not is_int(blocks.num_tokens) or blocks.num_tokens < 0:
+    if not is_int(blocks.num_tokens) or not 0 <= blocks.num_tokens <= MAX_TOKENS:
         raise KvauditError(
-            f"request {req_id}: num_tokens must be a non-negative integer, "
-            f"got {blocks.num_tokens!r}",
+            f"request {req_id}: num_tokens must be an integer from 0 to {MAX_TOKENS}, "
+            f"got {short(blocks.num_tokens)}",
             where,
         )
     for group_id, (start, block_ids) in blocks.groups.items():
@@ -229,7 +238,16 @@ def _check_request(
         if not is_int(start) or start < 0:
             raise KvauditError(
                 f"request {req_id} group {group_id}: start position must be a non-negative "
-                f"integer, got {start!r}",
+                f"integer, got {short(start)}",
+                where,
+            )
+        # A trimmed source lists positions past its tokens (they count none); positions
+        # are only kept from overflowing 64-bit integers here.
+        end = (int(start) + len(block_ids)) * groups[group_id].group.block_size
+        if end > MAX_POSITION_TOKEN:
+            raise KvauditError(
+                f"request {req_id} group {group_id}: {len(block_ids)} positions from {start} "
+                f"reach past token {MAX_POSITION_TOKEN}",
                 where,
             )
         seen: set[int] = set()

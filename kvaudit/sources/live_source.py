@@ -25,11 +25,13 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 from ..description import CacheDescription, load_description, parse_description
 from ..errors import KvauditError
-from ..inputs import RequestBlocks
+from ..inputs import RequestBlocks, plain_requests
 from ..records import Record, WorkerInfo
-from ..validation import check_worker
+from ..validation import MAX_TOKENS, check_int, check_plain, check_positions, check_worker, short
 from .base import Progress, Runtime
 from .raw import LiveWorker, RawKVSource, checksum_each, one_line, one_line_errors
 from .registry import OpenOptions, SourceKind, register_kind
@@ -105,13 +107,16 @@ def _load_live(name: str, config: CacheDescription | None) -> LiveWorker:
         )
     if not isinstance(tensors, Mapping):
         raise KvauditError(f"{LIVE_FUNCTION}(): tensors must be a dict of layer tensors", name)
+    _check_tensors(name, tensors)
     if not isinstance(rank, Mapping) or any(key not in _RANK_KEYS for key in rank):
         raise KvauditError(
             f"{LIVE_FUNCTION}(): rank must be a dict with keys among {', '.join(_RANK_KEYS)}",
             name,
         )
-    listed = _live_requests(name, requests)
+    listed = _live_requests(name, requests, description)
     num_blocks = rank.get("num_blocks")
+    if num_blocks is not None:
+        check_int(num_blocks, name, f"{LIVE_FUNCTION}(): rank num_blocks", 1)
     return LiveWorker(
         name=name,
         description=description,
@@ -130,13 +135,17 @@ def _live_worker_info(name: str, rank: Mapping[str, Any]) -> WorkerInfo:
             handle.
 
     """
+    engine = rank.get("engine", "")
+    if not isinstance(engine, str):
+        raise KvauditError(f"{LIVE_FUNCTION}(): rank engine must be a string", name)
+    check_plain(engine, name, f"{LIVE_FUNCTION}(): rank engine")
     worker = WorkerInfo(
         tp_rank=rank.get("tp_rank", 0),
         tp_size=rank.get("tp_size", 1),
         pp_rank=rank.get("pp_rank", 0),
         pp_size=rank.get("pp_size", 1),
         role=rank.get("role", "consumer"),
-        engine=rank.get("engine", ""),
+        engine=engine,
         source=name,
     )
     # A Checksummer's checks, made here too: inspect builds none, yet must reject what
@@ -173,28 +182,70 @@ def _import_live(name: str, target: str) -> Any:
         raise KvauditError(f"cannot import: {one_line(error)}", name) from None
 
 
-def _live_requests(name: str, requests: object) -> dict[str, RequestBlocks]:
-    """``kvaudit_live()``'s requests as ``RequestBlocks``."""
+def _check_tensors(name: str, tensors: Mapping[Any, Any]) -> None:
+    """Every layer's cache a torch tensor, or a pair of them (K and V)."""
+    for layer, tensor in tensors.items():
+        parts = tensor if isinstance(tensor, (tuple, list)) else (tensor,)
+        if (
+            not isinstance(layer, str)
+            or not 1 <= len(parts) <= 2
+            or not all(isinstance(part, torch.Tensor) for part in parts)
+        ):
+            raise KvauditError(
+                f"{LIVE_FUNCTION}(): tensors[{short(layer)}]: expected a torch tensor or a "
+                f"(k, v) pair of them, got {type(tensor).__name__}",
+                name,
+            )
+
+
+def _live_requests(
+    name: str, requests: object, description: CacheDescription
+) -> dict[str, RequestBlocks]:
+    """``kvaudit_live()``'s requests as ``RequestBlocks``, each group's start checked
+    against the request's tokens."""
     if not isinstance(requests, Mapping):
         raise KvauditError(f"{LIVE_FUNCTION}(): requests must be a dict", name)
     result = {}
     for request_id, blocks in requests.items():
-        if isinstance(blocks, RequestBlocks):
-            result[str(request_id)] = blocks
-            continue
-        try:
-            groups = {
-                int(gid): (start, list(block_ids))
-                for gid, (start, block_ids) in blocks["groups"].items()
-            }
-            result[str(request_id)] = RequestBlocks(blocks["num_tokens"], groups)
-        except (KeyError, TypeError, ValueError):
+        if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
             raise KvauditError(
-                f"{LIVE_FUNCTION}(): request {request_id!r}: expected "
-                '{"num_tokens": n, "groups": {id: [start, [block ids]]}}',
-                name,
-            ) from None
+                f"{LIVE_FUNCTION}(): request id {short(request_id)} is not a string", name
+            )
+        where = f"{LIVE_FUNCTION}(): request {short(request_id)}"
+        check_plain(str(request_id), name, where)
+        if isinstance(blocks, RequestBlocks):
+            listed = blocks
+        else:
+            try:
+                groups = {
+                    int(gid): (start, list(block_ids))
+                    for gid, (start, block_ids) in blocks["groups"].items()
+                }
+                listed = RequestBlocks(blocks["num_tokens"], groups)
+            except (KeyError, TypeError, ValueError, AttributeError):
+                raise KvauditError(
+                    f"{where}: expected "
+                    '{"num_tokens": n, "groups": {id: [start, [block ids]]}}',
+                    name,
+                ) from None
+        _check_listed(name, where, plain_requests({"": listed}, name)[""], description)
+        result[str(request_id)] = listed
     return result
+
+
+def _check_listed(
+    name: str, where: str, listed: RequestBlocks, description: CacheDescription
+) -> None:
+    """A request's token count and each group's start, integers and consistent."""
+    num_tokens = check_int(listed.num_tokens, name, f"{where}: num_tokens", 0, MAX_TOKENS)
+    block_sizes = {group.id: group.block_size for group in description.groups}
+    for group_id, (start, block_ids) in listed.groups.items():
+        group_where = f"{where} group {group_id}"
+        first = check_int(start, name, f"{group_where}: start", 0, MAX_TOKENS)
+        if group_id in block_sizes:
+            check_positions(
+                name, group_where, num_tokens, block_sizes[group_id], first, len(block_ids)
+            )
 
 
 register_kind(SourceKind("live", _open, prefix=LIVE_PREFIX))
