@@ -24,6 +24,33 @@ class _StrictLoader(yaml.SafeLoader):
     deeper than ``MAX_DEPTH``, an alias inside the value it names, and explicitly tagged
     values their tag cannot build (``!!int x``, ``!!timestamp x``)."""
 
+    _depth = 0
+
+    def fetch_flow_collection_start(self, token_class: type[yaml.Token]) -> None:
+        # The scanner looks ahead over every "[" or "{" that may start a key, at a cost
+        # that grows with the nesting: refuse deep flow nesting as it is scanned.
+        if self.flow_level >= MAX_DEPTH:
+            raise yaml.scanner.ScannerError(
+                None, None, f"nested more than {MAX_DEPTH} levels deep", self.get_mark()
+            )
+        super().fetch_flow_collection_start(token_class)
+
+    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node:
+        # Refused while composing, before Python's recursion limit or the scanner's cost
+        # per nesting level adds up.
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH + 1:
+                raise yaml.composer.ComposerError(
+                    None,
+                    None,
+                    f"nested more than {MAX_DEPTH} levels deep",
+                    self.peek_event().start_mark,
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
     def get_single_data(self) -> Any:
         node = self.get_single_node()
         if node is None:
