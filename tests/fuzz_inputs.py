@@ -84,7 +84,7 @@ MEMORY_CAP = 1 << 30  # bytes the fuzzing process may add to what its imports to
 TIME_CAP = 5.0  # seconds per example
 
 
-def _tensors() -> dict[str, torch.Tensor]:
+def seed_tensors() -> dict[str, torch.Tensor]:
     return {
         "model.layers.0.attn": torch.arange(64, dtype=torch.float32).reshape(4, 4, 1, 4),
         "model.layers.1.attn": torch.arange(32, dtype=torch.float16).reshape(4, 2, 1, 4),
@@ -101,7 +101,7 @@ class Seeds:
         write_dump(
             self.dump,
             self.description,
-            _tensors(),
+            seed_tensors(),
             REQUESTS,
             worker=WorkerInfo(role="producer", engine="fuzz"),
         )
