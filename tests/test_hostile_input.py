@@ -482,3 +482,24 @@ def test_a_record_mixing_roles_is_refused(seeds: Seeds, tmp_path: Path) -> None:
 
     record = record_file(seeds, tmp_path / "r.json", change)
     assert_one_line_error(run("checksum", record), "r.json", "workers", "offload", "one role")
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("deep.safetensors", "x: " + "[" * 200_000 + "\n"),
+        ("tagged.safetensors", "kvaudit: !!timestamp x\ngroups: []\n"),
+        ("bomb.safetensors", alias_bomb()),
+        ("deep.json", "x: " + "[" * 200_000 + "\n"),
+        ("tagged.json", "kvaudit: !!int x\ngroups: []\n"),
+    ],
+)
+def test_text_given_as_a_dump_or_record_is_sniffed_within_the_limits(
+    tmp_path: Path, name: str, text: str
+) -> None:
+    """A text file given as a SOURCE is checked for being a description (a hint) with the
+    description's strict YAML reading, so hostile text is still one line."""
+    path = tmp_path / name
+    path.write_text(text)
+    with bounded(seconds=3):
+        assert_one_line_error(run("inspect", path), name)

@@ -154,6 +154,16 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return "invalid YAML: " + " ".join(str(exc).split())
 
 
+def parse_yaml(text: str) -> Any:
+    """YAML text parsed strictly and within the limits (``_StrictLoader``).
+
+    Raises:
+        yaml.YAMLError: Malformed YAML, or YAML past the limits, with its line.
+
+    """
+    return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: builds no objects
+
+
 def load_description(path: str | os.PathLike[str]) -> CacheDescription:
     """Read and validate a cache description YAML file.
 
@@ -180,13 +190,9 @@ def load_description(path: str | os.PathLike[str]) -> CacheDescription:
     except OSError as exc:
         raise DescriptionError(f"cannot read: {exc.strerror}", source=source) from None
     try:
-        data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: builds no objects
+        data = parse_yaml(text)
     except yaml.YAMLError as exc:
         raise DescriptionError(_yaml_problem(exc), source=source) from None
-    except RecursionError:
-        raise DescriptionError(
-            f"invalid YAML: nested more than {MAX_DEPTH} levels deep", source=source
-        ) from None
     if data is None:
         raise DescriptionError(
             "empty; expected a mapping with kvaudit, num_blocks and groups", source=source

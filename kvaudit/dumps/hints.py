@@ -9,6 +9,7 @@ import os
 
 import yaml
 
+from ..description.loader import parse_yaml
 from ..validation import Role
 
 DESCRIPTION_HINT = "looks like a cache description: pass it with -c (--config), not as a SOURCE"
@@ -39,11 +40,12 @@ def looks_like_description(path: str) -> bool:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         return False
-    for parse in (json.loads, yaml.safe_load):
+    # Strict YAML, as a description is read: hostile text stays within the input limits.
+    for parse in (json.loads, parse_yaml):
         try:
             if is_description_data(parse(text)):
                 return True
-        except (ValueError, yaml.YAMLError):
+        except (ValueError, RecursionError, yaml.YAMLError):
             continue
     return False
 
