@@ -83,10 +83,11 @@ def test_a_description_given_as_a_source_is_named_as_one(
         path, text = tmp_path / "cache.yml", yaml.safe_dump(data, default_flow_style=True)
     path.write_text(text)
     assert bad_input(run("checksum", str(path)), path).endswith(
-        f"{HINT} (--config), not as a SOURCE"
+        f"{HINT} (--config), not as a dump or record"
     )
     assert HINT in bad_input(run("diff", str(path), str(sets / "consumer")), path)
     assert HINT in bad_input(run("diff", str(sets / "producer"), str(path)), path)
+    assert HINT in bad_input(run("verify", str(sets / "consumer"), "--against", str(path)), path)
     # Given with -c, the same file is read as the description it is.
     assert run("checksum", "-q", "-c", str(path), str(sets / "producer")).exit_code == 0
 

@@ -12,7 +12,9 @@ import yaml
 from ..description.loader import parse_yaml
 from ..validation import Role
 
-DESCRIPTION_HINT = "looks like a cache description: pass it with -c (--config), not as a SOURCE"
+DESCRIPTION_HINT = (
+    "looks like a cache description: pass it with -c (--config), not as a dump or record"
+)
 """The message for a cache description (YAML or JSON) given as a dump or a record."""
 
 _SNIFF_BYTES = 1 << 20  # a description is a few kilobytes; a larger file is not sniffed
