@@ -20,6 +20,7 @@ from kvaudit.errors import KvauditError
 from kvaudit.integrations.vllm.config import AuditConfig, parse_config
 from kvaudit.integrations.vllm.jobs import AuditJob, AuditStep
 from kvaudit.integrations.vllm.output import read_output_folder
+from kvaudit.integrations.vllm.scheduler import SchedulerAudit
 from kvaudit.integrations.vllm.worker import WorkerAudit
 from kvaudit.records import WorkerInfo
 
@@ -144,3 +145,43 @@ def test_launch_then_result_is_the_checksum(tmp_path: Path) -> None:
         np.testing.assert_array_equal(
             launched.requests[rid].groups[0].values, direct.requests[rid].groups[0].values
         )
+
+
+def dump_engine(tmp_path: Path, max_bytes: int) -> list[Path]:
+    """One worker auditing both requests with dumps asked for; the dump files written."""
+    requests = {rid: kb.make_request(MODEL, n, i, 1) for i, (rid, n) in enumerate(TOKENS.items())}
+    [w] = kb.build_engine(MODEL, requests, kb.Engine(seed=3))
+    audit = WorkerAudit(
+        parse_description(w.description, "w"), w.description, w.tensors,
+        WorkerInfo(0, 1, 0, 1, "producer", "p"),
+        AuditConfig(output=str(tmp_path), max_dump_bytes=max_bytes, dump_sample_rate=1.0),
+    )  # fmt: skip
+    jobs = [AuditJob(rid, rid, "producer", n, dict(groups), dump=True)
+            for rid, (n, groups) in w.requests.items()]  # fmt: skip
+    audit.bind(AuditStep(jobs=jobs))
+    audit.forward_done()
+    return sorted(tmp_path.glob("dumps/*/*.safetensors"))
+
+
+def test_dumps_stay_within_max_dump_bytes(tmp_path: Path) -> None:
+    # r1 (37 tokens: 3 blocks of 2 layers x 4 heads x 16 tokens x 16 bf16 cells) fits
+    # alone; r2 (2 blocks) would pass the bound of 3 blocks.
+    block_bytes = 2 * 4 * 16 * 16 * 2
+    written = dump_engine(tmp_path / "small", 3 * block_bytes)
+    assert [p.parent.name for p in written] == ["r1"]
+    assert len(dump_engine(tmp_path / "large", 5 * block_bytes)) == 2
+    assert dump_engine(tmp_path / "none", 0) == []
+
+
+def test_both_engines_sample_the_same_requests() -> None:
+    """The dump sample is a fraction of request ids chosen by their hash alone."""
+    config = AuditConfig(output="/o", dump_sample_rate=0.25, max_dump_bytes=1)
+    scheduler = SchedulerAudit(config, {}, producer=True, world_size=1, single_group=True)
+    other = SchedulerAudit(config, {}, producer=False, world_size=4, single_group=True)
+    ids = [f"cmpl-{i}" for i in range(4000)]
+    chosen = [rid for rid in ids if scheduler.dump_sampled(rid)]
+    assert chosen == [rid for rid in ids if other.dump_sampled(rid)]
+    assert 0.22 < len(chosen) / len(ids) < 0.28
+    never = SchedulerAudit(AuditConfig(output="/o", dump_sample_rate=1.0), {}, producer=True,
+                           world_size=1, single_group=True)  # fmt: skip
+    assert not any(never.dump_sampled(rid) for rid in ids[:50])  # max_dump_bytes 0: no dumps

@@ -30,6 +30,7 @@ The order followed (vllm 0.33.0 sources):
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -79,12 +80,16 @@ def transfer_config(
     )  # fmt: skip
 
 
-def vllm_config(ktc: KVTransferConfig, block_size: int, tp_size: int = 1) -> VllmConfig:
+def vllm_config(
+    ktc: KVTransferConfig, block_size: int, tp_size: int = 1, pp_size: int = 1
+) -> VllmConfig:
     return VllmConfig(
         kv_transfer_config=ktc,
         cache_config=CacheConfig(block_size=block_size),
         device_config=DeviceConfig(device="cpu"),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size
+        ),
     )
 
 
@@ -99,10 +104,13 @@ def attention_spec(block_size: int, heads: int, head_size: int, mla: bool = Fals
 
 
 def cache_config(
-    spec: AttentionSpec, layers: int, num_blocks: int, layout: KVCacheLayout
+    spec: AttentionSpec, layers: int | Sequence[int], num_blocks: int, layout: KVCacheLayout
 ) -> KVCacheConfig:
-    """One group of ``layers`` layers in one backing allocation, placed as ``layout``."""
-    names = [LAYER.format(i) for i in range(layers)]
+    """One group of layers (``layers`` of them, or those numbered) in one backing
+    allocation, placed as ``layout``."""
+    numbers = range(layers) if isinstance(layers, int) else layers
+    names = [LAYER.format(i) for i in numbers]
+    layers = len(names)
     page = spec.page_size_bytes
     if layout.is_layer_compact:
         layer_stride, block_stride = page * num_blocks, page
@@ -292,11 +300,12 @@ def make_engine(
     kvaudit: dict[str, Any], wrapped: dict[str, Any] | None, *, role: str = "kv_both",
     tp_size: int = 1, heads: int = 4, head_size: int = 8, layers: int = 2, block_size: int = 16,
     num_blocks: int = 24, mla: bool = False, layout: KVCacheLayout = KVCacheLayout.LBHNC,
-    engine_id: str = "engine",
+    engine_id: str = "engine", pp_size: int = 1,
 ) -> Engine:  # fmt: skip
-    """An engine with ``tp_size`` workers, each holding ``heads / tp_size`` heads."""
+    """An engine with ``tp_size`` workers per PP stage, each holding ``heads / tp_size``
+    heads of its stage's layers (consecutive layers split evenly over the stages)."""
     ktc = transfer_config(kvaudit, wrapped, role, engine_id)
-    config = vllm_config(ktc, block_size, tp_size)
+    config = vllm_config(ktc, block_size, tp_size, pp_size)
     per_rank = 1 if mla else heads // tp_size
     spec = attention_spec(block_size, per_rank, head_size, mla)
     kv_cache_config = cache_config(spec, layers, num_blocks, layout)
@@ -304,14 +313,14 @@ def make_engine(
         config, KVConnectorRole.SCHEDULER, kv_cache_config
     )
     workers = []
-    for rank in range(tp_size):
+    for pp_rank, rank in itertools.product(range(pp_size), range(tp_size)):
+        stage = [i for i in range(layers) if i * pp_size // layers == pp_rank]
+        stage_config = cache_config(spec, stage, num_blocks, layout)
         with mock.patch.object(
-            connector_module, "worker_ranks", return_value=(rank, tp_size, 0, 1)
+            connector_module, "worker_ranks", return_value=(rank, tp_size, pp_rank, pp_size)
         ):
-            conn = KVConnectorFactory.create_connector(
-                config, KVConnectorRole.WORKER, kv_cache_config
-            )
-            caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
+            conn = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, stage_config)
+            caches = allocate_kv_cache(stage_config, torch.device("cpu"), layout)
             # Junk everywhere first: only what the model writes may count.
             for cache in caches.values():
                 cache.view(torch.int16).copy_(

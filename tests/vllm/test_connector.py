@@ -34,21 +34,24 @@ def example(tmp_path: Path) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("tp_size", "mla", "layout"),
+    ("tp_size", "pp_size", "mla", "layout"),
     [
-        (1, False, KVCacheLayout.LBHNC),
-        (2, False, KVCacheLayout.BLHNC),
-        (2, True, KVCacheLayout.LHBNC),
-        (1, False, KVCacheLayout.BLNHC),
+        (1, 1, False, KVCacheLayout.LBHNC),
+        (2, 1, False, KVCacheLayout.BLHNC),
+        (2, 1, True, KVCacheLayout.LHBNC),
+        (1, 1, False, KVCacheLayout.BLNHC),
+        (2, 2, False, KVCacheLayout.LBHNC),
     ],
 )
 def test_producer_sends_its_totals_in_kv_transfer_params(
-    tp_size: int, mla: bool, layout: KVCacheLayout, tmp_path: Path
+    tp_size: int, pp_size: int, mla: bool, layout: KVCacheLayout, tmp_path: Path
 ) -> None:
-    """Standalone (nothing wrapped): the producer's wire, summed over TP ranks, equals the
-    reference totals of the prompt's tokens; the description is the engine's."""
+    """Standalone (nothing wrapped): the producer's wire, summed over TP ranks and PP
+    stages, equals the reference totals of the prompt's tokens; the description is the
+    engine's."""
     engine = h.make_engine({"output": str(tmp_path)}, None, tp_size=tp_size, mla=mla,
-                           layout=layout, head_size=16 if mla else 8)  # fmt: skip
+                           layout=layout, head_size=16 if mla else 8,
+                           pp_size=pp_size)  # fmt: skip
     engine.add("req-1", PROMPT)
     params = engine.step()["finished"]["req-1"]
     wire = decode_wire_base64(params["kvaudit"], "params")
@@ -68,7 +71,7 @@ def test_producer_sends_its_totals_in_kv_transfer_params(
     assert spec.num_kv_heads == (1 if mla else 4 // tp_size)
     record = read_output_folder(tmp_path)
     assert record.requests["req-1"].groups[0].totals().tolist() == want
-    assert record.complete and len(record.workers) == tp_size
+    assert record.complete and len(record.workers) == tp_size * pp_size
 
 
 def run_pair(

@@ -167,7 +167,7 @@ class SchedulerAudit:
         state.produced = True
         job = AuditJob(
             state.request, state.audit_id, PRODUCER, state.prompt_tokens,
-            self._groups_of(state, state.prompt_tokens), dump=self._sampled(state.audit_id),
+            self._groups_of(state, state.prompt_tokens), dump=self.dump_sampled(state.audit_id),
         )  # fmt: skip
         state.jobs[PRODUCER] = job
         self._step.jobs.append(job)
@@ -186,7 +186,7 @@ class SchedulerAudit:
         job = AuditJob(
             state.request, state.audit_id, CONSUMER, num_tokens,
             self._groups_of(state, num_tokens), load=state.load,
-            dump=self._sampled(state.audit_id), received=received,
+            dump=self.dump_sampled(state.audit_id), received=received,
         )  # fmt: skip
         state.jobs[CONSUMER] = job
         self._step.jobs.append(job)
@@ -207,7 +207,7 @@ class SchedulerAudit:
                 out[gid] = (start, ids[start:])
         return out
 
-    def _sampled(self, audit_id: str) -> bool:
+    def dump_sampled(self, audit_id: str) -> bool:
         """Whether both engines dump this request: a fraction ``dump_sample_rate`` of ids,
         chosen by the id's hash so producer and consumer choose alike."""
         rate = self.config.dump_sample_rate
