@@ -238,10 +238,12 @@ class SchedulerAudit:
         return out
 
     def forget(self, request_ids: Iterable[str]) -> None:
-        """Drop requests that ended without their checksums (aborted, preempted away)."""
+        """Drop requests that ended (``finished_req_ids``), except those whose workers'
+        checksums are partly in. A finished request's checksums of its last step came in
+        the update that finished it."""
         for rid in request_ids:
             state = self._requests.get(rid)
-            if state is not None and state.role == CONSUMER and not state.partials:
+            if state is not None and not state.partials:
                 self._requests.pop(rid, None)
 
     # Worker results.
