@@ -163,6 +163,8 @@ class Engine:
     tables: dict[str, list[int]] = field(default_factory=dict)
     computed: dict[str, int] = field(default_factory=dict)
     external: dict[str, tuple[int, bool]] = field(default_factory=dict)
+    waiting_remote: dict[str, int] = field(default_factory=dict)
+    loaded: set[str] = field(default_factory=set)
     next_block: int = 1  # block 0 is vLLM's null block
     aggregator: KVOutputAggregator | None = None
     finished_params: dict[str, dict[str, Any] | None] = field(default_factory=dict)
@@ -192,11 +194,20 @@ class Engine:
         for rid, request in self.requests.items():
             if rid in self.computed:
                 continue
-            hit, is_async = self.scheduler.get_num_new_matched_tokens(request, 0)
-            hit = hit or 0
-            blocks = self._allocate(rid, request.num_prompt_tokens)
-            self.scheduler.update_state_after_alloc(request, blocks, hit)
-            self.external[rid] = (hit, is_async)
+            if rid in self.waiting_remote:
+                # WAITING_FOR_REMOTE_KVS until its load is reported finished.
+                if rid not in self.loaded:
+                    continue
+                hit = self.waiting_remote.pop(rid)
+            else:
+                hit, is_async = self.scheduler.get_num_new_matched_tokens(request, 0)
+                hit = hit or 0
+                blocks = self._allocate(rid, request.num_prompt_tokens)
+                self.scheduler.update_state_after_alloc(request, blocks, hit)
+                self.external[rid] = (hit, is_async)
+                if is_async and hit:
+                    self.waiting_remote[rid] = hit
+                    continue
             request.num_computed_tokens = hit
             num_scheduled[rid] = request.num_prompt_tokens - hit
             new_reqs.append(
@@ -217,7 +228,9 @@ class Engine:
         output.scheduled_cached_reqs = CachedRequestData.make_empty()
         output.num_scheduled_tokens = num_scheduled
         output.total_num_scheduled_tokens = sum(num_scheduled.values())
-        output.has_sync_kv_loads = any(h and not a for h, a in self.external.values())
+        output.has_sync_kv_loads = any(
+            self.external[r][0] and not self.external[r][1] for r in num_scheduled
+        )
         output.kv_connector_metadata = self.scheduler.build_connector_meta(output)
         runner_outputs = [self._run_worker(w, output) for w in self.workers]
         if self.aggregator is None:
@@ -225,6 +238,8 @@ class Engine:
         combined = self.aggregator.aggregate(runner_outputs)
         kv_output = combined.kv_connector_output
         errors = set(kv_output.invalid_block_ids) if kv_output else set()
+        if kv_output and kv_output.finished_recving:
+            self.loaded |= kv_output.finished_recving
         finished = {}
         for rid in [r for r in num_scheduled if r not in self.finished_params]:
             request = self.requests[rid]
@@ -235,7 +250,8 @@ class Engine:
             self.scheduler.update_connector_output(kv_output)
         self.stats.append(self.scheduler.get_kv_connector_stats())
         self.finished_params.update(finished)
-        return {"finished": finished, "invalid_block_ids": errors}
+        recving = set(kv_output.finished_recving or ()) if kv_output else set()
+        return {"finished": finished, "invalid_block_ids": errors, "finished_recving": recving}
 
     def _run_worker(self, worker: Worker, output: SchedulerOutput) -> ModelRunnerOutput:
         conn = worker.connector
@@ -243,10 +259,14 @@ class Engine:
         conn.handle_preemptions(meta)
         conn.bind_connector_metadata(meta)
         context = self._forward_context(worker)
-        conn.start_load_kv(context)
+        if output.has_sync_kv_loads:
+            # Sync loads run before the forward; async ones are started after it.
+            conn.start_load_kv(context)
         if self.before_forward is not None:
             self.before_forward(self, output)
         self._forward(worker, output, context)
+        if not output.has_sync_kv_loads:
+            conn.start_load_kv(context)
         conn.finish_forward()
         conn.wait_for_save()
         results = conn.get_transfer_results(output.finished_req_ids)

@@ -9,6 +9,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+import async_store
 import harness as h
 import pytest
 import torch
@@ -192,3 +193,50 @@ def test_example_connector_under_tp_2_is_caught(
         "kvaudit: MISMATCH request req-b group 0 positions [0, 1]",
     ]
     assert counters(consumer)["mismatched_blocks"] == 4
+
+
+ASYNC = {"kv_connector": "AsyncStoreConnector", "kv_connector_module_path": "async_store"}
+
+
+def async_pair(tmp_path: Path, policy: str, damage: dict) -> tuple[h.Engine, list[dict]]:
+    """A producer and a consumer whose connector loads asynchronously (as NIXL does)."""
+    async_store.STORE.clear()
+    async_store.DAMAGE.clear()
+    producer = h.make_engine({"output": str(tmp_path / "p")}, ASYNC, engine_id="P")
+    producer.add("req-a", PROMPT)
+    params = producer.step()["finished"]["req-a"]
+    async_store.DAMAGE.update(damage)
+    consumer = h.make_engine({"output": str(tmp_path / "d"), "policy": policy}, ASYNC,
+                             engine_id="D")  # fmt: skip
+    consumer.add("d-a", PROMPT, params)
+    return consumer, [consumer.step() for _ in range(3)]
+
+
+def test_an_async_load_is_checked_when_it_finishes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="kvaudit.vllm"):
+        _, steps = async_pair(tmp_path, "log", {"layer": h.LAYER.format(1), "block": 1})
+    # Step 1 loads (after its forward) and reports the load finished; the checksums of
+    # that moment are compared in the same update; step 2 runs the request.
+    assert [s["finished_recving"] for s in steps] == [{"d-a"}, set(), set()]
+    assert "d-a" in steps[1]["finished"]
+    [line] = [r.getMessage() for r in caplog.records if "MISMATCH" in r.getMessage()]
+    assert line.startswith("kvaudit: MISMATCH request req-a group 0 positions [1] ")
+    record = read_output_folder(tmp_path / "d")
+    assert record.requests["req-a"].num_tokens == 32
+
+
+def test_policy_fail_holds_an_async_load_until_its_verdict(tmp_path: Path) -> None:
+    consumer, steps = async_pair(tmp_path, "fail", {"layer": h.LAYER.format(0), "block": 0})
+    bad = consumer.tables["d-a"][0]
+    # Held in step 1; in step 2 reported finished together with its load error, so that
+    # vLLM's kv_load_failure_policy applies to it (scheduler.py, _handle_invalid_blocks).
+    assert [s["finished_recving"] for s in steps[:2]] == [set(), {"d-a"}]
+    assert [s["invalid_block_ids"] for s in steps[:2]] == [set(), {bad}]
+
+
+def test_policy_fail_releases_a_clean_async_load(tmp_path: Path) -> None:
+    _, steps = async_pair(tmp_path, "fail", {})
+    assert [s["finished_recving"] for s in steps[:2]] == [set(), {"d-a"}]
+    assert all(not s["invalid_block_ids"] for s in steps)
