@@ -3,9 +3,10 @@
     python bench/cpu.py [--layers 8] [--blocks 1024] [--repeats 3]
 
 Prints GB/s of: hashlib.sha256 (the issue's baseline), numpy's sum (about memory
-bandwidth), and kvaudit's CPU path on a Llama-shaped cache (8 KV heads, head size 128,
-bf16, 16-token blocks) in two layouts, its blocks in random order (gathered) and in order
-(read in place), with the ratios of kvaudit to each baseline.
+bandwidth), and kvaudit's two CPU backends (numpy, the default, and torch) on a
+Llama-shaped cache (8 KV heads, head size 128, bf16, 16-token blocks) in two layouts, its
+blocks in random order (gathered) and in order (read in place), with the ratios of
+kvaudit to each baseline. Whole processes against file tools: ``bench/cli.py``.
 """
 
 from __future__ import annotations
@@ -80,17 +81,18 @@ def main() -> None:
         "numpy sum": best_seconds(lambda: [w.sum() for w in words], args.repeats),
     }
     in_order = {"bench": RequestBlocks(args.blocks * 16, {0: (0, list(range(args.blocks)))})}
-    for layout, tensors in caches.items():
-        description = parse_description(
-            llama_description(args.layers, args.blocks, layout), "bench"
-        )
-        checksummer = Checksummer(description, tensors, backend="torch")
-        results[f"kvaudit torch {layout}"] = best_seconds(
-            lambda c=checksummer: c.checksum(requests), args.repeats
-        )
-        results[f"kvaudit torch {layout}, blocks in order"] = best_seconds(
-            lambda c=checksummer: c.checksum(in_order), args.repeats
-        )
+    for backend in ("numpy", "torch"):
+        for layout, tensors in caches.items():
+            description = parse_description(
+                llama_description(args.layers, args.blocks, layout), "bench"
+            )
+            checksummer = Checksummer(description, tensors, backend=backend)
+            results[f"kvaudit {backend} {layout}"] = best_seconds(
+                lambda c=checksummer: c.checksum(requests), args.repeats
+            )
+            results[f"kvaudit {backend} {layout}, blocks in order"] = best_seconds(
+                lambda c=checksummer: c.checksum(in_order), args.repeats
+            )
 
     print(
         f"{nbytes / 2**20:.0f} MiB of KV ({args.layers} layers, {args.blocks} blocks of 16 "
@@ -102,7 +104,7 @@ def main() -> None:
     for name, seconds in results.items():
         if name.startswith("kvaudit"):
             print(
-                f"  ratio {name.removeprefix('kvaudit torch ')}: "
+                f"  ratio {name.removeprefix('kvaudit ')}: "
                 f"{results['hashlib.sha256'] / seconds:.2f}x sha256, "
                 f"{results['numpy sum'] / seconds:.2f}x numpy sum"
             )

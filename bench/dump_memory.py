@@ -5,9 +5,10 @@
 
 Writes a dump set of SIZE GiB (WORKERS TP ranks of one engine, Llama-shaped layers:
 16-token blocks, 8 KV heads x 128, bf16, NTHC) with ``write_dump``, then checksums it in a
-subprocess and reports that subprocess's peak RSS (target: under 512 MiB, about half of
-it torch itself) and the throughput. The writer never holds the data: every layer is a
-view, at its own offset, of one 64 MiB random buffer. The checksum runs ``--repeats`` times,
+subprocess and reports that subprocess's peak RSS (target: under 512 MiB) and the
+throughput, with the threads of the CPU path and whether it imported torch (it must not).
+The writer never holds the data: every layer is a view, at its own offset, of one 64 MiB
+random buffer. The checksum runs ``--repeats`` times,
 each in a fresh process, and the fastest run counts (shared machines are noisy); ``--cold``
 evicts the files from the page cache first and runs it once, reading from the disk. The
 files go to a fresh folder under DIR (default: the system's temporary directory), removed
@@ -116,9 +117,8 @@ def evict(folder: str) -> None:
 
 def child(folder: str) -> None:
     """Checksum the set in this process and print what it took, as JSON."""
-    import torch
-
     from kvaudit.dumps import open_dump_set
+    from kvaudit.kernels.numpy_cpu import THREADS
     from kvaudit.sources import checksum_dump_set
 
     after_import = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -138,7 +138,8 @@ def child(folder: str) -> None:
                 "bytes": done,
                 "requests": len(record.requests),
                 "rss_after_import": after_import,
-                "threads": torch.get_num_threads(),
+                "threads": THREADS,
+                "torch_imported": "torch" in sys.modules,
             }
         )
     )
@@ -201,7 +202,8 @@ def main() -> None:
         print(
             f"checksummed {report['bytes'] / (1 << 30):.2f} GiB ({report['requests']} "
             f"requests, files {cache}) in {seconds:.1f} s (best run): "
-            f"{report['bytes'] / seconds / 1e9:.2f} GB/s, {report['threads']} torch threads"
+            f"{report['bytes'] / seconds / 1e9:.2f} GB/s, {report['threads']} threads, torch "
+            f"{'imported' if report['torch_imported'] else 'not imported'}"
         )
         print(
             f"checksum process peak RSS {peak / MIB:.0f} MiB ({verdict}); "

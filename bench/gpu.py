@@ -19,6 +19,11 @@ On one CUDA GPU, in one run of a few minutes (docs/gpu.md):
        request (bench/vllm_overhead.py: side stream and asynchronous host copy, steps
        with and without the audit back to back).
    It checks that (b), (c), (d) and (e) agree and prints GB/s and the ratios.
+3. (g) A ``--dump-gib`` dump (bench/dump_memory.py's Llama-shaped layers) checksummed with
+   ``--device cuda`` (rows staged through two pinned buffers, host-to-device copies on
+   their own stream overlapping the checksums), the median of 3 runs against a pinned
+   host-to-device copy of the same bytes and the CPU path; the GPU's record must equal the
+   CPU's (``--skip-dump`` leaves it out).
 
 It stays under 10 minutes on an H200 (the tests are stopped after 300 s).
 
@@ -28,9 +33,12 @@ Exits 2 without CUDA, 1 if a test fails or results disagree, else 0.
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -329,6 +337,61 @@ def bench_layout(
     return all(checks.values())
 
 
+def h2d_seconds(nbytes: int) -> float:
+    """Seconds to copy ``nbytes`` from a pinned host buffer to the GPU, 64 MiB at a time."""
+    host = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty_like(host, device=DEVICE)
+    device.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(max(1, nbytes // host.numel())):
+        device.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+def bench_dump(size_gib: float) -> bool:
+    """(g) A dump checksummed on the GPU against the pinned host-to-device copy of its bytes
+    and the CPU path; True when the GPU's record equals the CPU's."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from dump_memory import write_set
+
+    from kvaudit.dumps import open_dump_set
+    from kvaudit.formats import record_to_json
+    from kvaudit.sources import checksum_dump_set
+
+    folder = tempfile.mkdtemp(prefix="kvaudit-gpu-dump-")
+    try:
+        nbytes, _ = write_set(folder, size_gib, 1)
+        dump_set = open_dump_set([folder])
+
+        def timed(device: str) -> tuple[float, dict]:
+            runs = []
+            for _ in range(3):
+                started = time.perf_counter()
+                record = checksum_dump_set(dump_set, device=device)
+                runs.append(time.perf_counter() - started)
+            return statistics.median(runs), record_to_json(record)
+
+        checksum_dump_set(dump_set, device="cuda")  # compiles, and reads the file into the cache
+        gpu_s, gpu = timed("cuda")
+        cpu_s, cpu = timed("cpu")
+        copy_s = h2d_seconds(nbytes)
+        agree = gpu == cpu
+        gib = nbytes / (1 << 30)
+        print(
+            f"\n(g) a {gib:.2f} GiB dump, --device cuda: {gpu_s:.3f} s "
+            f"({nbytes / gpu_s / 1e9:.2f} GB/s, {gpu_s / copy_s:.2f}x a pinned host-to-device "
+            f"copy of its bytes: {copy_s:.3f} s, {nbytes / copy_s / 1e9:.2f} GB/s); the CPU "
+            f"path on {os.cpu_count()} cores: {cpu_s:.3f} s ({nbytes / cpu_s / 1e9:.2f} GB/s); "
+            f"records {'agree' if agree else 'DISAGREE'}",
+            flush=True,
+        )
+        return agree
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=65536, help="large batch, in tokens")
@@ -336,6 +399,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--layouts", default="NKTHD,NKHTD")
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--dump-gib", type=float, default=2.0, help="dump size for (g)")
+    parser.add_argument("--skip-dump", action="store_true", help="leave out (g)")
     args = parser.parse_args()
 
     if not torch.cuda.is_available():
@@ -362,6 +427,8 @@ def main() -> int:
         ok = bench_layout(cache, order, args, flush) and ok
         del cache
         torch.cuda.empty_cache()
+    if not args.skip_dump:
+        ok = bench_dump(args.dump_gib) and ok
 
     from vllm_overhead import measure_overhead, report
 

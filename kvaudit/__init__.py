@@ -6,10 +6,33 @@ description), ``Checksummer`` (a worker's checksums of live tensors), ``combine_
 (sum one engine's workers into a ``Record``).
 """
 
-from .checksummer import Checksummer, RequestBlocks
-from .description import CacheDescription, load_description, parse_description
-from .errors import KvauditError
-from .records import Record, WorkerInfo, WorkerRecord, combine_workers
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from .checksummer import Checksummer, RequestBlocks
+    from .description import CacheDescription, load_description, parse_description
+    from .errors import KvauditError
+    from .records import Record, WorkerInfo, WorkerRecord, combine_workers
+
+_EXPORTS = {
+    "Checksummer": ".checksummer",
+    "RequestBlocks": ".checksummer",
+    "CacheDescription": ".description",
+    "load_description": ".description",
+    "parse_description": ".description",
+    "KvauditError": ".errors",
+    "Record": ".records",
+    "WorkerInfo": ".records",
+    "WorkerRecord": ".records",
+    "combine_workers": ".records",
+}
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)
+
 
 __version__ = "0.1.0"
 

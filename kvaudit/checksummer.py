@@ -8,9 +8,9 @@ plans once, then checksums requests into a ``WorkerRecord``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from .description import CacheDescription
 from .errors import KvauditError
@@ -34,6 +34,11 @@ from .validation import (
     short,
 )
 from .views import GroupViews, build_group_views
+
+if TYPE_CHECKING:
+    import torch
+
+    from .arrays import Array
 
 
 class Checksummer:
@@ -132,28 +137,43 @@ class Checksummer:
                         (req_id, start, list(block_ids), blocks.num_tokens)
                     )
         # Queue every group's launches before reading any result back: one wait in all.
-        launched = []
+        launched: list[tuple[int, list[tuple[str, int, list[int], int]], Array]] = []
         for group_id, segments in batches.items():
             plan = self.plans[group_id]
-            rows = torch.from_numpy(
-                np.stack(_rows(segments, self.groups[group_id].group.block_size, positions))
-            )
-            cuda = plan.device.type == "cuda"
-            if cuda:
-                rows = rows.pin_memory()
-            ids, first_tokens, valid_tokens = rows.to(plan.device, non_blocking=True)
-            device_values = plan.checksum(ids, first_tokens, valid_tokens)
-            if cuda:
-                host = torch.empty(device_values.shape, dtype=torch.int64, pin_memory=True)
-                host.copy_(device_values, non_blocking=True)
-            else:
-                host = device_values
+            rows = np.stack(_rows(segments, self.groups[group_id].group.block_size, positions))
+            host: Array = plan.checksum(*rows) if not plan.uses_torch else launch_torch(plan, rows)
             launched.append((group_id, segments, host))
         done = None
-        if any(self.plans[group_id].device.type == "cuda" for group_id, _, _ in launched):
+        if any(on_cuda(self.plans[group_id].device) for group_id, _, _ in launched):
+            import torch
+
             done = torch.cuda.Event()
             done.record()
         return PendingChecksums(record, launched, self, done)
+
+
+def on_cuda(device: str) -> bool:
+    """Whether a plan's device is a CUDA device."""
+    return device.startswith("cuda")
+
+
+def launch_torch(plan: GroupPlan, rows: np.ndarray) -> torch.Tensor:
+    """A torch plan's checksums of rows ``[3, n]`` (block ids, first tokens, valid tokens):
+    on a GPU the rows go from pinned memory and the values come back into pinned memory,
+    neither waited for."""
+    import torch
+
+    tensor = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+    cuda = on_cuda(plan.device)
+    if cuda:
+        tensor = tensor.pin_memory()
+    ids, first_tokens, valid_tokens = tensor.to(plan.device, non_blocking=True)
+    device_values = plan.checksum(ids, first_tokens, valid_tokens)
+    if not cuda:
+        return device_values
+    host = torch.empty(device_values.shape, dtype=torch.int64, pin_memory=True)
+    host.copy_(device_values, non_blocking=True)
+    return host
 
 
 class PendingChecksums:
@@ -163,7 +183,7 @@ class PendingChecksums:
     def __init__(
         self,
         record: WorkerRecord,
-        launched: list[tuple[int, list[tuple[str, int, list[int], int]], torch.Tensor]],
+        launched: list[tuple[int, list[tuple[str, int, list[int], int]], Array]],
         checksummer: Checksummer,
         done: torch.cuda.Event | None,
     ) -> None:
@@ -185,7 +205,7 @@ class PendingChecksums:
             self._done.synchronize()
         record, summer = self._record, self._checksummer
         for group_id, segments, host in self._launched:
-            values = host.numpy().view(np.uint64)
+            values = (host if isinstance(host, np.ndarray) else host.numpy()).view(np.uint64)
             row = 0
             for req_id, start, block_ids, _ in segments:
                 record.requests[req_id].groups[group_id] = GroupChecksums(

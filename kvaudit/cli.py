@@ -10,7 +10,6 @@ could not be verified; 2 on bad usage or bad input, reported as one line
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -18,38 +17,20 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import click
 
-from .compare import DiffReport
-from .corrupt import MODES, CorruptMode, corrupt_dump
-from .description import CacheDescription, load_description
-from .diffing import diff_sources, diff_work, verify_sources, verify_work
+from .corrupt.result import MODES
 from .errors import KvauditError
-from .files import atomic_path
-from .formats import (
-    diff_json_text,
-    diff_junit,
-    inventory_to_json,
-    json_text,
-    planted_to_json,
-    record_csv,
-    record_to_json,
-)
-from .progress import progress_bar
-from .report import (
-    DIFF_SIDES,
-    Sides,
-    make_console,
-    missing_workers_text,
-    print_corrupted,
-    print_diff,
-    print_inventory,
-    print_record,
-    render_text,
-)
-from .sources import Source, open_source, resolve_device
 from .validation import POSITION_NUMBERINGS
 
+# What the commands compute with is imported by each command when it runs: `kvaudit
+# --help` and commands that compute nothing start as fast as click does (issue 10).
 if TYPE_CHECKING:
     from rich.console import Console
+
+    from .compare import DiffReport
+    from .corrupt import CorruptMode
+    from .description import CacheDescription
+    from .report import Sides
+    from .sources import Source
 
 _Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
@@ -115,12 +96,21 @@ class KvauditGroup(click.Group):
 
 def _version() -> str:
     """The installed distribution's version, else the package's own."""
+    import importlib.metadata
+
     try:
         return importlib.metadata.version("kvaudit")
     except importlib.metadata.PackageNotFoundError:
         from . import __version__
 
         return __version__
+
+
+def _print_version(ctx: click.Context) -> None:
+    """``kvaudit, version X``, looked up only when asked for (importlib.metadata is slow
+    to import)."""
+    click.echo(f"kvaudit, version {_version()}")
+    ctx.exit()
 
 
 def _fail(message: str) -> int:
@@ -188,7 +178,14 @@ def _report_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @click.group(cls=KvauditGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(_version(), "--version", prog_name="kvaudit")
+@click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=lambda ctx, _, given: _print_version(ctx) if given else None,
+    help="Show the version and exit.",
+)
 def main() -> None:
     """Audit LLM KV caches: per-block checksums that add up across tensor-parallel ranks
     and pipeline stages and ignore block ids and memory layout.
@@ -210,6 +207,10 @@ def inspect(
     quiet: bool,
 ) -> int:
     """Show what a dump set holds: workers, groups, coverage, fingerprints, requests."""
+    from .formats import inventory_to_json, json_text
+    from .report import make_console, print_inventory
+    from .sources import resolve_device
+
     resolve_device(device or "auto")  # rejects --device cuda without CUDA, as everywhere
     inventory = _open(sources, _config(config_path), device).inventory()
     if output_format == "json":
@@ -244,6 +245,10 @@ def checksum(
 ) -> int:
     """Per-block checksums summed over the workers: per request, group and position, per
     replica key, and the total."""
+    from .formats import json_text, record_csv, record_to_json
+    from .progress import progress_bar
+    from .sources import resolve_device
+
     runtime = resolve_device(device or "auto")
     source = _open(sources, _config(config_path), device)
     wanted = _wanted(request_ids)
@@ -256,10 +261,14 @@ def checksum(
     elif output_format == "csv":
         _emit(record_csv(record), output)
     else:
+        from .report import print_record
+
         _emit_table(functools.partial(print_record, record=record), output)
     if record.complete:
         return EXIT_OK
     if output_format != "table" and not quiet:
+        from .report import missing_workers_text
+
         click.echo(
             f"kvaudit: incomplete set, missing workers "
             f"{missing_workers_text(record.missing_workers)}: checksums are partial",
@@ -308,6 +317,11 @@ def diff(
     """Compare a producer's KV with a consumer's, request by request: PRODUCER and
     CONSUMER are each a dump file, a directory of one engine's dumps, a record (JSON) or a
     live handle. Differing blocks are located down to layers, heads, tokens and bytes."""
+    from .diffing import diff_sources, diff_work
+    from .progress import progress_bar
+    from .report import DIFF_SIDES
+    from .sources import resolve_device
+
     runtime = resolve_device(device or "auto")
     config = functools.cache(_config)  # -c serves both sides: read it once
     left = _open([producer], config(producer_config or config_path), device)
@@ -358,6 +372,11 @@ def verify(
     """Check a dump set (or record) one way: against a saved record (--against), the
     producer checksums its dumps received (--received), or the stored checksums of its
     offloaded blocks (--stored)."""
+    from .diffing import verify_sources, verify_work
+    from .progress import progress_bar
+    from .report import Sides
+    from .sources import resolve_device
+
     chosen = [
         name
         for name, given in (("--against", against), ("--received", received), ("--stored", stored))
@@ -446,6 +465,11 @@ def corrupt(
 ) -> int:
     """Write a copy of one dump file with one planted fault in one block, and say what
     changed (for testing connectors and checkers)."""
+    from .corrupt import corrupt_dump
+    from .formats import json_text, planted_to_json
+    from .report import make_console, print_corrupted
+    from .sources import resolve_device
+
     resolve_device(device or "auto")
     if os.path.exists(output) and os.path.exists(source) and os.path.samefile(source, output):
         raise KvauditError("the output is SOURCE itself; corrupt writes a copy elsewhere", output)
@@ -478,6 +502,9 @@ def _emit_report(
     suite: str,
 ) -> None:
     """Print or write a diff report in the chosen format."""
+    from .formats import diff_json_text, diff_junit
+    from .report import print_diff
+
     if output_format == "json":
         _emit(diff_json_text(report), output)
     elif output_format == "junit":
@@ -488,11 +515,15 @@ def _emit_report(
 
 def _config(path: str | None) -> CacheDescription | None:
     """The cache description a ``-c``-style option names; None when not given."""
+    from .description import load_description
+
     return None if path is None else load_description(path)
 
 
 def _open(names: Sequence[str], config: CacheDescription | None, device: str | None) -> Source:
     """SOURCE arguments resolved; live tensors move to ``--device`` only when given."""
+    from .sources import open_source
+
     return open_source(names, config, device_given=device is not None)
 
 
@@ -503,6 +534,8 @@ def _wanted(request_ids: Sequence[str]) -> list[str] | None:
 
 def _emit_table(render: Callable[[Console], None], output: str | None) -> None:
     """Print tables on stdout's console, or write them as plain text to ``output``."""
+    from .report import make_console, render_text
+
     if output is None:
         render(make_console())
     else:
@@ -511,6 +544,8 @@ def _emit_table(render: Callable[[Console], None], output: str | None) -> None:
 
 def _emit(text: str, output: str | None) -> None:
     """Print ``text``, or write it to ``output`` whole or not at all."""
+    from .files import atomic_path
+
     if output is None:
         click.echo(text, nl=False)
         return

@@ -5,18 +5,27 @@ plain ints.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from .description import CacheDescription
 from .errors import KvauditError
 from .views import LayerTensor
 
+if TYPE_CHECKING:
+    import torch
+
 LayerTensors = Mapping[str, LayerTensor] | Sequence[LayerTensor]
+
+
+def is_tensor(value: object) -> bool:
+    """Whether ``value`` is a torch tensor (none can be while torch is not imported)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
 
 
 @dataclass
@@ -47,7 +56,7 @@ def tensors_by_name(
     """
     if isinstance(tensors, Mapping):
         return tensors
-    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
+    if is_tensor(tensors) or not isinstance(tensors, (list, tuple)):
         raise KvauditError(
             "tensors must be a mapping of layer name to tensor or a list of tensors in the "
             f"description's layer order, got {type(tensors).__name__}",
@@ -66,7 +75,7 @@ def tensors_by_name(
 def _plain(value: Any) -> Any:
     """A single-element integer tensor or 0-d integer array as an int; anything else as
     given, for the caller's own check to name."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and _integer_dtype(value.dtype):
+    if is_tensor(value) and value.numel() == 1 and _integer_dtype(value.dtype):
         return int(value.item())
     if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iu":
         return int(value[()])
@@ -74,7 +83,7 @@ def _plain(value: Any) -> Any:
 
 
 def _integer_dtype(dtype: torch.dtype) -> bool:
-    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+    return not (dtype.is_floating_point or dtype.is_complex or str(dtype) == "torch.bool")
 
 
 def block_id_list(block_ids: Any, what: str, source: str | None = None) -> list[Any]:
@@ -87,7 +96,7 @@ def block_id_list(block_ids: Any, what: str, source: str | None = None) -> list[
             that is not a list of ids; ``what`` names the request and group.
 
     """
-    if isinstance(block_ids, torch.Tensor):
+    if is_tensor(block_ids):
         if not _integer_dtype(block_ids.dtype) or block_ids.dim() != 1:
             raise KvauditError(
                 f"{what}: block ids must be a 1-D integer tensor, got {block_ids.dtype} of "

@@ -18,17 +18,20 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from .compare.model import LocatedDifference
 from .description import CacheDescription, LayerSpec
-from .dtypes import dtype_size
+from .dtypes import dtype_size, torch_dtype
 from .errors import KvauditError
 from .scheme import valid_tokens
 from .sources.raw import RawWorker
 from .views import GroupViews, LayerView
+
+if TYPE_CHECKING:
+    import torch
 
 # Cells of a block row.
 
@@ -322,10 +325,12 @@ def _errors(a: np.ndarray, b: np.ndarray, dtype: torch.dtype) -> tuple[np.ndarra
 def _elements(raw: np.ndarray, dtype: torch.dtype) -> np.ndarray:
     """Elements given as their bytes ``[n, size]``: float64 values of a floating dtype,
     else the integers (a bool element as its byte)."""
+    import torch
+
     values = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1))
     if dtype.is_floating_point:
-        return values.view(dtype).to(torch.float64).numpy()
-    return values.view(torch.uint8 if dtype == torch.bool else dtype).numpy()
+        return values.view(torch_dtype(dtype)).to(torch.float64).numpy()
+    return values.view(torch.uint8 if dtype == torch.bool else torch_dtype(dtype)).numpy()
 
 
 def _located_entry(

@@ -2,19 +2,26 @@
 
 A plan has one output column per replica key and fuses the parts that share one layout
 (dtype, shape, strides, device) into one launch: one launch of the backend that
-``kvaudit.kernels`` resolves (the Triton kernel, the CPU torch path), whichever it is.
+``kvaudit.kernels`` resolves (the Triton kernel, the numpy or torch CPU path), whichever it
+is. A plan of the numpy backend takes and returns numpy arrays and never imports torch;
+the others take and return torch tensors on the plan's device.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
+from .arrays import Array, data_ptr, device_type, element_size, is_numpy, strides
 from .kernels import BackendChoice, Launch, LaunchPart, resolve_backend
 from .scheme import ReplicaKey
 from .views import LayerView
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -23,7 +30,10 @@ class GroupPlan:
 
     replica_keys: list[ReplicaKey]
     launches: list[Launch]
-    device: torch.device
+    device: str
+    """The parts' device (``cpu``, ``cuda:0``)."""
+    uses_torch: bool
+    """Whether rows and results are torch tensors on ``device`` (else numpy arrays)."""
 
     @classmethod
     def create(
@@ -40,20 +50,21 @@ class GroupPlan:
         if not views:
             return None
         replica_keys = sorted(dict.fromkeys(view.replica_key for view in views))
-        device = views[0].parts[0].pieces.device
-        resolved = resolve_backend(backend, device.type)
+        first = views[0].parts[0].pieces
+        resolved = resolve_backend(backend, device_type(first))
+        device = "cpu" if is_numpy(first) else str(first.device)
         layouts: dict[tuple, list[LaunchPart]] = defaultdict(list)
         for view in views:
             column = replica_keys.index(view.replica_key)
             for part in view.parts:
-                pieces = part.pieces
+                pieces = _for_backend(part.pieces, resolved.uses_torch)
                 key = (
-                    pieces.dtype,
-                    pieces.device,
+                    str(pieces.dtype),
+                    device_type(pieces),
                     tuple(pieces.shape),
-                    pieces.stride(),
+                    strides(pieces),
                     # A launch may address its parts in elements from the first one.
-                    pieces.data_ptr() % pieces.element_size(),
+                    data_ptr(pieces) % element_size(pieces),
                 )
                 layouts[key].append(
                     LaunchPart(
@@ -61,21 +72,48 @@ class GroupPlan:
                     )
                 )
         launches = [resolved.launch(parts) for parts in layouts.values()]
-        return cls(replica_keys, launches, device)
+        return cls(replica_keys, launches, device, resolved.uses_torch)
 
     def warm_up(self) -> None:
         """Prepare every launch ahead of use (compile kernels, allocate buffers)."""
         for launch in self.launches:
             launch.warm_up(len(self.replica_keys))
 
-    def checksum(
-        self, block_ids: torch.Tensor, first_tokens: torch.Tensor, valid_tokens: torch.Tensor
-    ) -> torch.Tensor:
-        """The ``[rows, replica keys]`` int64 checksums of the rows (on the plan's device)."""
-        out = torch.zeros(
-            (len(block_ids), len(self.replica_keys)), dtype=torch.int64, device=self.device
-        )
+    def checksum(self, block_ids: Array, first_tokens: Array, valid_tokens: Array) -> Array:
+        """The ``[rows, replica keys]`` int64 checksums of the rows: numpy arrays in and
+        out, or torch tensors on the plan's device when it ``uses_torch``."""
+        shape = (len(block_ids), len(self.replica_keys))
+        out: Array
+        if self.uses_torch:
+            import torch
+
+            out = torch.zeros(shape, dtype=torch.int64, device=self.device)
+        else:
+            out = np.zeros(shape, dtype=np.int64)
         if len(block_ids):
             for launch in self.launches:
                 launch.accumulate(block_ids, first_tokens, valid_tokens, out)
         return out
+
+
+def _for_backend(pieces: Array, uses_torch: bool) -> Array:
+    """A piece view as the backend reads it: a CPU tensor as a numpy array for numpy, a
+    numpy array as a CPU tensor for torch (both share the memory)."""
+    if uses_torch and is_numpy(pieces):
+        return _tensor(pieces)
+    if not uses_torch and not is_numpy(pieces):
+        from .kernels.numpy_cpu import as_numpy
+
+        return as_numpy(pieces)
+    return pieces
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        # A dump's mapping is read-only and torch has no read-only tensors; nothing writes.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)

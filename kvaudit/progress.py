@@ -6,16 +6,6 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
-
 PROGRESS_DELAY_S = 0.5
 """Work shorter than this shows no progress bar."""
 
@@ -28,8 +18,22 @@ def progress_bar(total: int, description: str, *, enabled: bool) -> Iterator[Cal
     The bar appears only when ``enabled``, stderr is a terminal and the work is still
     running after ``PROGRESS_DELAY_S``: short work prints nothing.
     """
+    if not enabled or total <= 0:
+        yield lambda done: None
+        return
+    # rich only for a bar that may show: `-q` and short work never import it.
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
     console = Console(stderr=True)
-    if not enabled or not console.is_terminal or total <= 0:
+    if not console.is_terminal:
         yield lambda done: None
         return
     progress = Progress(

@@ -14,20 +14,31 @@ import math
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
-import torch
-
+from .arrays import (
+    Array,
+    as_strided,
+    data_ptr,
+    element_size,
+    matches_dtype,
+    movedim,
+    permute,
+    reinterpret,
+    strides,
+    unflatten,
+    unsqueeze,
+)
 from .description import CacheDescription, GroupDescription, LayerSpec
-from .dtypes import dtype_name, dtype_size
+from .dtypes import UINT8, DType, dtype_name, dtype_size
 from .errors import KvauditError, UnsupportedGroupError
 from .fingerprint import group_fingerprint
 from .scheme import MAX_KV_HEADS_PER_LAYER, ReplicaKey, layer_module, slice_number
 from .validation import Checker
 
-LayerTensor = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-"""A layer's cache: one tensor in its layout, or K and V tensors for layouts without ``K``."""
-
-_PIECE_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16}
+LayerTensor: TypeAlias = "Array | tuple[Array, Array]"
+"""A layer's cache: one tensor in its layout, or K and V tensors for layouts without ``K``
+(torch tensors, or numpy arrays of the elements' bytes as integers: ``kvaudit.arrays``)."""
 
 
 @dataclass(frozen=True)
@@ -39,7 +50,7 @@ class PieceView:
     ``cell_pieces`` the number of pieces of the whole cell.
     """
 
-    pieces: torch.Tensor
+    pieces: Array
     piece_offset: int
     cell_pieces: int
 
@@ -55,7 +66,7 @@ class LayerView:
     heads: int
     replica_key: ReplicaKey
     parts: tuple[PieceView, ...]
-    dtype: torch.dtype
+    dtype: DType
 
     @property
     def first_slice(self) -> int:
@@ -86,7 +97,7 @@ class _Cache:
     heads: int
     replicas: int
     parts: tuple[PieceView, ...]
-    dtype: torch.dtype
+    dtype: DType
     first_head: int = 0
     global_heads: int = 0
 
@@ -224,7 +235,7 @@ def _group_views(
 def _storage_identity(tensor: LayerTensor) -> tuple:
     """What makes two layers' caches the same storage."""
     parts = tensor if isinstance(tensor, tuple) else (tensor,)
-    return tuple((part.data_ptr(), tuple(part.shape), part.stride()) for part in parts)
+    return tuple((data_ptr(part), tuple(part.shape), strides(part)) for part in parts)
 
 
 def _layer_caches(
@@ -308,19 +319,19 @@ def _attention_parts(
     for pieces in row_pieces:
         if pieces.shape[-1]:
             parts.append(
-                PieceView(pieces.unflatten(0, (num_blocks, kernel_blocks)), offset, cell_pieces)
+                PieceView(unflatten(pieces, 0, (num_blocks, kernel_blocks)), offset, cell_pieces)
             )
         offset += pieces.shape[-1]
     return tuple(parts)
 
 
 def _rows(
-    tensor: torch.Tensor,
+    tensor: Array,
     layout: str,
     sizes: dict[str, int],
     spec: LayerSpec,
     kernel_blocks: int,
-) -> torch.Tensor:
+) -> Array:
     """The tensor's logical axes in the order ``N, [K,] H, T, D|C`` (a view)."""
     expected = tuple(sizes[letter] for letter in layout)
     if tuple(tensor.shape) != expected:
@@ -329,7 +340,7 @@ def _rows(
             f"{expected} ({kernel_blocks} kernel blocks of {spec.kernel_block_size} tokens "
             f"per {spec.block_size}-token block)"
         )
-    if tensor.dtype != spec.dtype:
+    if not matches_dtype(tensor, spec.dtype):
         raise UnsupportedGroupError(
             f"its cache is {dtype_name(tensor.dtype)}, the description says "
             f"{dtype_name(spec.dtype)}"
@@ -338,44 +349,42 @@ def _rows(
         # A one-head axis just outside the row axis, so its stride is the row's length and
         # the row can still be viewed as 8-byte pieces.
         row = layout.index("C" if "C" in layout else "D")
-        tensor = tensor.unsqueeze(row)
+        tensor = unsqueeze(tensor, row)
         layout = layout[:row] + "H" + layout[row:]
     row_axis = "C" if "C" in layout else "D"
     order = [letter for letter in ("N", "K", "H", "T", row_axis) if letter in layout]
-    return tensor.permute([layout.index(letter) for letter in order])
+    return permute(tensor, [layout.index(letter) for letter in order])
 
 
-def _as_pieces(rows: torch.Tensor) -> torch.Tensor:
+def _as_pieces(rows: Array) -> Array:
     """Rows ``[..., elements]`` as 8-byte pieces ``[..., pieces]`` (a view)."""
-    row_bytes = rows.shape[-1] * rows.element_size()
+    row_bytes = rows.shape[-1] * element_size(rows)
     if row_bytes % 8:
         raise UnsupportedGroupError(f"its rows of {row_bytes} bytes are not whole 8-byte pieces")
-    if rows.shape[-1] > 1 and rows.stride(-1) != 1:
+    if rows.shape[-1] > 1 and strides(rows)[-1] != 1:
         raise UnsupportedGroupError("its KV rows are not contiguous in memory")
     try:
-        return rows.view(torch.uint8).view(torch.int64)
+        return reinterpret(rows, 8)
     except RuntimeError as error:
         raise UnsupportedGroupError("its KV rows are not 8-byte aligned") from error
 
 
-def _state_pages(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
+def _state_pages(tensor: Array, num_blocks: int) -> Array:
     """A state cache as ``[blocks, page bytes]`` (a view)."""
-    if tensor.dim() < 1 or tensor.shape[0] != num_blocks:
+    if len(tensor.shape) < 1 or tensor.shape[0] != num_blocks:
         raise UnsupportedGroupError(
             f"its state cache of shape {tuple(tensor.shape)} does not hold {num_blocks} blocks"
         )
     try:
-        pages = tensor.reshape(num_blocks, -1) if tensor.dim() != 2 else tensor
-        if pages.data_ptr() != tensor.data_ptr() or (pages.shape[1] > 1 and pages.stride(1) != 1):
+        pages = tensor.reshape(num_blocks, -1) if len(tensor.shape) != 2 else tensor
+        if data_ptr(pages) != data_ptr(tensor) or (pages.shape[1] > 1 and strides(pages)[1] != 1):
             raise RuntimeError
-        return pages.view(torch.uint8)
+        return reinterpret(pages, 1)
     except RuntimeError as error:
         raise UnsupportedGroupError("its state pages are not contiguous in memory") from error
 
 
-def _state_caches(
-    spec: LayerSpec, pages: torch.Tensor, num_blocks: int, tp_size: int
-) -> list[_Cache]:
+def _state_caches(spec: LayerSpec, pages: Array, num_blocks: int, tp_size: int) -> list[_Cache]:
     """Unsplit states: the leading covered states of each page are one cell."""
     covered = sum(
         math.prod(shape) * dtype_size(dtype)
@@ -392,17 +401,17 @@ def _state_caches(
     if covered % 8:
         raise UnsupportedGroupError(f"its {covered} bytes of states are not whole 8-byte pieces")
     try:
-        pieces = pages[:, :covered].view(torch.int64)
+        pieces = reinterpret(pages[:, :covered], 8)
     except RuntimeError as error:
         raise UnsupportedGroupError("its state pages are not 8-byte aligned") from error
     replicas = tp_size if spec.tp_replicated else 1
     part = PieceView(pieces[:, None, None, None, :], 0, pieces.shape[1])
-    dtype = spec.dtypes[0] if spec.dtypes else torch.uint8
+    dtype = spec.dtypes[0] if spec.dtypes else UINT8
     return [_Cache(1, replicas, (part,), dtype, 0, tp_size // replicas)]
 
 
 def _split_state_caches(
-    spec: LayerSpec, pages: torch.Tensor, num_blocks: int, tp_size: int
+    spec: LayerSpec, pages: Array, num_blocks: int, tp_size: int
 ) -> list[_Cache]:
     """TP-split states: each global row along a state's split axis is one slice of its
     elements (2- or 4-byte, zero-extended), numbered across the states in global order."""
@@ -427,12 +436,12 @@ def _split_state_caches(
                 f"{shape[split.axis]} rows"
             )
         try:
-            elements = pages[:, offset : offset + nbytes].view(_PIECE_DTYPES[size])
+            elements = reinterpret(pages[:, offset : offset + nbytes], size)
         except RuntimeError as error:
             raise UnsupportedGroupError(f"its state {index} is not aligned") from error
         offset += nbytes
         # [blocks, rows, other axes...]: the split axis first, the rest in C order.
-        rows = elements.unflatten(1, shape).movedim(split.axis + 1, 1)
+        rows = movedim(unflatten(elements, 1, shape), split.axis + 1, 1)
         row_parts = _row_pieces(rows)
         local_first = 0
         for local, replicas in split.segments:
@@ -464,15 +473,15 @@ def _split_state_caches(
     return caches
 
 
-def _row_pieces(rows: torch.Tensor) -> list[tuple[torch.Tensor, int, int]]:
+def _row_pieces(rows: Array) -> list[tuple[Array, int, int]]:
     """``[blocks, rows, a, b, ...]`` as ``[blocks, rows, pieces]`` parts, each with its
     piece offset and the row's piece count: one part when the other axes merge into one
     strided axis, else one part per index of the leading other axis."""
     cell_pieces = math.prod(rows.shape[2:])
-    if rows.dim() == 2:
+    if len(rows.shape) == 2:
         return [(rows[:, :, None], 0, 1)]
 
-    def split(tensor: torch.Tensor, offset: int) -> list[tuple[torch.Tensor, int, int]]:
+    def split(tensor: Array, offset: int) -> list[tuple[Array, int, int]]:
         merged = _merge_axes(tensor)
         if merged is not None:
             return [(merged, offset, cell_pieces)]
@@ -486,12 +495,12 @@ def _row_pieces(rows: torch.Tensor) -> list[tuple[torch.Tensor, int, int]]:
     return split(rows, 0)
 
 
-def _merge_axes(tensor: torch.Tensor) -> torch.Tensor | None:
+def _merge_axes(tensor: Array) -> Array | None:
     """Axes 2.. of ``tensor`` merged into one strided axis, if their strides allow."""
-    axes = [(n, s) for n, s in zip(tensor.shape[2:], tensor.stride()[2:]) if n != 1]
+    axes = [(n, s) for n, s in zip(tensor.shape[2:], strides(tensor)[2:]) if n != 1]
     for (_, outer), (size, inner) in itertools.pairwise(axes):
         if outer != inner * size:
             return None
     stride = axes[-1][1] if axes else 1
     count = math.prod(n for n, _ in axes)
-    return tensor.as_strided((*tensor.shape[:2], count), (*tensor.stride()[:2], stride))
+    return as_strided(tensor, (*tensor.shape[:2], count), (*strides(tensor)[:2], stride))

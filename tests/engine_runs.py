@@ -42,10 +42,14 @@ def attn_model(
     return kb.Model((kb.GroupModel(0, caches, block_size, layout=layout),), model_kv_heads)
 
 
+BACKEND = "torch"
+"""The backend ``checksummers`` uses by default (test modules parametrize it)."""
+
+
 def checksummers(
-    workers: list[kb.Worker], role: str = "consumer", backend: str = "torch"
+    workers: list[kb.Worker], role: str = "consumer", backend: str | None = None
 ) -> list[Checksummer]:
-    """One checksummer per worker."""
+    """One checksummer per worker (on ``BACKEND`` unless ``backend`` names one)."""
     return [
         Checksummer(
             parse_description(w.description, source=f"worker pp{w.pp_rank} tp{w.tp_rank}"),
@@ -55,7 +59,7 @@ def checksummers(
             pp_rank=w.pp_rank,
             pp_size=w.pp_size,
             role=role,
-            backend=backend,
+            backend=backend or BACKEND,
         )
         for w in workers
     ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import engine_runs
 import kvbuild as kb
 import numpy as np
 import pytest
@@ -31,6 +32,14 @@ from engine_runs import (
     mamba_model,
     run,
 )
+
+
+@pytest.fixture(autouse=True, params=["numpy", "torch"])
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every engine test runs on both CPU backends: each must equal the reference."""
+    monkeypatch.setattr(engine_runs, "BACKEND", request.param)
+    return request.param
+
 
 # The reference itself.
 

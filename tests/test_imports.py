@@ -16,7 +16,16 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "kvaudit"
 
 LAYERS: list[list[str]] = [
-    ["errors", "dtypes", "files", "validation", "scheme", "kernels.triton_tiling"],
+    [
+        "lazy",
+        "errors",
+        "dtypes",
+        "arrays",
+        "files",
+        "validation",
+        "scheme",
+        "kernels.triton_tiling",
+    ],
     ["description"],
     ["fingerprint", "wire"],
     ["views"],

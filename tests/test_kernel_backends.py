@@ -6,6 +6,7 @@ import subprocess
 import sys
 from typing import get_args
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,7 +28,7 @@ def test_registered_names_are_the_literal_types() -> None:
 @pytest.mark.parametrize(
     ("choice", "device", "expected"),
     [
-        ("auto", "cpu", "torch"),
+        ("auto", "cpu", "numpy"),
         ("auto", "cuda", "triton"),
         ("auto", "mps", "torch"),
         ("torch", "cuda", "torch"),
@@ -39,7 +40,9 @@ def test_resolve_backend(choice: str, device: str, expected: str) -> None:
 
 
 def test_unknown_backend_names_the_choices() -> None:
-    with pytest.raises(ValueError, match="unknown backend 'cupy', expected one of auto, torch"):
+    with pytest.raises(
+        ValueError, match="unknown backend 'cupy', expected one of auto, numpy, torch"
+    ):
         resolve_backend("cupy", "cpu")
 
 
@@ -71,3 +74,30 @@ def test_torch_launch_adds_the_contract_value() -> None:
     rows = torch.tensor([1, 1, 0])
     launch.accumulate(rows, torch.tensor([4, 4, 4]), torch.tensor([2, 1, 2]), out)
     assert out.tolist() == [[5, 950], [5, 5], [5, 5]]
+
+
+def test_numpy_launch_adds_the_contract_value() -> None:
+    """The same single piece as above through the numpy backend, given numpy arrays."""
+    pieces = np.zeros((2, 1, 2, 2, 2), dtype=np.int64)
+    pieces[1, 0, 1, 1, 0] = 3
+    launch = resolve_backend("numpy", "cpu").launch([LaunchPart(pieces, 2, 1, 2, 4)])
+    out = np.full((3, 2), 5, dtype=np.int64)
+    rows = np.array([1, 1, 0])
+    launch.accumulate(rows, np.array([4, 4, 4]), np.array([2, 1, 2]), out)
+    assert out.tolist() == [[5, 950], [5, 5], [5, 5]]
+
+
+def test_numpy_backend_imports_no_torch() -> None:
+    """Checksumming numpy views on the CPU path never imports torch."""
+    code = (
+        "import sys, numpy as np\n"
+        "from kvaudit.kernels import LaunchPart, resolve_backend\n"
+        "pieces = np.ones((4, 2, 3, 4, 2), dtype=np.int64)\n"
+        "launch = resolve_backend('auto', 'cpu').launch([LaunchPart(pieces, 0, 0, 0, 2)])\n"
+        "out = np.zeros((2, 1), dtype=np.int64)\n"
+        "launch.accumulate(np.array([3, 1]), np.array([0, 16]), np.array([8, 5]), out)\n"
+        "assert out.any()\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

@@ -6,17 +6,44 @@ fault in one block, and a typed account of what changed.
 ``kvaudit.report`` write them out.
 """
 
-from .planting import corrupt_dump
-from .result import (
-    MODES,
-    ChangedSlice,
-    CorruptMode,
-    FlippedBit,
-    PlantedFault,
-    StaleOrigin,
-    SwappedHeads,
-    SwappedTokens,
-)
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from .planting import corrupt_dump
+    from .result import (
+        MODES,
+        ChangedSlice,
+        CorruptMode,
+        FlippedBit,
+        PlantedFault,
+        StaleOrigin,
+        SwappedHeads,
+        SwappedTokens,
+    )
+
+_EXPORTS = {
+    "corrupt_dump": ".planting",
+    **{
+        name: ".result"
+        for name in (
+            "MODES",
+            "ChangedSlice",
+            "CorruptMode",
+            "FlippedBit",
+            "PlantedFault",
+            "StaleOrigin",
+            "SwappedHeads",
+            "SwappedTokens",
+        )
+    },
+}
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)
+
 
 __all__ = [
     "MODES",

@@ -10,7 +10,9 @@ checks, key by key), ``loader`` (YAML) and ``serializer`` (the dict form).
 
 from __future__ import annotations
 
-from .loader import load_description
+from typing import TYPE_CHECKING
+
+from ..lazy import lazy_exports
 from .model import (
     ATTENTION_TYPES,
     FORMAT_VERSION,
@@ -27,6 +29,12 @@ from .model import (
 )
 from .serializer import description_to_dict
 from .validator import parse_description
+
+if TYPE_CHECKING:
+    from .loader import load_description
+
+# YAML is read only by commands given a description file.
+__getattr__ = lazy_exports(__name__, {"load_description": ".loader"})
 
 __all__ = [
     "ATTENTION_TYPES",

@@ -7,9 +7,7 @@ import keyword
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from ..dtypes import parse_dtype
+from ..dtypes import DType, parse_dtype
 from ..errors import DescriptionError
 from ..validation import MAX_COUNT, Checker, join, short_text
 from .model import LAYOUT_AXES, SPEC_TYPES
@@ -140,7 +138,7 @@ class FieldChecker(Checker):
             self.fail(path, f"expected one of {' | '.join(choices)}, {self.got(value)}")
         return value
 
-    def dtype(self, value: object, path: str) -> torch.dtype:
+    def dtype(self, value: object, path: str) -> DType:
         if value is None:
             self.fail(path, "missing; expected a dtype name such as bfloat16, float16, fp8_e4m3")
         if not isinstance(value, str):

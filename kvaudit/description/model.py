@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
+from ..dtypes import BFLOAT16, DType
 
 ATTENTION_TYPES = (
     "full_attention",
@@ -51,7 +51,7 @@ class LayerSpec:
     num_kv_heads: int = 1
     head_size: int = 0
     head_size_v: int = 0
-    dtype: torch.dtype = torch.bfloat16
+    dtype: DType = BFLOAT16
     layout: str = "NTHC"
     sliding_window: int | None = None
     max_tp_shards: int | None = None
@@ -59,7 +59,7 @@ class LayerSpec:
     attention_chunk_size: int | None = None
     # Mamba only.
     shapes: tuple[tuple[int, ...], ...] = ()
-    dtypes: tuple[torch.dtype, ...] = ()
+    dtypes: tuple[DType, ...] = ()
     checksummed_states: int | None = None
     tp_replicated: bool = False
     state_splits: tuple[StateSplit, ...] | None = None

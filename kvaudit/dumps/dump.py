@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import functools
 import mmap
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..arrays import data_ptr, element_size, strides
 from ..description import CacheDescription
+from ..dtypes import DType
 from ..errors import KvauditError
 from ..records import WorkerInfo
 from ..views import GroupViews, LayerTensor, build_group_views
 from .layers import layer_parts
-from .safetensors_io import tensor_nbytes
+from .safetensors_io import as_integers, tensor_nbytes, tensor_of
 
 if TYPE_CHECKING:
     import torch
@@ -36,6 +39,33 @@ META_CACHE = "kvaudit.cache"
 META_REQUESTS = "kvaudit.requests"
 META_BLOCKS = "kvaudit.blocks"
 META_KEYS = (META_FORMAT, META_WORKER, META_CACHE, META_REQUESTS, META_BLOCKS)
+
+
+class TorchViews(Mapping[str, "LayerTensor"]):
+    """A dump's layer arrays as torch tensors of their dtypes, each made on first use:
+    torch is imported only when a tensor is asked for, not to list or size them."""
+
+    def __init__(self, arrays: Mapping[str, LayerTensor], dtypes: Mapping[str, DType]) -> None:
+        self._arrays = arrays
+        self._dtypes = dtypes
+        self._tensors: dict[str, LayerTensor] = {}
+
+    def __getitem__(self, name: str) -> LayerTensor:
+        tensor = self._tensors.get(name)
+        if tensor is None:
+            array, dtype = self._arrays[name], self._dtypes[name]
+            if isinstance(array, tuple):
+                tensor = (tensor_of(array[0], dtype), tensor_of(array[1], dtype))
+            else:
+                tensor = tensor_of(array, dtype)
+            self._tensors[name] = tensor
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._arrays)
+
+    def __len__(self) -> int:
+        return len(self._arrays)
 
 
 @dataclass
@@ -58,6 +88,8 @@ class Dump:
     apart) whose ``N`` axis (state layers: first axis) is the dumped rows' kernel blocks;
     row ``i`` is engine block ``block_ids[i]``, or block ``i`` when ``block_ids`` is None
     (the whole cache). The tensors view the file's pages: never write to them.
+    ``arrays`` holds the same bytes as numpy arrays of integers of the element's size
+    (``kvaudit.arrays``): what the CPU path reads without importing torch.
     """
 
     path: str
@@ -70,8 +102,11 @@ class Dump:
     stored_checksums: np.ndarray | None = None
     # The file mappings the tensors view (kept open as long as the dump is).
     maps: list[mmap.mmap] = field(default_factory=list, repr=False, compare=False)
+    arrays: dict[str, LayerTensor] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.arrays is None:
+            self.arrays = {name: _arrays_of(tensor) for name, tensor in self.tensors.items()}
         self._rows: dict[int, int] | None = None
         if self.block_ids is not None:
             self._rows = {block_id: row for row, block_id in enumerate(self.block_ids)}
@@ -106,7 +141,7 @@ class Dump:
             for entry in group.layers:
                 if entry.shares is not None or entry.name in self.description.draft_layers:
                     continue
-                tensor = self.tensors.get(entry.name)
+                tensor = self.layer_arrays.get(entry.name)
                 if tensor is not None:
                     total += sum(tensor_nbytes(part) for part in layer_parts(tensor))
             result[group.id] = total // self.num_rows if self.num_rows else 0
@@ -118,7 +153,13 @@ class Dump:
         for mapped in self.maps:
             mapped.madvise(mmap.MADV_DONTNEED)
 
-    def file_offset(self, tensor: torch.Tensor) -> int:
+    @property
+    def layer_arrays(self) -> dict[str, LayerTensor]:
+        """``arrays``, always set after construction."""
+        assert self.arrays is not None
+        return self.arrays
+
+    def file_offset(self, tensor: torch.Tensor | np.ndarray) -> int:
         """The byte offset in the dump's file of a tensor's first element (for an
         ExampleConnector folder: in the file of the tensor's layer). ``tensor`` is one of
         ``tensors`` or any view of one (a row, a slice, another dtype).
@@ -128,18 +169,32 @@ class Dump:
                 an empty tensor, another dump's tensor), or reaches past them.
 
         """
-        if tensor.device.type != "cpu" or tensor.numel() == 0:
+        if (not isinstance(tensor, np.ndarray) and tensor.device.type != "cpu") or any(
+            size == 0 for size in tensor.shape
+        ):
             raise KvauditError(
                 "the tensor is not a view of this dump's file mapping", source=self.path
             )
-        first = tensor.data_ptr()
-        last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-        end = first + (last + 1) * tensor.element_size()
+        first = data_ptr(tensor)
+        last = sum((size - 1) * stride for size, stride in zip(tensor.shape, strides(tensor)))
+        end = first + (last + 1) * element_size(tensor)
         for mapped in self.maps:
             base = int(np.frombuffer(mapped, dtype=np.uint8, count=1).ctypes.data)
             if base <= first and end <= base + len(mapped):
                 return first - base
         raise KvauditError("the tensor is not a view of this dump's file mapping", source=self.path)
+
+    @functools.cached_property
+    def array_views(self) -> dict[int, GroupViews]:
+        """Every group's views of ``arrays``: the same groups, fingerprints and reasons as
+        ``group_views``, for the CPU path and the inventory (no torch)."""
+        return build_group_views(
+            self.description,
+            self.layer_arrays,
+            tp_rank=self.worker.tp_rank,
+            tp_size=self.worker.tp_size,
+            num_blocks=self.num_rows,
+        )
 
     @functools.cached_property
     def group_views(self) -> dict[int, GroupViews]:
@@ -167,3 +222,16 @@ class DumpSet:
     def request_ids(self) -> list[str]:
         """Every request some dump lists, sorted."""
         return sorted({request_id for dump in self.dumps for request_id in dump.requests})
+
+
+def _arrays_of(tensor: LayerTensor) -> LayerTensor:
+    """A CPU tensor (or K and V tensors) as numpy integer arrays sharing its memory."""
+    if isinstance(tensor, tuple):
+        return (_array_of(tensor[0]), _array_of(tensor[1]))
+    return _array_of(tensor)
+
+
+def _array_of(tensor: torch.Tensor | np.ndarray) -> np.ndarray:
+    if isinstance(tensor, np.ndarray):
+        return tensor
+    return as_integers(tensor.detach().cpu()).numpy()

@@ -17,8 +17,7 @@ import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..description import CacheDescription, LayerEntry, LayerSpec
 from ..dtypes import dtype_name
@@ -28,6 +27,9 @@ from ..validation import fail
 from .dump import META_FORMAT, Dump, DumpRequest
 from .layers import kv_apart, owner_layers
 from .safetensors_io import Entry, map_file, read_header, tensor_view
+
+if TYPE_CHECKING:
+    import torch
 
 EXAMPLE_CONNECTOR_TENSOR = "kv_cache"
 ENGINE = "vllm ExampleConnector"
@@ -207,6 +209,8 @@ def open_example_connectors(folders: Sequence[str], config: CacheDescription | N
     """Several request folders as one dump: each folder's rows after the previous one's,
     each folder's name its request id. One folder is viewed in place; several are copied
     into memory together (a connector's folders hold prompts, not a whole cache)."""
+    import torch
+
     dumps = [open_example_connector(folder, config) for folder in folders]
     if len(dumps) == 1:
         return dumps[0]
@@ -299,6 +303,8 @@ def _blocked(tensor: torch.Tensor, letters: str, spec: LayerSpec, num_rows: int)
     """A token-major tensor (axes ``letters``) with ``T`` cut into ``N`` kernel blocks of
     ``T`` tokens: a view, or a copy padded with zeros when the tokens do not fill the
     last block."""
+    import torch
+
     axis = letters.index("T")
     tokens = num_rows * spec.block_size
     if tensor.shape[axis] != tokens:

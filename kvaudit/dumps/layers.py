@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..description import CacheDescription, LayerEntry, LayerSpec
 from ..dtypes import dtype_name, dtype_size
 from ..validation import fail
 from ..views import LayerTensor
+
+if TYPE_CHECKING:
+    import torch
 
 
 def kernel_blocks_per_block(spec: LayerSpec) -> int:

@@ -11,11 +11,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..description import CacheDescription
 from ..description import parse_description as _parse_description
-from ..dtypes import dtype_name
+from ..dtypes import INT64, UINT8, dtype_name
 from ..errors import KvauditError
 from ..records import WorkerInfo
 from ..validation import (
@@ -40,11 +39,12 @@ from .dump import (
     STORED_CHECKSUMS,
     Dump,
     DumpRequest,
+    TorchViews,
 )
 from .example_connector import open_example_connector
 from .hints import DESCRIPTION_HINT, looks_like_description, other_engine_hint
 from .layers import check_layer, kernel_blocks_per_block, owner_layers, tensor_names
-from .safetensors_io import PAD_PREFIX, Entry, Header, map_file, read_header, tensor_view
+from .safetensors_io import PAD_PREFIX, Entry, Header, array_view, map_file, read_header
 
 _WORKER_KEYS = ("tp_rank", "tp_size", "pp_rank", "pp_size", "role", "engine")
 _REQUEST_KEYS = ("num_tokens", "groups", "block_hashes", "received")
@@ -286,7 +286,7 @@ def _dump_tensors(
         used.update(names)
     stored = header.tensors.get(STORED_CHECKSUMS)
     if stored is not None:
-        if stored.dtype != torch.int64 or stored.shape != (rows,):
+        if stored.dtype != INT64 or stored.shape != (rows,):
             fail(
                 source,
                 f"tensor {STORED_CHECKSUMS}: expected int64 of shape ({rows},), got "
@@ -296,7 +296,7 @@ def _dump_tensors(
     for name, item in header.tensors.items():
         if name in used:
             continue
-        if name.startswith(PAD_PREFIX) and item.dtype == torch.uint8 and len(item.shape) == 1:
+        if name.startswith(PAD_PREFIX) and item.dtype == UINT8 and len(item.shape) == 1:
             continue
         fail(source, f"tensor {name} is not a layer of the cache description")
     return found, stored
@@ -375,20 +375,23 @@ def open_dump(path: str | os.PathLike[str], config: CacheDescription | None = No
     entries, stored_entry = _dump_tensors(source, header, description, num_rows)
 
     mapped = map_file(source)
-    tensors: dict[str, LayerTensor] = {}
+    arrays: dict[str, LayerTensor] = {}
+    dtypes = {}
     for name, item in entries.items():
         if isinstance(item, tuple):
-            tensors[name] = (tensor_view(mapped, item[0]), tensor_view(mapped, item[1]))
+            arrays[name] = (array_view(mapped, item[0]), array_view(mapped, item[1]))
         else:
-            tensors[name] = tensor_view(mapped, item)
+            arrays[name] = array_view(mapped, item)
+        dtypes[name] = (item[0] if isinstance(item, tuple) else item).dtype
     stored = None
     if stored_entry is not None:
-        stored = tensor_view(mapped, stored_entry).numpy().view(np.uint64).copy()
+        stored = array_view(mapped, stored_entry).view(np.uint64).copy()
     return Dump(
         path=source,
         worker=worker,
         description=description,
-        tensors=tensors,
+        tensors=TorchViews(arrays, dtypes),
+        arrays=arrays,
         num_rows=num_rows,
         block_ids=block_ids,
         requests=requests,

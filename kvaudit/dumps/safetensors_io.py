@@ -15,13 +15,17 @@ import struct
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-import torch
+import numpy as np
 
-from ..dtypes import dtype_size, parse_dtype, safetensors_dtype_name
+from ..arrays import integer_array
+from ..dtypes import UINT8, DType, dtype_size, parse_dtype, safetensors_dtype_name, torch_dtype
 from ..files import atomic_path
 from ..validation import MAX_DEPTH, MAX_HEADER_BYTES, check_plain, fail, is_int, short
+
+if TYPE_CHECKING:
+    import torch
 
 PAD_PREFIX = "kvaudit/pad/"
 """Names of the U8 tensors a writer inserts so that every tensor starts 64-byte aligned."""
@@ -29,7 +33,6 @@ PAD_PREFIX = "kvaudit/pad/"
 ALIGNMENT = 64
 _LENGTH = struct.Struct("<Q")
 _INT64_LIMIT = 1 << 63
-_INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 # Reading.
@@ -40,7 +43,7 @@ class Entry:
     """A tensor of a safetensors file: its dtype, shape and absolute byte range."""
 
     name: str
-    dtype: torch.dtype
+    dtype: DType
     shape: tuple[int, ...]
     start: int
     nbytes: int
@@ -155,25 +158,42 @@ def map_file(path: str) -> mmap.mmap:
         fail(path, f"cannot map: {error.strerror}")
 
 
-def tensor_view(mapped: mmap.mmap, entry: Entry) -> torch.Tensor:
-    """A tensor over a mapped file's bytes (no copy)."""
+def array_view(mapped: mmap.mmap, entry: Entry) -> np.ndarray:
+    """A read-only numpy array over a mapped file's bytes (no copy): the tensor's shape,
+    its elements as integers of their size (``kvaudit.arrays``)."""
     if entry.nbytes == 0:
-        return torch.empty(entry.shape, dtype=entry.dtype)
+        raw = np.zeros(0, dtype=np.uint8)
+    else:
+        raw = np.frombuffer(mapped, dtype=np.uint8, count=entry.nbytes, offset=entry.start)
+    return integer_array(raw.view(f"u{entry.dtype.itemsize}")).reshape(entry.shape)
+
+
+def tensor_of(array: np.ndarray, dtype: DType) -> torch.Tensor:
+    """A torch tensor of ``dtype`` over an ``array_view`` (no copy; imports torch)."""
+    import torch
+
     with warnings.catch_warnings():
         # The mapping is read-only and torch has no read-only tensors; nothing writes it.
         warnings.simplefilter("ignore", UserWarning)
-        raw = torch.frombuffer(mapped, dtype=torch.uint8, count=entry.nbytes, offset=entry.start)
-    return raw.view(entry.dtype).reshape(entry.shape)
+        return torch.from_numpy(array).view(torch_dtype(dtype))
 
 
-def tensor_nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+def tensor_view(mapped: mmap.mmap, entry: Entry) -> torch.Tensor:
+    """A tensor over a mapped file's bytes (no copy)."""
+    return tensor_of(array_view(mapped, entry), entry.dtype)
+
+
+def tensor_nbytes(tensor: torch.Tensor | np.ndarray) -> int:
+    return int(tensor.nbytes)
 
 
 def as_integers(tensor: torch.Tensor) -> torch.Tensor:
     """The same bytes as integers of the element's size (a view): copies and gathers then
     work for every dtype on every device (fp8 included)."""
-    return tensor.view(_INTEGERS[tensor.element_size()])
+    import torch
+
+    integers = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return tensor.view(integers[tensor.element_size()])
 
 
 # Writing.
@@ -184,7 +204,7 @@ class Output:
     """One tensor of a dump being written: its header entry and how to write its bytes."""
 
     name: str
-    dtype: torch.dtype
+    dtype: DType | torch.dtype
     shape: tuple[int, ...]
     write: Callable[[BinaryIO], None]
 
@@ -205,9 +225,7 @@ def with_padding(outputs: list[Output]) -> list[tuple[Output, int]]:
     for output in outputs:
         if offset % ALIGNMENT:
             pad = ALIGNMENT - offset % ALIGNMENT
-            filler = Output(
-                f"{PAD_PREFIX}{len(placed)}", torch.uint8, (pad,), write_bytes(bytes(pad))
-            )
+            filler = Output(f"{PAD_PREFIX}{len(placed)}", UINT8, (pad,), write_bytes(bytes(pad)))
             placed.append((filler, offset))
             offset += pad
         placed.append((output, offset))

@@ -11,10 +11,9 @@ import json
 import math
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
-import torch
 
 from ..description import CacheDescription, description_to_dict
 from ..dtypes import safetensors_dtype_name
@@ -49,10 +48,15 @@ from .safetensors_io import (
     write_bytes,
 )
 
+if TYPE_CHECKING:
+    import torch
+
 
 def _write_rows(file: BinaryIO, tensor: torch.Tensor, axis: int, index: torch.Tensor) -> None:
     """The tensor's ``index`` entries along ``axis``, contiguous in its axis order, a
     bounded piece at a time (any strides, any device)."""
+    import torch
+
     tensor = as_integers(tensor)
     index = index.to(tensor.device)
     inner = math.prod(tensor.shape[axis + 1 :]) * tensor.element_size()
@@ -107,6 +111,8 @@ def _layer_outputs(
     rows: torch.Tensor,
 ) -> list[Output]:
     """The tensors of every layer's dumped rows, checked against the description."""
+    import torch
+
     outputs = []
     for entry in owner_layers(description):
         tensor = tensors.get(entry.name)
@@ -215,6 +221,8 @@ def _request_metadata(
 def _stored_output(
     target: str, stored: torch.Tensor | np.ndarray, num_blocks: int, rows: torch.Tensor
 ) -> Output:
+    import torch
+
     values = (
         stored.detach().cpu().numpy() if isinstance(stored, torch.Tensor) else np.asarray(stored)
     )
@@ -257,6 +265,8 @@ def write_dump(
             cannot be written.
 
     """
+    import torch
+
     target = os.fspath(path)
     check_worker(worker, worker.role, target, "worker")
     tensors = tensors_by_name(description, tensors, target)

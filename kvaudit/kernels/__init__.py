@@ -3,7 +3,8 @@
 A backend is registered once, by name, with the module and class of its launch; plans ask
 :func:`backend_launch` for a launch of parts that share one layout and never name a backend
 themselves. The backend's module is imported only when it is used, so a backend's
-dependencies (Triton) are not needed by the others.
+dependencies (torch, Triton) are not needed by the others: the numpy backend never imports
+torch.
 
 Adding a backend: a module in this package with a class that takes ``list[LaunchPart]``
 and implements :class:`Launch`, plus one :func:`register` call below.
@@ -17,9 +18,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol, get_args, runtime_checkable
 
 if TYPE_CHECKING:
-    import torch
+    from ..arrays import Array
 
-BackendName = Literal["torch", "triton"]
+BackendName = Literal["numpy", "torch", "triton"]
 """A registered backend."""
 
 BackendChoice = Literal["auto", BackendName]
@@ -32,7 +33,7 @@ class LaunchPart:
     ``column``, numbered from ``first_slice`` (its first head's slice), ``piece_offset``
     (its first piece within the cell) and ``cell_pieces`` (the cell's pieces)."""
 
-    pieces: torch.Tensor
+    pieces: Array
     first_slice: int
     column: int
     piece_offset: int
@@ -46,13 +47,14 @@ class Launch(Protocol):
 
     def accumulate(
         self,
-        block_ids: torch.Tensor,
-        first_tokens: torch.Tensor,
-        valid_tokens: torch.Tensor,
-        out: torch.Tensor,
+        block_ids: Array,
+        first_tokens: Array,
+        valid_tokens: Array,
+        out: Array,
     ) -> None:
         """Add every part's weighted sums of the rows into its column of ``out``
-        ``[rows, columns]`` int64 (mod 2**64), on the parts' device."""
+        ``[rows, columns]`` int64 (mod 2**64), on the parts' device: numpy arrays for a
+        backend whose ``uses_torch`` is False, torch tensors otherwise."""
 
     def warm_up(self, num_columns: int) -> None:
         """Prepare now what the first ``accumulate`` would (compile, allocate)."""
@@ -70,6 +72,7 @@ class Backend:
     module: str
     launch_class: str
     auto_devices: tuple[str, ...]
+    uses_torch: bool = True
 
     def launch(self, parts: list[LaunchPart]) -> Launch:
         """A launch of ``parts`` on this backend (imports its module on first use)."""
@@ -89,7 +92,8 @@ def register(backend: Backend) -> None:
     _REGISTRY[backend.name] = backend
 
 
-register(Backend("torch", f"{__name__}.torch_cpu", "TorchLaunch", auto_devices=("cpu",)))
+register(Backend("numpy", f"{__name__}.numpy_cpu", "NumpyLaunch", ("cpu",), uses_torch=False))
+register(Backend("torch", f"{__name__}.torch_cpu", "TorchLaunch", auto_devices=()))
 register(Backend("triton", f"{__name__}.triton_kernel", "TritonLaunch", auto_devices=("cuda",)))
 
 
@@ -100,7 +104,7 @@ def backend_names() -> Sequence[str]:
 
 def resolve_backend(choice: str, device_type: str) -> Backend:
     """The backend ``choice`` names, or for ``auto`` the one that claims ``device_type``
-    (the Triton kernel on CUDA, the torch path elsewhere).
+    (the Triton kernel on CUDA, numpy on the CPU, the torch path elsewhere).
 
     Raises:
         ValueError: ``choice`` is neither ``auto`` nor a registered backend.

@@ -11,6 +11,7 @@ differences), ``carried_checksums`` (dumps carrying checksums to verify) and ``p
 from __future__ import annotations
 
 import dataclasses
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ class Runtime:
 
 def resolve_device(choice: str) -> Runtime:
     """The runtime of a ``--device`` choice; ``auto`` is CUDA with the Triton kernel where
-    available, else the CPU torch path.
+    available, else the CPU path (numpy).
 
     Raises:
         KvauditError: ``cuda`` without a CUDA device, or an unknown choice.
@@ -58,16 +59,25 @@ def resolve_device(choice: str) -> Runtime:
     """
     if choice not in ("auto", "cuda", "cpu"):
         raise KvauditError(f"--device {choice}: expected auto, cpu or cuda")
-    if choice == "cpu":
-        return Runtime("torch", "cpu")
+    if choice == "cpu" or (choice == "auto" and not _gpu_driver_present()):
+        return Runtime("auto", "cpu")
     import torch  # only to ask for a GPU
 
     available = torch.cuda.is_available()
     if choice == "auto":
-        return Runtime("auto", "cuda") if available else Runtime("torch", "cpu")
+        return Runtime("auto", "cuda" if available else "cpu")
     if not available:
         raise KvauditError("--device cuda: no CUDA device is available")
     return Runtime("auto", "cuda")
+
+
+def _gpu_driver_present() -> bool:
+    """Whether a GPU driver's device files exist: without them torch finds no CUDA device,
+    so ``auto`` need not import torch to ask."""
+    return any(os.path.exists(path) for path in _GPU_DEVICE_FILES)
+
+
+_GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
 
 
 class Source(ABC):

@@ -68,7 +68,7 @@ class Inventory:
 
 def raw_inventory(worker: RawWorker) -> WorkerInventory:
     """One raw worker's ranks, rows and groups (from its views, built once per worker)."""
-    groups = [group_info(views, worker.tensors) for views in worker.group_views.values()]
+    groups = [group_info(views, worker.layer_arrays) for views in worker.array_views.values()]
     return WorkerInventory(worker.worker, worker.num_rows, groups)
 
 
@@ -100,8 +100,8 @@ def _tensor_bytes(tensor: LayerTensor | None) -> int:
     if tensor is None:
         return 0
     if isinstance(tensor, tuple):
-        return sum(part.numel() * part.element_size() for part in tensor)
-    return tensor.numel() * tensor.element_size()
+        return sum(int(part.nbytes) for part in tensor)
+    return int(tensor.nbytes)
 
 
 def request_inventory(mappings: Iterable[Mapping[str, Listing]]) -> dict[str, RequestInventory]:

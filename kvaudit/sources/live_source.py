@@ -25,11 +25,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-
-from ..description import CacheDescription, load_description, parse_description
+from ..description import CacheDescription, parse_description
 from ..errors import KvauditError
-from ..inputs import RequestBlocks, plain_requests
+from ..inputs import RequestBlocks, is_tensor, plain_requests
 from ..records import Record, WorkerInfo
 from ..validation import MAX_TOKENS, check_int, check_plain, check_positions, check_worker, short
 from .base import Progress, Runtime
@@ -96,6 +94,8 @@ def _load_live(name: str, config: CacheDescription | None) -> LiveWorker:
     if config is not None:
         description = config
     elif isinstance(description, (str, os.PathLike)):
+        from ..description.loader import load_description  # YAML only for live handles
+
         description = load_description(description)
     elif isinstance(description, Mapping):
         description = parse_description(description, name)
@@ -189,7 +189,7 @@ def _check_tensors(name: str, tensors: Mapping[Any, Any]) -> None:
         if (
             not isinstance(layer, str)
             or not 1 <= len(parts) <= 2
-            or not all(isinstance(part, torch.Tensor) for part in parts)
+            or not all(is_tensor(part) for part in parts)
         ):
             raise KvauditError(
                 f"{LIVE_FUNCTION}(): tensors[{short(layer)}]: expected a torch tensor or a "

@@ -56,6 +56,15 @@ class RawWorker(Protocol):
         """Layer name to its rows (``N`` axis: the rows' kernel blocks; states: first axis)."""
 
     @property
+    def layer_arrays(self) -> Mapping[str, LayerTensor]:
+        """The same rows as the worker holds them without importing torch where it can (a
+        dump's numpy arrays; a live worker's tensors)."""
+
+    @property
+    def array_views(self) -> dict[int, GroupViews]:
+        """Every group's views of ``layer_arrays``, built once (inventories read these)."""
+
+    @property
     def num_rows(self) -> int:
         """The block rows each tensor holds."""
 
@@ -92,6 +101,16 @@ class LiveWorker:
 
     def drop_pages(self) -> None:
         """Nothing: live tensors are not file pages."""
+
+    @property
+    def layer_arrays(self) -> Mapping[str, LayerTensor]:
+        """The live tensors themselves."""
+        return self.tensors
+
+    @property
+    def array_views(self) -> dict[int, GroupViews]:
+        """The views of the live tensors."""
+        return self.group_views
 
     @functools.cached_property
     def group_views(self) -> dict[int, GroupViews]:

@@ -55,7 +55,9 @@ class WorkerAudit:
             PRODUCER: Checksummer(description, self.tensors, role="producer", **common),
             CONSUMER: Checksummer(description, self.tensors, role="consumer", **common),
         }
-        devices = {p.device for c in self.checksummers.values() for p in c.plans.values()}
+        devices = {
+            torch.device(p.device) for c in self.checksummers.values() for p in c.plans.values()
+        }
         self.stream = (
             torch.cuda.Stream(device=next(iter(devices)))
             if any(d.type == "cuda" for d in devices)

@@ -1,0 +1,299 @@
+"""Whole ``kvaudit`` processes timed against the tools beside it (issue 10).
+
+    python bench/cli.py [--repeats 7] [--dir DIR] [--skip-diff] [--skip-cold]
+
+Writes the dumps it needs (one block; 512 MiB; two 1.5 GiB sides unless ``--skip-diff``)
+to a fresh folder under DIR (default: the system's temporary directory, removed at the
+end), then times each pair of commands ``--repeats`` times, alternating their order, and
+reports the medians and their ratio: every figure is relative to a peer timed in the same
+run, so the load of a shared machine cancels out as far as it can. Peers that are not
+installed (``b3sum``, ``xxhsum``, ``sha256sum``; ``apt-get install b3sum xxhash``) are
+skipped with a note. Files are read from the page cache (each is read once first), except
+for the cold figures: there each run first evicts the file from the page cache
+(``posix_fadvise(DONTNEED)``, which needs no root), and the script says whether dropping
+the whole page cache (``/proc/sys/vm/drop_caches``) is allowed here.
+
+The checksum figures time ``kvaudit checksum --format json`` (stdout to /dev/null); the
+default table output is timed once more against ``b3sum``, for information.
+
+Targets: ``kvaudit --help`` <= 2x ``python -c "import numpy"``; a one-block dump's checksum
+<= 2.5x ``python -c "import numpy, safetensors"``; a 512 MiB dump's checksum <= 3x
+``b3sum`` (goal 1.5x) and >= 5x faster than ``sha256sum``; a diff of two 1.5 GiB sides
+<= 1.3x checksumming both. Peak memory has its own script, ``bench/dump_memory.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dump_memory import evict, write_set
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PYTHON = sys.executable
+KVAUDIT = [PYTHON, "-m", "kvaudit"]
+
+
+@dataclass
+class Command:
+    """A command line, and what to do before each timed run (outside the timing)."""
+
+    label: str
+    argv: Sequence[Sequence[str]]
+    before: Callable[[], None] | None = None
+
+
+@dataclass
+class Figure:
+    """One target: a kvaudit command against a peer; ``inverse`` for "at least N times
+    faster than the peer" (the ratio is then peer / kvaudit)."""
+
+    name: str
+    ours: Command
+    peer: Command
+    limit: float
+    inverse: bool = False
+    goal: float | None = None
+
+
+def env() -> dict[str, str]:
+    variables = dict(os.environ)
+    variables["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, variables.get("PYTHONPATH")]))
+    return variables
+
+
+def run_once(command: Command) -> float:
+    """Seconds one run of the command's command lines took (run one after the other)."""
+    if command.before is not None:
+        command.before()
+    start = time.perf_counter()
+    for argv in command.argv:
+        subprocess.run(
+            argv, check=True, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+    return time.perf_counter() - start
+
+
+def medians(commands: Sequence[Command], repeats: int) -> list[float]:
+    """The median seconds of each command over ``repeats`` rounds, the order of the
+    commands alternating from round to round; one warm-up round first."""
+    for command in commands:
+        run_once(command)
+    times: list[list[float]] = [[] for _ in commands]
+    for round_ in range(repeats):
+        order = list(range(len(commands)))
+        if round_ % 2:
+            order.reverse()
+        for index in order:
+            times[index].append(run_once(commands[index]))
+    return [statistics.median(values) for values in times]
+
+
+def report(figure: Figure, repeats: int) -> None:
+    ours, peer = medians([figure.ours, figure.peer], repeats)
+    ratio = peer / ours if figure.inverse else ours / peer
+    relation = ">=" if figure.inverse else "<="
+    met = ratio >= figure.limit if figure.inverse else ratio <= figure.limit
+    verdict = "ok" if met else "MISSED"
+    if met and figure.goal is not None and ratio > figure.goal:
+        verdict = f"ok (goal {figure.goal}x not reached)"
+    how = "faster than" if figure.inverse else "the time of"
+    print(
+        f"{figure.name}: kvaudit {ours:.3f} s, {figure.peer.label} {peer:.3f} s: "
+        f"{ratio:.2f}x {how} the peer (target {relation} {figure.limit}x): {verdict}",
+        flush=True,
+    )
+
+
+def peer(tool: str, *args: str) -> list[str] | None:
+    path = shutil.which(tool)
+    if path is None:
+        print(f"{tool} is not installed: its figures are skipped (apt-get install b3sum xxhash)")
+        return None
+    return [path, *args]
+
+
+def write_one_block(path: str) -> None:
+    """A dump of one 16-token block of two Llama-shaped layers."""
+    import torch
+
+    from kvaudit.checksummer import RequestBlocks
+    from kvaudit.description import parse_description
+    from kvaudit.dumps import write_dump
+    from kvaudit.records import WorkerInfo
+
+    spec = {
+        "type": "full_attention",
+        "block_size": 16,
+        "num_kv_heads": 8,
+        "head_size": 128,
+        "dtype": "bfloat16",
+        "layout": "NTHC",
+    }
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    raw = {"kvaudit": 1, "num_blocks": 4, "groups": [{"spec": spec, "layers": layers}]}
+    description = parse_description(raw, "bench")
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        name: torch.randint(
+            -(2**15), 2**15, (4, 16, 8, 256), dtype=torch.int16, generator=generator
+        ).view(torch.bfloat16)
+        for name in layers
+    }
+    write_dump(
+        path,
+        description,
+        tensors,
+        {"req": RequestBlocks(16, {0: (0, [2])})},
+        worker=WorkerInfo(0, 1, 0, 1, "producer", "bench"),
+    )
+
+
+def write_sized(folder: str, size_gib: float) -> str:
+    """A one-worker dump of about ``size_gib``; its path."""
+    os.makedirs(folder)
+    write_set(folder, size_gib, 1)
+    return os.path.join(folder, "rank0.safetensors")
+
+
+def warm(*paths: str) -> None:
+    for path in paths:
+        with open(path, "rb") as file:
+            while file.read(64 << 20):
+                pass
+
+
+def drop_caches_allowed() -> bool:
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as file:
+            file.write("3\n")
+    except OSError:
+        return False
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7, help="timed rounds per figure")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--skip-diff", action="store_true", help="no 2 x 1.5 GiB diff figure")
+    parser.add_argument("--skip-cold", action="store_true", help="no cold-file figures")
+    args = parser.parse_args()
+    folder = tempfile.mkdtemp(prefix="kvaudit-bench-cli-", dir=args.dir)
+    try:
+        print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
+        small = os.path.join(folder, "one-block.safetensors")
+        write_one_block(small)
+        big = write_sized(os.path.join(folder, "512mib"), 0.5)
+        warm(small, big)
+        # The record as JSON: a file tool prints one line, and rich's table of every
+        # block position (1024 rows here) is timed on its own below.
+        checksum = [*KVAUDIT, "checksum", "-q", "--device", "cpu", "--format", "json"]
+        table = [*KVAUDIT, "checksum", "-q", "--device", "cpu"]
+        figures = [
+            Figure(
+                "kvaudit --help",
+                Command("kvaudit --help", [[*KVAUDIT, "--help"]]),
+                Command("import numpy", [[PYTHON, "-c", "import numpy"]]),
+                2.0,
+            ),
+            Figure(
+                "one-block dump",
+                Command("checksum", [[*checksum, small]]),
+                Command("import numpy, safetensors", [[PYTHON, "-c", "import numpy, safetensors"]]),
+                2.5,
+            ),
+        ]
+        b3sum = peer("b3sum", big)
+        if b3sum is not None:
+            figures.append(
+                Figure(
+                    "512 MiB dump",
+                    Command("checksum", [[*checksum, big]]),
+                    Command("b3sum", [b3sum]),
+                    3.0,
+                    goal=1.5,
+                )
+            )
+        if b3sum is not None:
+            figures.append(
+                Figure(
+                    "512 MiB dump, the default table output",
+                    Command("checksum", [[*table, big]]),
+                    Command("b3sum", [b3sum]),
+                    float("inf"),
+                )
+            )
+        xxhsum = peer("xxhsum", "-H3", big)
+        if xxhsum is not None:
+            figures.append(
+                Figure(
+                    "512 MiB dump",
+                    Command("checksum", [[*checksum, big]]),
+                    Command("xxhsum -H3", [xxhsum]),
+                    float("inf"),
+                )
+            )
+        sha256sum = peer("sha256sum", big)
+        if sha256sum is not None:
+            figures.append(
+                Figure(
+                    "512 MiB dump",
+                    Command("checksum", [[*checksum, big]]),
+                    Command("sha256sum", [sha256sum]),
+                    5.0,
+                    inverse=True,
+                )
+            )
+        if not args.skip_diff:
+            left = write_sized(os.path.join(folder, "left"), 1.5)
+            right = write_sized(os.path.join(folder, "right"), 1.5)
+            warm(left, right)
+            figures.append(
+                Figure(
+                    "diff of two 1.5 GiB sides",
+                    Command("diff", [[*KVAUDIT, "diff", "-q", "--device", "cpu", left, right]]),
+                    Command("checksum of both", [[*checksum, left], [*checksum, right]]),
+                    1.3,
+                )
+            )
+        for figure in figures:
+            report(figure, args.repeats)
+        if not args.skip_cold:
+            allowed = drop_caches_allowed()
+            print(
+                "dropping the whole page cache (/proc/sys/vm/drop_caches) is "
+                + ("allowed" if allowed else "refused here")
+                + "; cold runs evict the file itself with posix_fadvise(DONTNEED)",
+                flush=True,
+            )
+            folder_of_big = os.path.dirname(big)
+            cold = [
+                Figure(
+                    "512 MiB dump, cold",
+                    Command("checksum", [[*checksum, big]], lambda: evict(folder_of_big)),
+                    Command(label, [argv], lambda: evict(folder_of_big)),
+                    float("inf"),
+                )
+                for label, argv in (("b3sum", b3sum), ("sha256sum", sha256sum))
+                if argv is not None
+            ]
+            for figure in cold:
+                report(figure, max(3, args.repeats // 2))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

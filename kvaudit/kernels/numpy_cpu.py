@@ -1,0 +1,148 @@
+"""The CPU path with numpy: the checksum of block rows read in place (a dump's mapped
+file, a live CPU tensor's memory), in bounded memory, on every core, without torch.
+
+A piece's weight ``m_h * (2 * ((first + u) * P + off + p) + 1)`` splits into a part that
+depends on the head and piece and one that grows with the token (docs/checksum.md):
+
+    row sum = sum over (h, p) of  Y[h, p] * m_h * (2 * (off + p) + 1)
+            + sum over h of       2 * P * m_h * (first * Y[h] + Z[h])
+
+with ``Y[h, p]`` the sum of a piece over the block's tokens, ``Z[h, p]`` the same sum with
+each token ``u`` counted ``u`` times, and ``Y[h]``, ``Z[h]`` their sums over pieces. One pass
+over each token's ``[heads, pieces]`` slice builds both with additions only: a running sum
+``Y`` and the sum of the running sums, which counts token ``u`` ``U - u`` times. The
+weights only meet the ``U`` times smaller ``Y`` and ``Z``. numpy's int64 arithmetic wraps
+modulo 2**64, which gives the uint64 bits, and releases the GIL, so chunks of rows run on
+a small thread pool.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from ..arrays import Array, is_numpy
+from . import LaunchPart
+
+CHUNK_BYTES = 2 << 20
+"""Bytes of rows one task reads: small enough that its running sums stay in cache."""
+
+THREADS = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
+"""Threads that reduce chunks at once."""
+
+_UNSIGNED = {2: np.uint16, 4: np.uint32}
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(THREADS, thread_name_prefix="kvaudit-numpy")
+    return _POOL
+
+
+def as_numpy(pieces: Array) -> np.ndarray:
+    """A piece view as a numpy array sharing its memory (a CPU tensor converts in place)."""
+    if is_numpy(pieces):
+        return pieces
+    if pieces.device.type != "cpu":
+        raise ValueError(f"the numpy backend reads CPU memory, not {pieces.device.type}")
+    return pieces.detach().numpy()
+
+
+class NumpyPart:
+    """One piece view ``[blocks, kernel_blocks, heads, tokens, pieces]`` prepared for the
+    numpy path: 2- and 4-byte pieces read unsigned, its weights and its column."""
+
+    def __init__(self, part: LaunchPart) -> None:
+        pieces = as_numpy(part.pieces)
+        unsigned = _UNSIGNED.get(pieces.dtype.itemsize)
+        self.blocks = pieces.view(unsigned) if unsigned is not None else pieces
+        _, kernel_blocks, heads, tokens, num_pieces = pieces.shape
+        self.tokens = tokens
+        self.tokens_per_row = kernel_blocks * tokens
+        self.column = part.column
+        row_bytes = kernel_blocks * heads * tokens * num_pieces * pieces.dtype.itemsize
+        self.chunk_rows = max(1, CHUNK_BYTES // max(row_bytes, 1))
+        factors = 2 * (np.arange(heads, dtype=np.int64) + part.first_slice) + 1  # m_h
+        offsets = 2 * (part.piece_offset + np.arange(num_pieces, dtype=np.int64)) + 1
+        # Weights of Y, [heads * pieces]; of first * Y[h] + Z[h], [heads].
+        self.piece_weights = (factors[:, None] * offsets[None, :]).reshape(-1)
+        self.head_weights = 2 * part.cell_pieces * factors
+
+    def accumulate(
+        self,
+        block_ids: np.ndarray,
+        first_tokens: np.ndarray,
+        valid_tokens: np.ndarray,
+        out: np.ndarray,
+    ) -> None:
+        """Add this part's weighted sums of the rows into ``out[:, column]``."""
+        full = np.flatnonzero(valid_tokens >= self.tokens_per_row)
+        tasks = [
+            (full[start : start + self.chunk_rows], self.tokens_per_row)
+            for start in range(0, len(full), self.chunk_rows)
+        ]
+        # Rows cut short (a request's last block) are few: one task each, to their count.
+        cut = np.flatnonzero((valid_tokens > 0) & (valid_tokens < self.tokens_per_row))
+        tasks += [(cut[i : i + 1], int(valid_tokens[cut[i]])) for i in range(len(cut))]
+
+        def run(task: tuple[np.ndarray, int]) -> np.ndarray:
+            index, count = task
+            return self._row_sums(self._rows(block_ids[index]), first_tokens[index], count)
+
+        results = _pool().map(run, tasks) if len(tasks) > 1 else map(run, tasks)
+        for (index, _), sums in zip(tasks, results, strict=True):
+            out[index, self.column] += sums
+
+    def _rows(self, block_ids: np.ndarray) -> np.ndarray:
+        """The rows of these blocks: a view when they are consecutive, else a gather."""
+        first = int(block_ids[0])
+        last = int(block_ids[-1])
+        if last - first + 1 == len(block_ids) and (
+            len(block_ids) < 3 or bool((np.diff(block_ids) == 1).all())
+        ):
+            return self.blocks[first : last + 1]
+        return self.blocks[block_ids]
+
+    def _row_sums(self, x: np.ndarray, first: np.ndarray, count: int) -> np.ndarray:
+        """The weighted sums of rows ``x`` over their first ``count`` tokens."""
+        tokens = self.tokens
+        total = x[:, 0, :, 0, :].astype(np.int64)  # Y so far: [rows, heads, pieces]
+        counted = total.copy()  # each token u counted count - u times
+        for u in range(1, count):
+            kernel_block, token = divmod(u, tokens)
+            np.add(total, x[:, kernel_block, :, token, :], out=total)
+            np.add(counted, total, out=counted)
+        rows = len(x)
+        weighted = counted
+        np.subtract(count * total, counted, out=weighted)  # Z = sum of u * x_u
+        sums = total.reshape(rows, -1) @ self.piece_weights
+        per_head = first[:, None] * total.sum(axis=2) + weighted.sum(axis=2)
+        sums += per_head @ self.head_weights
+        return sums
+
+
+class NumpyLaunch:
+    """Parts that share one layout, adding into their columns (the numpy backend's
+    :class:`~kvaudit.kernels.Launch`); inputs and output are numpy arrays."""
+
+    def __init__(self, parts: list[LaunchPart]) -> None:
+        self.parts = [NumpyPart(part) for part in parts]
+
+    def warm_up(self, num_columns: int = 0) -> None:
+        """Nothing to prepare: the path allocates only per chunk."""
+
+    def accumulate(
+        self,
+        block_ids: np.ndarray,
+        first_tokens: np.ndarray,
+        valid_tokens: np.ndarray,
+        out: np.ndarray,
+    ) -> None:
+        """Add every part's weighted sums of the rows into its column of ``out``
+        ``[rows, columns]``."""
+        for part in self.parts:
+            part.accumulate(block_ids, first_tokens, valid_tokens, out)

@@ -1,0 +1,161 @@
+"""The torch path of a dump's batches (a GPU, or ``backend="torch"``): rows copied into
+fixed buffers on the device, on CUDA through two pinned host buffers that take turns, so
+that filling one overlaps the copy to the device and the checksums of the other."""
+
+from __future__ import annotations
+
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from ..checksummer import Checksummer, launch_torch
+from ..dumps import Dump
+from ..dumps.layers import layer_parts, owner_layers
+from ..dumps.safetensors_io import as_integers
+from .dump_batches import DumpBatches, Finish, Table, batch_rows, dump_checksummer, row_axis
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..views import LayerTensor
+
+
+class StagedBatches(DumpBatches):
+    """The torch path (a GPU, or ``--backend torch``): each batch copied into fixed
+    buffers on the device, one checksummer per buffer set. With two sets (on CUDA) they
+    take turns: rows are copied into one set's pinned host buffers while a worker thread
+    checksums the other set, and sent to the device on a copy stream that the checksums
+    wait for."""
+
+    def __init__(
+        self, dump: Dump, device: str, backend: str, batch_bytes: int, slots: int | None = None
+    ) -> None:
+        import torch
+
+        super().__init__(dump, batch_rows(dump, batch_bytes))
+        self.torch = torch
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.axes = {
+            entry.name: row_axis(entry)
+            for entry in owner_layers(dump.description)
+            if entry.name in dump.layer_arrays
+        }
+        with warnings.catch_warnings():
+            # The mapping is read-only and torch has no read-only tensors; nothing writes it.
+            warnings.simplefilter("ignore", UserWarning)
+            self.sources = {
+                name: tuple(torch.from_numpy(part) for part in layer_parts(array))
+                for name, array in dump.layer_arrays.items()
+            }
+        count = slots if slots is not None else (2 if self.cuda else 1)
+        self.slots = [self._slot(backend) for _ in range(count)]
+        self.turn = 0
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.executor = (
+            ThreadPoolExecutor(1, thread_name_prefix="kvaudit-dump") if count > 1 else None
+        )
+
+    def _slot(self, backend: str) -> _Slot:
+        """A set of device buffers of ``rows`` rows, their host buffers (pinned on CUDA;
+        elsewhere the device buffers themselves) and a checksummer over them."""
+        torch = self.torch
+        buffers: dict[str, LayerTensor] = {}
+        hosts: dict[str, tuple[torch.Tensor, ...]] = {}
+        for name, tensor in self.dump.tensors.items():
+            axis, per_row = self.axes[name]
+            parts = tuple(
+                torch.empty(
+                    (*part.shape[:axis], self.rows * per_row, *part.shape[axis + 1 :]),
+                    dtype=part.dtype,
+                    device=self.device,
+                )
+                for part in layer_parts(tensor)
+            )
+            buffers[name] = parts if isinstance(tensor, tuple) else parts[0]
+            hosts[name] = tuple(
+                torch.empty_like(as_integers(part), device="cpu", pin_memory=True)
+                if self.cuda
+                else as_integers(part)
+                for part in parts
+            )
+        checksummer = dump_checksummer(self.dump, buffers, self.rows, backend)
+        return _Slot(buffers, hosts, checksummer)
+
+    @property
+    def plans_of(self) -> Checksummer:
+        return self.slots[0].checksummer
+
+    def submit(self, first: int, count: int, tables: list[Table], done: Finish) -> None:
+        slot = self.slots[self.turn % len(self.slots)]
+        self.turn += 1
+        if slot.pending is not None:
+            # Its buffers are free once its last batch is checksummed.
+            slot.pending.result()
+        for name, sources in self.sources.items():
+            axis, per_row = self.axes[name]
+            for source, host in zip(sources, slot.hosts[name], strict=True):
+                host.narrow(axis, 0, count * per_row).copy_(
+                    source.narrow(axis, first * per_row, count * per_row)
+                )
+            self.dump.drop_pages()
+        copied = self._send(slot, count) if self.cuda else None
+        # The buffers hold the batch from their first row.
+        relative = [(group_id, table - [[first], [0], [0]]) for group_id, table in tables]
+
+        def run() -> None:
+            plans = slot.checksummer.plans
+            if copied is None:
+                done([launch_torch(plans[group_id], table) for group_id, table in relative])
+                return
+            torch = self.torch
+            # A new thread starts on device 0: work on the buffers' device.
+            with torch.cuda.device(self.device):
+                torch.cuda.current_stream().wait_event(copied)
+                outs = [launch_torch(plans[group_id], table) for group_id, table in relative]
+                torch.cuda.current_stream().synchronize()
+            done(outs)
+
+        if self.executor is None:
+            run()
+        else:
+            slot.pending = self.executor.submit(run)
+
+    def _send(self, slot: _Slot, count: int) -> torch.cuda.Event:
+        """Queue the copies of the slot's first ``count`` rows from its pinned buffers to
+        its device buffers on the copy stream; the event that marks them done."""
+        torch = self.torch
+        with torch.cuda.stream(self.copy_stream):
+            for name, hosts in slot.hosts.items():
+                axis, per_row = self.axes[name]
+                for host, buffer in zip(hosts, layer_parts(slot.buffers[name]), strict=True):
+                    as_integers(buffer).narrow(axis, 0, count * per_row).copy_(
+                        host.narrow(axis, 0, count * per_row), non_blocking=True
+                    )
+            copied = torch.cuda.Event()
+            copied.record(self.copy_stream)
+        return copied
+
+    def drain(self) -> None:
+        for slot in self.slots:
+            if slot.pending is not None:
+                slot.pending.result()
+                slot.pending = None
+        if self.executor is not None:
+            self.executor.shutdown()
+
+
+class _Slot:
+    """One set of device buffers, their host staging buffers, the checksummer over them
+    and the batch it is busy with."""
+
+    def __init__(
+        self,
+        buffers: dict[str, LayerTensor],
+        hosts: dict[str, tuple[torch.Tensor, ...]],
+        checksummer: Checksummer,
+    ) -> None:
+        self.buffers = buffers
+        self.hosts = hosts
+        self.checksummer = checksummer
+        self.pending: Future[None] | None = None
