@@ -1,6 +1,37 @@
-"""``python -m kvaudit``: the ``kvaudit`` command."""
+"""``python -m kvaudit`` and the ``kvaudit`` script: the command, with Ctrl-C, SIGTERM and
+SIGHUP during start-up (importing torch takes a while) exiting 130 without a traceback."""
 
-from .cli import main
+from __future__ import annotations
+
+import signal
+import sys
+from types import FrameType
+
+EXIT_INTERRUPTED = 130
+
+
+def _interrupted(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def run() -> None:
+    """Import the command line and run it; an interruption while importing exits 130."""
+    hangup = getattr(signal, "SIGHUP", None)
+    previous = {
+        number: signal.signal(number, _interrupted)
+        for number in (signal.SIGTERM, hangup)
+        if number is not None
+    }
+    try:
+        from .cli import main
+    except KeyboardInterrupt:
+        sys.stderr.write("kvaudit: interrupted\n")
+        sys.exit(EXIT_INTERRUPTED)
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    main(prog_name="kvaudit")
+
 
 if __name__ == "__main__":
-    main(prog_name="kvaudit")
+    run()

@@ -4,21 +4,29 @@ consumer, verify a set, plant faults (docs/cli.md).
 Exit status: 0 success; 1 when the set is incomplete (a worker is missing, so some
 checksums are partial), or for ``diff`` and ``verify`` when a block differs or something
 could not be verified; 2 on bad usage or bad input, reported as one line
-``kvaudit: error: <message>`` on stderr.
+``kvaudit: error: <message>`` on stderr; 3 on an internal error (a bug in kvaudit), one
+line saying where (the traceback with ``--debug``); 130 when interrupted (Ctrl-C,
+SIGTERM, SIGHUP), with no output file left half-written.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import click
 
 from .corrupt.result import MODES
-from .errors import KvauditError
+from .errors import Interrupted, KvauditError, one_line
+from .files import check_output
 from .validation import POSITION_NUMBERINGS
 
 # What the commands compute with is imported by each command when it runs: `kvaudit
@@ -38,17 +46,22 @@ EXIT_OK = 0
 EXIT_INCOMPLETE = 1
 EXIT_MISMATCH = 1
 EXIT_BAD_INPUT = 2
+EXIT_INTERNAL = 3
+EXIT_INTERRUPTED = 130
 DEVICES = ("auto", "cpu", "cuda")
 EXIT_HELP = (
     "Exit status: 0 success; 1 the set is incomplete (a worker is missing, the checksums "
-    "are partial); 2 bad usage or bad input."
+    "are partial); 2 bad usage or bad input; 3 an internal error; 130 interrupted."
 )
 DIFF_EXIT_HELP = (
     "Exit status: 0 every compared block matched and nothing was left unverified; 1 a "
     "block, replica or request differs or is missing, or a group could not be verified; "
-    "2 bad usage or bad input."
+    "2 bad usage or bad input; 3 an internal error; 130 interrupted."
 )
-CORRUPT_EXIT_HELP = "Exit status: 0 the fault was planted; 2 bad usage or bad input."
+CORRUPT_EXIT_HELP = (
+    "Exit status: 0 the fault was planted; 2 bad usage or bad input; 3 an internal error; "
+    "130 interrupted."
+)
 InventoryFormat = Literal["table", "json"]
 RecordFormat = Literal["table", "json", "csv"]
 ReportFormat = Literal["table", "json", "junit"]
@@ -61,6 +74,9 @@ _NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
 class KvauditGroup(click.Group):
     """A click group that reports errors as one line and returns each command's status."""
 
+    debug = False
+    """Whether ``--debug`` was given: an internal error prints its traceback."""
+
     def main(  # type: ignore[override]
         self,
         args: Sequence[str] | None = None,
@@ -69,8 +85,14 @@ class KvauditGroup(click.Group):
         standalone_mode: bool = True,
         **extra: Any,
     ) -> Any:
+        _tolerant_streams()
+        from .dumps.mapping import catch_bus_errors
+
+        catch_bus_errors()
+        self.debug = False
         try:
-            status = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            with interrupt_signals():
+                status = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except KvauditError as error:
             status = _fail(str(error))
         except _NO_ARGS_IS_HELP as error:
@@ -81,17 +103,92 @@ class KvauditGroup(click.Group):
             status = _fail(error.format_message() + hint)
         except click.ClickException as error:
             status = _fail(error.format_message())
-        except click.Abort:
-            click.echo("kvaudit: aborted", err=True)
-            status = 130
+        except (click.Abort, KeyboardInterrupt):
+            click.echo("kvaudit: interrupted", err=True)
+            status = EXIT_INTERRUPTED
         except BrokenPipeError:
             # The reader of our output went away (`kvaudit checksum ... | head`): point
             # stdout at /dev/null so that flushing it at exit raises nothing more.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             status = EXIT_INCOMPLETE
+        except Exception as error:  # any bug that escapes: status 3, not a traceback
+            status = _internal_error(error, self.debug)
         if not standalone_mode:
             return status
         sys.exit(status if isinstance(status, int) else EXIT_OK)
+
+
+def _tolerant_streams() -> None:
+    """Make stdout and stderr write text they cannot encode (a lone surrogate) as
+    backslash escapes instead of raising half-way through a table."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            try:
+                reconfigure(errors="backslashreplace")
+            except (ValueError, OSError):
+                continue
+
+
+def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
+    raise Interrupted(signal.Signals(signum).name)
+
+
+@contextmanager
+def interrupt_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise ``Interrupted`` (a ``KeyboardInterrupt``) as Ctrl-C does,
+    so that an interrupted write removes its temporary file; the handlers before are
+    restored after. Only the main thread can set handlers: elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {}
+    for number in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if number is not None:
+            previous[number] = signal.signal(number, _raise_interrupted)
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def _raising_frame(trace: TracebackType | None) -> str:
+    """Where an exception was raised, as ``module:line``, with kvaudit's innermost frame
+    when the raising one is another package's."""
+    frames = [(tb.tb_frame, tb.tb_lineno) for tb in _tracebacks(trace)]
+    if not frames:
+        return "an unknown place"
+    where = [f"{frame.f_globals.get('__name__', '?')}:{line}" for frame, line in frames]
+    ours = [
+        text
+        for text, (frame, _) in zip(where, frames)
+        if str(frame.f_globals.get("__name__", "")).startswith("kvaudit")
+    ]
+    if ours and ours[-1] != where[-1]:
+        return f"{where[-1]} (from {ours[-1]})"
+    return where[-1]
+
+
+def _tracebacks(trace: TracebackType | None) -> Iterator[TracebackType]:
+    while trace is not None:
+        yield trace
+        trace = trace.tb_next
+
+
+def _internal_error(error: Exception, debug: bool) -> int:
+    """Report an exception that escaped (a bug): the traceback only with ``--debug``,
+    then one line saying it is a bug, what and where; the internal-error status."""
+    if debug:
+        traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
+    where = _raising_frame(error.__traceback__)
+    hint = "" if debug else "; run with --debug for the traceback"
+    message = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    click.echo(
+        one_line(f"kvaudit: internal error (a bug in kvaudit) at {where}: {message}{hint}"),
+        err=True,
+    )
+    return EXIT_INTERNAL
 
 
 def _version() -> str:
@@ -115,7 +212,7 @@ def _print_version(ctx: click.Context) -> None:
 
 def _fail(message: str) -> int:
     """Print ``kvaudit: error: <message>`` as one line on stderr; the bad-input status."""
-    click.echo(f"kvaudit: error: {' '.join(message.split())}", err=True)
+    click.echo(one_line(f"kvaudit: error: {message}"), err=True)
     return EXIT_BAD_INPUT
 
 
@@ -177,6 +274,13 @@ def _report_options(command: Callable[..., Any]) -> Callable[..., Any]:
     )(command)
 
 
+def _set_debug(context: click.Context, parameter: click.Parameter, value: bool) -> bool:
+    group = context.find_root().command
+    if isinstance(group, KvauditGroup):
+        group.debug = value
+    return value
+
+
 @click.group(cls=KvauditGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--version",
@@ -185,6 +289,14 @@ def _report_options(command: Callable[..., Any]) -> Callable[..., Any]:
     is_eager=True,
     callback=lambda ctx, _, given: _print_version(ctx) if given else None,
     help="Show the version and exit.",
+)
+@click.option(
+    "--debug",
+    is_flag=True,
+    is_eager=True,
+    expose_value=False,
+    callback=_set_debug,
+    help="On an internal error (exit status 3), print the full traceback.",
 )
 def main() -> None:
     """Audit LLM KV caches: per-block checksums that add up across tensor-parallel ranks
@@ -249,6 +361,7 @@ def checksum(
     from .progress import progress_bar
     from .sources import resolve_device
 
+    _check_outputs({"-o": output}, [*sources, config_path])
     runtime = resolve_device(device or "auto")
     source = _open(sources, _config(config_path), device)
     wanted = _wanted(request_ids)
@@ -322,6 +435,9 @@ def diff(
     from .report import DIFF_SIDES
     from .sources import resolve_device
 
+    _check_outputs(
+        {"-o": output}, [producer, consumer, producer_config, consumer_config, config_path]
+    )
     runtime = resolve_device(device or "auto")
     config = functools.cache(_config)  # -c serves both sides: read it once
     left = _open([producer], config(producer_config or config_path), device)
@@ -387,6 +503,7 @@ def verify(
         raise click.UsageError(
             f"give exactly one of --against RECORD, --received or --stored (got {found})"
         )
+    _check_outputs({"-o": output}, [*sources, against, config_path])
     runtime = resolve_device(device or "auto")
     source = _open(sources, _config(config_path), device)
     saved = _open([against], None, device) if against is not None else None
@@ -473,6 +590,7 @@ def corrupt(
     resolve_device(device or "auto")
     if os.path.exists(output) and os.path.exists(source) and os.path.samefile(source, output):
         raise KvauditError("the output is SOURCE itself; corrupt writes a copy elsewhere", output)
+    _check_outputs({"-o": output}, [source, config_path])
     fault = corrupt_dump(
         source,
         output,
@@ -513,6 +631,15 @@ def _emit_report(
         _emit_table(functools.partial(print_diff, report=report, title=title, sides=sides), output)
 
 
+def _check_outputs(outputs: dict[str, str | None], inputs: Sequence[str | None]) -> None:
+    """Refuse, before any work, an output option (``-o``) that names no file or names one
+    of the command's inputs (SOURCE arguments, records, descriptions)."""
+    named = [name for name in inputs if name]
+    for option, output in outputs.items():
+        if output is not None:
+            check_output(output, named, option)
+
+
 def _config(path: str | None) -> CacheDescription | None:
     """The cache description a ``-c``-style option names; None when not given."""
     from .description import load_description
@@ -551,6 +678,6 @@ def _emit(text: str, output: str | None) -> None:
         return
     with (
         atomic_path(output) as temporary,
-        open(temporary, "x", encoding="utf-8", newline="") as handle,
+        open(temporary, "x", encoding="utf-8", errors="backslashreplace", newline="") as handle,
     ):
         handle.write(text)

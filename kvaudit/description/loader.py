@@ -10,7 +10,8 @@ from typing import Any
 
 import yaml
 
-from ..errors import DescriptionError
+from ..errors import DescriptionError, KvauditError
+from ..files import check_input
 from ..validation import MAX_DEPTH, MAX_YAML_BYTES, MAX_YAML_NODES, short_text
 from .model import CacheDescription
 from .validator import parse_description
@@ -173,6 +174,10 @@ def load_description(path: str | os.PathLike[str]) -> CacheDescription:
 
     """
     source = os.fspath(path)
+    try:
+        check_input(source)  # a FIFO or a device would block or never end
+    except KvauditError as error:
+        raise DescriptionError(error.message, source=source) from None
     try:
         if os.path.getsize(source) > MAX_YAML_BYTES:
             raise DescriptionError(

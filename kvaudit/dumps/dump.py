@@ -5,7 +5,6 @@ tensor) and the dataclasses of an opened dump, its requests and a set of dumps.
 from __future__ import annotations
 
 import functools
-import mmap
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -19,6 +18,7 @@ from ..errors import KvauditError
 from ..records import WorkerInfo
 from ..views import GroupViews, LayerTensor, build_group_views
 from .layers import layer_parts
+from .mapping import FileMap
 from .safetensors_io import as_integers, tensor_nbytes, tensor_of
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ class Dump:
     requests: dict[str, DumpRequest]
     stored_checksums: np.ndarray | None = None
     # The file mappings the tensors view (kept open as long as the dump is).
-    maps: list[mmap.mmap] = field(default_factory=list, repr=False, compare=False)
+    maps: list[FileMap] = field(default_factory=list, repr=False, compare=False)
     arrays: dict[str, LayerTensor] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -151,7 +151,17 @@ class Dump:
         """Drop the mapped pages this process holds resident; they are read again from the
         file (or the page cache) when next touched."""
         for mapped in self.maps:
-            mapped.madvise(mmap.MADV_DONTNEED)
+            mapped.drop_pages()
+
+    def check_unchanged(self) -> None:
+        """Refuse to read on from a file that shrank since it was mapped.
+
+        Raises:
+            KvauditError: The file changed while reading.
+
+        """
+        for mapped in self.maps:
+            mapped.check_unchanged()
 
     @property
     def layer_arrays(self) -> dict[str, LayerTensor]:
@@ -179,8 +189,8 @@ class Dump:
         last = sum((size - 1) * stride for size, stride in zip(tensor.shape, strides(tensor)))
         end = first + (last + 1) * element_size(tensor)
         for mapped in self.maps:
-            base = int(np.frombuffer(mapped, dtype=np.uint8, count=1).ctypes.data)
-            if base <= first and end <= base + len(mapped):
+            base = mapped.address
+            if base <= first and end <= base + mapped.length:
                 return first - base
         raise KvauditError("the tensor is not a view of this dump's file mapping", source=self.path)
 

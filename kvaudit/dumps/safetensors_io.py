@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import mmap
 import os
 import struct
 import warnings
@@ -23,6 +22,7 @@ from ..arrays import integer_array
 from ..dtypes import UINT8, DType, dtype_size, parse_dtype, safetensors_dtype_name, torch_dtype
 from ..files import atomic_path
 from ..validation import MAX_DEPTH, MAX_HEADER_BYTES, check_plain, fail, is_int, short
+from .mapping import FileMap
 
 if TYPE_CHECKING:
     import torch
@@ -150,21 +150,23 @@ def _header_entry(path: str, name: str, info: object, data_start: int, size: int
     return Entry(name, dtype, tuple(shape), data_start + offsets[0], nbytes)
 
 
-def map_file(path: str) -> mmap.mmap:
+def map_file(path: str) -> FileMap:
+    """The whole file mapped read-only, holding no file descriptor where the platform
+    allows."""
     try:
-        with open(path, "rb") as file:
-            return mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        return FileMap(path)
     except OSError as error:
         fail(path, f"cannot map: {error.strerror}")
 
 
-def array_view(mapped: mmap.mmap, entry: Entry) -> np.ndarray:
+def array_view(mapped: FileMap, entry: Entry) -> np.ndarray:
     """A read-only numpy array over a mapped file's bytes (no copy): the tensor's shape,
     its elements as integers of their size (``kvaudit.arrays``)."""
     if entry.nbytes == 0:
         raw = np.zeros(0, dtype=np.uint8)
     else:
-        raw = np.frombuffer(mapped, dtype=np.uint8, count=entry.nbytes, offset=entry.start)
+        raw = np.frombuffer(mapped.buffer, dtype=np.uint8, count=entry.nbytes, offset=entry.start)
+        raw.flags.writeable = False  # the pages are mapped read-only
     return integer_array(raw.view(f"u{entry.dtype.itemsize}")).reshape(entry.shape)
 
 
@@ -178,7 +180,7 @@ def tensor_of(array: np.ndarray, dtype: DType) -> torch.Tensor:
         return torch.from_numpy(array).view(torch_dtype(dtype))
 
 
-def tensor_view(mapped: mmap.mmap, entry: Entry) -> torch.Tensor:
+def tensor_view(mapped: FileMap, entry: Entry) -> torch.Tensor:
     """A tensor over a mapped file's bytes (no copy)."""
     return tensor_of(array_view(mapped, entry), entry.dtype)
 

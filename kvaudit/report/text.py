@@ -6,11 +6,14 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from rich.console import Console
+from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
+from ..errors import printable
 from ..records import WorkerInfo
 
 PLAIN_WIDTH = 160
@@ -19,18 +22,35 @@ PLAIN_WIDTH = 160
 _LITERAL = {"markup": False, "emoji": False, "highlight": False}
 
 
+class SafeConsole(Console):
+    """A console that shows control characters (ESC, OSC, C0, C1, DEL) and lone surrogates
+    in what it prints as ``\\xNN`` escapes, so that a name in a dump or a record cannot
+    move the cursor, retitle the window or clear the screen; rich's own styling is kept."""
+
+    def render_str(self, text: str, **options: Any) -> Text:  # type: ignore[override]
+        # Escaped before measuring, so that columns keep their widths.
+        return super().render_str(printable(text), **options)
+
+    def _render_buffer(self, buffer: Iterable[Segment]) -> str:
+        # Every piece of text on its way out, Text objects built elsewhere included.
+        return super()._render_buffer(
+            segment if segment.control else Segment(printable(segment.text), segment.style)
+            for segment in buffer
+        )
+
+
 def make_console() -> Console:
     """A console on stdout: plain and wide when stdout is not a terminal."""
-    console = Console(**_LITERAL)
+    console = SafeConsole(**_LITERAL)
     if not console.is_terminal:
-        console = Console(width=PLAIN_WIDTH, color_system=None, **_LITERAL)
+        console = SafeConsole(width=PLAIN_WIDTH, color_system=None, **_LITERAL)
     return console
 
 
 def render_text(render: Callable[..., None], *args: object) -> str:
     """What ``render(console, *args)`` prints, as plain text."""
     buffer = io.StringIO()
-    console = Console(file=buffer, width=PLAIN_WIDTH, color_system=None, **_LITERAL)
+    console = SafeConsole(file=buffer, width=PLAIN_WIDTH, color_system=None, **_LITERAL)
     render(console, *args)
     return buffer.getvalue()
 
@@ -101,8 +121,15 @@ def filled_table(title: str, columns: Sequence[str], rows: list[list[str | Text]
         name = columns[k]
         table.add_column(name.lstrip(">"), justify="right" if name.startswith(">") else "left")
     for row in rows:
-        table.add_row(*(row[k] for k in filled))
+        table.add_row(*(_escaped(row[k]) for k in filled))
     return table
+
+
+def _escaped(cell: str | Text) -> str | Text:
+    """A cell whose control characters are escaped before the table measures it."""
+    if isinstance(cell, Text) and printable(cell.plain) != cell.plain:
+        return Text(printable(cell.plain), style=cell.style)
+    return cell
 
 
 def error_text(value: float) -> str:

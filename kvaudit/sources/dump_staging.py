@@ -93,6 +93,7 @@ class StagedBatches(DumpBatches):
             # Its buffers are free once its last batch is checksummed.
             slot.pending.result()
         for name, sources in self.sources.items():
+            self.dump.check_unchanged()  # a shrunk file would end the read with SIGBUS
             axis, per_row = self.axes[name]
             for source, host in zip(sources, slot.hosts[name], strict=True):
                 host.narrow(axis, 0, count * per_row).copy_(

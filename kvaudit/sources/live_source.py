@@ -27,6 +27,7 @@ from typing import Any
 
 from ..description import CacheDescription, parse_description
 from ..errors import KvauditError
+from ..files import check_input
 from ..inputs import RequestBlocks, is_tensor, plain_requests
 from ..records import Record, WorkerInfo
 from ..validation import MAX_TOKENS, check_int, check_plain, check_positions, check_worker, short
@@ -84,6 +85,11 @@ def _load_live(name: str, config: CacheDescription | None) -> LiveWorker:
         result = function()
     except KvauditError:
         raise
+    except SystemExit as error:
+        raise KvauditError(
+            f"{LIVE_FUNCTION}() called SystemExit({short(error.code)}) instead of returning",
+            name,
+        ) from None
     except Exception as error:
         raise KvauditError(f"{LIVE_FUNCTION}() raised {one_line(error)}", name) from None
     if not isinstance(result, (tuple, list)) or len(result) != 4:
@@ -159,6 +165,7 @@ def _import_live(name: str, target: str) -> Any:
     """The module of a live handle: a file path, or an importable module name."""
     try:
         if target.endswith(".py") or os.path.sep in target or os.path.isfile(target):
+            check_input(target)
             if not os.path.isfile(target):
                 raise KvauditError("no such Python file", name)
             # One module name per file: two handles' files may share a file name.
@@ -178,6 +185,10 @@ def _import_live(name: str, target: str) -> Any:
         return importlib.import_module(target)
     except KvauditError:
         raise
+    except SystemExit as error:
+        raise KvauditError(
+            f"called SystemExit({short(error.code)}) while being imported", name
+        ) from None
     except Exception as error:
         raise KvauditError(f"cannot import: {one_line(error)}", name) from None
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from ..description import CacheDescription
 from ..dumps.hints import DESCRIPTION_HINT, is_description_data, looks_like_description
 from ..errors import KvauditError
+from ..files import check_input
 from ..records import Record, WorkerInfo
 from ..validation import MAX_DEPTH, short_text
 from .base import Progress, Runtime, Source
@@ -112,6 +113,7 @@ def load_record(path: str) -> Record:
         KvauditError: The file is missing, not JSON, or not a record; the message names it.
 
     """
+    check_input(path)  # a FIFO or a device would block or never end
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:

@@ -17,6 +17,7 @@ from typing import TypeVar
 
 from ..description import CacheDescription
 from ..errors import KvauditError
+from ..files import check_input
 from .base import Source
 
 
@@ -79,6 +80,9 @@ def open_source(
     """
     if not names:
         raise KvauditError("no SOURCE given")
+    for name in names:
+        if not name.startswith("live:"):
+            check_input(name, directory=True)  # a FIFO or a device would block
     options = OpenOptions(config, device_given)
     prefixed = [kind for kind in _KINDS if kind.prefix is not None]
     sniffed = [kind for kind in _KINDS if kind.prefix is None]
