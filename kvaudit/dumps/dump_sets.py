@@ -7,7 +7,6 @@ from collections.abc import Sequence
 
 from ..description import CacheDescription
 from ..errors import KvauditError
-from ..files import check_input
 from ..validation import fail, worker_layout
 from .dump import DumpSet
 from .example_connector import (
@@ -32,8 +31,6 @@ def _expand(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
             files = safetensors_files(source) or example_connector_folders(source)
             if not files:
                 fail(source, "no .safetensors files or ExampleConnector folders in this directory")
-            for file in files:
-                check_input(file)  # a FIFO named *.safetensors would block
             result.extend(files)
         elif os.path.exists(source):
             result.append(source)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from ..description import CacheDescription, LayerEntry, LayerSpec
 from ..dtypes import dtype_name
 from ..errors import KvauditError
+from ..files import check_input
 from ..records import WorkerInfo
 from ..validation import fail
 from .dump import META_FORMAT, Dump, DumpRequest
@@ -99,15 +100,22 @@ def _match(file: str, entry: LayerEntry, item: Entry) -> tuple[_Form, int]:
 
 
 def safetensors_files(folder: str) -> list[str]:
+    """The folder's ``*.safetensors`` files, sorted.
+
+    Raises:
+        KvauditError: The folder cannot be listed, or one of them is not a regular file (a
+            FIFO or a device would block the reader).
+
+    """
     try:
         names = sorted(os.listdir(folder))
     except OSError as error:
         fail(folder, f"cannot list: {error.strerror}")
-    return [
-        os.path.join(folder, name)
-        for name in names
-        if name.endswith(".safetensors") and os.path.isfile(os.path.join(folder, name))
-    ]
+    paths = [os.path.join(folder, name) for name in names if name.endswith(".safetensors")]
+    files = [path for path in paths if not os.path.isdir(path)]
+    for path in files:
+        check_input(path)
+    return files
 
 
 def is_example_connector(folder: str) -> bool:
