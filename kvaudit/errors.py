@@ -36,8 +36,9 @@ class Interrupted(KeyboardInterrupt):
     """SIGTERM or SIGHUP received: unwinds like Ctrl-C (temporary files removed)."""
 
 
-ECHO_LIMIT = 80
-"""Characters of one echoed value (a word of a message) printed before it is cut."""
+ECHO_LIMIT = 200
+"""Characters of one echoed value (a word of a message) printed before it is cut: room
+for a deep path, not for a 50 MB layer name."""
 LINE_LIMIT = 2000
 """Characters of a one-line message printed before it is cut."""
 # C0 controls but newline, DEL, and C1 controls: what a terminal could act on.

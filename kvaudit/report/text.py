@@ -31,12 +31,30 @@ class SafeConsole(Console):
         # Escaped before measuring, so that columns keep their widths.
         return super().render_str(printable(text), **options)
 
+    def print(self, *objects: Any, **options: Any) -> None:  # type: ignore[override]
+        super().print(*(_escaped(item) for item in objects), **options)
+
     def _render_buffer(self, buffer: Iterable[Segment]) -> str:
         # Every piece of text on its way out, Text objects built elsewhere included.
         return super()._render_buffer(
             segment if segment.control else Segment(printable(segment.text), segment.style)
             for segment in buffer
         )
+
+
+def _escaped(item: Any) -> Any:
+    """A text, or a table's title and cells, with control characters escaped before
+    rich measures them (so that columns keep their widths); anything else as it is."""
+    if isinstance(item, Text):
+        if printable(item.plain) == item.plain:
+            return item
+        return Text(printable(item.plain), style=item.style, justify=item.justify)
+    if isinstance(item, Table):
+        for column in item.columns:
+            column.header = _escaped(column.header)
+            column._cells[:] = [_escaped(cell) for cell in column._cells]
+        item.title = _escaped(item.title)
+    return item
 
 
 def make_console() -> Console:
@@ -121,15 +139,8 @@ def filled_table(title: str, columns: Sequence[str], rows: list[list[str | Text]
         name = columns[k]
         table.add_column(name.lstrip(">"), justify="right" if name.startswith(">") else "left")
     for row in rows:
-        table.add_row(*(_escaped(row[k]) for k in filled))
+        table.add_row(*(row[k] for k in filled))
     return table
-
-
-def _escaped(cell: str | Text) -> str | Text:
-    """A cell whose control characters are escaped before the table measures it."""
-    if isinstance(cell, Text) and printable(cell.plain) != cell.plain:
-        return Text(printable(cell.plain), style=cell.style)
-    return cell
 
 
 def error_text(value: float) -> str:
