@@ -171,4 +171,4 @@ def test_the_repository_builds_as_a_package(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert "kvaudit/cli.py" in names
     entry_points = next(name for name in names if name.endswith("entry_points.txt"))
-    assert "kvaudit = kvaudit.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "kvaudit = kvaudit.__main__:run" in zipfile.ZipFile(wheel).read(entry_points).decode()
