@@ -1,5 +1,6 @@
 """``python -m kvaudit`` and the ``kvaudit`` script: the command, with Ctrl-C, SIGTERM and
-SIGHUP during start-up (importing torch takes a while) exiting 130 without a traceback."""
+SIGHUP during start-up (while the command line is imported) exiting 130 without a
+traceback."""
 
 from __future__ import annotations
 

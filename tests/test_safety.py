@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner, Result
 from safety_dumps import description, make_dump
 
-import kvaudit.cli as cli
+import kvaudit.report
 from kvaudit.cli import main
 from kvaudit.errors import ECHO_LIMIT, KvauditError, capped, one_line, printable
 from kvaudit.files import atomic_path, check_input, check_output, output_place
@@ -228,7 +228,7 @@ def test_internal_error_is_status_3_with_where(dump: Path, monkeypatch: pytest.M
     def broken(*args: object, **kwargs: object) -> None:
         raise TypeError("an unexpected type")
 
-    monkeypatch.setattr(cli, "print_record", broken)
+    monkeypatch.setattr(kvaudit.report, "print_record", broken)
     result = run("checksum", dump)
     line = result.stderr.strip()
     assert result.exit_code == 3
@@ -246,7 +246,7 @@ def test_interrupt_is_130_without_traceback(dump: Path, monkeypatch: pytest.Monk
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "print_record", interrupted)
+    monkeypatch.setattr(kvaudit.report, "print_record", interrupted)
     result = run("checksum", dump)
     assert result.exit_code == 130
     assert "Traceback" not in result.stderr and "interrupted" in result.stderr
