@@ -19,6 +19,7 @@ import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -267,7 +268,33 @@ def _request_option(help_text: str) -> _Decorator:
 
 
 def _report_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """``--format table|json|junit`` and ``-o FILE`` of ``diff`` and ``verify``."""
+    """``--format table|json|junit``, ``-o FILE``, ``--json FILE``, ``--junit FILE``,
+    ``--allow-missing`` and ``--allow-empty`` of ``diff`` and ``verify``."""
+    command = click.option(
+        "--allow-empty",
+        is_flag=True,
+        help="Accept a run in which nothing was compared (exit 0 if nothing differs).",
+    )(command)
+    command = click.option(
+        "--allow-missing",
+        is_flag=True,
+        help="Accept positions the producer holds that the consumer lacks (a prefix-cache "
+        "hit, a transfer of some blocks).",
+    )(command)
+    command = click.option(
+        "--junit",
+        "junit_path",
+        metavar="FILE",
+        default=None,
+        help="Also write the JUnit XML report to FILE (atomically).",
+    )(command)
+    command = click.option(
+        "--json",
+        "json_path",
+        metavar="FILE",
+        default=None,
+        help="Also write the JSON report to FILE (atomically).",
+    )(command)
     command = _output_option()(command)
     return _format_option(
         REPORT_FORMATS, "Output format: rich tables, the diff report JSON, or JUnit XML."
@@ -279,6 +306,17 @@ def _set_debug(context: click.Context, parameter: click.Parameter, value: bool) 
     if isinstance(group, KvauditGroup):
         group.debug = value
     return value
+
+
+@dataclass(frozen=True)
+class ReportOutputs:
+    """Where a ``diff`` or ``verify`` report goes: ``--format`` on stdout or ``-o``, and
+    the ``--json`` and ``--junit`` files beside it."""
+
+    output_format: ReportFormat
+    output: str | None
+    json_path: str | None
+    junit_path: str | None
 
 
 @click.group(cls=KvauditGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -421,6 +459,10 @@ def diff(
     locate: bool | None,
     output_format: ReportFormat,
     output: str | None,
+    json_path: str | None,
+    junit_path: str | None,
+    allow_missing: bool,
+    allow_empty: bool,
     producer_config: str | None,
     consumer_config: str | None,
     config_path: str | None,
@@ -436,7 +478,8 @@ def diff(
     from .sources import resolve_device
 
     _check_outputs(
-        {"-o": output}, [producer, consumer, producer_config, consumer_config, config_path]
+        {"-o": output, "--json": json_path, "--junit": junit_path},
+        [producer, consumer, producer_config, consumer_config, config_path],
     )
     runtime = resolve_device(device or "auto")
     config = functools.cache(_config)  # -c serves both sides: read it once
@@ -445,10 +488,18 @@ def diff(
     wanted = _wanted(request_ids)
     with progress_bar(diff_work(left, right, wanted), "diff", enabled=not quiet) as advance:
         report = diff_sources(
-            left, right, request_ids=wanted, locate=locate, runtime=runtime, progress=advance
+            left,
+            right,
+            request_ids=wanted,
+            locate=locate,
+            runtime=runtime,
+            progress=advance,
+            allow_missing=allow_missing,
+            allow_empty=allow_empty,
         )
     title = f"diff: producer {left.describe()}, consumer {right.describe()}"
-    _emit_report(report, output_format, output, title, DIFF_SIDES, "kvaudit.diff")
+    outputs = ReportOutputs(output_format, output, json_path, junit_path)
+    _emit_report(report, outputs, title, DIFF_SIDES, "kvaudit.diff")
     return EXIT_OK if report.ok else EXIT_MISMATCH
 
 
@@ -481,6 +532,10 @@ def verify(
     request_ids: tuple[str, ...],
     output_format: ReportFormat,
     output: str | None,
+    json_path: str | None,
+    junit_path: str | None,
+    allow_missing: bool,
+    allow_empty: bool,
     config_path: str | None,
     device: str | None,
     quiet: bool,
@@ -503,7 +558,10 @@ def verify(
         raise click.UsageError(
             f"give exactly one of --against RECORD, --received or --stored (got {found})"
         )
-    _check_outputs({"-o": output}, [*sources, against, config_path])
+    _check_outputs(
+        {"-o": output, "--json": json_path, "--junit": junit_path},
+        [*sources, against, config_path],
+    )
     runtime = resolve_device(device or "auto")
     source = _open(sources, _config(config_path), device)
     saved = _open([against], None, device) if against is not None else None
@@ -518,6 +576,8 @@ def verify(
             request_ids=wanted,
             runtime=runtime,
             progress=advance,
+            allow_missing=allow_missing,
+            allow_empty=allow_empty,
         )
     if saved is not None:
         sides = Sides("saved record", "source")
@@ -528,7 +588,8 @@ def verify(
     else:
         sides = Sides("stored checksums", "dumps", "checked")
         title = f"verify the stored checksums of {source.describe()}"
-    _emit_report(report, output_format, output, title, sides, "kvaudit.verify")
+    outputs = ReportOutputs(output_format, output, json_path, junit_path)
+    _emit_report(report, outputs, title, sides, "kvaudit.verify")
     return EXIT_OK if report.ok else EXIT_MISMATCH
 
 
@@ -612,23 +673,44 @@ def corrupt(
 
 
 def _emit_report(
-    report: DiffReport,
-    output_format: ReportFormat,
-    output: str | None,
-    title: str,
-    sides: Sides,
-    suite: str,
+    report: DiffReport, outputs: ReportOutputs, title: str, sides: Sides, suite: str
 ) -> None:
-    """Print or write a diff report in the chosen format."""
+    """Warn on stderr, write the ``--json`` and ``--junit`` files, then print or write
+    the report in the chosen format. A reader of stdout that went away (``| head``)
+    loses the rest of the output, not the verdict's exit status."""
     from .formats import diff_json_text, diff_junit
-    from .report import print_diff
+    from .report import make_console, print_diff
 
-    if output_format == "json":
-        _emit(diff_json_text(report), output)
-    elif output_format == "junit":
-        _emit(diff_junit(report, suite), output)
-    else:
-        _emit_table(functools.partial(print_diff, report=report, title=title, sides=sides), output)
+    for warning in report.warnings:
+        click.echo(f"kvaudit: warning: {warning}", err=True)
+    if outputs.json_path is not None:
+        _emit(diff_json_text(report), outputs.json_path)
+    if outputs.junit_path is not None:
+        _emit(diff_junit(report, suite), outputs.junit_path)
+    output = outputs.output
+    try:
+        if outputs.output_format == "json":
+            _emit(diff_json_text(report), output)
+        elif outputs.output_format == "junit":
+            _emit(diff_junit(report, suite), output)
+        elif output is None:
+            console = make_console()
+            # rich exits with status 1 on a closed pipe; the verdict decides the status.
+            console.on_broken_pipe = _raise_broken_pipe  # type: ignore[method-assign]
+            print_diff(console, report=report, title=title, sides=sides)
+        else:
+            render = functools.partial(print_diff, report=report, title=title, sides=sides)
+            _emit_table(render, output)
+        if output is None:
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # Point stdout at /dev/null so that flushing it at exit raises nothing more.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _raise_broken_pipe() -> None:
+    """A console's reaction to a closed pipe: raise, so that the caller decides."""
+    raise BrokenPipeError
 
 
 def _check_outputs(outputs: dict[str, str | None], inputs: Sequence[str | None]) -> None:

@@ -22,12 +22,15 @@ from .compare import (
     verify_received,
     verify_stored_blocks,
 )
+from .compare.received import decode_received, received_numbering
 from .dumps import Dump, DumpSet
 from .errors import KvauditError
 from .locate import locate_differences
+from .pairing import group_windows, side_warnings
 from .records import Record
 from .sources import Progress, Runtime, Source, checksum_dump_set, resolve_device
 from .sources.raw import RawWorker
+from .trace import trace_report
 
 NO_STORED = "a dump of the set holds no stored checksums"
 
@@ -129,15 +132,20 @@ def diff_sources(
     locate: bool | None = None,
     runtime: Runtime | None = None,
     progress: Progress | None = None,
+    allow_missing: bool = False,
+    allow_empty: bool = False,
 ) -> DiffReport:
     """The producer compared with the consumer, request by request (docs/cli.md, diff).
 
     A side that can be checksummed again (dumps, live workers) is checksummed over the
     tokens both sides hold (the smaller token count), so a consumer that decoded further
-    is compared up to the last shared token; a record is compared as it is. ``locate``:
-    None locates differences when both sides hold the raw KV, True requires it, False
-    never locates. Located entries fill each group's ``located``; only the differing
-    blocks are read again.
+    is compared up to the last shared token; a record is compared as it is. Positions the
+    producer holds that the consumer lacks are missing (accepted with
+    ``allow_missing``); a report in which nothing was compared fails unless
+    ``allow_empty``. ``locate``: None locates differences when both sides hold the raw
+    KV, True requires it, False never locates. Located entries fill each group's
+    ``located``; only the differing blocks are read again. The report warns when the
+    sides' roles are swapped or both sides are the same files.
 
     Raises:
         KvauditError: A requested id on neither side, ``locate=True`` with a side that
@@ -149,17 +157,37 @@ def diff_sources(
     ids = _ids(request_ids)
     if ids is not None:
         _check_wanted(producer, consumer, ids)
+    warnings = side_warnings(producer, consumer)
+    counts = (producer.token_counts(), consumer.token_counts())
+    windows = group_windows(producer, consumer)
     shared = shared_tokens(producer, consumer, ids)
+    untrimmed = producer.raw_kv() if locate is not False else None
     producer = _trim(producer, shared)
     consumer = _trim(consumer, shared)
     raw = _raw_kv(producer, consumer, locate)
     positions = _numbering(producer, consumer)
     left = _checksum(producer, ids, positions, runtime, progress)
     right = _checksum(consumer, ids, positions, runtime, progress)
-    report = compare_records(left, right, request_ids=ids)
+    report = compare_records(left, right, request_ids=ids, token_counts=counts, windows=windows)
+    report.allow_missing, report.allow_empty = allow_missing, allow_empty
+    report.warnings = warnings
     if raw is not None:
         locate_report(report, *raw, shared)
+        trace_report(report, untrimmed or raw[0], raw[1], shared)
+    else:
+        report.untraced = _untraced(producer, consumer, locate)
     return report
+
+
+def _untraced(producer: Source, consumer: Source, locate: bool | None) -> str:
+    """Why differing blocks are not traced to the producer blocks they hold."""
+    if locate is False:
+        return "not traced (--no-locate)"
+    side = producer if producer.raw_kv() is None else consumer
+    return (
+        f"no trace possible: {', '.join(side.names)} is a {side.kind} that holds only "
+        "checksums, not the KV"
+    )
 
 
 def _raw_kv(
@@ -218,11 +246,14 @@ def verify_sources(
     request_ids: Sequence[str] | None = None,
     runtime: Runtime | None = None,
     progress: Progress | None = None,
+    allow_missing: bool = False,
+    allow_empty: bool = False,
 ) -> DiffReport:
     """One source checked one way (docs/cli.md, verify): ``against`` a saved record (it
     plays the producer; every replica key must match when the layouts agree), the
-    producer checksums its dumps ``received``, or the ``stored`` checksums of its
-    offloaded blocks. Exactly one of the three is given.
+    producer checksums its dumps ``received`` (over the producer's tokens, under its
+    numbering), or the ``stored`` checksums of its offloaded blocks. Exactly one of the
+    three is given. ``allow_missing`` and ``allow_empty`` as for ``diff_sources``.
 
     Raises:
         KvauditError: None or several ways given, a requested id the source does not
@@ -236,6 +267,24 @@ def verify_sources(
         raise KvauditError("verify needs exactly one of --against RECORD, --received, --stored")
     runtime = runtime or resolve_device("auto")
     ids = _ids(request_ids)
+    report = _verify_one_way(source, against, received, ids, runtime, progress)
+    report.allow_missing, report.allow_empty = allow_missing, allow_empty
+    if against is not None:
+        report.untraced = "no trace possible: verify --against compares checksums only"
+    elif received:
+        report.untraced = "no trace possible: the producer sent only its checksums"
+    return report
+
+
+def _verify_one_way(
+    source: Source,
+    against: Source | None,
+    received: bool,
+    ids: list[str] | None,
+    runtime: Runtime,
+    progress: Progress | None,
+) -> DiffReport:
+    """``verify_sources`` without its policy: the report of the chosen way."""
     if against is not None:
         return _verify_against(source, against, ids, runtime, progress)
     if ids is not None:
@@ -260,11 +309,15 @@ def _verify_against(
 ) -> DiffReport:
     if ids is not None:
         _check_wanted(saved, source, ids, ("the saved record", "the source"))
+    counts = source.token_counts()
+    windows = group_windows(source)
     current = _trim(source, shared_tokens(saved, source, ids))
     positions = _numbering(saved, current)
     saved_record = _checksum(saved, ids, positions, runtime, progress)
     current_record = _checksum(current, ids, positions, runtime, progress)
-    return verify_against_record(current_record, saved_record, request_ids=ids)
+    return verify_against_record(
+        current_record, saved_record, request_ids=ids, token_counts=counts, windows=windows
+    )
 
 
 def received_bytes(dump_set: DumpSet, request_ids: Sequence[str] | None = None) -> dict[str, bytes]:
@@ -300,9 +353,23 @@ def _verify_received(
     runtime: Runtime,
     progress: Progress | None,
 ) -> DiffReport:
-    record = source.checksum(ids, "request", runtime, progress)
-    wire = received_bytes(dump_set, ids)
-    return verify_received(record, wire, source=", ".join(source.names), request_ids=ids)
+    name = ", ".join(source.names)
+    wires = decode_received(received_bytes(dump_set, ids), name)
+    numbering = received_numbering(wires, name)
+    counts = source.token_counts()
+    # The consumer's checksums cover only the producer's tokens, as a diff's do.
+    sent = {
+        rid: min(int(wire.num_tokens), counts[rid]) for rid, wire in wires.items() if rid in counts
+    }
+    record = _trim(source, sent).checksum(ids, numbering, runtime, progress)
+    return verify_received(
+        record,
+        wires,
+        source=name,
+        request_ids=ids,
+        consumer_tokens=counts,
+        windows=group_windows(source),
+    )
 
 
 def verify_stored(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -188,7 +188,7 @@ def block_row(
 
 
 @dataclass(frozen=True)
-class _Slice:
+class SliceCells:
     """One (layer, global head, replica) of one side: its cells ``[tokens, cell bytes]`` at
     some request positions ``tokens`` (sorted, each once), with the layer number and how
     a cell reads as values."""
@@ -197,21 +197,23 @@ class _Slice:
     segments: tuple[CellSegment, ...]
     tokens: np.ndarray
     cells: np.ndarray
+    worker: tuple[int, int] = (0, 0)
+    file: str = ""
 
 
-_SliceId = tuple[str, int, int]
+SliceId = tuple[str, int, int]
 """``(layer name, global head, replica index)``."""
 
 
 @dataclass
-class _Side:
+class SliceReader:
     """One side's workers that hold a request's group, with their views of the group
     (covered ones only) and its layers' specs."""
 
     workers: list[tuple[RawWorker, GroupViews, dict[str, LayerSpec]]]
 
     @classmethod
-    def open(cls, raw: Sequence[RawWorker], request_id: str, group_id: int) -> _Side:
+    def open(cls, raw: Sequence[RawWorker], request_id: str, group_id: int) -> SliceReader:
         """The workers of ``raw`` that list blocks of the request's group and cover it."""
         workers = []
         for dump in raw:
@@ -224,16 +226,25 @@ class _Side:
             workers.append((dump, views, layer_specs(dump.description, group_id)))
         return cls(workers)
 
-    def gather(self, request_id: str, group_id: int, lo: int, hi: int) -> dict[_SliceId, _Slice]:
+    def gather(
+        self,
+        request_id: str,
+        group_id: int,
+        lo: int,
+        hi: int,
+        layers: Collection[str] | None = None,
+    ) -> dict[SliceId, SliceCells]:
         """The cells of request positions ``lo .. hi - 1`` (a state block: its first
-        position) from every worker that holds them."""
-        kinds: dict[_SliceId, tuple[int, tuple[CellSegment, ...]]] = {}
-        tokens: dict[_SliceId, list[np.ndarray]] = defaultdict(list)
-        cells: dict[_SliceId, list[np.ndarray]] = defaultdict(list)
+        position) from every worker that holds them; only ``layers`` where given."""
+        kinds: dict[SliceId, tuple[int, tuple[CellSegment, ...], RawWorker]] = {}
+        tokens: dict[SliceId, list[np.ndarray]] = defaultdict(list)
+        cells: dict[SliceId, list[np.ndarray]] = defaultdict(list)
         for dump, views, specs in self.workers:
             start, block_ids = dump.requests[request_id].groups[group_id]
             block_size = views.group.block_size
             for view in views.views:
+                if layers is not None and view.name not in layers:
+                    continue
                 spec = specs[view.name]
                 for position in _positions(lo, hi, block_size, spec.is_state):
                     if not start <= position < start + len(block_ids):
@@ -247,13 +258,15 @@ class _Side:
                     for h in range(view.heads):
                         key = (view.name, view.first_head + h, view.replica_key[1])
                         if key not in kinds:
-                            kinds[key] = (view.number, cell_segments(spec, view))
+                            kinds[key] = (view.number, cell_segments(spec, view), dump)
                         tokens[key].append(first + used)
                         cells[key].append(block[h])
         result = {}
-        for key, (number, segments) in kinds.items():
+        for key, (number, segments, dump) in kinds.items():
             held, index = np.unique(np.concatenate(tokens[key]), return_index=True)
-            result[key] = _Slice(number, segments, held, np.concatenate(cells[key])[index])
+            worker = (dump.worker.tp_rank, dump.worker.pp_rank)
+            cells_held = np.concatenate(cells[key])[index]
+            result[key] = SliceCells(number, segments, held, cells_held, worker, dump.name)
         return result
 
 
@@ -334,7 +347,7 @@ def _elements(raw: np.ndarray, dtype: torch.dtype) -> np.ndarray:
 
 
 def _located_entry(
-    position: int, name: str, head: int, reference: _Slice, other: _Slice, replica: int
+    position: int, name: str, head: int, reference: SliceCells, other: SliceCells, replica: int
 ) -> LocatedDifference | None:
     """The located entry of one slice pair at the tokens both hold, or None when their
     cells agree there; ``replica`` (when not 0) is the consumer replica compared."""
@@ -356,6 +369,8 @@ def _located_entry(
         max_abs_error=max_abs,
         max_rel_error=max_rel,
         replica=replica,
+        consumer_worker=other.worker,
+        file=other.file,
     )
 
 
@@ -387,7 +402,7 @@ def locate_differences(
     """
     if block_size < 1:
         raise KvauditError(f"block size must be positive, got {block_size}")
-    sides = [_Side.open(raw, request_id, group_id) for raw in (producer, consumer)]
+    sides = [SliceReader.open(raw, request_id, group_id) for raw in (producer, consumer)]
     entries: list[LocatedDifference] = []
     for position in sorted(set(positions)):
         lo = position * block_size

@@ -7,6 +7,7 @@ every rank) and TP-split Mamba states.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import defaultdict
@@ -95,6 +96,8 @@ class Cell:
     replica: int
     data: np.ndarray
     dtype: torch.dtype
+    worker: tuple[int, int] = (0, 0)
+    file: str = ""
 
 
 CellKey = tuple[str, str, int, int]
@@ -219,7 +222,8 @@ def decode_set(dumped: DumpedSet, paths: list[str] | None = None) -> dict:
     result = {}
     for worker, path in zip(dumped.workers, paths or dumped.paths, strict=True):
         for (rid, name, head, token), cell in decode(worker, path).items():
-            result[rid, name, head, token, cell.replica] = cell
+            held = dataclasses.replace(cell, worker=(worker.tp_rank, worker.pp_rank), file=path)
+            result[rid, name, head, token, cell.replica] = held
     return result
 
 
@@ -306,6 +310,8 @@ def expected_located(
                 max_abs_error=max(e[0] for e in errors),
                 max_rel_error=max(e[1] for e in errors),
                 replica=replica,
+                consumer_worker=b0.worker,
+                file=b0.file,
             )
             found.append(entry)
         found.sort(key=lambda e: (e.replica, ref.layer_number(e.layer), e.layer, e.head))

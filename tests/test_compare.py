@@ -261,8 +261,10 @@ def test_no_common_block() -> None:
     consumer = build({"r": Req(200, {0: Grp(16, 5, random_totals(rng, 3))})})
     report = compare_records(producer, consumer)
     group = report.requests["r"][0]
-    assert group.unverified is not None and group.unverified.startswith("no common block")
+    # The producer's positions 0 and 1 hold tokens the consumer's blocks do not list.
+    assert group.missing_positions == [0, 1] and group.unverified is None
     assert group.compared == 0 and group.mismatched_positions == []
+    assert group.held == (2, 3)
     assert not report.ok
 
 
@@ -365,16 +367,29 @@ def test_block_numbering_does_not_add_up_across_block_sizes() -> None:
 # Token counts.
 
 
-def test_consumer_decoded_further_compares_the_full_blocks_only() -> None:
+def test_consumer_record_decoded_further_leaves_the_last_block_unverified() -> None:
     rng = random.Random(15)
     shared = random_totals(rng, 2)
-    # Producer: 40 tokens (last block 8 valid). Consumer decoded 5 more (13 valid).
+    # Producer: 40 tokens (last block 8 valid). Consumer decoded 5 more (13 valid): a
+    # record cannot be checksummed again over 40 tokens, so position 2 is not compared,
+    # and it is not missing either (the consumer holds all 40 tokens).
     producer = build({"r": Req(40, {0: Grp(16, 0, [*shared, rng.getrandbits(64)])})})
     consumer = build({"r": Req(45, {0: Grp(16, 0, [*shared, rng.getrandbits(64)])})})
     report = compare_records(producer, consumer)
     group = report.requests["r"][0]
-    assert (group.compared, group.mismatched_positions, group.unverified) == (2, [], None)
-    assert report.ok
+    assert (group.compared, group.mismatched_positions, group.missing_positions) == (2, [], [])
+    assert group.unverified is not None and group.unverified.startswith(
+        "not compared at position 2"
+    )
+    assert not report.ok
+    # Checksummed over the producer's 40 tokens (as a diff of dumps does), it matches.
+    last = rng.getrandbits(64)
+    producer = build({"r": Req(40, {0: Grp(16, 0, [*shared, last])})})
+    consumer = build({"r": Req(40, {0: Grp(16, 0, [*shared, last])})})
+    report = compare_records(producer, consumer, token_counts=({}, {"r": 45}))
+    group = report.requests["r"][0]
+    assert (group.compared, group.missing_positions, group.unverified) == (3, [], None)
+    assert report.ok and report.num_tokens == {"r": (40, 45)}
 
 
 def test_positions_without_valid_tokens_are_not_compared() -> None:
@@ -392,7 +407,114 @@ def test_differing_valid_tokens_everywhere_is_unverified() -> None:
     producer = build({"r": Req(10, {0: Grp(16, 0, random_totals(rng, 1))})})
     consumer = build({"r": Req(12, {0: Grp(16, 0, random_totals(rng, 1))})})
     group = compare_records(producer, consumer).requests["r"][0]
-    assert group.unverified is not None and group.unverified.startswith("no common block")
+    assert group.unverified is not None and group.unverified.startswith("not compared at")
+    assert group.compared == 0 and group.missing_positions == []
+
+
+# Missing positions.
+
+
+def expected_missing(
+    n_p: int, n_c: int, block: int, p_held: range, c_held: range, window: int | None = None
+) -> list[int]:
+    """The positions the producer holds with valid tokens (inside the window of both
+    sides' last tokens) whose tokens the consumer does not hold, token by token."""
+    lowest = 0 if window is None else max(0, max(n_p, n_c) - window + 1)
+    result = []
+    for q in p_held:
+        tokens = range(q * block, min((q + 1) * block, n_p))
+        if not tokens or (q + 1) * block - 1 < lowest:
+            continue
+        if any(t >= n_c or t // block not in c_held for t in tokens):
+            result.append(q)
+    return result
+
+
+@pytest.mark.parametrize(
+    ("n_c", "c_start", "c_count"),
+    [(100, 0, 6), (100, 1, 6), (90, 0, 7), (100, 0, 7), (120, 0, 8), (30, 0, 2), (100, 3, 0)],
+)
+def test_missing_positions(n_c: int, c_start: int, c_count: int) -> None:
+    """The consumer's block list stops early, skips a position or holds fewer tokens."""
+    rng = random.Random(n_c + c_start + c_count)
+    totals = random_totals(rng, 8)
+    producer = build({"r": Req(100, {0: Grp(16, 0, totals[:7])})})
+    shared = min(n_c, 100)
+    held = totals[c_start : c_start + c_count]
+    # The consumer's checksums cover the tokens both hold: a diff checksums its dumps so.
+    consumer = build(
+        {"r": Req(shared, {0: Grp(16, c_start, held)})} if c_count else {"r": Req(shared, {})}
+    )
+    cut_producer = build({"r": Req(shared, {0: Grp(16, 0, totals[:7])})})
+    want = expected_missing(100, n_c, 16, range(7), range(c_start, c_start + c_count))
+    for left in (producer, cut_producer):
+        report = compare_records(left, consumer, token_counts=({"r": 100}, {"r": n_c}))
+        group = report.requests["r"][0]
+        assert group.missing_positions == want
+        assert group.mismatched_positions == []
+        assert report.ok is (not want)
+        report.allow_missing = True
+        assert report.ok is (group.compared > 0 and group.unverified is None)
+
+
+def test_positions_beyond_the_producer_are_never_missing_nor_different() -> None:
+    rng = random.Random(41)
+    totals = random_totals(rng, 3)
+    producer = build({"r": Req(40, {0: Grp(16, 0, totals)})})
+    # The consumer decoded 60 more tokens into 4 more blocks (other values past token 40).
+    consumer = build({"r": Req(40, {0: Grp(16, 0, [*totals, *random_totals(rng, 4)])})})
+    report = compare_records(producer, consumer, token_counts=({}, {"r": 100}))
+    group = report.requests["r"][0]
+    assert (group.compared, group.missing_positions, group.mismatched_positions) == (3, [], [])
+    assert group.held == (3, 7) and report.ok
+
+
+@pytest.mark.parametrize(("n_p", "n_c"), [(100, 100), (100, 130), (100, 200), (70, 70)])
+def test_sliding_window_expects_the_positions_inside_the_window(n_p: int, n_c: int) -> None:
+    rng = random.Random(n_p + n_c)
+    window = 40
+    totals = random_totals(rng, 13)
+    # Each side holds only the blocks of its own window (vLLM frees the others).
+    p_first = max(0, n_p - window + 1) // 16
+    c_first = max(0, n_c - window + 1) // 16
+    p_count = -(-n_p // 16) - p_first
+    c_count = -(-n_c // 16) - c_first
+    producer = build({"r": Req(n_p, {0: Grp(16, p_first, totals[p_first : p_first + p_count])})})
+    consumer_totals = totals[c_first : c_first + c_count]
+    consumer = build({"r": Req(n_p, {0: Grp(16, c_first, consumer_totals)})})
+    p_held = range(p_first, p_first + p_count)
+    c_held = range(c_first, c_first + c_count)
+    want = expected_missing(n_p, n_c, 16, p_held, c_held, window)
+    report = compare_records(producer, consumer, token_counts=({}, {"r": n_c}), windows={0: window})
+    group = report.requests["r"][0]
+    assert want == [] and group.missing_positions == []
+    # Without the window, the producer's blocks the consumer freed would be missing.
+    plain = compare_records(producer, consumer, token_counts=({}, {"r": n_c}))
+    assert plain.requests["r"][0].missing_positions == expected_missing(
+        n_p, n_c, 16, p_held, c_held
+    )
+    # A consumer that drops its first block: missing even with the window, where that
+    # block holds some of the producer's tokens.
+    dropped = build({"r": Req(n_p, {0: Grp(16, c_first + 1, consumer_totals[1:])})})
+    report = compare_records(producer, dropped, token_counts=({}, {"r": n_c}), windows={0: window})
+    want = expected_missing(n_p, n_c, 16, p_held, range(c_first + 1, c_first + c_count), window)
+    assert report.requests["r"][0].missing_positions == want
+    assert (want != []) is (c_first * 16 < n_p)
+    if want:
+        assert not report.ok
+
+
+def test_a_group_the_consumer_holds_no_block_of_is_missing() -> None:
+    requests = standard(42)
+    without = standard(42)
+    del without["req-a"].groups[1]
+    report = compare_records(build(requests), build(without))
+    group = report.requests["req-a"][1]
+    # req-a group 1 holds positions 1 and 2 of 40 tokens.
+    assert (group.missing_positions, group.unverified, group.compared) == ([1, 2], None, 0)
+    assert not report.ok
+    report.allow_missing = True
+    assert report.ok
 
 
 # Requests.
@@ -433,7 +555,16 @@ def test_different_position_numberings_raise() -> None:
 
 # Report forms.
 
-GROUP_KEYS = {"compared", "mismatched_positions", "replicas_differing", "unverified", "located"}
+GROUP_KEYS = {
+    "compared",
+    "mismatched_positions",
+    "missing_positions",
+    "replicas_differing",
+    "unverified",
+    "positions",
+    "located",
+    "stale_sources",
+}
 
 
 def check_json_shape(data: dict) -> None:
@@ -441,9 +572,12 @@ def check_json_shape(data: dict) -> None:
         "format",
         "ok",
         "positions",
+        "unverified",
+        "warnings",
         "requests",
         "only_in_producer",
         "only_in_consumer",
+        "untraced",
     }
     assert data["format"] == "kvaudit.diff/1"
     assert isinstance(data["ok"], bool)
@@ -451,7 +585,8 @@ def check_json_shape(data: dict) -> None:
     for name in ("only_in_producer", "only_in_consumer"):
         assert all(isinstance(item, str) for item in data[name])
     for request in data["requests"].values():
-        assert set(request) == {"groups"}
+        assert set(request) == {"num_tokens", "groups"}
+        assert set(request["num_tokens"]) == {"producer", "consumer"}
         for gid, group in request["groups"].items():
             assert gid.isdigit()
             assert set(group) == GROUP_KEYS
@@ -462,6 +597,8 @@ def check_json_shape(data: dict) -> None:
                 assert all(type(v) is int for v in pair)
             assert group["unverified"] is None or isinstance(group["unverified"], str)
             assert isinstance(group["located"], list)
+            assert all(type(p) is int for p in group["missing_positions"])
+            assert isinstance(group["stale_sources"], dict)
 
 
 def mixed_report() -> tuple[DiffReport, Record, Record]:
@@ -496,11 +633,15 @@ def test_json_shape_and_values() -> None:
     assert data["positions"] == "request"
     assert data["only_in_producer"] == ["req-gone"] and data["only_in_consumer"] == []
     a0 = data["requests"]["req-a"]["groups"]["0"]
+    assert data["requests"]["req-a"]["num_tokens"] == {"producer": 40, "consumer": 40}
     assert a0 == {
         "compared": 3,
         "mismatched_positions": [2],
+        "missing_positions": [],
         "replicas_differing": [[2, 1]],
         "unverified": None,
+        "positions": {"producer": 3, "consumer": 3},
+        "stale_sources": {},
         "located": [
             {
                 "position": 2,
@@ -568,12 +709,31 @@ def test_junit_escapes_awkward_request_ids() -> None:
     assert case.find("error").get("message") == 'fingerprints <differ> & "so"'
 
 
-def test_empty_report_is_ok() -> None:
+def test_empty_report_fails_unless_allowed() -> None:
     report = DiffReport("request")
-    assert report.ok
-    check_json_shape(diff_to_json(report))
+    assert not report.ok
+    data = diff_to_json(report)
+    check_json_shape(data)
+    assert data["ok"] is False and "no request in common" in data["unverified"]
     root = ET.fromstring(diff_junit(report))
-    assert int(next(root.iter("testsuite")).get("tests")) == 0
+    suite = next(root.iter("testsuite"))
+    assert (suite.get("tests"), suite.get("errors")) == ("1", "1")
+    report.allow_empty = True
+    assert report.ok and diff_to_json(report)["unverified"] is None
+    assert int(next(ET.fromstring(diff_junit(report)).iter("testsuite")).get("tests")) == 0
+
+
+def test_nothing_compared_fails() -> None:
+    # A producer record with no request: every consumer request is on the consumer only.
+    requests = standard(40)
+    report = compare_records(build({}), build(requests))
+    assert report.only_in_consumer == ["req-a", "req-b"] and report.requests == {}
+    assert not report.ok and report.empty_reason is not None
+    # A request neither side checksums any group of.
+    both = {"r": Req(16, {})}
+    report = compare_records(build(both), build(both))
+    assert report.requests == {"r": {}} and not report.ok
+    assert "request r" in (report.empty_reason or "")
 
 
 # Regression checks against a saved record.

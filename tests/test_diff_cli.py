@@ -43,8 +43,27 @@ from kvaudit.records import WorkerInfo
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "make_example.py"
 SEED = 4
-DIFF_KEYS = {"format", "ok", "positions", "requests", "only_in_producer", "only_in_consumer"}
-GROUP_KEYS = {"compared", "mismatched_positions", "replicas_differing", "unverified", "located"}
+DIFF_KEYS = {
+    "format",
+    "ok",
+    "positions",
+    "unverified",
+    "warnings",
+    "requests",
+    "only_in_producer",
+    "only_in_consumer",
+    "untraced",
+}
+GROUP_KEYS = {
+    "compared",
+    "mismatched_positions",
+    "missing_positions",
+    "replicas_differing",
+    "unverified",
+    "positions",
+    "located",
+    "stale_sources",
+}
 LOCATED_KEYS = {
     "position",
     "layer",
@@ -53,6 +72,8 @@ LOCATED_KEYS = {
     "first_byte",
     "max_abs_error",
     "max_rel_error",
+    "consumer_worker",
+    "file",
 }
 
 
@@ -95,15 +116,17 @@ def check_shape(report: dict) -> None:
     assert report["format"] == "kvaudit.diff/1"
     assert report["positions"] in ("request", "block")
     for request in report["requests"].values():
-        assert set(request) == {"groups"}
+        assert set(request) == {"num_tokens", "groups"}
         for gid, group in request["groups"].items():
             assert gid.isdigit() and set(group) == GROUP_KEYS
             assert isinstance(group["compared"], int)
             assert all(isinstance(p, int) for p in group["mismatched_positions"])
             assert all(len(pair) == 2 for pair in group["replicas_differing"])
             assert group["unverified"] is None or isinstance(group["unverified"], str)
+            assert all(isinstance(p, int) for p in group["missing_positions"])
             for entry in group["located"]:
                 assert LOCATED_KEYS <= set(entry) <= {*LOCATED_KEYS, "replica"}
+                assert set(entry["consumer_worker"]) == {"tp_rank", "pp_rank"}
                 for key in ("max_abs_error", "max_rel_error"):
                     assert entry[key] is None or isinstance(entry[key], float)
 
@@ -161,9 +184,10 @@ def model_cell(kv: dict[str, torch.Tensor], request_id: str, name: str, head: in
 def expected_located(sets: Path, folder: str, rank: int, request_id: str) -> list[dict]:
     """The located entries of the differences between one consumer rank's dump and the
     model's KV, from the bytes and bfloat16 values: per (layer, head), the differing
-    tokens, the first differing byte and the largest errors."""
+    tokens, the first differing byte and the largest errors, and the rank's file."""
     kv = example.model_kv(SEED)
-    cells = consumer_cells(sets / folder / f"rank{rank}.safetensors", request_id)
+    path = Path(os.path.normpath(sets / folder / f"rank{rank}.safetensors"))
+    cells = consumer_cells(path, request_id)
     found: dict[tuple[int, str, int], list] = {}
     for (name, head, token), cell in cells.items():
         raw, values = model_cell(kv, request_id, name, head, token)
@@ -190,6 +214,8 @@ def expected_located(sets: Path, folder: str, rank: int, request_id: str) -> lis
                 "first_byte": items[0][1],
                 "max_abs_error": float(max(e for _, _, e, _ in items)),
                 "max_rel_error": float(max(r for _, _, _, r in items)),
+                "consumer_worker": {"tp_rank": rank, "pp_rank": 0},
+                "file": str(path),
             }
         )
     return entries
@@ -584,6 +610,8 @@ def test_non_finite_errors_are_null(small: Small, tmp_path: Path) -> None:
             "first_byte": int(np.flatnonzero(original != changed)[0]),
             "max_abs_error": None,
             "max_rel_error": None,
+            "consumer_worker": {"tp_rank": 0, "pp_rank": 0},
+            "file": str(tmp_path / "consumer" / "rank0.safetensors"),
         }
     ]
     table = run("diff", tmp_path / "producer", tmp_path / "consumer")

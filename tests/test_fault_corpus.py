@@ -32,6 +32,7 @@ import pytest
 import reference as ref
 import torch
 from click.testing import CliRunner
+from safetensors import safe_open
 
 from kvaudit.checksummer import Checksummer, RequestBlocks
 from kvaudit.cli import main
@@ -1070,8 +1071,28 @@ FAULTS += [
 
 
 def located_without_errors(report: dict, rid: str, gid: int) -> list[dict]:
+    """The located entries without their errors and the consumer worker that holds them
+    (checked apart, against the file's own metadata)."""
     entries = report["requests"][rid]["groups"][str(gid)]["located"]
-    return [{k: v for k, v in e.items() if not k.startswith("max_")} for e in entries]
+    skipped = ("consumer_worker", "file")
+    return [
+        {k: v for k, v in e.items() if not k.startswith("max_") and k not in skipped}
+        for e in entries
+    ]
+
+
+def check_consumer_worker(entry: dict) -> None:
+    """A located entry names a consumer worker, and where that is a dump file, the
+    file's own metadata gives those ranks and holds the layer."""
+    worker = entry["consumer_worker"]
+    assert set(worker) == {"tp_rank", "pp_rank"}
+    if not entry["file"].endswith(".safetensors"):
+        return
+    with safe_open(entry["file"], framework="pt") as file:
+        stated = json.loads(file.metadata()["kvaudit.worker"])
+        names = {name.split("/")[0] for name in file.keys()}  # noqa: SIM118
+    assert (stated["tp_rank"], stated["pp_rank"]) == (worker["tp_rank"], worker["pp_rank"])
+    assert entry["layer"] in names
 
 
 def detected(result: Outcome) -> bool:
@@ -1104,6 +1125,7 @@ def test_fault_is_detected_and_located(
             assert located_without_errors(report, rid, gid) == want.located, (rid, gid)
             for entry in group["located"]:
                 assert entry["max_abs_error"] is None or entry["max_abs_error"] > 0
+                check_consumer_worker(entry)
     assert {key for key in expected} <= {
         (rid, int(gid)) for rid, r in report["requests"].items() for gid in r["groups"]
     }

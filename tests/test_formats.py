@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvaudit.compare import DiffReport, GroupComparison, LocatedDifference
+from kvaudit.compare import DiffReport, GroupComparison, LocatedDifference, StaleSource
 from kvaudit.corrupt import (
     ChangedSlice,
     CorruptMode,
@@ -94,7 +94,17 @@ def record() -> Record:
 
 
 LOCATED = [
-    LocatedDifference(2, "model.layers.1.self_attn.attn", 3, [33, 35], 1234, 0.5, 0.01),
+    LocatedDifference(
+        2,
+        "model.layers.1.self_attn.attn",
+        3,
+        [33, 35],
+        1234,
+        0.5,
+        0.01,
+        consumer_worker=(1, 0),
+        file="decode/rank1.safetensors",
+    ),
     LocatedDifference(
         2, "model.layers.0.mla", 0, list(range(32, 48)), 0, math.inf, math.nan, replica=3
     ),
@@ -104,13 +114,17 @@ LOCATED = [
 def report() -> DiffReport:
     """A mismatch with more than 20 positions, replica differences and located entries; an
     unverified group with quotes and a control character; an unverified group that also
-    differs; a clean group; a request without groups; requests on one side only."""
+    differs; a clean group; a request without groups; requests on one side only; missing
+    positions, a traced stale block, token counts and a warning."""
     a0 = GroupComparison(
         compared=30,
         mismatched_positions=list(range(2, 26)),
         replica_mismatches=[(1, 2, 1), (2, 2, 1), (2, 4, 3)],
         located=list(LOCATED),
         block_size=16,
+        missing_positions=[30, 31],
+        held=(32, 30),
+        stale_sources={2: [StaleSource("req-b", 0, 1)], 3: []},
     )
     a1 = GroupComparison(
         unverified='covered on the producer only (consumer: "<packed>" & \x1b)', block_size=16
@@ -123,7 +137,10 @@ def report() -> DiffReport:
     )
     b0 = GroupComparison(compared=2, block_size=16)
     requests = {"req-a": {1: a1, 0: a0, 2: a2}, "req-b": {0: b0}, "req-empty": {}}
-    return DiffReport("request", requests, ["req-gone"], ["req-extra"])
+    report = DiffReport("request", requests, ["req-gone"], ["req-extra"])
+    report.num_tokens = {"req-a": (512, 500), "req-b": (20, 20), "req-empty": (3, None)}
+    report.warnings = ["the roles look swapped"]
+    return report
 
 
 def inventory() -> Inventory:
@@ -215,7 +232,8 @@ def test_diff_junit() -> None:
     suite = ET.fromstring(text).find("testsuite")
     assert suite is not None
     counts = {key: suite.get(key) for key in ("tests", "failures", "errors", "skipped")}
-    assert counts == {"tests": "6", "failures": "2", "errors": "2", "skipped": "1"}
+    # The request without groups: nothing of it was verified, an errored case.
+    assert counts == {"tests": "7", "failures": "2", "errors": "3", "skipped": "1"}
 
 
 def test_diff_tables() -> None:

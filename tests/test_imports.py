@@ -35,8 +35,8 @@ LAYERS: list[list[str]] = [
     ["dumps"],
     ["integrations"],
     ["sources"],
-    ["compare", "locate"],
-    ["corrupt", "diffing"],
+    ["compare", "locate", "trace"],
+    ["corrupt", "diffing", "pairing"],
     ["formats", "report", "progress"],
     ["testing", "cli", "__main__", ""],
 ]

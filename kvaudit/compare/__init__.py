@@ -10,7 +10,7 @@ offloaded blocks (``verify --stored``). Reports are written by ``kvaudit.formats
 ``kvaudit.report``.
 """
 
-from .model import NO_RECEIVED, DiffReport, GroupComparison, LocatedDifference
+from .model import NO_RECEIVED, DiffReport, GroupComparison, LocatedDifference, StaleSource
 from .received import verify_received
 from .record_diff import compare_records, verify_against_record
 from .stored import StoredCheck, stored_report, verify_stored_blocks
@@ -20,6 +20,7 @@ __all__ = [
     "DiffReport",
     "GroupComparison",
     "LocatedDifference",
+    "StaleSource",
     "StoredCheck",
     "compare_records",
     "stored_report",

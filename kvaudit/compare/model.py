@@ -35,6 +35,18 @@ class LocatedDifference:
     max_abs_error: float
     max_rel_error: float
     replica: int = 0
+    consumer_worker: tuple[int, int] | None = None
+    file: str = ""
+
+
+@dataclass(frozen=True)
+class StaleSource:
+    """A producer block whose content a differing consumer block holds: ``position`` in
+    the producer's numbering of the compared block size."""
+
+    request: str
+    group: int
+    position: int
 
 
 @dataclass
@@ -44,8 +56,12 @@ class GroupComparison:
     ``compared`` counts the positions compared, ``mismatched_positions`` lists those whose
     totals differ and ``replica_mismatches`` each ``(position, R, r)`` where consumer
     replica ``(R, r)`` differs; positions are numbered at ``block_size``, the coarser of
-    the two sides'. ``unverified`` is why the group could not be compared (None when it
-    was). ``located`` is filled by the locate step.
+    the two sides'. ``missing_positions`` lists the positions the producer holds with
+    valid tokens that the consumer lacks in whole or in part; ``held`` each side's
+    number of positions with valid tokens (producer, consumer). ``unverified`` is why the
+    group could not be compared (None when it was). ``located`` and ``stale_sources``
+    (consumer position to the producer blocks holding its content) are filled by the
+    locate step.
     """
 
     compared: int = 0
@@ -54,6 +70,9 @@ class GroupComparison:
     unverified: str | None = None
     located: list[LocatedDifference] = field(default_factory=list)
     block_size: int = 0
+    missing_positions: list[int] = field(default_factory=list)
+    held: tuple[int, int] | None = None
+    stale_sources: dict[int, list[StaleSource]] = field(default_factory=dict)
 
     @property
     def replicas_differing(self) -> list[ReplicaKey]:
@@ -65,10 +84,16 @@ class GroupComparison:
         """Whether a compared block or a consumer replica differs."""
         return bool(self.mismatched_positions or self.replica_mismatches)
 
+    def passes(self, *, allow_missing: bool = False) -> bool:
+        """Whether every compared block matched, no replica differed, it was compared and
+        (unless ``allow_missing``) the consumer lacks no position."""
+        missing = bool(self.missing_positions) and not allow_missing
+        return not self.differs and self.unverified is None and not missing
+
     @property
     def ok(self) -> bool:
-        """Whether every compared block matched, no replica differed and it was compared."""
-        return not self.differs and self.unverified is None
+        """``passes()`` with missing positions counted as failures."""
+        return self.passes()
 
 
 @dataclass
@@ -77,18 +102,55 @@ class DiffReport:
 
     ``only_in_producer`` lists requests the consumer lacks (a failure);
     ``only_in_consumer`` lists requests the producer lacks (informational).
+    ``num_tokens`` holds each request's token count on each side (producer, consumer;
+    None where a side does not say). ``allow_missing`` accepts missing positions and
+    ``allow_empty`` a report in which nothing was compared. ``warnings`` are things the
+    user should know (swapped roles, a set compared with itself); ``untraced`` says why
+    differing blocks were not traced to producer blocks, if they were not.
     """
 
     positions: Positions
     requests: dict[str, dict[int, GroupComparison]] = field(default_factory=dict)
     only_in_producer: list[str] = field(default_factory=list)
     only_in_consumer: list[str] = field(default_factory=list)
+    num_tokens: dict[str, tuple[int | None, int | None]] = field(default_factory=dict)
+    allow_missing: bool = False
+    allow_empty: bool = False
+    warnings: list[str] = field(default_factory=list)
+    untraced: str | None = None
+
+    def group_ok(self, group: GroupComparison) -> bool:
+        """Whether a group passes under the report's ``allow_missing``."""
+        return group.passes(allow_missing=self.allow_missing)
+
+    @property
+    def compared(self) -> int:
+        """The blocks compared over every request and group."""
+        return sum(group.compared for _, _, group in self.groups())
+
+    @property
+    def empty_reason(self) -> str | None:
+        """Why nothing was verified (nothing compared, or a request with no group to
+        compare), or None when something was or ``allow_empty`` accepts it."""
+        if self.allow_empty:
+            return None
+        empty = [rid for rid, groups in self.requests.items() if not groups]
+        if empty:
+            return f"no group of request {', '.join(empty)} is covered on either side"
+        if self.compared == 0 and not self.only_in_producer:
+            if not self.requests:
+                return "the two sides have no request in common"
+            return "no block was compared"
+        return None
 
     @property
     def ok(self) -> bool:
         """True exactly when the exit status is 0: every compared block matched, nothing
-        was left unverified and the consumer has every producer request."""
-        return not self.only_in_producer and all(group.ok for _, _, group in self.groups())
+        was left unverified or missing (unless allowed), something was compared (unless
+        allowed) and the consumer has every producer request."""
+        if self.only_in_producer or self.empty_reason is not None:
+            return False
+        return all(self.group_ok(group) for _, _, group in self.groups())
 
     def groups(self) -> Iterator[tuple[str, int, GroupComparison]]:
         """Each ``(request id, group id, comparison)``, groups in id order."""

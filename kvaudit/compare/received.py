@@ -1,61 +1,107 @@
 """A consumer's checksums against the producer totals it received on the wire
 (``verify --received``).
 
-The consumer's token count and position numbering serve both sides. A consumer request
-whose bytes never arrived leaves each of its groups unverified, and a received request
-the consumer lacks is a failure, as in a diff.
+The wire says the producer's token count and position numbering: the consumer's
+checksums must cover at most the producer's tokens (its last, partly filled block over
+the producer's tokens) under that numbering, and positions the producer held that the
+consumer lacks are missing. A consumer request whose bytes never arrived leaves each of
+its groups unverified, and a received request the consumer lacks is a failure, as in a
+diff.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from ..errors import KvauditError
 from ..records import GroupChecksums, Record, RequestChecksums, WorkerInfo, WorkerSummary
-from ..wire import decode_wire
+from ..wire import WireChecksums, decode_wire
 from .model import NO_RECEIVED, DiffReport, GroupComparison
 from .record_diff import compare
 
 
-def verify_received(
-    consumer: Record,
-    received: Mapping[str, bytes],
-    *,
-    source: str,
-    request_ids: Sequence[str] | None = None,
-) -> DiffReport:
-    """The consumer checked against the producer totals it received (wire bytes per request).
-
-    The consumer's token count and position numbering are used for both sides (the
-    wire's ``num_tokens`` and ``numbering`` are decoded, and not applied here). Each group
-    of a consumer request without received bytes is unverified (``"no producer checksums
-    received"``); received requests the consumer lacks are listed in ``only_in_producer``.
+def decode_received(
+    received: Mapping[str, bytes | WireChecksums], source: str
+) -> dict[str, WireChecksums]:
+    """Each request's received checksums, decoded where given as bytes.
 
     Raises:
         WireFormatError: Malformed bytes; the message names ``source`` and the request.
-        KvauditError: A requested id is on neither side.
+
+    """
+    return {
+        rid: data
+        if isinstance(data, WireChecksums)
+        else decode_wire(data, source=f"{source}: request {rid}")
+        for rid, data in received.items()
+    }
+
+
+def received_numbering(wires: Mapping[str, WireChecksums], source: str) -> str:
+    """The one position numbering the received checksums use (``request`` when none).
+
+    Raises:
+        KvauditError: Requests were sent under different numberings.
+
+    """
+    found: dict[str, str] = {}
+    for rid, wire in wires.items():
+        found.setdefault(wire.numbering, rid)
+    if len(found) > 1:
+        named = ", ".join(f"{rid} by {numbering}" for numbering, rid in found.items())
+        raise KvauditError(
+            f"the producer numbered positions differently per request ({named}); verify "
+            "them apart with --request",
+            source,
+        )
+    return next(iter(found), "request")
+
+
+def verify_received(
+    consumer: Record,
+    received: Mapping[str, bytes | WireChecksums],
+    *,
+    source: str,
+    request_ids: Sequence[str] | None = None,
+    consumer_tokens: Mapping[str, int] | None = None,
+    windows: Mapping[int, int] | None = None,
+) -> DiffReport:
+    """The consumer checked against the producer totals it received (wire bytes, or
+    decoded checksums, per request).
+
+    ``consumer`` must be checksummed under the wire's numbering and over at most the
+    producer's tokens of each request (``kvaudit.diffing`` does so); ``consumer_tokens``
+    are the tokens the consumer holds where that is more (default: the record's own).
+    Each group of a consumer request without received checksums is unverified (``"no
+    producer checksums received"``); received requests the consumer lacks are listed in
+    ``only_in_producer``; ``windows`` as for ``compare_records``.
+
+    Raises:
+        WireFormatError: Malformed bytes; the message names ``source`` and the request.
+        KvauditError: A requested id is on neither side, the requests were sent under
+            different numberings, or the consumer's numbering is another.
 
     """
     wanted = list(consumer.requests) if request_ids is None else list(dict.fromkeys(request_ids))
     if request_ids is None:
         wanted += [rid for rid in received if rid not in consumer.requests]
+    wires = decode_received({rid: received[rid] for rid in wanted if rid in received}, source)
+    numbering = received_numbering(wires, source) if wires else consumer.positions
     requests: dict[str, RequestChecksums] = {}
-    for rid in wanted:
-        if rid not in received:
-            continue
-        num_tokens = consumer.requests[rid].num_tokens if rid in consumer.requests else 0
+    for rid, wire in wires.items():
         groups = {
-            wire.group_id: GroupChecksums(
-                block_size=wire.block_size,
-                start=wire.start,
+            group.group_id: GroupChecksums(
+                block_size=group.block_size,
+                start=group.start,
                 replica_keys=[(1, 0)],
-                values=wire.totals.reshape(-1, 1),
-                fingerprint=wire.fingerprint,
+                values=group.totals.reshape(-1, 1),
+                fingerprint=group.fingerprint,
             )
-            for wire in decode_wire(received[rid], source=f"{source}: request {rid}").groups
+            for group in wire.groups
         }
-        requests[rid] = RequestChecksums(num_tokens, groups)
+        requests[rid] = RequestChecksums(int(wire.num_tokens), groups)
     producer = Record(
-        positions=consumer.positions,
+        positions=numbering,  # type: ignore[arg-type]
         workers=[WorkerSummary(WorkerInfo(source=source))],
         complete=True,
         requests=requests,
@@ -66,6 +112,8 @@ def verify_received(
         wanted,
         per_key=False,
         producer_absence="the producer sent no checksums for it",
+        token_counts=None if consumer_tokens is None else ({}, consumer_tokens),
+        windows=windows,
     )
     # The producer record holds exactly the received requests, so every request on the
     # consumer only is one whose checksums never arrived.

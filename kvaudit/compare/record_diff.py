@@ -6,19 +6,26 @@ Per request present on both sides and per group either side holds:
 - Both records must number positions the same way (``request`` or ``block``), else
   ``KvauditError``.
 - A group is unverified when a worker of either side is missing or only one side holds
-  it; otherwise it is compared by the rules of ``kvaudit.compare.sides``.
+  it; otherwise it is compared by the rules of ``kvaudit.compare.sides``. A group the
+  consumer's workers checksum but hold no block of for a request has every expected
+  position missing.
 - A request only the producer has is a failure (the consumer never got it); a request
   only the consumer has is informational (it may have been computed locally).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+
+import numpy as np
 
 from ..errors import KvauditError
-from ..records import Record
+from ..records import GroupChecksums, Record
 from .model import DiffReport, GroupComparison
-from .sides import Side, compare_sides
+from .sides import Side, compare_sides, held_positions, missing_and_expected
+
+TokenCounts = Mapping[str, int]
+"""Request id to the token count a side holds (where its checksums cover fewer)."""
 
 
 def _missing_reason(label: str, record: Record) -> str | None:
@@ -93,6 +100,24 @@ def _select(
     return both, only_producer, only_consumer
 
 
+def _checksums_group(record: Record, gid: int) -> bool:
+    """Whether the record's workers checksum the group (give it a fingerprint)."""
+    return any(gid in summary.fingerprints for summary in record.workers)
+
+
+def _none_held(producer: Side, consumer_tokens: int, window: int | None) -> GroupComparison:
+    """A group the consumer checksums but holds no block of: every expected position of
+    the producer is missing."""
+    empty = GroupChecksums(producer.block_size, 0, [(1, 0)], np.zeros((0, 1), np.uint64), 0)
+    consumer = Side.of(empty, min(consumer_tokens, producer.num_tokens), consumer_tokens)
+    missing, _ = missing_and_expected(producer, consumer, producer.block_size, window)
+    return GroupComparison(
+        block_size=producer.block_size,
+        missing_positions=missing,
+        held=(len(held_positions(producer, producer.block_size)), 0),
+    )
+
+
 def _compare_request(
     producer: Record,
     consumer: Record,
@@ -101,9 +126,11 @@ def _compare_request(
     missing: str | None,
     per_key: bool,
     producer_absence: str | None,
+    tokens: tuple[int, int],
+    windows: Mapping[int, int],
 ) -> dict[int, GroupComparison]:
     """Each group of one request present on both sides; ``missing`` says which side's
-    workers are missing, if any."""
+    workers are missing, if any; ``tokens`` the request's token count on each side."""
     produced = producer.requests[request_id]
     consumed = consumer.requests[request_id]
     result: dict[int, GroupComparison] = {}
@@ -111,11 +138,21 @@ def _compare_request(
         left, right = produced.groups.get(gid), consumed.groups.get(gid)
         if missing is None and left is not None and right is not None:
             result[gid] = compare_sides(
-                Side.of(left, produced.num_tokens),
-                Side.of(right, consumed.num_tokens),
+                Side.of(left, produced.num_tokens, tokens[0]),
+                Side.of(right, consumed.num_tokens, tokens[1]),
                 consumer.positions,
                 per_key=per_key,
+                window=windows.get(gid),
             )
+            continue
+        consumer_holds_none = (
+            right is None
+            and _checksums_group(consumer, gid)
+            and _not_covered_reason(consumer, gid) is None
+        )
+        if missing is None and left is not None and consumer_holds_none:
+            side = Side.of(left, produced.num_tokens, tokens[0])
+            result[gid] = _none_held(side, tokens[1], windows.get(gid))
             continue
         if missing is not None:
             reason = missing
@@ -135,10 +172,14 @@ def compare(
     *,
     per_key: bool,
     producer_absence: str | None = None,
+    token_counts: tuple[TokenCounts, TokenCounts] | None = None,
+    windows: Mapping[int, int] | None = None,
 ) -> DiffReport:
     """Two records compared by the module's rules; ``per_key`` compares every column
     where the replica keys agree, and ``producer_absence`` replaces the reason given for
-    a group only the consumer holds when the producer's workers give none."""
+    a group only the consumer holds when the producer's workers give none.
+    ``token_counts`` are the token counts each side holds where its record covers fewer
+    (default: the records' own), ``windows`` each windowed group's window in tokens."""
     _check_numbering(producer, consumer)
     both, only_producer, only_consumer = _select(producer, consumer, request_ids)
     reasons = [
@@ -147,6 +188,7 @@ def compare(
         if reason is not None
     ]
     missing = "; ".join(reasons) if reasons else None
+    counts = _token_counts(producer, consumer, token_counts)
     requests = {
         rid: _compare_request(
             producer,
@@ -155,40 +197,83 @@ def compare(
             missing=missing,
             per_key=per_key,
             producer_absence=producer_absence,
+            tokens=(counts[rid][0] or 0, counts[rid][1] or 0),
+            windows=windows or {},
         )
         for rid in both
     }
-    return DiffReport(consumer.positions, requests, only_producer, only_consumer)
+    wanted = [*both, *only_producer, *only_consumer]
+    return DiffReport(
+        consumer.positions,
+        requests,
+        only_producer,
+        only_consumer,
+        num_tokens={rid: counts[rid] for rid in wanted},
+    )
+
+
+def _token_counts(
+    producer: Record, consumer: Record, given: tuple[TokenCounts, TokenCounts] | None
+) -> dict[str, tuple[int | None, int | None]]:
+    """Each request's token count on each side (None where the side lacks it): the
+    given counts where there are, else the record's own."""
+    result: dict[str, tuple[int | None, int | None]] = {}
+    for rid in dict.fromkeys([*producer.requests, *consumer.requests]):
+        pair: list[int | None] = []
+        for k, record in enumerate((producer, consumer)):
+            count = None if given is None else given[k].get(rid)
+            if count is None and rid in record.requests:
+                count = record.requests[rid].num_tokens
+            pair.append(count)
+        result[rid] = (pair[0], pair[1])
+    return result
 
 
 def compare_records(
-    producer: Record, consumer: Record, *, request_ids: Sequence[str] | None = None
+    producer: Record,
+    consumer: Record,
+    *,
+    request_ids: Sequence[str] | None = None,
+    token_counts: tuple[TokenCounts, TokenCounts] | None = None,
+    windows: Mapping[int, int] | None = None,
 ) -> DiffReport:
     """The producer's totals compared with the consumer's totals and replicas.
 
     With ``request_ids``, only those requests (in that order); others in record order.
+    ``token_counts``: the tokens each side holds where its record was checksummed over
+    fewer (a diff compares over the tokens both hold); ``windows``: the window in tokens
+    of each windowed group (sliding-window attention).
 
     Raises:
         KvauditError: The records number positions differently, or a requested id is on
             neither side.
 
     """
-    return compare(producer, consumer, request_ids, per_key=False)
+    return compare(
+        producer, consumer, request_ids, per_key=False, token_counts=token_counts, windows=windows
+    )
 
 
 def verify_against_record(
-    current: Record, saved: Record, *, request_ids: Sequence[str] | None = None
+    current: Record,
+    saved: Record,
+    *,
+    request_ids: Sequence[str] | None = None,
+    token_counts: TokenCounts | None = None,
+    windows: Mapping[int, int] | None = None,
 ) -> DiffReport:
     """A regression check: ``saved`` plays the producer, ``current`` the consumer.
 
     Besides the totals and the current replicas, when both sides have the same replica
     keys (the same engine layout) every column must equal the saved one: a differing
     replica-0 column marks the position mismatched, another column lists it under
-    ``replicas_differing``.
+    ``replicas_differing``. ``token_counts``: the tokens ``current`` holds where it was
+    checksummed over fewer.
 
     Raises:
         KvauditError: The records number positions differently, or a requested id is on
             neither side.
 
     """
-    return compare(saved, current, request_ids, per_key=True)
+    counts = None if token_counts is None else ({}, token_counts)
+    return compare(saved, current, request_ids, per_key=True, token_counts=counts, windows=windows)

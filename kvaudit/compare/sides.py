@@ -8,8 +8,15 @@
   definition and may be absent. With ``block`` numbering checksums do not add up across
   block sizes, so differing sizes leave the group unverified.
 - A position is compared only when both sides hold it and both give it the same, non-zero,
-  number of valid tokens (each side with its own ``num_tokens``). No such position leaves
-  the group unverified ("no common block ...").
+  number of valid tokens (each side with the ``num_tokens`` its checksums cover).
+- A position is expected when the producer holds it with valid tokens (its full token
+  count, ``tokens``) and, for a windowed group, it lies inside the window on both sides.
+  An expected position is missing when the consumer's blocks do not cover the producer's
+  tokens of it (its block list stops early or skips it, or its token count is smaller).
+  A position is compared over the tokens both sides hold, so a position the consumer
+  holds in part is compared there and listed as missing. An expected position that is
+  neither missing nor compared (a record holds other valid tokens of it and cannot be
+  checksummed again) leaves the group unverified.
 - The producer contributes its totals (the sums of its replica index 0 columns); a compared
   position whose consumer total differs is listed in ``mismatched_positions``.
 - Each consumer replica column ``(R, r)`` must equal its ``(R, 0)`` column (0 where the
@@ -37,7 +44,8 @@ from .model import GroupComparison
 @dataclass
 class Side:
     """One side's checksums of one request's group: ``columns[i, k]`` is position
-    ``start + i`` under ``keys[k]``."""
+    ``start + i`` under ``keys[k]``, checksummed over ``num_tokens`` tokens of a request
+    the side holds ``tokens`` of (``num_tokens`` when not cut)."""
 
     block_size: int
     start: int
@@ -45,13 +53,30 @@ class Side:
     fingerprint: int
     columns: np.ndarray
     keys: list[ReplicaKey]
+    tokens: int = -1
+
+    def __post_init__(self) -> None:
+        if self.tokens < 0:
+            self.tokens = self.num_tokens
 
     @classmethod
-    def of(cls, group: GroupChecksums, num_tokens: int) -> Side:
-        """A record's group, for a request of ``num_tokens`` tokens."""
+    def of(cls, group: GroupChecksums, num_tokens: int, tokens: int | None = None) -> Side:
+        """A record's group checksummed over ``num_tokens`` tokens of a request the side
+        holds ``tokens`` of (default ``num_tokens``)."""
         keys = [(int(r), int(i)) for r, i in group.replica_keys]
         columns = np.asarray(group.values, dtype=np.uint64).reshape(group.count, len(keys))
-        return cls(group.block_size, group.start, num_tokens, group.fingerprint, columns, keys)
+        held = num_tokens if tokens is None else tokens
+        return cls(
+            group.block_size, group.start, num_tokens, group.fingerprint, columns, keys, held
+        )
+
+    def covers(self, lo: int, hi: int) -> bool:
+        """Whether the side holds tokens ``lo .. hi - 1``: its token count reaches ``hi``
+        and its blocks list every position holding them."""
+        if hi <= lo:
+            return True
+        first, last = lo // self.block_size, (hi - 1) // self.block_size
+        return self.tokens >= hi and self.start <= first and last < self.start + len(self.columns)
 
     @functools.cached_property
     def column_of(self) -> dict[ReplicaKey, int]:
@@ -100,12 +125,14 @@ def _replica_differences(side: Side, coarse: int) -> set[tuple[int, int, int]]:
     return found
 
 
-def _span(positions: np.ndarray) -> str:
-    """Positions as ``first-last`` (or ``none``) for a message."""
-    if positions.size == 0:
-        return "none"
-    first, last = int(positions.min()), int(positions.max())
-    return str(first) if first == last else f"{first}-{last}"
+def _positions_text(positions: list[int]) -> str:
+    """``position 2`` or ``positions 0-3``, for a message."""
+    if len(positions) == 1:
+        return f"position {positions[0]}"
+    first, last = positions[0], positions[-1]
+    if last - first + 1 == len(positions):
+        return f"positions {first}-{last}"
+    return "positions " + ", ".join(str(q) for q in positions)
 
 
 def _incomparable(producer: Side, consumer: Side, numbering: Positions) -> str | None:
@@ -130,10 +157,48 @@ def _incomparable(producer: Side, consumer: Side, numbering: Positions) -> str |
     return None
 
 
+def window_start(producer: Side, consumer: Side, coarse: int, window: int | None) -> int:
+    """The first position (at ``coarse``) inside a window of ``window`` tokens on both
+    sides: each side keeps the blocks from the one holding token ``tokens - window + 1``
+    (the oldest its next token attends to); 0 without a window."""
+    if window is None:
+        return 0
+    first_token = max(max(0, side.tokens - window + 1) for side in (producer, consumer))
+    kept = max(first_token // side.block_size * side.block_size for side in (producer, consumer))
+    return -(-kept // coarse)
+
+
+def held_positions(side: Side, coarse: int) -> list[int]:
+    """The positions (at ``coarse``) with valid tokens whose tokens the side holds."""
+    count = -(-side.tokens // coarse)
+    return [q for q in range(count) if side.covers(q * coarse, min((q + 1) * coarse, side.tokens))]
+
+
+def missing_and_expected(
+    producer: Side, consumer: Side, coarse: int, window: int | None
+) -> tuple[list[int], list[int]]:
+    """The expected positions the consumer lacks in whole or in part, and all expected
+    positions (the producer's with valid tokens, inside the window on both sides)."""
+    first = window_start(producer, consumer, coarse, window)
+    expected = [q for q in held_positions(producer, coarse) if q >= first]
+    missing = [
+        q
+        for q in expected
+        if not consumer.covers(q * coarse, min((q + 1) * coarse, producer.tokens))
+    ]
+    return missing, expected
+
+
 def compare_sides(
-    producer: Side, consumer: Side, numbering: Positions, *, per_key: bool
+    producer: Side,
+    consumer: Side,
+    numbering: Positions,
+    *,
+    per_key: bool,
+    window: int | None = None,
 ) -> GroupComparison:
-    """One group compared by the module's rules, both sides complete and holding it."""
+    """One group compared by the module's rules, both sides complete and holding it;
+    ``window`` is the group's attention window in tokens (None: every position)."""
     coarse = max(producer.block_size, consumer.block_size)
     reason = _incomparable(producer, consumer, numbering)
     if reason is not None:
@@ -165,16 +230,16 @@ def compare_sides(
             else:
                 replicas.update((position, *key) for position in differing)
 
+    missing, expected = missing_and_expected(producer, consumer, coarse, window)
+    compared = set(positions.tolist())
+    unchecked = [q for q in expected if q not in compared and q not in missing]
     unverified = None
-    if positions.size == 0 and common.size == 0:
+    if unchecked:
         unverified = (
-            f"no common block (producer holds {_span(producer_positions)}, consumer "
-            f"{_span(consumer_positions)} at block size {coarse})"
-        )
-    elif positions.size == 0:
-        unverified = (
-            f"no common block with the same valid tokens (producer {producer.num_tokens} "
-            f"tokens, consumer {consumer.num_tokens}, block size {coarse})"
+            f"not compared at {_positions_text(unchecked)}: the sides hold different valid "
+            f"tokens there (producer {producer.num_tokens} tokens, consumer "
+            f"{consumer.num_tokens}, block size {coarse}) and a record cannot be "
+            "checksummed again over fewer"
         )
     return GroupComparison(
         compared=int(positions.size),
@@ -182,4 +247,6 @@ def compare_sides(
         replica_mismatches=sorted(replicas),
         unverified=unverified,
         block_size=coarse,
+        missing_positions=missing,
+        held=(len(held_positions(producer, coarse)), len(held_positions(consumer, coarse))),
     )

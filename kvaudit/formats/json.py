@@ -97,13 +97,22 @@ def _group_to_json(group: GroupChecksums) -> dict[str, Any]:
 
 
 def located_items(item: LocatedDifference) -> list[tuple[str, object]]:
-    """A located entry's fields in order, ``replica`` only for a replica compared with
-    replica 0 (as JSON and JUnit list them)."""
-    return [
-        (entry.name, getattr(item, entry.name))
-        for entry in dataclasses.fields(item)
-        if entry.name != "replica" or item.replica
-    ]
+    """A located entry's fields in order (as JSON and JUnit list them): ``replica`` only
+    for a replica compared with replica 0, ``consumer_worker`` as ``{"tp_rank",
+    "pp_rank"}`` and ``file`` where known."""
+    items: list[tuple[str, object]] = []
+    for entry in dataclasses.fields(item):
+        value = getattr(item, entry.name)
+        if entry.name == "replica" and not value:
+            continue
+        if entry.name == "consumer_worker":
+            if value is None:
+                continue
+            value = {"tp_rank": int(value[0]), "pp_rank": int(value[1])}
+        if entry.name == "file" and not value:
+            continue
+        items.append((entry.name, value))
+    return items
 
 
 def _finite(value: object) -> object:
@@ -123,14 +132,33 @@ def located_to_json(item: LocatedDifference) -> dict[str, Any]:
 
 def group_to_json(group: GroupComparison) -> dict[str, Any]:
     """A group's entry of a diff report's JSON."""
+    held = None
+    if group.held is not None:
+        held = {"producer": int(group.held[0]), "consumer": int(group.held[1])}
     return {
         "compared": int(group.compared),
         "mismatched_positions": [int(position) for position in group.mismatched_positions],
+        "missing_positions": [int(position) for position in group.missing_positions],
         "replicas_differing": [
             [int(replicas), int(index)] for replicas, index in group.replicas_differing
         ],
         "unverified": group.unverified,
+        "positions": held,
         "located": [located_to_json(item) for item in group.located],
+        "stale_sources": {
+            str(position): [dataclasses.asdict(source) for source in sources]
+            for position, sources in sorted(group.stale_sources.items())
+        },
+    }
+
+
+def _request_to_json(report: DiffReport, request_id: str) -> dict[str, Any]:
+    """A request's entry of a diff report's JSON: each side's token count, its groups."""
+    producer, consumer = report.num_tokens.get(request_id, (None, None))
+    groups = report.requests[request_id]
+    return {
+        "num_tokens": {"producer": producer, "consumer": consumer},
+        "groups": {str(gid): group_to_json(groups[gid]) for gid in sorted(groups)},
     }
 
 
@@ -140,12 +168,14 @@ def diff_to_json(report: DiffReport) -> dict[str, Any]:
         "format": DIFF_FORMAT,
         "ok": report.ok,
         "positions": report.positions,
+        "unverified": report.empty_reason,
+        "warnings": list(report.warnings),
         "requests": {
-            request_id: {"groups": {str(gid): group_to_json(groups[gid]) for gid in sorted(groups)}}
-            for request_id, groups in report.requests.items()
+            request_id: _request_to_json(report, request_id) for request_id in report.requests
         },
         "only_in_producer": list(report.only_in_producer),
         "only_in_consumer": list(report.only_in_consumer),
+        "untraced": report.untraced,
     }
 
 

@@ -2,8 +2,10 @@
 
 One test case per request and group (classname ``kvaudit.<request>``, name ``group <id>``):
 errored when the group could not be compared (the reason is the message), else failed
-when blocks or replicas differ. A request the consumer lacks is a failed case named
-``request``; one only the consumer has is a skipped case.
+when blocks or replicas differ or positions are missing (unless the report allows
+missing positions). A request the consumer lacks is a failed case named ``request``; one
+only the consumer has is a skipped case. A report in which nothing was compared has an
+errored case ``kvaudit`` / ``nothing compared``.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ def _list(items: Sequence[object], limit: int = 20) -> str:
     return shown if len(items) <= limit else f"{shown} and {len(items) - limit} more"
 
 
-def failure_message(group: GroupComparison) -> str:
-    """One line: the positions whose blocks differ and the replicas that differ."""
+def failure_message(group: GroupComparison, *, allow_missing: bool = False) -> str:
+    """One line: the positions whose blocks differ, the replicas that differ and the
+    positions the consumer lacks (unless ``allow_missing``)."""
     parts = []
     if group.mismatched_positions:
         parts.append(
@@ -42,13 +45,26 @@ def failure_message(group: GroupComparison) -> str:
     if group.replica_mismatches:
         pairs = [f"{position} ({r}:{i})" for position, r, i in group.replica_mismatches]
         parts.append(f"replicas differ at position (replica key) {_list(pairs)}")
+    if group.missing_positions and not allow_missing:
+        parts.append(
+            f"the consumer lacks positions {_list(group.missing_positions)} "
+            f"(block size {group.block_size})"
+        )
     return "; ".join(parts)
+
+
+def _item_text(key: str, value: object) -> str:
+    """One field of a located entry as ``key value``."""
+    if isinstance(value, dict):
+        value = " ".join(f"{name} {item}" for name, item in value.items())
+    return f"{key} {value}"
 
 
 def _located_text(group: GroupComparison) -> str:
     """The located differences, one per line."""
     return "\n".join(
-        ", ".join(f"{key} {value}" for key, value in located_items(item)) for item in group.located
+        ", ".join(_item_text(key, value) for key, value in located_items(item))
+        for item in group.located
     )
 
 
@@ -74,12 +90,12 @@ def diff_junit(report: DiffReport, suite_name: str = "kvaudit.diff") -> str:
                 case, "error", {"message": xml_text(group.unverified), "type": "unverified"}
             )
             if group.differs:
-                error.text = xml_text(failure_message(group))
-        elif group.differs:
+                error.text = xml_text(failure_message(group, allow_missing=report.allow_missing))
+        elif not report.group_ok(group):
             failures += 1
-            failure = ET.SubElement(
-                case, "failure", {"message": xml_text(failure_message(group)), "type": "mismatch"}
-            )
+            message = failure_message(group, allow_missing=report.allow_missing)
+            kind = "mismatch" if group.differs else "missing"
+            failure = ET.SubElement(case, "failure", {"message": xml_text(message), "type": kind})
             failure.text = xml_text(_located_text(group)) or None
     for request_id in report.only_in_producer:
         case = _case(suite, request_id, "request")
@@ -92,6 +108,12 @@ def diff_junit(report: DiffReport, suite_name: str = "kvaudit.diff") -> str:
         tests += 1
         skipped += 1
         ET.SubElement(case, "skipped", {"message": "the request is on the consumer only"})
+    if report.empty_reason is not None:
+        case = _case(suite, "", "nothing compared")
+        case.set("classname", "kvaudit")
+        tests += 1
+        errors += 1
+        ET.SubElement(case, "error", {"message": xml_text(report.empty_reason), "type": "empty"})
     counts = {"tests": tests, "failures": failures, "errors": errors, "skipped": skipped}
     for element in (root, suite):
         for key, value in counts.items():

@@ -39,6 +39,7 @@ def diff_verdict(report: DiffReport, sides: Sides = DIFF_SIDES) -> str:
     blocks = sum(group.compared for group in groups)
     differing = sum(len(group.mismatched_positions) for group in groups)
     replicas = sum(len(group.replica_mismatches) for group in groups)
+    missing = sum(len(group.missing_positions) for group in groups)
     unverified = sum(1 for group in groups if group.unverified is not None)
     requests_differing = sum(
         1
@@ -49,12 +50,15 @@ def diff_verdict(report: DiffReport, sides: Sides = DIFF_SIDES) -> str:
     )
     scope = f"{plural(requests, 'request')}, {plural(blocks, 'block')} {sides.compared}"
     if report.ok:
-        extra = ""
+        notes = []
         if report.only_in_consumer:
-            extra = (
-                f" ({plural(len(report.only_in_consumer), 'request')} on the "
-                f"{sides.consumer} only, not compared)"
+            notes.append(
+                f"{plural(len(report.only_in_consumer), 'request')} on the "
+                f"{sides.consumer} only, not compared"
             )
+        if missing:
+            notes.append(f"{plural(missing, 'position')} missing on the {sides.consumer}, allowed")
+        extra = f" ({'; '.join(notes)})" if notes else ""
         return f"OK: {scope}, all match{extra}"
     parts = []
     if differing:
@@ -68,20 +72,36 @@ def diff_verdict(report: DiffReport, sides: Sides = DIFF_SIDES) -> str:
         parts.append(
             f"{plural(len(report.only_in_producer), 'request')} missing on the {sides.consumer}"
         )
+    if missing and not report.allow_missing:
+        parts.append(f"{plural(missing, 'position')} missing on the {sides.consumer}")
     if unverified:
         parts.append(f"{plural(unverified, 'group')} could not be verified")
-    if differing or replicas or report.only_in_producer:
+    if differing or replicas or report.only_in_producer or (missing and not report.allow_missing):
         return "MISMATCH: " + "; ".join(parts)
+    if report.empty_reason is not None and not parts:
+        return f"UNVERIFIED: {scope}; nothing was verified: {report.empty_reason}"
     return f"UNVERIFIED: {scope}; " + "; ".join(parts)
 
 
-def _result_cell(group: GroupComparison) -> Text:
-    """A group's result in the diff table: unverified and why, MISMATCH or ok."""
+def _result_cell(group: GroupComparison, allow_missing: bool) -> Text:
+    """A group's result in the diff table: unverified and why, MISMATCH, MISSING or ok."""
     if group.unverified is not None:
         return Text(f"unverified: {group.unverified}", style="yellow")
     if group.mismatched_positions or group.replicas_differing:
         return Text("MISMATCH", style="bold red")
+    if group.missing_positions and not allow_missing:
+        return Text("MISSING", style="bold red")
     return Text("ok", style="green")
+
+
+def _stale_text(group: GroupComparison) -> list[str]:
+    """Each traced differing position as ``4 holds req-a position 1``."""
+    lines = []
+    for position, sources in sorted(group.stale_sources.items()):
+        if sources:
+            held = ", ".join(f"{source.request} position {source.position}" for source in sources)
+            lines.append(f"{position} holds {held}")
+    return lines
 
 
 def _replica_text(mismatches: list[tuple[int, int, int]]) -> str:
@@ -111,24 +131,33 @@ def print_diff(
         ("block", "right"),
         (sides.compared, "right"),
         ("differing positions", "left"),
+        ("missing positions", "left"),
         ("replicas differing", "left"),
         ("result", "left"),
     ):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for request_id, groups in report.requests.items():
         if not groups:
-            table.add_row(request_id, "-", "", "0", "", "", Text("no group to compare", "yellow"))
+            table.add_row(
+                request_id, "-", "", "0", "", "", "", Text("no group to compare", "yellow")
+            )
         for gid in sorted(groups):
             group = groups[gid]
             mismatched = group.mismatched_positions
+            missing = group.missing_positions
+            differing = f"{len(mismatched)}: {ranges(mismatched)}" if mismatched else "-"
+            stale = _stale_text(group)
+            if stale:
+                differing += " (" + "; ".join(stale) + ")"
             table.add_row(
                 request_id,
                 str(gid),
                 str(group.block_size) if group.block_size else "",
                 str(group.compared),
-                f"{len(mismatched)}: {ranges(mismatched)}" if mismatched else "-",
+                differing,
+                f"{len(missing)}: {ranges(missing)}" if missing else "-",
                 _replica_text(group.replica_mismatches) if group.replica_mismatches else "-",
-                _result_cell(group),
+                _result_cell(group, report.allow_missing),
             )
     if report.requests:
         console.print(table)
@@ -148,6 +177,8 @@ def print_diff(
             f"on the {sides.consumer} only (not compared): " + ", ".join(report.only_in_consumer),
             soft_wrap=True,
         )
+    if report.untraced is not None and any(g.mismatched_positions for _, _, g in report.groups()):
+        console.print(f"stale sources: {report.untraced}", soft_wrap=True)
     _print_located(console, report)
 
 
@@ -168,12 +199,13 @@ def _print_located(console: Console, report: DiffReport) -> None:
                     str(item.first_byte),
                     error_text(item.max_abs_error),
                     error_text(item.max_rel_error),
+                    _worker_text(item.consumer_worker),
                 ]
             )
         hidden = len(group.located) - LOCATED_ROWS
         if hidden > 0:
             more = f"... {hidden} more (--format json lists all)"
-            rows.append([request_id, str(gid), "", more, "", "", "", "", "", ""])
+            rows.append([request_id, str(gid), "", more, "", "", "", "", "", "", ""])
     if not rows:
         return
     columns = (
@@ -187,6 +219,12 @@ def _print_located(console: Console, report: DiffReport) -> None:
         ">first byte",
         ">max abs error",
         ">max rel error",
+        "consumer worker",
     )
     console.print(Text("Located differences", style="bold"))
     console.print(filled_table("", columns, rows))
+
+
+def _worker_text(worker: tuple[int, int] | None) -> str:
+    """A consumer worker as ``tp 1 pp 0`` (empty where unknown)."""
+    return "" if worker is None else f"tp {worker[0]} pp {worker[1]}"
