@@ -53,14 +53,22 @@ def _wanted_slices(group: GroupComparison) -> dict[int, set[_Slice]]:
     return slices
 
 
-def _producer_requests(producer: Sequence[RawWorker], group_id: int) -> dict[str, int]:
-    """Each producer request that lists blocks of the group, with its token count."""
-    counts: dict[str, int] = {}
+def _producer_blocks(producer: Sequence[RawWorker], group_id: int, size: int) -> dict[str, range]:
+    """Each producer request that lists blocks of the group, with the positions (at
+    ``size``) its listed blocks and tokens reach: bounded by the blocks listed."""
+    found: dict[str, range] = {}
     for worker in producer:
+        block_size = worker.description.group(group_id).block_size
         for request_id, request in worker.requests.items():
-            if group_id in request.groups:
-                counts.setdefault(request_id, int(request.num_tokens))
-    return counts
+            if group_id not in request.groups:
+                continue
+            start, block_ids = request.groups[group_id]
+            with_tokens = -(-int(request.num_tokens) // size)
+            lo = start * block_size // size
+            hi = min(with_tokens, -(-(start + len(block_ids)) * block_size // size))
+            seen = found.get(request_id, range(lo, lo))
+            found[request_id] = range(min(seen.start, lo), max(seen.stop, hi))
+    return found
 
 
 def trace_group(
@@ -81,11 +89,12 @@ def trace_group(
     size = group.block_size
     layers = {name for slices in wanted.values() for name, _ in slices}
     consumed = SliceReader.open(consumer, request_id, group_id)
-    produced = {
-        rid: SliceReader.open(producer, rid, group_id)
-        for rid in _producer_requests(producer, group_id)
+    blocks = _producer_blocks(producer, group_id, size)
+    produced = {rid: SliceReader.open(producer, rid, group_id) for rid in blocks}
+    counts = {
+        rid: int(next(w.requests[rid].num_tokens for w in producer if rid in w.requests))
+        for rid in blocks
     }
-    counts = _producer_requests(producer, group_id)
     # Producer digests per (request, position, valid tokens), computed once.
     cache: dict[tuple[str, int, int], dict[_Slice, bytes]] = {}
     result: dict[int, list[StaleSource]] = {}
@@ -99,7 +108,7 @@ def trace_group(
         target = {key: held.get(key) for key in slices}
         sources = []
         for rid, reader in produced.items():
-            for q in range(-(-counts[rid] // size)):
+            for q in blocks[rid]:
                 if int(valid_tokens(counts[rid], size, q)) < valid:
                     continue
                 key = (rid, q, valid)

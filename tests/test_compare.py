@@ -504,6 +504,17 @@ def test_sliding_window_expects_the_positions_inside_the_window(n_p: int, n_c: i
         assert not report.ok
 
 
+def test_huge_token_counts_cost_only_the_blocks_held() -> None:
+    """A record of 10**15 tokens holding two blocks: two positions expected and held, in
+    time bounded by the blocks held."""
+    rng = random.Random(43)
+    totals = random_totals(rng, 2)
+    producer = build({"r": Req(10**15, {0: Grp(16, 0, totals)})})
+    consumer = build({"r": Req(10**15, {0: Grp(16, 0, totals[:1])})})
+    group = compare_records(producer, consumer).requests["r"][0]
+    assert (group.compared, group.missing_positions, group.held) == (1, [1], (2, 1))
+
+
 def test_a_group_the_consumer_holds_no_block_of_is_missing() -> None:
     requests = standard(42)
     without = standard(42)

@@ -168,10 +168,17 @@ def window_start(producer: Side, consumer: Side, coarse: int, window: int | None
     return -(-kept // coarse)
 
 
-def held_positions(side: Side, coarse: int) -> list[int]:
-    """The positions (at ``coarse``) with valid tokens whose tokens the side holds."""
-    count = -(-side.tokens // coarse)
-    return [q for q in range(count) if side.covers(q * coarse, min((q + 1) * coarse, side.tokens))]
+def held_positions(side: Side, coarse: int) -> range:
+    """The positions (at ``coarse``) with valid tokens whose tokens the side holds: one
+    range, as the side's blocks are consecutive (so its length is bounded by the blocks
+    held, whatever the token count)."""
+    with_tokens = -(-side.tokens // coarse)
+    if len(side.columns) == 0:
+        return range(0)
+    first = -(-side.start * side.block_size // coarse)
+    listed_end = (side.start + len(side.columns)) * side.block_size
+    end = with_tokens if side.tokens <= listed_end else min(with_tokens, listed_end // coarse)
+    return range(first, max(first, end))
 
 
 def missing_and_expected(
@@ -180,7 +187,8 @@ def missing_and_expected(
     """The expected positions the consumer lacks in whole or in part, and all expected
     positions (the producer's with valid tokens, inside the window on both sides)."""
     first = window_start(producer, consumer, coarse, window)
-    expected = [q for q in held_positions(producer, coarse) if q >= first]
+    held = held_positions(producer, coarse)
+    expected = list(range(max(first, held.start), held.stop))
     missing = [
         q
         for q in expected
