@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 import click
 
 from .corrupt.result import MODES
-from .errors import Interrupted, KvauditError, one_line
+from .errors import Interrupted, KvauditError, one_line, printable
 from .files import check_output
 from .validation import POSITION_NUMBERINGS
 
@@ -682,7 +682,7 @@ def _emit_report(
     from .report import make_console, print_diff
 
     for warning in report.warnings:
-        click.echo(f"kvaudit: warning: {warning}", err=True)
+        click.echo(f"kvaudit: warning: {printable(warning, newlines=False)}", err=True)
     if outputs.json_path is not None:
         _emit(diff_json_text(report), outputs.json_path)
     if outputs.junit_path is not None:
