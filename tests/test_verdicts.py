@@ -277,6 +277,15 @@ def test_received_totals_of_another_numbering_differ(small: Engines, tmp_path: P
     assert report["untraced"] is not None
 
 
+def test_received_under_two_numberings_is_bad_input(small: Engines, tmp_path: Path) -> None:
+    sent = {"r1": wire(totals(small, "r1"), 40, 0), "r2": wire(totals(small, "r2", "block"), 21, 1)}
+    consumer = write(small.consumer, tmp_path / "c", "consumer", received=sent)
+    result = run("verify", consumer, "--received")
+    assert result.exit_code == 2 and result.stdout == ""
+    assert "numbered positions differently" in result.stderr and "--request" in result.stderr
+    assert report_of("verify", consumer, "--received", "--request", "r2", status=0)["ok"]
+
+
 # Nothing compared.
 
 
@@ -330,6 +339,10 @@ def test_json_and_junit_files_beside_the_table(small: Engines, tmp_path: Path) -
     assert out_junit.read_text() == run("diff", producer, consumer, "--format", "junit").stdout
     sent = {rid: wire(totals(small, rid), TOKENS[rid]) for rid in TOKENS}
     received = write(small.consumer, tmp_path / "received", "consumer", received=sent)
+    # A report file never replaces an input.
+    for option in ("--json", "--junit"):
+        refused = run("diff", producer, consumer, option, producer / "pp0-tp0.safetensors")
+        assert refused.exit_code == 2 and option in refused.stderr
     verified = run("verify", received, "--received", "--json", out_json, "--format", "junit")
     assert verified.exit_code == 0 and json.loads(out_json.read_text())["ok"] is True
     assert verified.stdout.startswith("<?xml")
