@@ -22,6 +22,7 @@ LAYERS: list[list[str]] = [
         "dtypes",
         "arrays",
         "files",
+        "mapping",
         "validation",
         "scheme",
         "kernels.triton_tiling",
@@ -38,7 +39,7 @@ LAYERS: list[list[str]] = [
     ["compare", "locate", "trace"],
     ["corrupt", "diffing", "pairing"],
     ["formats", "report", "progress"],
-    ["testing", "cli", "__main__", ""],
+    ["testing", "exits", "cli", "__main__", ""],
 ]
 """From the bottom up; a module may import modules of its own layer or below. An entry
 names a module or a package (with every module in it unless a longer entry names it);

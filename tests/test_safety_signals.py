@@ -140,7 +140,7 @@ def test_sigbus_while_reading_is_one_line(tmp_path: Path) -> None:
         f"""
         import os
         from kvaudit.dumps import open_dump
-        from kvaudit.dumps.mapping import catch_bus_errors
+        from kvaudit.mapping import catch_bus_errors
         catch_bus_errors()
         dump = open_dump({str(path)!r})
         os.truncate({str(path)!r}, 4096)

@@ -15,10 +15,10 @@ from ..arrays import data_ptr, element_size, strides
 from ..description import CacheDescription
 from ..dtypes import DType
 from ..errors import KvauditError
+from ..mapping import FileMap
 from ..records import WorkerInfo
 from ..views import GroupViews, LayerTensor, build_group_views
 from .layers import layer_parts
-from .mapping import FileMap
 from .safetensors_io import as_integers, tensor_nbytes, tensor_of
 
 if TYPE_CHECKING:

@@ -21,8 +21,8 @@ import numpy as np
 from ..arrays import integer_array
 from ..dtypes import UINT8, DType, dtype_size, parse_dtype, safetensors_dtype_name, torch_dtype
 from ..files import atomic_path
+from ..mapping import FileMap
 from ..validation import MAX_DEPTH, MAX_HEADER_BYTES, check_plain, fail, is_int, short
-from .mapping import FileMap
 
 if TYPE_CHECKING:
     import torch

@@ -14,9 +14,7 @@ import signal
 import stat
 import weakref
 
-import numpy as np
-
-from ..errors import KvauditError
+from .errors import KvauditError
 
 CHANGED = "changed while reading"
 _BUS_MESSAGE = (
@@ -77,7 +75,9 @@ class FileMap:
             if _LIBC is None:
                 self._mmap: mmap.mmap | None = mmap.mmap(descriptor, 0, access=mmap.ACCESS_READ)
                 self.buffer = self._mmap
-                self.address = int(np.frombuffer(self._mmap, dtype=np.uint8, count=1).ctypes.data)
+                import numpy as np  # only where the C library's mmap is not at hand
+
+                self.address = int(np.frombuffer(self._mmap, np.uint8, count=1).ctypes.data)
             else:
                 self._mmap = None
                 self.address, self.buffer = _map(descriptor, self.length, path)

@@ -1,0 +1,94 @@
+"""How the ``kvaudit`` command ends when something goes wrong: SIGTERM and SIGHUP unwound
+like Ctrl-C (status 130), an escaping exception reported as one line naming it a bug and
+where (status 3, the traceback with ``--debug``), and streams that print what they cannot
+encode as escapes instead of raising half-way through a table."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType, TracebackType
+
+import click
+
+from .errors import Interrupted, one_line
+
+EXIT_INTERNAL = 3
+EXIT_INTERRUPTED = 130
+
+
+def tolerant_streams() -> None:
+    """Make stdout and stderr write text they cannot encode (a lone surrogate) as
+    backslash escapes instead of raising half-way through a table."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            try:
+                reconfigure(errors="backslashreplace")
+            except (ValueError, OSError):
+                continue
+
+
+def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
+    raise Interrupted(signal.Signals(signum).name)
+
+
+@contextmanager
+def interrupt_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise ``Interrupted`` (a ``KeyboardInterrupt``) as Ctrl-C does,
+    so that an interrupted write removes its temporary file; the handlers before are
+    restored after. Only the main thread can set handlers: elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {}
+    for number in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if number is not None:
+            previous[number] = signal.signal(number, _raise_interrupted)
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def _raising_frame(trace: TracebackType | None) -> str:
+    """Where an exception was raised, as ``module:line``, with kvaudit's innermost frame
+    when the raising one is another package's."""
+    frames = [(tb.tb_frame, tb.tb_lineno) for tb in _tracebacks(trace)]
+    if not frames:
+        return "an unknown place"
+    where = [f"{frame.f_globals.get('__name__', '?')}:{line}" for frame, line in frames]
+    ours = [
+        text
+        for text, (frame, _) in zip(where, frames)
+        if str(frame.f_globals.get("__name__", "")).startswith("kvaudit")
+    ]
+    if ours and ours[-1] != where[-1]:
+        return f"{where[-1]} (from {ours[-1]})"
+    return where[-1]
+
+
+def _tracebacks(trace: TracebackType | None) -> Iterator[TracebackType]:
+    while trace is not None:
+        yield trace
+        trace = trace.tb_next
+
+
+def internal_error(error: Exception, debug: bool) -> int:
+    """Report an exception that escaped (a bug): the traceback only with ``--debug``,
+    then one line saying it is a bug, what and where; the internal-error status."""
+    if debug:
+        traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
+    where = _raising_frame(error.__traceback__)
+    hint = "" if debug else "; run with --debug for the traceback"
+    message = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    click.echo(
+        one_line(f"kvaudit: internal error (a bug in kvaudit) at {where}: {message}{hint}"),
+        err=True,
+    )
+    return EXIT_INTERNAL
