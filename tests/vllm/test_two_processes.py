@@ -71,7 +71,15 @@ def test_a_damaged_transfer_is_caught_logged_dumped_and_located(tmp_path: Path) 
     assert entry["layer"] == f"model.layers.{LAYER}.self_attn.attn"
     assert (entry["position"], entry["head"], entry["tokens"]) == (1, HEAD, [TOKEN])
 
-    clean = kvaudit("diff", prefill / "dumps" / "req-b", decode / "dumps" / "req-b")
+    # ExampleConnector loads whole blocks only (34 prompt tokens, blocks of 16): the decode
+    # engine recomputes position 2, so it is missing on the consumer unless allowed.
+    tail = kvaudit("diff", prefill / "dumps" / "req-b", decode / "dumps" / "req-b",
+                   "--format", "json")  # fmt: skip
+    assert tail.returncode == 1, tail.stdout + tail.stderr
+    tail_group = json.loads(tail.stdout)["requests"]["req-b"]["groups"]["0"]
+    assert (tail_group["missing_positions"], tail_group["mismatched_positions"]) == ([2], [])
+    clean = kvaudit("diff", prefill / "dumps" / "req-b", decode / "dumps" / "req-b",
+                    "--allow-missing")  # fmt: skip
     assert clean.returncode == 0, clean.stdout + clean.stderr
 
     # The output folders are sources too: the records the two engines appended.
