@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 import click
 
 from .corrupt.result import MODES
+from .distributed import is_writer, spread
 from .errors import KvauditError, one_line, printable
 from .exits import (
     EXIT_INTERRUPTED,
@@ -113,6 +114,11 @@ class KvauditGroup(click.Group):
             status = EXIT_INCOMPLETE
         except Exception as error:  # any bug that escapes: status 3, not a traceback
             status = internal_error(error, self.debug)
+        finally:
+            if spread():
+                from .distributed.commands import finish
+
+                finish()
         if not standalone_mode:
             return status
         sys.exit(status if isinstance(status, int) else EXIT_OK)
@@ -290,7 +296,7 @@ def inspect(
     resolve_device(device or "auto")  # rejects --device cuda without CUDA, as everywhere
     inventory = _open(sources, _config(config_path), device).inventory()
     if output_format == "json":
-        click.echo(json_text(inventory_to_json(inventory)))
+        click.echo(json_text(_stamp(inventory_to_json(inventory))))
     else:
         print_inventory(make_console(), inventory)
     return EXIT_OK if inventory.complete else EXIT_INCOMPLETE
@@ -334,7 +340,7 @@ def checksum(
     with progress_bar(source.work(wanted), "checksum", enabled=not quiet) as advance:
         record = source.checksum(wanted, positions, runtime, progress=advance)
     if output_format == "json":
-        _emit(json_text(record_to_json(record)) + "\n", output)
+        _emit(json_text(_stamp(record_to_json(record))) + "\n", output)
     elif output_format == "csv":
         _emit(record_csv(record), output)
     else:
@@ -417,12 +423,16 @@ def diff(
             left,
             right,
             request_ids=wanted,
-            locate=locate,
+            locate=False if spread() else locate,
             runtime=runtime,
             progress=advance,
             allow_missing=allow_missing,
             allow_empty=allow_empty,
         )
+    if spread():
+        from .distributed.commands import locate_across
+
+        locate_across(report, left, right, wanted, locate)
     title = f"diff: producer {left.describe()}, consumer {right.describe()}"
     outputs = ReportOutputs(output_format, output, json_path, junit_path)
     _emit_report(report, outputs, title, DIFF_SIDES, "kvaudit.diff")
@@ -493,8 +503,11 @@ def verify(
     saved = _open([against], None, device) if against is not None else None
     wanted = _wanted(request_ids)
     work = verify_work(source, against=saved, request_ids=wanted)
+    check = verify_sources
+    if spread():
+        from .distributed.spread_verify import verify_spread as check
     with progress_bar(work, "verify", enabled=not quiet) as advance:
-        report = verify_sources(
+        report = check(
             source,
             against=saved,
             received=received,
@@ -604,19 +617,19 @@ def _emit_report(
     """Warn on stderr, write the ``--json`` and ``--junit`` files, then print or write
     the report in the chosen format. A reader of stdout that went away (``| head``)
     loses the rest of the output, not the verdict's exit status."""
-    from .formats import diff_json_text, diff_junit
+    from .formats import diff_junit, diff_to_json, json_text
     from .report import make_console, print_diff
 
     for warning in report.warnings:
         click.echo(f"kvaudit: warning: {printable(warning, newlines=False)}", err=True)
     if outputs.json_path is not None:
-        _emit(diff_json_text(report), outputs.json_path)
+        _emit(json_text(_stamp(diff_to_json(report))) + "\n", outputs.json_path)
     if outputs.junit_path is not None:
         _emit(diff_junit(report, suite), outputs.junit_path)
     output = outputs.output
     try:
         if outputs.output_format == "json":
-            _emit(diff_json_text(report), output)
+            _emit(json_text(_stamp(diff_to_json(report))) + "\n", output)
         elif outputs.output_format == "junit":
             _emit(diff_junit(report, suite), output)
         elif output is None:
@@ -656,10 +669,24 @@ def _config(path: str | None) -> CacheDescription | None:
 
 
 def _open(names: Sequence[str], config: CacheDescription | None, device: str | None) -> Source:
-    """SOURCE arguments resolved; live tensors move to ``--device`` only when given."""
+    """SOURCE arguments resolved; live tensors move to ``--device`` only when given. Under
+    torchrun, each process opens its share of the dumps (docs/scale.md)."""
+    if spread():
+        from .distributed.commands import open_spread_source
+
+        return open_spread_source(names, config, device)
     from .sources import open_source
 
     return open_source(names, config, device_given=device is not None)
+
+
+def _stamp(data: dict[str, Any]) -> dict[str, Any]:
+    """A result's JSON, with ``"processes"`` when several processes computed it."""
+    if not spread():
+        return data
+    from .distributed.commands import stamped
+
+    return stamped(data)
 
 
 def _wanted(request_ids: Sequence[str]) -> list[str] | None:
@@ -669,6 +696,8 @@ def _wanted(request_ids: Sequence[str]) -> list[str] | None:
 
 def _emit_table(render: Callable[[Console], None], output: str | None) -> None:
     """Print tables on stdout's console, or write them as plain text to ``output``."""
+    if not is_writer():
+        return
     from .report import make_console, render_text
 
     if output is None:
@@ -678,7 +707,10 @@ def _emit_table(render: Callable[[Console], None], output: str | None) -> None:
 
 
 def _emit(text: str, output: str | None) -> None:
-    """Print ``text``, or write it to ``output`` whole or not at all."""
+    """Print ``text``, or write it to ``output`` whole or not at all (under torchrun,
+    rank 0 only)."""
+    if not is_writer():
+        return
     from .files import atomic_path
 
     if output is None:

@@ -388,27 +388,36 @@ def verify_stored(
     """
     runtime = runtime or resolve_device("auto")
     ids = dump_set.request_ids if request_ids is None else request_ids
-    checks: list[StoredCheck] = []
-    for dump in dump_set.dumps:
-        held = [rid for rid in ids if rid in dump.requests]
-        if not held:
-            continue
-        record = checksum_dump_set(
-            DumpSet([dump], True),
-            request_ids=held,
-            positions="request",
-            backend=runtime.backend,
-            device=runtime.device,
-            progress=progress,
-        )
-        summary = record.workers[0]
-        for rid in held:
-            request = dump.requests[rid]
-            for gid in sorted(request.groups):
-                if gid in summary.not_covered:
-                    continue
-                checks.append(_stored_check(dump, record, summary.fingerprints[gid], rid, gid))
+    checks = [
+        check for dump in dump_set.dumps for check in stored_checks(dump, ids, runtime, progress)
+    ]
     return stored_report(checks, positions="request")
+
+
+def stored_checks(
+    dump: Dump, request_ids: Sequence[str], runtime: Runtime, progress: Progress | None = None
+) -> list[StoredCheck]:
+    """One dump's stored-checksum checks of those requests it holds, group by group."""
+    held = [rid for rid in request_ids if rid in dump.requests]
+    if not held:
+        return []
+    record = checksum_dump_set(
+        DumpSet([dump], True),
+        request_ids=held,
+        positions="request",
+        backend=runtime.backend,
+        device=runtime.device,
+        progress=progress,
+    )
+    summary = record.workers[0]
+    checks: list[StoredCheck] = []
+    for rid in held:
+        request = dump.requests[rid]
+        for gid in sorted(request.groups):
+            if gid in summary.not_covered:
+                continue
+            checks.append(_stored_check(dump, record, summary.fingerprints[gid], rid, gid))
+    return checks
 
 
 def _stored_check(dump: Dump, record: Record, fingerprint: int, rid: str, gid: int) -> StoredCheck:
@@ -434,6 +443,7 @@ __all__ = [
     "locate_report",
     "received_bytes",
     "shared_tokens",
+    "stored_checks",
     "verify_sources",
     "verify_stored",
     "verify_work",

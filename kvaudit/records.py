@@ -152,7 +152,11 @@ class Record:
         """
         check_plain(data, source)
         reader = _Reader(source)
-        reader.keys(data, "", ("format", "positions", "workers", "complete", "requests"))
+        reader.keys(
+            data, "", ("format", "positions", "workers", "complete", "requests"), ("processes",)
+        )
+        if "processes" in data:  # how many processes computed it (kvaudit under torchrun)
+            reader.integer(data["processes"], "processes", 1)
         if data["format"] != RECORD_FORMAT:
             reader.fail("format", f"expected {RECORD_FORMAT!r}, {reader.got(data['format'])}")
         positions = data["positions"]

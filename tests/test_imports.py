@@ -39,6 +39,7 @@ LAYERS: list[list[str]] = [
     ["compare", "locate", "trace"],
     ["corrupt", "diffing", "pairing"],
     ["formats", "report", "progress"],
+    ["distributed"],
     ["testing", "exits", "cli", "__main__", ""],
 ]
 """From the bottom up; a module may import modules of its own layer or below. An entry

@@ -18,7 +18,7 @@ from .example_connector import (
 from .reading import open_dump
 
 
-def _expand(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
+def expand_dump_paths(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
     """Dump files and ExampleConnector folders: each path, a directory's files, or the
     ExampleConnector folders inside a directory that holds no files of its own."""
     result = []
@@ -55,7 +55,7 @@ def open_dump_set(
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    files = _expand(paths)
+    files = expand_dump_paths(paths)
     if not files:
         raise KvauditError("no dumps given")
     folders = [file for file in files if os.path.isdir(file)]

@@ -83,13 +83,23 @@ def open_source(
     for name in names:
         if not name.startswith("live:"):
             check_input(name, directory=True)  # a FIFO or a device would block
-    options = OpenOptions(config, device_given)
+    kind, claimed = source_kind(names)
+    return kind.opener(names, claimed, OpenOptions(config, device_given))
+
+
+def source_kind(names: Sequence[str]) -> tuple[SourceKind, list[str]]:
+    """The kind a command's SOURCE arguments are, and the arguments it claims.
+
+    Raises:
+        KvauditError: No kind claims them.
+
+    """
     prefixed = [kind for kind in _KINDS if kind.prefix is not None]
     sniffed = [kind for kind in _KINDS if kind.prefix is None]
     for kind in (*prefixed, *sniffed, *_FALLBACK):
         claimed = [name for name in names if kind.claims(name)]
         if claimed or kind in _FALLBACK:
-            return kind.opener(names, claimed or list(names), options)
+            return kind, claimed or list(names)
     raise KvauditError(f"not a source kvaudit knows: {names[0]}")
 
 

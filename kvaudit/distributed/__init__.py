@@ -1,0 +1,32 @@
+"""kvaudit under torchrun: the dump files of a command split among processes, worker
+records gathered to rank 0, differences located by asking the rank that holds the blocks
+(docs/scale.md).
+
+``spread()`` reads only the environment, so the single-process path never imports torch;
+``comm`` (the process group and byte collectives), ``placement`` (SOURCE placeholders and
+which process reads which file), ``spread_source`` (the dump set spread over processes)
+and ``spread_locate`` (locating across processes) import it.
+"""
+
+from __future__ import annotations
+
+import os
+
+PLACEHOLDERS = ("{rank}", "{local_rank}", "{node_rank}")
+"""What a SOURCE path may contain, filled in by each process."""
+
+
+def spread() -> bool:
+    """Whether this process is one of several that torchrun started (``WORLD_SIZE > 1``)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        return False
+
+
+def is_writer() -> bool:
+    """Whether this process writes the output: rank 0, or the only process."""
+    return not spread() or os.environ.get("RANK", "0") == "0"
+
+
+__all__ = ["PLACEHOLDERS", "is_writer", "spread"]

@@ -1,0 +1,88 @@
+"""What the commands do differently under torchrun: join the process group, open
+SOURCEs spread over the processes, locate across them, and stamp the JSON with the
+number of processes. Only rank 0 writes; the others' stdout and stderr go to /dev/null
+(every process's errors reach rank 0, which reports them).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ..compare import DiffReport
+from ..description import CacheDescription
+from ..diffing import shared_tokens
+from ..errors import KvauditError
+from ..sources import Source, resolve_device
+from .comm import join, leave
+from .spread_locate import locate_spread
+from .spread_source import SpreadSource, open_spread
+
+UNTRACED = (
+    "not traced: under torchrun, differing blocks are located but not traced to the "
+    "producer blocks they hold"
+)
+
+
+def _silence() -> None:
+    """Point this process's stdout and stderr at /dev/null."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, sys.stdout.fileno())
+    os.dup2(null, sys.stderr.fileno())
+    os.close(null)
+
+
+def open_spread_source(
+    names: Sequence[str], config: CacheDescription | None, device: str | None
+) -> Source:
+    """SOURCE arguments opened by this process's share (joining the process group on
+    first use, on this process's GPU when the command computes on CUDA)."""
+    comm = join(resolve_device(device or "auto").device == "cuda")
+    if comm.place.rank != 0:
+        _silence()
+    return open_spread(names, config, comm, device_given=device is not None)
+
+
+def locate_across(
+    report: DiffReport,
+    producer: Source,
+    consumer: Source,
+    request_ids: Sequence[str] | None,
+    locate: bool | None,
+) -> None:
+    """Locate the report's differences as ``diff --locate`` does in one process, reading
+    blocks from the processes that hold them (``locate``: None when both sides are
+    dumps, True required, False never).
+
+    Raises:
+        KvauditError: ``locate=True`` with a side that holds only checksums.
+
+    """
+    if locate is False:
+        return
+    sides = (producer, consumer)
+    if not all(isinstance(side, SpreadSource) for side in sides):
+        if locate:
+            side = next(side for side in sides if not isinstance(side, SpreadSource))
+            raise KvauditError(
+                f"--locate needs the raw KV on both sides; {', '.join(side.names)} is a "
+                f"{side.kind} that holds only checksums"
+            )
+        return
+    report.untraced = UNTRACED
+    shared = shared_tokens(producer, consumer, request_ids)
+    locate_spread(report, producer.trimmed(shared), consumer.trimmed(shared), shared)  # type: ignore[union-attr]
+
+
+def stamped(data: dict[str, Any]) -> dict[str, Any]:
+    """The JSON of a result with ``"processes"``: how many processes computed it."""
+    return {**data, "processes": int(os.environ.get("WORLD_SIZE", "1"))}
+
+
+def finish() -> None:
+    """Leave the process group, if this process joined it."""
+    leave()

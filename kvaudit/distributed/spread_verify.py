@@ -1,0 +1,94 @@
+"""``kvaudit verify`` over a dump set spread among processes: against a record as in one
+process; the received and stored checksums the dumps carry, read where the dumps are."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from ..compare import DiffReport, StoredCheck, stored_report, verify_received
+from ..diffing import stored_checks, verify_sources
+from ..errors import KvauditError
+from ..sources import Progress, Runtime, Source, resolve_device
+from .spread_source import SpreadSource
+
+
+def received_bytes(source: SpreadSource, request_ids: Sequence[str] | None) -> dict[str, bytes]:
+    """Per request, the producer's wire checksums the spread dumps carry.
+
+    Raises:
+        KvauditError: Two workers carry different bytes for one request.
+
+    """
+    found: dict[str, tuple[bytes, str]] = {}
+    for item in source.held:
+        for request_id, data in item.received.items():
+            if request_ids is not None and request_id not in request_ids:
+                continue
+            seen = found.get(request_id)
+            if seen is None:
+                found[request_id] = (data, item.name)
+            elif seen[0] != data:
+                raise KvauditError(
+                    f"request {request_id!r}: the received checksums differ from those "
+                    f"{seen[1]} carries; the workers of one consumer receive the same",
+                    item.name,
+                )
+    return {request_id: data for request_id, (data, _) in found.items()}
+
+
+def spread_stored(
+    source: SpreadSource,
+    request_ids: Sequence[str] | None,
+    runtime: Runtime,
+    progress: Progress | None,
+) -> DiffReport:
+    """Each process checks the stored checksums of its own dumps; the checks, gathered,
+    make the report one process makes."""
+    ids = source.request_ids if request_ids is None else list(request_ids)
+
+    def own() -> dict[str, list[dict]]:
+        return {
+            dump.path: [dataclasses.asdict(c) for c in stored_checks(dump, ids, runtime, progress)]
+            for dump in source.local.values()
+        }
+
+    checked: dict[str, list[dict]] = {}
+    for part in source.comm.outcomes(own):
+        checked.update(part)
+    checks = [StoredCheck(**data) for item in source.held for data in checked[item.name]]
+    return stored_report(checks, positions="request")
+
+
+def verify_spread(
+    source: Source,
+    *,
+    against: Source | None = None,
+    received: bool = False,
+    stored: bool = False,
+    request_ids: Sequence[str] | None = None,
+    runtime: Runtime | None = None,
+    progress: Progress | None = None,
+) -> DiffReport:
+    """``kvaudit.diffing.verify_sources`` for a source spread among processes (every
+    process calls it): ``received`` and ``stored`` read the carried checksums where the
+    dumps are; anything else is checked as in one process."""
+    if against is not None or not isinstance(source, SpreadSource) or received == stored:
+        return verify_sources(
+            source,
+            against=against,
+            received=received,
+            stored=stored,
+            request_ids=request_ids,
+            runtime=runtime,
+            progress=progress,
+        )
+    runtime = runtime or resolve_device("auto")
+    ids = None if request_ids is None else list(dict.fromkeys(request_ids))
+    if ids is not None:
+        source.check_request_ids(ids)
+    if stored:
+        return spread_stored(source, ids, runtime, progress)
+    record = source.checksum(ids, "request", runtime, progress)
+    wire = received_bytes(source, ids)
+    return verify_received(record, wire, source=", ".join(source.names), request_ids=ids)

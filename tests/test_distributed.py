@@ -1,0 +1,268 @@
+"""kvaudit under torchrun: 2 processes on gloo (CPU), each holding part of the workers.
+
+The producer (TP=2 x PP=2) and consumer (TP=4) dump sets of ``dumped_sets`` are split
+between the folders ``n0`` and ``n1`` (``{rank}`` in the SOURCE path): the record must
+equal the single-process record of all the files, and a diff of a faulty pair must
+locate the planted faults as the decoded cells say (``dumped_sets.expected_located``),
+as one process does. A process that cannot read its files, one that never comes and one
+that is killed make every process exit within the timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from dumped_sets import (
+    COMPARED,
+    TOKENS,
+    Sets,
+    all_positions,
+    build_sets,
+    decode_set,
+    expected_located,
+)
+
+from kvaudit.corrupt import corrupt_dump
+from kvaudit.diffing import diff_sources
+from kvaudit.distributed.comm import Place
+from kvaudit.distributed.commands import UNTRACED
+from kvaudit.distributed.placement import Unit, assign, fill
+from kvaudit.formats import diff_to_json, inventory_to_json, record_to_json
+from kvaudit.formats.json import located_to_json
+from kvaudit.sources import Runtime, open_source
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU = Runtime("torch", "cpu")
+TIMEOUT = 20
+"""The collectives' timeout the tests give (KVAUDIT_DIST_TIMEOUT), in seconds."""
+SPLIT = {  # worker file -> the rank whose folder holds it
+    "producer": {"pp0-tp0": 0, "pp1-tp1": 0, "pp0-tp1": 1, "pp1-tp0": 1},
+    "consumer": {"pp0-tp0": 0, "pp0-tp2": 0, "pp0-tp1": 1, "pp0-tp3": 1},
+}
+FAULTS = [  # (consumer worker, request, group, position, mode): on both ranks' files
+    ("pp0-tp3", "req-a", 0, 1, "flip"),
+    ("pp0-tp1", "req-b", 2, 1, "zero"),
+    ("pp0-tp0", "req-a", 1, 2, "flip"),
+]
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory: pytest.TempPathFactory) -> tuple[Sets, Path, list[str]]:
+    """The sets, a folder ``n{rank}/{producer,consumer}`` per rank with its share of the
+    files (the consumer's with the planted faults), and the faulty consumer's paths."""
+    root = tmp_path_factory.mktemp("dist")
+    sets = build_sets(root / "sets")
+    faulty = list(sets.consumer.paths)
+    for worker, request_id, group_id, position, mode in FAULTS:
+        index = next(i for i, path in enumerate(faulty) if Path(path).stem == worker)
+        target = root / "faulty" / f"{worker}.safetensors"
+        target.parent.mkdir(exist_ok=True)
+        corrupt_dump(
+            faulty[index], target, request_id=request_id, group_id=group_id,
+            position=position, mode=mode, seed=3,
+        )  # fmt: skip
+        faulty[index] = str(target)
+    for side, paths in (("producer", sets.producer.paths), ("consumer", faulty)):
+        for path in paths:
+            folder = root / f"n{SPLIT[side][Path(path).stem]}" / side
+            folder.mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, folder / Path(path).name)
+    return sets, root, faulty
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env["KVAUDIT_DIST_TIMEOUT"] = str(TIMEOUT)
+    env.update(extra)
+    return env
+
+
+def torchrun(*args: object, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node 2 -m kvaudit ARGS``."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", "-m", "kvaudit", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=timeout)
+
+
+def launch(args: list[str], ranks: list[int], **extra: str) -> list[subprocess.Popen]:
+    """Processes of a world of 2 started as torchrun starts them (its variables), without
+    its agent: only ``ranks`` are started."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    processes = []
+    for rank in ranks:
+        env = _env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GROUP_RANK="0", **extra)
+        command = [sys.executable, "-m", "kvaudit", *args]
+        processes.append(
+            subprocess.Popen(
+                command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    return processes
+
+
+def _sources_by_name(data: dict) -> dict:
+    """A record's JSON with each worker's source reduced to its file name."""
+    for worker in data["workers"]:
+        worker["source"] = Path(worker["source"]).name
+    return data
+
+
+def _groups(*reports: dict):
+    """Each ``(request, group id, group)`` of the reports' JSON."""
+    for report in reports:
+        for request_id, request in report["requests"].items():
+            for gid, group in request["groups"].items():
+                yield request_id, gid, group
+
+
+def _errors(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("kvaudit: error:")]
+
+
+# Placement.
+
+
+def test_placeholders_and_assignment() -> None:
+    place = Place(rank=5, world=16, local_rank=5, node_rank=0)
+    assert fill("/d/n{node_rank}/r{rank}/l{local_rank}/{other}", place) == "/d/n0/r5/l5/{other}"
+    shared = [Unit("shared:/a", ("/a",), 100), Unit("shared:/b", ("/b",), 60)]
+    shared.append(Unit("shared:/c", ("/c",), 50))
+    # Every process sees every file: the largest first, each to the least loaded.
+    assert [[u.key for u in own] for own in assign([shared, shared])] == [
+        ["shared:/a"],
+        ["shared:/b", "shared:/c"],
+    ]
+    # A file only one process sees goes to it, however loaded.
+    own = [Unit("node 0:/x", ("/x",), 10)]
+    assert [[u.key for u in mine] for mine in assign([shared, own])] == [
+        ["shared:/a", "shared:/b", "shared:/c"],
+        ["node 0:/x"],
+    ]
+
+
+# Split between two processes.
+
+
+@pytest.mark.slow
+def test_checksum_split_equals_one_process(split: tuple[Sets, Path, list[str]]) -> None:
+    sets, root, _ = split
+    folders = root / "n{rank}" / "producer"
+    done = torchrun("checksum", folders, "--format", "json", "--device", "cpu")
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data.pop("processes") == 2
+    whole = open_source(sets.producer.paths).checksum(None, None, CPU)
+    assert _sources_by_name(data) == _sources_by_name(record_to_json(whole))
+
+
+@pytest.mark.slow
+def test_diff_locates_the_faults_as_one_process(split: tuple[Sets, Path, list[str]]) -> None:
+    sets, root, faulty = split
+    producer, consumer = root / "n{rank}" / "producer", root / "n{rank}" / "consumer"
+    done = torchrun("diff", producer, consumer, "--format", "json", "--device", "cpu")
+    assert done.returncode == 1, done.stderr  # torchrun's status when a process returns 1
+    data = json.loads(done.stdout)
+    assert data.pop("processes") == 2
+    one = diff_to_json(
+        diff_sources(open_source(sets.producer.paths), open_source(faulty), runtime=CPU)
+    )
+    # Tracing to producer blocks is left to one process (docs/scale.md).
+    assert data.pop("untraced") == UNTRACED
+    for _, _, group in _groups(data, one):
+        group.pop("stale_sources")
+    one.pop("untraced")
+    assert data == one
+    # Every planted fault is located, as the decoded cells say.
+    produced, consumed = sets.producer_cells, decode_set(sets.consumer, faulty)
+    for _, request_id, group_id, _, _ in FAULTS:
+        group = data["requests"][request_id]["groups"][str(group_id)]
+        assert group["mismatched_positions"] or group["replicas_differing"]
+        positions = all_positions(group_id, TOKENS[request_id])
+        expected = expected_located(
+            produced, consumed, request_id, group_id, positions, COMPARED[group_id],
+            TOKENS[request_id],
+        )  # fmt: skip
+        assert expected and group["located"] == [located_to_json(e) for e in expected]
+
+
+@pytest.mark.slow
+def test_shared_paths_inspect(split: tuple[Sets, Path, list[str]]) -> None:
+    """Without placeholders both processes see every file and share them; ``inspect``
+    says what one process says, and only rank 0 writes."""
+    sets, _, _ = split
+    folder = str(Path(sets.producer.paths[0]).parent)
+    processes = launch(["inspect", folder, "--format", "json", "--device", "cpu"], [0, 1])
+    outputs = [process.communicate(timeout=120) for process in processes]
+    assert [process.returncode for process in processes] == [0, 0], outputs[0][1]
+    assert outputs[1] == ("", "")  # only rank 0 writes
+    data = json.loads(outputs[0][0])
+    assert data.pop("processes") == 2
+    assert data == json.loads(json.dumps(inventory_to_json(open_source([folder]).inventory())))
+
+
+# Failures.
+
+
+@pytest.mark.slow
+def test_unreadable_file_on_one_rank(split: tuple[Sets, Path, list[str]], tmp_path: Path) -> None:
+    _, root, _ = split
+    for rank in (0, 1):
+        shutil.copytree(root / f"n{rank}" / "producer", tmp_path / f"n{rank}")
+    broken = tmp_path / "n1" / "pp0-tp1.safetensors"
+    broken.write_bytes(broken.read_bytes()[:100])
+    start = time.monotonic()
+    done = torchrun("checksum", tmp_path / "n{rank}", "--format", "json", "--device", "cpu")
+    assert time.monotonic() - start < 120
+    assert done.returncode == 1  # torchrun's status when a process fails; rank 0's was 2
+    assert done.stdout == ""
+    errors = _errors(done.stderr)
+    assert len(errors) == 1 and errors[0].startswith(f"kvaudit: error: rank 1: {broken}"), errors
+    assert "exitcode  : 2" in done.stderr
+
+
+@pytest.mark.slow
+def test_a_process_that_never_comes(split: tuple[Sets, Path, list[str]]) -> None:
+    _, root, _ = split
+    args = ["checksum", str(root / "n{rank}" / "producer"), "--device", "cpu"]
+    (process,) = launch(args, [0], KVAUDIT_DIST_TIMEOUT="3")
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 2 and out == ""
+    (error,) = _errors(err)
+    assert error.startswith("kvaudit: error: rank 0: joining the process group failed")
+    assert "within 3 s" in error
+
+
+@pytest.mark.slow
+def test_a_killed_process(split: tuple[Sets, Path, list[str]], tmp_path: Path) -> None:
+    """Rank 1 is killed while it reads its dumps (they are mapped): rank 0, which waits
+    for its results, exits with status 2 within the timeout."""
+    _, root, _ = split
+    for rank in (0, 1):
+        shutil.copytree(root / f"n{rank}" / "producer", tmp_path / f"n{rank}")
+    args = ["checksum", str(tmp_path / "n{rank}"), "--device", "cpu"]
+    rank0, rank1 = launch(args, [0, 1])
+    maps = Path(f"/proc/{rank1.pid}/maps")
+    deadline = time.monotonic() + 60
+    while str(tmp_path / "n1") not in maps.read_text():  # until rank 1 mapped a dump
+        assert time.monotonic() < deadline and rank1.poll() is None
+        time.sleep(0.05)
+    killed = time.monotonic()
+    rank1.send_signal(signal.SIGKILL)
+    rank1.wait()
+    out, err = rank0.communicate(timeout=TIMEOUT + 30)
+    assert time.monotonic() - killed < TIMEOUT + 10
+    assert rank0.returncode == 2 and out == ""
+    (error,) = _errors(err)
+    assert error.startswith("kvaudit: error: rank 0: exchanging results failed"), error
