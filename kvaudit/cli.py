@@ -654,7 +654,10 @@ def _raise_broken_pipe() -> None:
 
 def _check_outputs(outputs: dict[str, str | None], inputs: Sequence[str | None]) -> None:
     """Refuse, before any work, an output option (``-o``) that names no file or names one
-    of the command's inputs (SOURCE arguments, records, descriptions)."""
+    of the command's inputs (SOURCE arguments, records, descriptions); under torchrun,
+    on rank 0 only, which writes it."""
+    if not is_writer():
+        return
     named = [name for name in inputs if name]
     for option, output in outputs.items():
         if output is not None:
