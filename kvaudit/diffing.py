@@ -296,7 +296,7 @@ def _verify_one_way(
             f"{what} reads what dumps carry; {', '.join(source.names)} is a {source.kind}"
         )
     if received:
-        return _verify_received(source, dump_set, ids, runtime, progress)
+        return verify_wire(source, received_bytes(dump_set, ids), ids, runtime, progress)
     return verify_stored(dump_set, request_ids=ids, runtime=runtime, progress=progress)
 
 
@@ -346,15 +346,17 @@ def received_bytes(dump_set: DumpSet, request_ids: Sequence[str] | None = None) 
     return {request_id: data for request_id, (data, _) in found.items()}
 
 
-def _verify_received(
+def verify_wire(
     source: Source,
-    dump_set: DumpSet,
+    wire_bytes: Mapping[str, bytes],
     ids: list[str] | None,
     runtime: Runtime,
     progress: Progress | None,
 ) -> DiffReport:
+    """The source checked against the producer checksums its dumps carry (``wire_bytes``
+    per request, as ``received_bytes`` reads them)."""
     name = ", ".join(source.names)
-    wires = decode_received(received_bytes(dump_set, ids), name)
+    wires = decode_received(wire_bytes, name)
     numbering = received_numbering(wires, name)
     counts = source.token_counts()
     # The consumer's checksums cover only the producer's tokens, as a diff's do.
@@ -446,5 +448,6 @@ __all__ = [
     "stored_checks",
     "verify_sources",
     "verify_stored",
+    "verify_wire",
     "verify_work",
 ]

@@ -58,8 +58,8 @@ def group_windows(*sources: Source) -> dict[int, int]:
     record side are not known."""
     windows: dict[int, int] = {}
     for source in sources:
-        for worker in source.raw_kv() or []:
-            for group in worker.description.groups:
+        for description in source.descriptions():
+            for group in description.groups:
                 specs = [entry.spec for entry in group.layers] or [group.spec]
                 if not all(spec.type in SLIDING_TYPES and spec.sliding_window for spec in specs):
                     continue

@@ -58,6 +58,8 @@ def _producer_blocks(producer: Sequence[RawWorker], group_id: int, size: int) ->
     ``size``) its listed blocks and tokens reach: bounded by the blocks listed."""
     found: dict[str, range] = {}
     for worker in producer:
+        if all(group.id != group_id for group in worker.description.groups):
+            continue  # another pipeline stage's worker: none of the group's layers
         block_size = worker.description.group(group_id).block_size
         for request_id, request in worker.requests.items():
             if group_id not in request.groups:

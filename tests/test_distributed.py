@@ -127,6 +127,11 @@ def _groups(*reports: dict):
                 yield request_id, gid, group
 
 
+def _cells(entry: dict) -> dict:
+    """A located entry without its file (the holder's path differs from the reference's)."""
+    return {key: value for key, value in entry.items() if key != "file"}
+
+
 def _errors(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("kvaudit: error:")]
 
@@ -182,6 +187,8 @@ def test_diff_locates_the_faults_as_one_process(split: tuple[Sets, Path, list[st
     assert data.pop("untraced") == UNTRACED
     for _, _, group in _groups(data, one):
         group.pop("stale_sources")
+        for entry in group["located"]:
+            entry["file"] = Path(entry["file"]).name
     one.pop("untraced")
     assert data == one
     # Every planted fault is located, as the decoded cells say.
@@ -194,7 +201,9 @@ def test_diff_locates_the_faults_as_one_process(split: tuple[Sets, Path, list[st
             produced, consumed, request_id, group_id, positions, COMPARED[group_id],
             TOKENS[request_id],
         )  # fmt: skip
-        assert expected and group["located"] == [located_to_json(e) for e in expected]
+        assert expected and [_cells(e) for e in group["located"]] == [
+            _cells(located_to_json(e)) for e in expected
+        ]
 
 
 @pytest.mark.slow

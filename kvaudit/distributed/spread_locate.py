@@ -127,7 +127,8 @@ class _Fetcher:
             return None
         with open(path, "wb") as handle:
             handle.write(data[1:])
-        return open_dump(path)
+        # Named as its holder names the dump, so that located entries name the real file.
+        return dataclasses.replace(open_dump(path), path=item.name)
 
 
 def locate_spread(

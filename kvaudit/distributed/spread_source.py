@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..description import CacheDescription
+from ..description import CacheDescription, description_to_dict, parse_description
 from ..dumps import Dump, DumpSet, open_dump
 from ..dumps.example_connector import open_example_connectors
 from ..errors import KvauditError
@@ -49,6 +49,7 @@ class Held:
     requests: dict[str, RequestBlocks]
     block_sizes: dict[int, int]
     inventory: WorkerInventory
+    description: CacheDescription
     received: dict[str, bytes] = dataclasses.field(default_factory=dict)
 
 
@@ -68,6 +69,7 @@ def _held_json(dump: Dump) -> dict[str, Any]:
         "block_sizes": {str(group.id): group.block_size for group in dump.description.groups},
         "rows": inventory.rows,
         "groups": [dataclasses.asdict(group) for group in inventory.groups],
+        "description": description_to_dict(dump.description),
         "received": {
             rid: request.received.hex()
             for rid, request in dump.requests.items()
@@ -91,6 +93,7 @@ def _held(rank: int, data: Mapping[str, Any]) -> Held:
         requests,
         {int(gid): size for gid, size in data["block_sizes"].items()},
         WorkerInventory(worker, data["rows"], groups),
+        parse_description(data["description"], data["name"]),
         {rid: bytes.fromhex(text) for rid, text in data["received"].items()},
     )
 
@@ -170,6 +173,9 @@ class SpreadSource(Source):
             for item in self.held
         ]
         return SpreadSource(self.names, self.comm, local, held, list(self.whole.values()))
+
+    def descriptions(self) -> list[CacheDescription]:
+        return [item.description for item in self.held]
 
     def _stated_worker(self) -> WorkerInfo | None:
         return self.held[0].worker if self.held else None

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from ..compare import DiffReport, StoredCheck, stored_report, verify_received
-from ..diffing import stored_checks, verify_sources
+from ..compare import DiffReport, StoredCheck, stored_report
+from ..diffing import stored_checks, verify_sources, verify_wire
 from ..errors import KvauditError
 from ..sources import Progress, Runtime, Source, resolve_device
 from .spread_source import SpreadSource
@@ -69,6 +69,8 @@ def verify_spread(
     request_ids: Sequence[str] | None = None,
     runtime: Runtime | None = None,
     progress: Progress | None = None,
+    allow_missing: bool = False,
+    allow_empty: bool = False,
 ) -> DiffReport:
     """``kvaudit.diffing.verify_sources`` for a source spread among processes (every
     process calls it): ``received`` and ``stored`` read the carried checksums where the
@@ -82,13 +84,17 @@ def verify_spread(
             request_ids=request_ids,
             runtime=runtime,
             progress=progress,
+            allow_missing=allow_missing,
+            allow_empty=allow_empty,
         )
     runtime = runtime or resolve_device("auto")
     ids = None if request_ids is None else list(dict.fromkeys(request_ids))
     if ids is not None:
         source.check_request_ids(ids)
     if stored:
-        return spread_stored(source, ids, runtime, progress)
-    record = source.checksum(ids, "request", runtime, progress)
-    wire = received_bytes(source, ids)
-    return verify_received(record, wire, source=", ".join(source.names), request_ids=ids)
+        report = spread_stored(source, ids, runtime, progress)
+    else:
+        report = verify_wire(source, received_bytes(source, ids), ids, runtime, progress)
+        report.untraced = "no trace possible: the producer sent only its checksums"
+    report.allow_missing, report.allow_empty = allow_missing, allow_empty
+    return report

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from ..errors import KvauditError
 
 if TYPE_CHECKING:
+    from ..description import CacheDescription
     from ..dumps import DumpSet
     from ..records import Record, WorkerInfo
     from .inventory import Inventory
@@ -132,6 +133,10 @@ class Source(ABC):
         """Each worker's raw KV (``kvaudit.sources.raw.RawWorker``: dumps, live tensors)
         for locating differences; None when the source holds only checksums."""
         return None
+
+    def descriptions(self) -> list[CacheDescription]:
+        """The cache descriptions of the source's workers (none for a record)."""
+        return [worker.description for worker in self.raw_kv() or []]
 
     def carried_checksums(self) -> DumpSet | None:
         """The dumps whose carried checksums (the producer's wire bytes a consumer
