@@ -1,6 +1,6 @@
 """Whole ``kvaudit`` processes timed against the tools beside it (issue 10).
 
-    python bench/cli.py [--repeats 7] [--dir DIR] [--skip-diff] [--skip-cold]
+    python bench/cli.py [--repeats 7] [--dir DIR] [--skip-diff] [--skip-cold] [--drop-caches]
 
 Writes the dumps it needs (one block; 512 MiB; two 1.5 GiB sides unless ``--skip-diff``)
 to a fresh folder under DIR (default: the system's temporary directory, removed at the
@@ -10,8 +10,12 @@ run, so the load of a shared machine cancels out as far as it can. Peers that ar
 installed (``b3sum``, ``xxhsum``, ``sha256sum``; ``apt-get install b3sum xxhash``) are
 skipped with a note. Files are read from the page cache (each is read once first), except
 for the cold figures: there each run first evicts the file from the page cache
-(``posix_fadvise(DONTNEED)``, which needs no root), and the script says whether dropping
-the whole page cache (``/proc/sys/vm/drop_caches``) is allowed here.
+(``posix_fadvise(DONTNEED)``, which needs no root; ``--drop-caches`` drops the whole page
+cache instead where this process may), and the script says whether dropping the whole page
+cache (``/proc/sys/vm/drop_caches``) is allowed here.
+
+kvaudit's modules are byte-compiled first, as installing the package does: where
+``PYTHONDONTWRITEBYTECODE`` is set, every run would otherwise compile them again.
 
 The checksum figures time ``kvaudit checksum --format json`` (stdout to /dev/null); the
 default table output is timed once more against ``b3sum``, for information.
@@ -25,6 +29,7 @@ Targets: ``kvaudit --help`` <= 2x ``python -c "import numpy"``; a one-block dump
 from __future__ import annotations
 
 import argparse
+import compileall
 import os
 import shutil
 import statistics
@@ -174,13 +179,19 @@ def warm(*paths: str) -> None:
                 pass
 
 
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
 def drop_caches_allowed() -> bool:
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as file:
-            file.write("3\n")
-    except OSError:
-        return False
-    return True
+    """Whether this process may drop the whole page cache (asked without doing it)."""
+    return os.access(DROP_CACHES, os.W_OK)
+
+
+def drop_caches() -> None:
+    """Drop the whole page cache (every process's clean pages; needs root)."""
+    os.sync()
+    with open(DROP_CACHES, "w") as file:
+        file.write("3\n")
 
 
 def main() -> None:
@@ -189,10 +200,16 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--skip-diff", action="store_true", help="no 2 x 1.5 GiB diff figure")
     parser.add_argument("--skip-cold", action="store_true", help="no cold-file figures")
+    parser.add_argument(
+        "--drop-caches",
+        action="store_true",
+        help="cold runs drop the whole page cache where allowed (default: evict the file only)",
+    )
     args = parser.parse_args()
     folder = tempfile.mkdtemp(prefix="kvaudit-bench-cli-", dir=args.dir)
     try:
         print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
+        compileall.compile_dir(os.path.join(ROOT, "kvaudit"), quiet=1)
         small = os.path.join(folder, "one-block.safetensors")
         write_one_block(small)
         big = write_sized(os.path.join(folder, "512mib"), 0.5)
@@ -272,18 +289,27 @@ def main() -> None:
             report(figure, args.repeats)
         if not args.skip_cold:
             allowed = drop_caches_allowed()
+            whole = args.drop_caches and allowed
             print(
-                "dropping the whole page cache (/proc/sys/vm/drop_caches) is "
-                + ("allowed" if allowed else "refused here")
-                + "; cold runs evict the file itself with posix_fadvise(DONTNEED)",
+                f"dropping the whole page cache ({DROP_CACHES}) is "
+                + ("allowed here" if allowed else "not allowed here")
+                + "; cold runs "
+                + ("drop it" if whole else "evict the file itself with posix_fadvise(DONTNEED)"),
                 flush=True,
             )
             folder_of_big = os.path.dirname(big)
+
+            def cold_start() -> None:
+                if whole:
+                    drop_caches()
+                else:
+                    evict(folder_of_big)
+
             cold = [
                 Figure(
                     "512 MiB dump, cold",
-                    Command("checksum", [[*checksum, big]], lambda: evict(folder_of_big)),
-                    Command(label, [argv], lambda: evict(folder_of_big)),
+                    Command("checksum", [[*checksum, big]], cold_start),
+                    Command(label, [argv], cold_start),
                     float("inf"),
                 )
                 for label, argv in (("b3sum", b3sum), ("sha256sum", sha256sum))

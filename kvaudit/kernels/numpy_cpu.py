@@ -19,12 +19,15 @@ a small thread pool.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..arrays import Array, is_numpy
 from . import LaunchPart
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
 
 CHUNK_BYTES = 2 << 20
 """Bytes of rows one task reads: small enough that its running sums stay in cache."""
@@ -39,6 +42,9 @@ _POOL: ThreadPoolExecutor | None = None
 def _pool() -> ThreadPoolExecutor:
     global _POOL
     if _POOL is None:
+        # Imported here: concurrent.futures brings logging, which a one-block run never needs.
+        from concurrent.futures import ThreadPoolExecutor
+
         _POOL = ThreadPoolExecutor(THREADS, thread_name_prefix="kvaudit-numpy")
     return _POOL
 

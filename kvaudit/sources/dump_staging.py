@@ -5,7 +5,6 @@ that filling one overlaps the copy to the device and the checksums of the other.
 from __future__ import annotations
 
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from ..checksummer import Checksummer, launch_torch
@@ -15,6 +14,8 @@ from ..dumps.safetensors_io import as_integers
 from .dump_batches import DumpBatches, Finish, Table, batch_rows, dump_checksummer, row_axis
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     import torch
 
     from ..views import LayerTensor
@@ -52,9 +53,11 @@ class StagedBatches(DumpBatches):
         self.slots = [self._slot(backend) for _ in range(count)]
         self.turn = 0
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.executor = (
-            ThreadPoolExecutor(1, thread_name_prefix="kvaudit-dump") if count > 1 else None
-        )
+        self.executor = None
+        if count > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.executor = ThreadPoolExecutor(1, thread_name_prefix="kvaudit-dump")
 
     def _slot(self, backend: str) -> _Slot:
         """A set of device buffers of ``rows`` rows, their host buffers (pinned on CUDA;
