@@ -12,12 +12,36 @@ common mistakes), ``reading`` (one dump, strictly), ``dump_sets`` (one engine's 
 opened together), ``writing`` (``write_dump``).
 """
 
-from .dump import COPY_BYTES, FORMAT, STORED_CHECKSUMS, Dump, DumpRequest, DumpSet
-from .dump_sets import open_dump_set
-from .example_connector import EXAMPLE_CONNECTOR_TENSOR
-from .reading import open_dump
-from .safetensors_io import ALIGNMENT, PAD_PREFIX
-from .writing import write_dump
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from .dump import COPY_BYTES, FORMAT, STORED_CHECKSUMS, Dump, DumpRequest, DumpSet
+    from .dump_sets import open_dump_set
+    from .example_connector import EXAMPLE_CONNECTOR_TENSOR
+    from .reading import open_dump
+    from .safetensors_io import ALIGNMENT, PAD_PREFIX
+    from .writing import write_dump
+
+# Imported on first use: the command line's start-up imports ``dumps.mapping`` alone.
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        **dict.fromkeys(
+            ("COPY_BYTES", "FORMAT", "STORED_CHECKSUMS", "Dump", "DumpRequest", "DumpSet"),
+            ".dump",
+        ),
+        "open_dump_set": ".dump_sets",
+        "EXAMPLE_CONNECTOR_TENSOR": ".example_connector",
+        "open_dump": ".reading",
+        "ALIGNMENT": ".safetensors_io",
+        "PAD_PREFIX": ".safetensors_io",
+        "write_dump": ".writing",
+    },
+)
 
 __all__ = [
     "ALIGNMENT",
