@@ -12,6 +12,7 @@ import mmap
 import os
 import signal
 import stat
+import time
 import weakref
 
 from .errors import KvauditError
@@ -129,8 +130,18 @@ def _map(descriptor: int, length: int, path: str) -> tuple[int, object]:
     return address, buffer
 
 
+_bus_error_seen = False
+
+
 @ctypes.CFUNCTYPE(None, ctypes.c_int)
 def _on_bus_error(signum: int) -> None:  # pragma: no cover - runs in a dying process
+    global _bus_error_seen
+    if _bus_error_seen:
+        # Another thread hit the lost pages too (os.write lets it in): it waits here for
+        # the first one's exit, since returning would only fault again.
+        while True:
+            time.sleep(1)
+    _bus_error_seen = True
     os.write(2, _BUS_MESSAGE)
     os._exit(_BUS_STATUS)
 
