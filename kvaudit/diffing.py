@@ -22,10 +22,12 @@ from .compare import (
     verify_received,
     verify_stored_blocks,
 )
+from .compare.numeric import NumericReport
 from .compare.received import decode_received, received_numbering
 from .dumps import Dump, DumpSet
 from .errors import KvauditError
 from .locate import locate_differences
+from .numeric import numeric_diff
 from .pairing import group_windows, side_warnings
 from .records import Record
 from .sources import Progress, Runtime, Source, checksum_dump_set, resolve_device
@@ -439,10 +441,46 @@ def _stored_check(dump: Dump, record: Record, fingerprint: int, rid: str, gid: i
     return StoredCheck(rid, gid, block_size, checked=positions, failed=failed)
 
 
+def numeric_sources(
+    producer: Source,
+    consumer: Source,
+    *,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    request_ids: Sequence[str] | None = None,
+    progress: Progress | None = None,
+) -> NumericReport:
+    """The producer compared with the consumer by value over the tokens both hold
+    (docs/numeric.md).
+
+    Raises:
+        KvauditError: A requested id on neither side, or a side that holds only checksums.
+
+    """
+    ids = _ids(request_ids)
+    if ids is not None:
+        _check_wanted(producer, consumer, ids)
+    shared = shared_tokens(producer, consumer, ids)
+    raw = []
+    for side in (producer, consumer):
+        workers = side.raw_kv()
+        if workers is None:
+            raise KvauditError(
+                f"--numeric needs the raw KV on both sides; {', '.join(side.names)} is a "
+                f"{side.kind} that holds only checksums"
+            )
+        raw.append(workers)
+    left, right = raw
+    return numeric_diff(
+        left, right, shared, atol=atol, rtol=rtol, request_ids=ids, progress=progress
+    )
+
+
 __all__ = [
     "diff_sources",
     "diff_work",
     "locate_report",
+    "numeric_sources",
     "received_bytes",
     "shared_tokens",
     "stored_checks",

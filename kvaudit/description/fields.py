@@ -4,6 +4,7 @@ one ``DescriptionError`` naming the source and key path."""
 from __future__ import annotations
 
 import keyword
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +27,9 @@ ATTENTION_SPEC_KEYS = (
     "sliding_window",
     "attention_chunk_size",
     "max_tp_shards",
+    "scale",
+    "k_scale",
+    "v_scale",
 )
 STATE_SPEC_KEYS = ("shapes", "dtypes", "checksummed_states", "tp_replicated", "state_splits")
 # vLLM's KVCacheSpec class (any type), for the fingerprint.
@@ -130,6 +134,22 @@ class FieldChecker(Checker):
                 + self.got(value),
             )
         return value
+
+    def scale(
+        self, raw: Mapping[str, Any], path: str, key: str, default: float | None
+    ) -> float | None:
+        """A positive, finite scale factor (an integer or a float), else ``default``."""
+        value = raw.get(key)
+        if value is None:
+            return default
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or value <= 0
+        ):
+            self.fail(join(path, key), f"expected a positive finite number, {self.got(value)}")
+        return float(value)
 
     def choice(self, value: object, path: str, choices: tuple[str, ...]) -> str:
         if value is None:

@@ -65,6 +65,10 @@ class LayerSpec:
     state_splits: tuple[StateSplit, ...] | None = None
     # vLLM's KVCacheSpec class, where the engine uses another than the type's own.
     spec_class: str | None = None
+    # Attention only: what stored K and V elements are multiplied by to give their values
+    # (quantized caches); used by value comparisons, not by checksums.
+    k_scale: float | None = None
+    v_scale: float | None = None
 
     @property
     def class_name(self) -> str:

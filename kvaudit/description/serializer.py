@@ -34,10 +34,12 @@ def _spec_to_dict(spec: LayerSpec) -> dict[str, Any]:
     out["head_size_v"] = spec.head_size_v
     out["dtype"] = dtype_name(spec.dtype)
     out["layout"] = spec.layout
-    optional: dict[str, int | None] = {
+    optional: dict[str, float | None] = {
         "sliding_window": spec.sliding_window,
         "attention_chunk_size": spec.attention_chunk_size,
         "max_tp_shards": spec.max_tp_shards,
+        "k_scale": spec.k_scale,
+        "v_scale": spec.v_scale,
     }
     out.update({key: value for key, value in optional.items() if value is not None})
     return out

@@ -79,6 +79,11 @@ class SpecChecker(FieldChecker):
         )
         attention_chunk_size = self.field_int(raw, path, "attention_chunk_size")
         max_tp_shards = self.field_int(raw, path, "max_tp_shards")
+        scale = self.scale(raw, path, "scale", None)
+        k_scale = self.scale(raw, path, "k_scale", scale)
+        v_scale = self.scale(raw, path, "v_scale", scale)
+        if v_scale is not None and head_size_v == 0 and "v_scale" in raw:
+            self.fail(join(path, "v_scale"), "not allowed without V rows (head_size_v is 0)")
         if "K" in layout and head_size_v != head_size:
             default = "" if "head_size_v" in raw else " (the default)"
             self.fail(
@@ -103,6 +108,8 @@ class SpecChecker(FieldChecker):
             sliding_window=sliding_window,
             max_tp_shards=max_tp_shards,
             attention_chunk_size=attention_chunk_size,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
     def state_spec(

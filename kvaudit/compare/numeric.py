@@ -1,0 +1,104 @@
+"""The result of comparing two sides' raw KV by value (``kvaudit.numeric``): per request,
+group, layer and head, the errors and where they are (docs/numeric.md)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class SliceErrors:
+    """The errors of one (layer, global head) of one request's group, over the tokens
+    both sides hold."""
+
+    layer: str
+    number: int
+    head: int
+    tokens: int = 0
+    elements: int = 0
+    max_abs_error: float = 0.0
+    max_rel_error: float = 0.0
+    max_producer: float = 0.0
+    """The largest ``|producer|`` (finite or not) compared."""
+    sum_squares: float = 0.0
+    over_tolerance: int = 0
+    nonfinite_mismatches: int = 0
+    worst: list[tuple[int, float]] = field(default_factory=list)
+    """``(request position, largest absolute error there)``, worst first."""
+
+    @property
+    def rms_error(self) -> float:
+        """The root mean square of the errors of the elements with finite errors."""
+        return math.sqrt(self.sum_squares / self.elements) if self.elements else 0.0
+
+    @property
+    def scaled_error(self) -> float:
+        """``max_abs_error / max_producer``: the largest error against the slice's scale
+        (what the pictures colour; elementwise relative errors blow up near 0)."""
+        if self.max_abs_error == 0:
+            return 0.0
+        return self.max_abs_error / self.max_producer if self.max_producer else math.inf
+
+    @property
+    def failed(self) -> bool:
+        return self.over_tolerance > 0 or self.nonfinite_mismatches > 0
+
+
+@dataclass
+class GroupNumeric:
+    """One request's group compared by value: its (layer, head) errors, sorted by layer
+    number, name and head, and per layer and token bin (``token_bin`` positions a bin)
+    the largest scaled error ``max |c - p| / max |p|`` of a token's head (NaN where no
+    token of the bin was compared)."""
+
+    group: int
+    layers: list[str]
+    heads: int
+    slices: list[SliceErrors]
+    token_bin: int
+    layer_tokens: np.ndarray
+
+    @property
+    def failed(self) -> bool:
+        return any(item.failed for item in self.slices)
+
+
+@dataclass
+class RequestNumeric:
+    """One request compared by value over ``num_tokens`` tokens."""
+
+    request_id: str
+    num_tokens: int
+    groups: dict[int, GroupNumeric] = field(default_factory=dict)
+
+
+@dataclass
+class NumericReport:
+    """A producer compared with a consumer by value: tolerances, each request's groups,
+    requests one side lacks and what could not be compared (``(request, group, why)``)."""
+
+    atol: float
+    rtol: float
+    requests: dict[str, RequestNumeric] = field(default_factory=dict)
+    only_producer: list[str] = field(default_factory=list)
+    only_consumer: list[str] = field(default_factory=list)
+    not_compared: list[tuple[str, int, str]] = field(default_factory=list)
+
+    @property
+    def failed_slices(self) -> int:
+        return sum(
+            item.failed
+            for request in self.requests.values()
+            for group in request.groups.values()
+            for item in group.slices
+        )
+
+    @property
+    def ok(self) -> bool:
+        """No element over the tolerance, nothing on one side only, nothing uncompared."""
+        return not (
+            self.failed_slices or self.only_producer or self.only_consumer or self.not_compared
+        )

@@ -1,0 +1,210 @@
+"""One self-contained HTML page of a comparison (``diff --html``): per request and group,
+heatmaps (layers x heads, layers x token positions) as inline PNG images beside their
+tables. No script, no style sheet or image from elsewhere: it opens offline, anywhere."""
+
+from __future__ import annotations
+
+import base64
+import html
+import math
+
+import numpy as np
+
+from ..compare import DiffReport
+from ..compare.numeric import NumericReport, SliceErrors
+from .heatmaps import (
+    Heatmap,
+    layer_head_errors,
+    layer_token_errors,
+    located_heatmaps,
+)
+from .png import INFINITE, NOT_COMPARED, colours, encode_png, rel_error_position
+
+ROW_PX = 14
+"""Screen pixels per heatmap row (one layer)."""
+MAX_WIDTH_PX = 768
+TABLE_ROWS = 40
+"""At most this many (layer, head) rows per group's table, worst first."""
+
+_STYLE = """
+body { font-family: sans-serif; margin: 1.5em; color: #222; }
+.ok { color: #1a7f37; } .failed { color: #b3261e; }
+.group { display: flex; flex-wrap: wrap; gap: 2em; align-items: flex-start; margin-bottom: 2em; }
+.map { display: flex; align-items: flex-start; }
+.labels div { height: 14px; line-height: 14px; font-size: 11px; padding-right: 4px;
+  text-align: right; white-space: nowrap; }
+.map img { image-rendering: pixelated; image-rendering: crisp-edges; border: 1px solid #888; }
+figcaption { font-size: 12px; color: #555; }
+table { border-collapse: collapse; font-size: 12px; }
+td, th { border: 1px solid #ccc; padding: 2px 6px; text-align: right; }
+td.name { text-align: left; }
+.legend span { display: inline-block; width: 14px; height: 14px; vertical-align: middle;
+  border: 1px solid #888; margin: 0 4px 0 12px; }
+"""
+
+
+def fmt(value: float) -> str:
+    """A number as the page shows it: 6 significant digits, ``inf``, or a dash for NaN."""
+    if math.isnan(value):
+        return "-"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return f"{value:.6g}"
+
+
+def _image(heatmap: Heatmap) -> str:
+    """The heatmap as an inline PNG (one pixel a cell) with its row labels."""
+    values = heatmap.values
+    if heatmap.kind == "relative error":
+        positions = rel_error_position(values)
+    else:
+        top = float(values.max()) if values.size else 0.0
+        positions = values / top if top > 0 else np.zeros_like(values)
+    data = base64.b64encode(encode_png(colours(positions))).decode("ascii")
+    rows, cols = values.shape
+    cell = max(2, min(24, MAX_WIDTH_PX // max(cols, 1)))
+    labels = "".join(f"<div>{html.escape(name)}</div>" for name in heatmap.rows)
+    axis = "heads" if heatmap.title.endswith("heads") else "token positions"
+    if heatmap.token_bin > 1:
+        axis += f", {heatmap.token_bin} a column"
+    span = f"{heatmap.columns[0]} .. {heatmap.columns[-1]}" if heatmap.columns else "none"
+    return (
+        f"<figure><figcaption>{html.escape(heatmap.title)}: {html.escape(heatmap.kind)} "
+        f"({axis}: {html.escape(span)})</figcaption>"
+        f'<div class="map"><div class="labels">{labels}</div>'
+        f'<img alt="{html.escape(heatmap.title)}" class="heatmap" '
+        f'data-rows="{rows}" data-columns="{cols}" width="{cols * cell}" '
+        f'height="{rows * ROW_PX}" src="data:image/png;base64,{data}"></div></figure>'
+    )
+
+
+def _legend(kind: str) -> str:
+    def swatch(rgb: tuple[int, int, int] | np.ndarray) -> str:
+        r, g, b = (int(c) for c in rgb)
+        return f'<span style="background: rgb({r},{g},{b})"></span>'
+
+    if kind == "mismatches":
+        steps = [(0.0, "none"), (0.5, "half the most"), (1.0, "the most differing")]
+        items = "".join(swatch(colours(np.array([[t]]))[0, 0]) + label for t, label in steps)
+        return f'<p class="legend">Colour: mismatch count. {items}</p>'
+    steps = [(0.0, "0"), (1e-6, "1e-6"), (1e-4, "1e-4"), (1e-2, "1e-2"), (1.0, "1 or more")]
+    items = "".join(
+        swatch(colours(rel_error_position(np.array([[v]])))[0, 0]) + label for v, label in steps
+    )
+    items += swatch(INFINITE) + "infinite" + swatch(NOT_COMPARED) + "not compared"
+    return (
+        '<p class="legend">Colour: relative error of a cell, its largest |consumer - producer|'
+        f" over its largest |producer|. {items}</p>"
+    )
+
+
+def _slice_row(request_id: str, group_id: int, item: SliceErrors) -> str:
+    def cell(field: str, text: str) -> str:
+        return (
+            f'<td data-request="{html.escape(request_id)}" data-group="{group_id}" '
+            f'data-layer="{html.escape(item.layer)}" data-head="{item.head}" '
+            f'data-field="{field}">{text}</td>'
+        )
+
+    worst = ", ".join(f"{position} ({fmt(error)})" for position, error in item.worst)
+    return (
+        f'<tr class="{"failed" if item.failed else "ok"}"><td class="name">'
+        f"{html.escape(item.layer)}</td><td>{item.head}</td>"
+        + cell("max_abs_error", fmt(item.max_abs_error))
+        + cell("max_rel_error", fmt(item.max_rel_error))
+        + cell("scaled_error", fmt(item.scaled_error))
+        + cell("rms_error", fmt(item.rms_error))
+        + cell("over_tolerance", str(item.over_tolerance))
+        + cell("nonfinite_mismatches", str(item.nonfinite_mismatches))
+        + f'<td class="name">{html.escape(worst)}</td></tr>'
+    )
+
+
+def _page(title: str, summary: str, sections: list[str]) -> str:
+    body = "\n".join(sections) or "<p>Nothing to show: no request was compared.</p>"
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>"
+        f"<h1>{html.escape(title)}</h1>{summary}\n{body}\n</body></html>\n"
+    )
+
+
+def numeric_html(report: NumericReport, title: str) -> str:
+    """The page of a comparison by value: per request and group, both heatmaps of the
+    scaled error and the worst (layer, head) rows (over the tolerance first, then by
+    scaled error)."""
+    verdict = "ok" if report.ok else "failed"
+    lines = [
+        f'<p id="verdict" class="{verdict}">Verdict: <b>{verdict.upper()}</b>; '
+        f'<span id="failed-slices">{report.failed_slices}</span> (layer, head) slices over '
+        f"the tolerance |consumer - producer| &gt; atol + rtol |producer| with atol "
+        f'<span id="atol">{fmt(report.atol)}</span>, rtol <span id="rtol">'
+        f"{fmt(report.rtol)}</span>.</p>",
+        _legend("relative error"),
+    ]
+    for label, ids in (
+        ("only on the producer", report.only_producer),
+        ("only on the consumer", report.only_consumer),
+    ):
+        if ids:
+            lines.append(f"<p class=failed>Requests {label}: {html.escape(', '.join(ids))}</p>")
+    if report.not_compared:
+        items = "".join(
+            f"<li>{html.escape(rid)} group {gid}: {html.escape(reason)}</li>"
+            for rid, gid, reason in report.not_compared
+        )
+        lines.append(f"<p class=failed>Not compared:</p><ul>{items}</ul>")
+    sections = []
+    for request in report.requests.values():
+        for gid, group in sorted(request.groups.items()):
+            worst = sorted(
+                group.slices,
+                key=lambda s: (not s.failed, -s.scaled_error, -s.max_abs_error, s.number, s.head),
+            )[:TABLE_ROWS]
+            rows = "".join(_slice_row(request.request_id, gid, item) for item in worst)
+            table = (
+                "<table><tr><th>layer</th><th>head</th><th>max abs</th><th>max rel</th>"
+                "<th>max abs / max |p|</th><th>RMS</th><th>over tol.</th><th>NaN/Inf one side</th>"
+                f"<th>worst tokens (abs error)</th></tr>{rows}</table>"
+            )
+            maps = _image(layer_head_errors(group)) + _image(layer_token_errors(group))
+            state = "failed" if group.failed else "ok"
+            sections.append(
+                f'<section data-request="{html.escape(request.request_id)}" data-group="{gid}">'
+                f'<h2 class="{state}">Request {html.escape(request.request_id)}, group {gid} '
+                f"({request.num_tokens} tokens)</h2>"
+                f'<div class="group"><div>{maps}</div><div>{table}</div></div></section>'
+            )
+    return _page(title, "\n".join(lines), sections)
+
+
+def diff_html(report: DiffReport, title: str) -> str:
+    """The page of a bitwise diff: per request and group with located differences, both
+    heatmaps of mismatch counts and the located entries."""
+    verdict = "ok" if report.ok else "failed"
+    summary = f'<p id="verdict" class="{verdict}">Verdict: <b>{verdict.upper()}</b></p>'
+    sections = []
+    pictures = located_heatmaps(report)
+    for request_id, gid, group in report.groups():
+        if (request_id, gid) not in pictures:
+            continue
+        by_head, by_token = pictures[request_id, gid]
+        rows = "".join(
+            f'<tr><td>{entry.position}</td><td class="name">{html.escape(entry.layer)}</td>'
+            f"<td>{entry.head}</td><td>{entry.replica}</td><td>{len(entry.tokens)}</td>"
+            f"<td>{entry.first_byte}</td><td>{fmt(entry.max_abs_error)}</td>"
+            f"<td>{fmt(entry.max_rel_error)}</td></tr>"
+            for entry in group.located
+        )
+        table = (
+            "<table><tr><th>position</th><th>layer</th><th>head</th><th>replica</th>"
+            "<th>tokens</th><th>first byte</th><th>max abs</th><th>max rel</th></tr>"
+            f"{rows}</table>"
+        )
+        sections.append(
+            f'<section data-request="{html.escape(request_id)}" data-group="{gid}">'
+            f"<h2>Request {html.escape(request_id)}, group {gid}</h2>"
+            f'<div class="group"><div>{_image(by_head)}{_image(by_token)}</div>'
+            f"<div>{table}</div></div></section>"
+        )
+    return _page(title, summary + _legend("mismatches"), sections)

@@ -1,0 +1,73 @@
+"""A minimal PNG encoder (8-bit RGB, zlib) and the colour scales of the heatmaps, so that
+an HTML report carries its pictures inline without a plotting library."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import numpy as np
+
+NOT_COMPARED = (200, 200, 200)
+"""The colour of a cell with nothing compared (light grey)."""
+INFINITE = (40, 0, 60)
+"""The colour of an infinite error: a NaN or Inf on one side only, or 0 against non-0."""
+_STOPS = np.array(
+    [
+        (0.0, 255, 255, 255),
+        (0.25, 255, 237, 160),
+        (0.5, 254, 178, 76),
+        (0.75, 240, 59, 32),
+        (1.0, 128, 0, 38),
+    ]
+)
+REL_DECADES = 6
+"""The relative-error scale spans ``10**-REL_DECADES`` (pale) to 1 and above (dark)."""
+
+
+def _ramp(t: np.ndarray) -> np.ndarray:
+    """Colours ``[..., 3]`` of positions ``t`` in 0..1 along white, yellow, orange, red."""
+    t = np.clip(t, 0.0, 1.0)
+    return np.stack(
+        [np.interp(t, _STOPS[:, 0], _STOPS[:, channel]) for channel in (1, 2, 3)], axis=-1
+    ).astype(np.uint8)
+
+
+def rel_error_position(values: np.ndarray) -> np.ndarray:
+    """Where relative errors sit on the scale: 0 for no error, then ``10**-6 .. 1`` on
+    a log scale from just above 0 to 1 (NaN and Inf left as they are)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = (np.log10(values) + REL_DECADES) / REL_DECADES
+    t = np.where(values > 0, np.clip(t, 0.05, 1.0), 0.0)
+    return np.where(np.isfinite(values), t, values)
+
+
+def colours(positions: np.ndarray) -> np.ndarray:
+    """RGB ``[rows, cols, 3]`` of scale positions ``[rows, cols]`` (NaN: not compared,
+    Inf: infinite)."""
+    out = _ramp(np.nan_to_num(positions, nan=0.0, posinf=1.0))
+    out[np.isnan(positions)] = NOT_COMPARED
+    out[np.isposinf(positions)] = INFINITE
+    return out
+
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    body = kind + data
+    return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body) & 0xFFFFFFFF)
+
+
+def encode_png(rgb: np.ndarray) -> bytes:
+    """The PNG file of an RGB image ``[height, width, 3]`` of uint8."""
+    height, width, _ = rgb.shape
+    rows = np.concatenate(
+        [np.zeros((height, 1), dtype=np.uint8), rgb.reshape(height, width * 3)], axis=1
+    )
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"".join(
+        (
+            b"\x89PNG\r\n\x1a\n",
+            _chunk(b"IHDR", header),
+            _chunk(b"IDAT", zlib.compress(rows.tobytes(), 9)),
+            _chunk(b"IEND", b""),
+        )
+    )
