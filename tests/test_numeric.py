@@ -226,6 +226,23 @@ def test_numeric_needs_raw_kv_on_both_sides(tmp_path: Path) -> None:
     assert "--numeric needs the raw KV on both sides" in result.output
     result = runner.invoke(main, ["diff", str(left), str(left), "--atol", "1", "-q"])
     assert result.exit_code == 2 and "--atol and --rtol go with --numeric" in result.output
+    result = runner.invoke(
+        main, ["diff", str(left), str(left), "--numeric", "--junit", str(tmp_path / "j.xml")]
+    )
+    assert result.exit_code == 2 and not (tmp_path / "j.xml").exists()
+
+
+def test_json_file_beside_the_table(tmp_path: Path) -> None:
+    the_model = model("bfloat16")
+    values = draw(8, the_model)
+    left = dump(tmp_path / "p", the_model, values, PRODUCER, "producer")
+    right = dump(tmp_path / "c", the_model, values, CONSUMER, "consumer")
+    saved = tmp_path / "numeric.json"
+    result = CliRunner().invoke(
+        main, ["diff", str(left), str(right), "--numeric", "--json", str(saved), "-q"]
+    )
+    assert result.exit_code == 0 and "OK: every element within" in result.output
+    assert run_numeric(left, right)[1] == json.loads(saved.read_text(encoding="utf-8"))
 
 
 def test_scale_in_the_description() -> None:
