@@ -75,7 +75,7 @@ def _accumulate(
     over = np.zeros(heads, dtype=np.int64)
     if head_abs.size and head_abs.max() > 0:
         with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = np.divide(a, p)
+            ratio = np.divide(a, p, out=c)  # c is not needed any more
             token_rel = np.nan_to_num(np.fmax.reduce(ratio, axis=2), nan=0.0, posinf=np.inf)
         if mismatch is not None:
             token_rel[mismatch.any(axis=2)] = np.inf
@@ -94,7 +94,8 @@ def _accumulate(
         if mismatch is not None:
             a[mismatch] = 0.0
         # Per token in the work dtype (a few hundred elements), then summed in float64.
-        squares = np.einsum("hte,hte->ht", a, a).sum(axis=1, dtype=np.float64)
+        np.square(a, out=a)
+        squares = a.sum(axis=2).sum(axis=1, dtype=np.float64)
     else:
         squares = np.zeros(heads)
     nonfinite = (
