@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -27,6 +27,9 @@ from .value_reads import (
     side_layers,
     side_workers,
 )
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
 
 WORST_TOKENS = 5
 """How many worst token positions each (layer, head) keeps."""
@@ -256,6 +259,8 @@ def numeric_diff(
     holds in another shape) and heads no token of which both sides hold are listed as
     not compared; Mamba state layers are compared by checksum only.
     """
+    from concurrent.futures import ThreadPoolExecutor  # only when comparing (start-up)
+
     report = NumericReport(atol, rtol)
     with ThreadPoolExecutor(min(THREADS, os.cpu_count() or 1)) as pool:
         _compare_requests(
