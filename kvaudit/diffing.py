@@ -31,7 +31,7 @@ from .numeric import numeric_diff
 from .pairing import group_windows, side_warnings
 from .records import Record
 from .sources import Progress, Runtime, Source, checksum_dump_set, resolve_device
-from .sources.raw import RawWorker
+from .sources.raw import RawWorker, fetched
 from .trace import trace_report
 
 NO_STORED = "a dump of the set holds no stored checksums"
@@ -228,14 +228,9 @@ def locate_report(
         positions = {*group.mismatched_positions, *(p for p, _, _ in group.replica_mismatches)}
         if not positions or request_id not in num_tokens:
             continue
+        wanted = (request_id, gid, sorted(positions), group.block_size, num_tokens[request_id])
         group.located = locate_differences(
-            producer,
-            consumer,
-            request_id,
-            gid,
-            sorted(positions),
-            group.block_size,
-            num_tokens[request_id],
+            fetched(producer, *wanted), fetched(consumer, *wanted), *wanted
         )
 
 

@@ -6,8 +6,10 @@ A command's SOURCEs are one of (docs/cli.md):
 - dump files and directories of dump files (``*.safetensors``): together, one dump set;
 - one record, the JSON ``kvaudit checksum --format json`` writes (a ``.json`` file, or any
   file whose content starts with ``{``);
-- live handles ``live:PATH``, each one worker of a running process
-  (``kvaudit.sources.live_source``);
+- Python handles ``py:PATH``, each one worker of this process
+  (``kvaudit.sources.live_source``; ``live:FILE.py`` and ``live:module`` too);
+- running engines ``live:PATH``: a live agent's socket or a folder of them
+  (``kvaudit.sources.socket_source``);
 - one output folder of kvaudit's vLLM connector (``kvaudit.sources.vllm_output_source``).
 
 In Python, ``ChecksummerSource`` wraps an engine's live ``Checksummer`` objects
@@ -17,11 +19,11 @@ Modules: ``base`` (the ``Source`` interface, ``Runtime``), ``inventory`` (what `
 shows), ``raw`` (the raw-KV protocol dumps and live tensors share, for checksumming and
 locating), ``registry`` (kinds by prefix or sniffing, objects by type), then one module per
 kind: ``record_source``, ``vllm_output_source``, ``dump_source`` (with ``dump_checksums``,
-the bounded-memory checksums of a dump set), ``live_source``, ``checksummer_source``. A new
-kind is one module that registers itself, imported here.
+the bounded-memory checksums of a dump set), ``live_source``, ``socket_source``,
+``checksummer_source``. A new kind is one module that registers itself, imported here.
 """
 
-from . import record_source, vllm_output_source, dump_source, live_source  # noqa: I001  (registration order)
+from . import record_source, vllm_output_source, dump_source, live_source, socket_source  # noqa: I001  (registration order)
 from .base import Progress, Runtime, Source, resolve_device
 from .checksummer_source import ChecksummerSource
 from .dump_checksums import BATCH_BYTES, checksum_dump_set, total_bytes
@@ -30,6 +32,7 @@ from .inventory import GroupInfo, Inventory, RequestInventory, WorkerInventory
 from .live_source import LiveSource
 from .raw import LiveWorker, RawKVSource, RawWorker
 from .record_source import RecordSource, load_record
+from .socket_source import SocketSource
 from .registry import SourceKind, open_source, register_kind, register_object, source_of
 
 __all__ = [
@@ -46,6 +49,7 @@ __all__ = [
     "RecordSource",
     "RequestInventory",
     "Runtime",
+    "SocketSource",
     "Source",
     "SourceKind",
     "WorkerInventory",
@@ -58,6 +62,7 @@ __all__ = [
     "register_kind",
     "register_object",
     "resolve_device",
+    "socket_source",
     "source_of",
     "total_bytes",
     "vllm_output_source",

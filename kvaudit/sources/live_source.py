@@ -1,4 +1,8 @@
-"""Live handles as sources: ``live:PATH`` arguments, each one worker of a running process.
+"""Python handles as sources: ``py:PATH`` arguments, each one worker of the process that
+runs kvaudit (a notebook, a test). ``live:PATH`` with a ``.py`` file or a dotted module
+name that is no file or folder is the same handle (the older spelling); ``live:`` with a
+socket or a folder of sockets is a running engine's agent
+(``kvaudit.sources.socket_source``).
 
 ``PATH`` is a Python file (``tools/live.py``) or an importable module (``mypkg.kv_live``)
 that defines ``kvaudit_live()``, which returns ``(description, tensors, rank, requests)``:
@@ -36,6 +40,7 @@ from .raw import LiveWorker, RawKVSource, checksum_each, one_line, one_line_erro
 from .registry import OpenOptions, SourceKind, register_kind
 
 LIVE_PREFIX = "live:"
+PY_PREFIX = "py:"
 LIVE_FUNCTION = "kvaudit_live"
 _RANK_KEYS = ("tp_rank", "tp_size", "pp_rank", "pp_size", "role", "engine", "num_blocks")
 
@@ -74,9 +79,10 @@ def _open(names: Sequence[str], handles: Sequence[str], options: OpenOptions) ->
 
 def _load_live(name: str, config: CacheDescription | None) -> LiveWorker:
     """Import a ``live:PATH`` handle and call its ``kvaudit_live()``."""
-    target = name[len(LIVE_PREFIX) :]
+    prefix = PY_PREFIX if name.startswith(PY_PREFIX) else LIVE_PREFIX
+    target = name[len(prefix) :]
     if not target:
-        raise KvauditError("expected live:PATH, a Python file or module", name)
+        raise KvauditError(f"expected {prefix}PATH, a Python file or module", name)
     module = _import_live(name, target)
     function = getattr(module, LIVE_FUNCTION, None)
     if not callable(function):
@@ -259,4 +265,21 @@ def _check_listed(
             )
 
 
-register_kind(SourceKind("live", _open, prefix=LIVE_PREFIX))
+def python_target(target: str) -> bool:
+    """Whether ``live:TARGET`` is a Python handle: a path ending ``.py``, or a dotted
+    module name that is no existing file, socket or folder."""
+    if target.endswith(".py"):
+        return True
+    if not target or os.path.lexists(target):
+        return False
+    return all(part.isidentifier() for part in target.split("."))
+
+
+register_kind(
+    SourceKind(
+        "live",
+        _open,
+        prefix=PY_PREFIX,
+        sniff=lambda name: name.startswith(LIVE_PREFIX) and python_target(name[len(LIVE_PREFIX) :]),
+    )
+)

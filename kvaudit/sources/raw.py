@@ -15,13 +15,14 @@ import functools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ..checksummer import Checksummer
 from ..description import CacheDescription
 from ..errors import KvauditError
 from ..inputs import RequestBlocks
 from ..records import Record, WorkerInfo, WorkerRecord, combine_workers
+from ..scheme import valid_tokens
 from ..validation import worker_layout
 from ..views import GroupViews, build_group_views
 from .base import Listing, Runtime, Source, request_ids_of, token_counts_of, trim
@@ -81,6 +82,51 @@ class RawWorker(Protocol):
 
     def drop_pages(self) -> None:
         """Release the memory its rows hold resident, if they are file pages."""
+
+
+@runtime_checkable
+class FetchingWorker(Protocol):
+    """A worker whose raw KV lives elsewhere (an engine's agent): it lists its requests
+    and fetches the blocks of given request positions on demand, as ``RawWorker``s."""
+
+    @property
+    def name(self) -> str:
+        """The worker in messages."""
+
+    @property
+    def worker(self) -> WorkerInfo:
+        """Its ranks and role."""
+
+    def fetch(
+        self, request_id: str, group_id: int, spans: Sequence[tuple[int, int]]
+    ) -> list[RawWorker]:
+        """Workers holding the request's blocks of the group that cover the token spans
+        ``(lo, hi)`` (none where it holds none)."""
+
+
+def fetched(
+    workers: Sequence[RawWorker | FetchingWorker],
+    request_id: str,
+    group_id: int,
+    positions: Iterable[int],
+    block_size: int,
+    num_tokens: int,
+) -> list[RawWorker]:
+    """The workers as locating reads them at ``positions`` (in blocks of ``block_size``):
+    a ``FetchingWorker`` replaced by the blocks it fetches of those positions only."""
+    spans = []
+    for position in sorted(set(positions)):
+        lo = position * block_size
+        hi = lo + int(valid_tokens(num_tokens, block_size, position))
+        if hi > lo:
+            spans.append((lo, hi))
+    result: list[RawWorker] = []
+    for worker in workers:
+        if isinstance(worker, FetchingWorker):
+            result.extend(worker.fetch(request_id, group_id, spans) if spans else [])
+        else:
+            result.append(worker)
+    return result
 
 
 @dataclass

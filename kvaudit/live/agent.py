@@ -1,0 +1,283 @@
+"""The live agent: answers kvaudit's questions about a running engine's KV cache on a
+local unix socket, at a point where the engine does not touch its cache.
+
+An engine (one per worker) starts an ``Agent`` over its caches, its description, its
+ranks and a function that returns the current requests' block tables. A background
+thread accepts connections and reads requests (bounded in size and time); the requests
+are answered at a safe point: in ``poll()``, which the engine calls at each step
+boundary, or, when the engine hands over the lock it holds during its steps, on the
+agent's own thread while it holds that lock. Every failure becomes an error reply; the
+engine never sees an exception from a request.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..checksummer import Checksummer
+from ..description import CacheDescription, description_to_dict
+from ..dumps.writing import write_dump
+from ..errors import KvauditError
+from ..inputs import LayerTensors, RequestBlocks, plain_requests, tensors_by_name
+from ..records import WorkerInfo, WorkerRecord
+from ..validation import MAX_TOKENS, Role, check_int, short
+from .protocol import OPS, PROTOCOL, request_id_list, token_limits
+from .records_wire import group_infos, listing_to_json, worker_record_to_json
+from .server import Server
+
+BlockTables = Callable[[], Mapping[str, RequestBlocks]]
+"""Returns the requests in the cache now: request id to its blocks (engine block ids)."""
+MAX_FETCH_BLOCKS = 4096
+"""The most block positions one fetch returns."""
+
+
+def socket_path(engine: str, pp_rank: int = 0, tp_rank: int = 0, root: str = "/run/kvaudit") -> str:
+    """The conventional socket of a worker: ``ROOT/ENGINE/ppP-tpT.sock``."""
+    return os.path.join(root, engine, f"pp{pp_rank}-tp{tp_rank}.sock")
+
+
+class Agent:
+    """Serves one worker's cache on a unix socket (docs/live.md).
+
+    ``lock``: None to answer in ``poll()`` (call it at each step boundary); else a lock
+    the engine holds during each step, and the agent answers on its own thread while it
+    holds it. ``timeout`` bounds each connection's reading and writing (seconds);
+    ``max_reply_bytes`` bounds what one fetch or dump may copy.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        description: CacheDescription,
+        tensors: LayerTensors,
+        block_tables: BlockTables,
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        role: Role = "consumer",
+        engine: str = "",
+        backend: str = "auto",
+        lock: threading.Lock | threading.RLock | None = None,
+        timeout: float = 10.0,
+        max_reply_bytes: int = 1 << 30,
+    ) -> None:
+        self.path = os.fspath(path)
+        self.description = description
+        self.tensors = tensors_by_name(description, tensors, self.path)
+        self.block_tables = block_tables
+        self.worker = WorkerInfo(tp_rank, tp_size, pp_rank, pp_size, role, engine, self.path)
+        self.summer = Checksummer(
+            description,
+            self.tensors,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+            role=role,
+            backend=backend,
+            engine=engine,
+            source=self.path,
+        )
+        self.max_reply_bytes = max_reply_bytes
+        self.lock = lock
+        self.polls = 0
+        self._pending: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
+        self._server = Server(self.path, self._pending, timeout)
+        self._scratch = tempfile.mkdtemp(prefix="kvaudit-agent-")
+        self._handler: threading.Thread | None = None
+        self._stop = threading.Event()
+        if lock is not None:
+            self._handler = threading.Thread(target=self._serve, name="kvaudit-agent", daemon=True)
+            self._handler.start()
+
+    def __enter__(self) -> Agent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def poll(self, max_requests: int = 16) -> int:
+        """Answer the requests that have arrived (at most ``max_requests``); the engine
+        calls it at a step boundary, when its cache is neither written nor freed. Returns
+        how many it answered."""
+        self.polls += 1
+        if self.lock is not None:
+            return 0
+        answered = 0
+        while answered < max_requests:
+            try:
+                connection, message = self._pending.get_nowait()
+            except queue.Empty:
+                break
+            self._answer(connection, message)
+            answered += 1
+        return answered
+
+    def waiting(self) -> int:
+        """How many requests wait for the next ``poll()``."""
+        return self._pending.qsize()
+
+    def close(self) -> None:
+        """Stop serving: close the socket (and remove its file) and the connections."""
+        self._stop.set()
+        self._server.close()
+        if self._handler is not None:
+            self._handler.join(timeout=5)
+        shutil.rmtree(self._scratch, ignore_errors=True)
+
+    def _serve(self) -> None:
+        """The handler thread: answer each request while holding the engine's lock."""
+        assert self.lock is not None
+        while not self._stop.is_set():
+            try:
+                connection, message = self._pending.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            with self.lock:
+                self._answer(connection, message)
+
+    def _answer(self, connection: int, message: dict[str, Any]) -> None:
+        """Compute one reply and hand it to the server to send."""
+        try:
+            reply, payload = self._handle(message)
+        except KvauditError as error:
+            reply, payload = {"ok": False, "error": error.message}, b""
+        except Exception as error:  # a request must never take the engine down
+            text = " ".join(str(error).split())
+            reply, payload = {"ok": False, "error": f"{type(error).__name__}: {text}"}, b""
+        self._server.reply(connection, reply, payload)
+
+    def _handle(self, message: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        """The reply to one request (docs/live.md, "Protocol")."""
+        op = message.get("op")
+        if op not in OPS:
+            raise KvauditError(f"unknown op {short(op)}, expected one of {', '.join(OPS)}")
+        if op == "hello":
+            return self._hello(), b""
+        requests = plain_requests(self.block_tables(), self.path)
+        if op == "list":
+            return {"ok": True, "polls": self.polls, "requests": listing_to_json(requests)}, b""
+        if op == "fetch":
+            return self._fetch(message, requests)
+        ids = request_id_list(message.get("requests"), self.path)
+        chosen = _chosen(requests, ids, token_limits(message.get("num_tokens"), self.path))
+        if op == "checksum":
+            positions = message.get("positions", "request")
+            if positions not in ("request", "block"):
+                raise KvauditError(f"positions: expected request or block, got {short(positions)}")
+            record = self.summer.checksum(chosen, positions)
+            return {"ok": True, "polls": self.polls, "record": self._record(record)}, b""
+        return self._dump(message, chosen), b""
+
+    def _hello(self) -> dict[str, Any]:
+        worker = self.worker
+        return {
+            "ok": True,
+            "protocol": PROTOCOL,
+            "worker": {
+                "tp_rank": worker.tp_rank,
+                "tp_size": worker.tp_size,
+                "pp_rank": worker.pp_rank,
+                "pp_size": worker.pp_size,
+                "role": worker.role,
+                "engine": worker.engine,
+            },
+            "rows": self.summer.num_blocks,
+            "description": description_to_dict(self.description),
+            "groups": group_infos(self.summer.groups, self.tensors),
+        }
+
+    def _record(self, record: WorkerRecord) -> dict[str, Any]:
+        return worker_record_to_json(record)
+
+    def _dump(self, message: dict[str, Any], chosen: dict[str, RequestBlocks]) -> dict[str, Any]:
+        folder = message.get("folder")
+        if not isinstance(folder, str) or not os.path.isabs(folder) or not os.path.isdir(folder):
+            raise KvauditError(f"folder: expected an existing absolute folder, got {short(folder)}")
+        worker = self.worker
+        target = os.path.join(folder, f"pp{worker.pp_rank}-tp{worker.tp_rank}.safetensors")
+        if os.path.lexists(target):
+            raise KvauditError(f"{target} exists; dumps are written to a new file")
+        self._check_size(chosen)
+        write_dump(target, self.description, self.tensors, chosen, worker=worker)
+        return {"ok": True, "polls": self.polls, "path": target}
+
+    def _fetch(
+        self, message: dict[str, Any], requests: dict[str, RequestBlocks]
+    ) -> tuple[dict[str, Any], bytes]:
+        """A dump's bytes holding one request's blocks at worker positions ``lo .. hi - 1``
+        of one group (``num_tokens``: the tokens the client reads)."""
+        ids = request_id_list([message.get("request")], self.path, "request") or []
+        request = requests.get(ids[0])
+        if request is None:
+            raise KvauditError(f"request {ids[0]!r} is not in the cache now")
+        group = check_int(message.get("group"), self.path, "group", 0, 1 << 20)
+        lo = check_int(message.get("lo"), self.path, "lo", 0, MAX_TOKENS)
+        hi = check_int(message.get("hi"), self.path, "hi", lo + 1, lo + MAX_FETCH_BLOCKS)
+        num_tokens = check_int(message.get("num_tokens"), self.path, "num_tokens", 1, MAX_TOKENS)
+        if group not in request.groups:
+            raise KvauditError(f"request {ids[0]!r} has no blocks of group {group} now")
+        start, block_ids = request.groups[group]
+        if lo < start or hi > start + len(block_ids):
+            raise KvauditError(
+                f"request {ids[0]!r} group {group}: positions {lo}..{hi - 1} are not all "
+                f"held now (held: {start}..{start + len(block_ids) - 1})"
+            )
+        chosen = {
+            ids[0]: RequestBlocks(
+                min(num_tokens, request.num_tokens),
+                {group: (lo, block_ids[lo - start : hi - start])},
+            )
+        }
+        self._check_size(chosen)
+        target = os.path.join(self._scratch, "fetch.safetensors")
+        try:
+            write_dump(target, self.description, self.tensors, chosen, worker=self.worker)
+            with open(target, "rb") as file:
+                data = file.read()
+        finally:
+            if os.path.exists(target):
+                os.unlink(target)
+        return {"ok": True, "polls": self.polls}, data
+
+    def _check_size(self, chosen: Mapping[str, RequestBlocks]) -> None:
+        """Refuse a dump or fetch that would copy more than ``max_reply_bytes``."""
+        blocks = {
+            b for request in chosen.values() for _, ids in request.groups.values() for b in ids
+        }
+        per_block = sum(
+            part.numel() * part.element_size()
+            for tensor in self.tensors.values()
+            for part in (tensor if isinstance(tensor, tuple) else (tensor,))
+        ) // max(self.summer.num_blocks, 1)
+        size = len(blocks) * per_block
+        if size > self.max_reply_bytes:
+            raise KvauditError(
+                f"{len(blocks)} blocks of {per_block} bytes: more than the "
+                f"{self.max_reply_bytes} bytes one request may copy"
+            )
+
+
+def _chosen(
+    requests: Mapping[str, RequestBlocks], ids: list[str] | None, limits: Mapping[str, int]
+) -> dict[str, RequestBlocks]:
+    """The named requests (all when ``ids`` is None), each cut to its token limit."""
+    if ids is None:
+        ids = list(requests)
+    missing = [rid for rid in ids if rid not in requests]
+    if missing:
+        raise KvauditError(f"request {missing[0]!r} is not in the cache now")
+    return {
+        rid: RequestBlocks(
+            min(requests[rid].num_tokens, limits.get(rid, MAX_TOKENS)), requests[rid].groups
+        )
+        for rid in ids
+    }

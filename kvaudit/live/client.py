@@ -1,0 +1,131 @@
+"""The client side of the live protocol: find an engine's sockets and ask one worker.
+
+Every failure (nothing listening, no answer in time, a worker gone mid-request, an
+error reply, a malformed frame) is a one-line ``KvauditError`` naming the socket.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import KvauditError
+from .protocol import HEADER, MAX_PAYLOAD, MAX_REPLY_JSON, decode_json, encode_frame, frame_sizes
+
+TIMEOUT_VARIABLE = "KVAUDIT_LIVE_TIMEOUT"
+DEFAULT_TIMEOUT = 60.0
+"""Seconds one request may take, connecting to the last byte of the reply."""
+
+
+def default_timeout() -> float:
+    """The timeout of one request: ``$KVAUDIT_LIVE_TIMEOUT`` seconds, else 60.
+
+    Raises:
+        KvauditError: The variable is not a positive number.
+
+    """
+    text = os.environ.get(TIMEOUT_VARIABLE)
+    if text is None:
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 1e6:
+        raise KvauditError(f"{TIMEOUT_VARIABLE}={text}: expected a positive number of seconds")
+    return value
+
+
+def is_socket(path: str) -> bool:
+    """Whether ``path`` is a unix socket."""
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def sockets_of(path: str, name: str) -> list[str]:
+    """The sockets ``live:PATH`` names: the socket itself, or every ``*.sock`` socket in
+    the folder (one engine's workers), sorted.
+
+    Raises:
+        KvauditError: Neither a socket nor a folder holding sockets; names ``name``.
+
+    """
+    if is_socket(path):
+        return [path]
+    if os.path.isdir(path):
+        found = sorted(
+            os.path.join(path, entry)
+            for entry in os.listdir(path)
+            if entry.endswith(".sock") and is_socket(os.path.join(path, entry))
+        )
+        if not found:
+            raise KvauditError("a folder without sockets (*.sock) of a live agent", name)
+        return found
+    if os.path.lexists(path):
+        raise KvauditError("not a socket nor a folder of sockets", name)
+    raise KvauditError("no such socket or folder", name)
+
+
+def call(
+    path: str, message: Mapping[str, Any], timeout: float | None = None
+) -> tuple[dict[str, Any], bytes]:
+    """Send one request to the agent on ``path``; its reply and payload.
+
+    Raises:
+        KvauditError: No agent, no answer within ``timeout`` seconds, the connection
+            closed early, a malformed reply or an error reply; names the socket.
+
+    """
+    limit = default_timeout() if timeout is None else timeout
+    deadline = time.monotonic() + limit
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        try:
+            sock.settimeout(limit)
+            sock.connect(path)
+            sock.sendall(encode_frame(message))
+            header = _receive(sock, HEADER.size, deadline, path, limit)
+            size, payload = frame_sizes(header, MAX_REPLY_JSON, MAX_PAYLOAD, path)
+            reply = decode_json(_receive(sock, size, deadline, path, limit), path)
+            data = _receive(sock, payload, deadline, path, limit)
+        except TimeoutError:
+            raise KvauditError(f"no answer within {limit:g} s ({TIMEOUT_VARIABLE})", path) from None
+        except ConnectionRefusedError:
+            raise KvauditError("no agent is listening (connection refused)", path) from None
+        except FileNotFoundError:
+            raise KvauditError("no such socket", path) from None
+        except OSError as error:
+            raise KvauditError(
+                f"cannot talk to the agent: {error.strerror or error}", path
+            ) from None
+    finally:
+        sock.close()
+    if reply.get("ok") is not True:
+        error = reply.get("error")
+        text = " ".join(error.split()) if isinstance(error, str) else "an error reply"
+        raise KvauditError(f"the agent answered: {text[:500]}", path)
+    return reply, data
+
+
+def _receive(sock: socket.socket, size: int, deadline: float, path: str, limit: float) -> bytes:
+    """Exactly ``size`` bytes, before the deadline."""
+    parts = bytearray()
+    while len(parts) < size:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        sock.settimeout(left)
+        chunk = sock.recv(min(size - len(parts), 1 << 22))
+        if not chunk:
+            raise KvauditError(
+                f"the worker closed the connection mid-request ({len(parts)} of {size} bytes)",
+                path,
+            )
+        parts += chunk
+    return bytes(parts)
