@@ -24,6 +24,8 @@ On one CUDA GPU, in one run of a few minutes (docs/gpu.md):
    their own stream overlapping the checksums), the median of 3 runs against a pinned
    host-to-device copy of the same bytes and the CPU path; the GPU's record must equal the
    CPU's (``--skip-dump`` leaves it out).
+4. Live caches (bench/live_gpu.py): toy engines with CUDA tensors behind live agents,
+   read, dumped and compared through the command line (``--skip-live`` leaves it out).
 
 It stays under 10 minutes on an H200 (the tests are stopped after 300 s).
 
@@ -401,6 +403,7 @@ def main() -> int:
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--dump-gib", type=float, default=2.0, help="dump size for (g)")
     parser.add_argument("--skip-dump", action="store_true", help="leave out (g)")
+    parser.add_argument("--skip-live", action="store_true", help="leave out the live agents")
     args = parser.parse_args()
 
     if not torch.cuda.is_available():
@@ -434,6 +437,11 @@ def main() -> int:
 
     overhead = measure_overhead(DEVICE, args.request_tokens)
     print("\n" + report(overhead, DEVICE, args.request_tokens), flush=True)
+
+    if not args.skip_live:
+        from live_gpu import check_live
+
+        ok = check_live(DEVICE) and ok
 
     print(f"\n{time.perf_counter() - started:.0f} s in all")
     print("all checks passed" if ok else "SOME CHECKS FAILED")

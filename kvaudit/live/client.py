@@ -67,9 +67,20 @@ def sockets_of(path: str, name: str) -> list[str]:
         if not found:
             raise KvauditError("a folder without sockets (*.sock) of a live agent", name)
         return found
-    if os.path.lexists(path):
-        raise KvauditError("not a socket nor a folder of sockets", name)
-    raise KvauditError("no such socket or folder", name)
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        raise KvauditError("no such socket or folder", name) from None
+    kind = next((word for test, word in _KINDS if test(mode)), "not a socket")
+    raise KvauditError(f"is {kind}, expected a socket or a folder of sockets", name)
+
+
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISREG, "a regular file"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 
 
 def call(

@@ -18,6 +18,7 @@ _KEYS = (
     "positions",
     "backend",
     "engine",
+    "live_socket",
 )
 WHERE = "kv_connector_extra_config.kvaudit"
 
@@ -31,7 +32,9 @@ class AuditConfig:
     ``max_dump_bytes``: at most this many bytes of dumps per worker;
     ``dump_sample_rate``: the fraction of audited requests whose blocks are dumped;
     ``positions``: ``request`` or ``block`` numbering; ``backend``: the checksum backend;
-    ``engine``: a label for this engine in records (default: its KV role and engine id).
+    ``engine``: a label for this engine in records (default: its KV role and engine id);
+    ``live_socket``: a folder where each worker serves a live agent on
+    ``ppP-tpT.sock`` (docs/live.md; None: no agent).
     """
 
     output: str | None = None
@@ -41,6 +44,7 @@ class AuditConfig:
     positions: str = "request"
     backend: str = "auto"
     engine: str = ""
+    live_socket: str | None = None
 
 
 def parse_config(raw: object) -> AuditConfig:
@@ -78,6 +82,9 @@ def parse_config(raw: object) -> AuditConfig:
     engine = values.get("engine", "")
     if not isinstance(engine, str):
         raise KvauditError(f"engine: expected text, got {engine!r}", WHERE)
+    live_socket = values.get("live_socket")
+    if live_socket is not None and (not isinstance(live_socket, str) or not live_socket):
+        raise KvauditError(f"live_socket: expected a folder path, got {live_socket!r}", WHERE)
     return AuditConfig(
         output=output,
         policy=values.get("policy", "log"),
@@ -86,6 +93,7 @@ def parse_config(raw: object) -> AuditConfig:
         positions=values.get("positions", "request"),
         backend=values.get("backend", "auto"),
         engine=engine,
+        live_socket=live_socket,
     )
 
 

@@ -36,12 +36,15 @@ class AuditJob:
 @dataclass
 class AuditStep:
     """The scheduler's audit work for one step: new jobs, blocks to report as load errors
-    (policy ``fail``) and held loads whose verdict is in."""
+    (policy ``fail``) and held loads whose verdict is in; with ``live_socket``, the
+    block tables of the requests in the cache after this step (``live``: id to token
+    count and, per group, first position and block ids)."""
 
     jobs: list[AuditJob] = field(default_factory=list)
     load_errors: set[int] = field(default_factory=set)
     failed_loads: set[str] = field(default_factory=set)
     released: set[str] = field(default_factory=set)
+    live: dict[str, tuple[int, dict[int, tuple[int, list[int]]]]] | None = None
 
     def __bool__(self) -> bool:
         return bool(self.jobs or self.load_errors or self.failed_loads or self.released)

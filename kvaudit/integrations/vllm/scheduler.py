@@ -155,8 +155,26 @@ class SchedulerAudit:
             if state.consumer_due:
                 state.consumer_due = False
                 self._add_consumer_job(state)
+        if self.config.live_socket is not None:
+            self._step.live = self._live_tables(scheduler_output)
         step, self._step = self._step, AuditStep()
         return step
+
+    def _live_tables(self, scheduler_output: Any) -> dict[str, tuple[int, dict]]:
+        """The block tables of this step's requests after its forward, for the agents."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        computed = {
+            new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs
+        }
+        cached = scheduler_output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+        tables = {}
+        for rid, done in computed.items():
+            state = self._requests.get(rid)
+            if state is not None and state.tables:
+                tokens = int(done) + int(scheduled.get(rid, 0))
+                tables[state.audit_id] = (tokens, self._groups_of(state, tokens))
+        return tables
 
     def _maybe_produce(self, state: _Request, computed: int) -> None:
         if not self.producer or state.role == CONSUMER or state.produced:

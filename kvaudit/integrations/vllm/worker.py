@@ -9,6 +9,7 @@ the side stream before it can overwrite a block. On the CPU they are computed di
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -17,6 +18,7 @@ from ...checksummer import Checksummer, RequestBlocks
 from ...description import CacheDescription
 from ...dumps import write_dump
 from ...errors import KvauditError
+from ...live import Agent
 from ...records import WorkerInfo
 from ...views import LayerTensor
 from . import output
@@ -76,6 +78,19 @@ class WorkerAudit:
         self._outgoing: list[WorkerPartials] = []
         self._unwritten: list[WorkerPartials] = []
         self._dumped_bytes = 0
+        self._live: dict[str, RequestBlocks] = {}
+        self.agent = None
+        if config.live_socket is not None:
+            name = f"pp{worker.pp_rank}-tp{worker.tp_rank}.sock"
+            self.agent = Agent(
+                os.path.join(config.live_socket, name),
+                description,
+                self.tensors,
+                lambda: self._live,
+                **{key: common[key] for key in ("tp_rank", "tp_size", "pp_rank", "pp_size")},
+                engine=worker.engine,
+                backend=config.backend,
+            )
 
     def bind(self, step: AuditStep | None) -> None:
         """Take the scheduler's work for this step; order this step's stream after the
@@ -92,11 +107,15 @@ class WorkerAudit:
         self._load_errors |= step.load_errors
         self._failed |= step.failed_loads & self._held
         self._released |= step.released & self._held
+        if step.live is not None:
+            self._live = {rid: RequestBlocks(n, groups) for rid, (n, groups) in step.live.items()}
 
     def forward_done(self) -> None:
         """Checksum this step's producer jobs and sync loads (their KV is complete)."""
         jobs, self._due = self._due, []
         self._launch(jobs)
+        if self.agent is not None:
+            self.agent.poll()  # the step boundary: this step's blocks are written
 
     def transfer_results(
         self, finished_recving: set[str], failed_recving: set[str]
@@ -141,7 +160,9 @@ class WorkerAudit:
             self._waiting_loads.pop(request, None)
 
     def close(self) -> None:
-        """Write every checksum still on its way."""
+        """Write every checksum still on its way; stop the live agent."""
+        if self.agent is not None:
+            self.agent.close()
         self._write(final=True)
 
     def _launch(self, jobs: list[AuditJob]) -> None:
