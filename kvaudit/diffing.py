@@ -31,7 +31,7 @@ from .numeric import numeric_diff
 from .pairing import group_windows, side_warnings
 from .records import Record
 from .sources import Progress, Runtime, Source, checksum_dump_set, resolve_device
-from .sources.raw import RawWorker, fetched
+from .sources.raw import RawWorker, fetched, fetches
 from .trace import trace_report
 
 NO_STORED = "a dump of the set holds no stored checksums"
@@ -175,7 +175,14 @@ def diff_sources(
     report.warnings = warnings
     if raw is not None:
         locate_report(report, *raw, shared)
-        trace_report(report, untrimmed or raw[0], raw[1], shared)
+        remote = [side for side, workers in zip((producer, consumer), raw) if fetches(workers)]
+        if remote:
+            report.untraced = (
+                f"not traced: {', '.join(remote[0].names)} is a running engine, whose blocks "
+                "are fetched only at the differing positions"
+            )
+        else:
+            trace_report(report, untrimmed or raw[0], raw[1], shared)
     else:
         report.untraced = _untraced(producer, consumer, locate)
     return report

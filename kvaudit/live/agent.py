@@ -25,7 +25,7 @@ from ..description import CacheDescription, description_to_dict
 from ..dumps.writing import write_dump
 from ..errors import KvauditError
 from ..inputs import LayerTensors, RequestBlocks, plain_requests, tensors_by_name
-from ..records import WorkerInfo, WorkerRecord
+from ..records import WorkerInfo
 from ..validation import MAX_TOKENS, Role, check_int, short
 from .protocol import OPS, PROTOCOL, request_id_list, token_limits
 from .records_wire import group_infos, listing_to_json, worker_record_to_json
@@ -174,7 +174,8 @@ class Agent:
             if positions not in ("request", "block"):
                 raise KvauditError(f"positions: expected request or block, got {short(positions)}")
             record = self.summer.checksum(chosen, positions)
-            return {"ok": True, "polls": self.polls, "record": self._record(record)}, b""
+            reply = {"ok": True, "polls": self.polls, "record": worker_record_to_json(record)}
+            return reply, b""
         return self._dump(message, chosen), b""
 
     def _hello(self) -> dict[str, Any]:
@@ -194,9 +195,6 @@ class Agent:
             "description": description_to_dict(self.description),
             "groups": group_infos(self.summer.groups, self.tensors),
         }
-
-    def _record(self, record: WorkerRecord) -> dict[str, Any]:
-        return worker_record_to_json(record)
 
     def _dump(self, message: dict[str, Any], chosen: dict[str, RequestBlocks]) -> dict[str, Any]:
         folder = message.get("folder")

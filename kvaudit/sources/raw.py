@@ -104,6 +104,12 @@ class FetchingWorker(Protocol):
         ``(lo, hi)`` (none where it holds none)."""
 
 
+def fetches(workers: Sequence[RawWorker | FetchingWorker]) -> bool:
+    """Whether some worker fetches its blocks from elsewhere (locating reads only the
+    differing positions of such a side; nothing reads all its blocks)."""
+    return any(isinstance(worker, FetchingWorker) for worker in workers)
+
+
 def fetched(
     workers: Sequence[RawWorker | FetchingWorker],
     request_id: str,
