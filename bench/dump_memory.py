@@ -27,82 +27,11 @@ import sys
 import tempfile
 import time
 
+from llama_set import write_llama_set
+
 # The parent process imports neither torch nor kvaudit: a child's peak RSS as the kernel
 # reports it includes the RSS of the process it was started from.
-BLOCK_SIZE, HEADS, CELL = 16, 8, 256  # bf16 cell: K and V rows of 128
-BLOCK_BYTES = BLOCK_SIZE * HEADS * CELL * 2
-LAYER_BYTES = 64 << 20
-REQUESTS = 8
 MIB = 1 << 20
-
-
-def description(layers: int, num_blocks: int) -> dict:
-    return {
-        "kvaudit": 1,
-        "num_blocks": num_blocks,
-        "groups": [
-            {
-                "spec": {
-                    "type": "full_attention",
-                    "block_size": BLOCK_SIZE,
-                    "num_kv_heads": HEADS,
-                    "head_size": CELL // 2,
-                    "dtype": "bfloat16",
-                    "layout": "NTHC",
-                },
-                "layers": [f"model.layers.{i}.self_attn.attn" for i in range(layers)],
-            }
-        ],
-    }
-
-
-def write_set(folder: str, size_gib: float, workers: int) -> tuple[int, float]:
-    """Write the dump set; returns its bytes and the seconds it took."""
-    import torch
-
-    from kvaudit.checksummer import RequestBlocks
-    from kvaudit.description import parse_description
-    from kvaudit.dumps import write_dump
-    from kvaudit.records import WorkerInfo
-
-    worker_bytes = int(size_gib * (1 << 30)) // workers
-    layers = max(1, worker_bytes // LAYER_BYTES)
-    num_blocks = LAYER_BYTES // BLOCK_BYTES
-    desc = parse_description(description(layers, num_blocks), "bench")
-    generator = torch.Generator().manual_seed(0)
-    shift = 32  # elements (64 bytes) between the layers' views of the buffer
-    base = torch.randint(
-        -(2**15),
-        2**15,
-        (LAYER_BYTES // 2 + layers * shift,),
-        dtype=torch.int16,
-        generator=generator,
-    ).view(torch.bfloat16)
-    order = torch.randperm(num_blocks, generator=generator).tolist()
-    per_request = num_blocks // REQUESTS
-    requests = {
-        f"req-{i}": RequestBlocks(
-            per_request * BLOCK_SIZE - 5, {0: (0, order[i * per_request : (i + 1) * per_request])}
-        )
-        for i in range(REQUESTS)
-    }
-    start = time.perf_counter()
-    for rank in range(workers):
-        tensors = {
-            f"model.layers.{i}.self_attn.attn": base[
-                (i + rank) * shift : (i + rank) * shift + LAYER_BYTES // 2
-            ].view(num_blocks, BLOCK_SIZE, HEADS, CELL)
-            for i in range(layers)
-        }
-        write_dump(
-            os.path.join(folder, f"rank{rank}.safetensors"),
-            desc,
-            tensors,
-            requests,
-            worker=WorkerInfo(rank, workers, 0, 1, "producer", "bench"),
-        )
-    seconds = time.perf_counter() - start
-    return workers * layers * LAYER_BYTES, seconds
 
 
 def evict(folder: str) -> None:
@@ -173,7 +102,9 @@ def main() -> None:
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.write is not None:
-        nbytes, seconds = write_set(args.write, args.size_gib, args.workers)
+        start = time.perf_counter()
+        nbytes = write_llama_set(args.write, args.size_gib, args.workers)
+        seconds = time.perf_counter() - start
         print(json.dumps({"bytes": nbytes, "seconds": seconds}))
         return
     if args.measure is not None:

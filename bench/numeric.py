@@ -24,67 +24,9 @@ import sys
 import tempfile
 import time
 
-BLOCK_SIZE, HEADS, CELL = 16, 8, 256  # bf16 cell: K and V rows of 128
-BLOCK_BYTES = BLOCK_SIZE * HEADS * CELL * 2
-LAYER_BYTES = 64 << 20
-REQUESTS = 8
+from llama_set import write_llama_set
+
 MIB = 1 << 20
-
-
-def description(layers: int, num_blocks: int) -> dict:
-    spec = {
-        "type": "full_attention",
-        "block_size": BLOCK_SIZE,
-        "num_kv_heads": HEADS,
-        "head_size": CELL // 2,
-        "dtype": "bfloat16",
-        "layout": "NTHC",
-    }
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-    return {"kvaudit": 1, "num_blocks": num_blocks, "groups": [{"spec": spec, "layers": names}]}
-
-
-def write_set(folder: str, size_gib: float, workers: int, role: str, seed: int) -> int:
-    """One engine's dump set; returns its bytes. Layers are shifted views of one buffer."""
-    import torch
-
-    from kvaudit.checksummer import RequestBlocks
-    from kvaudit.description import parse_description
-    from kvaudit.dumps import write_dump
-    from kvaudit.records import WorkerInfo
-
-    os.makedirs(folder)
-    layers = max(1, int(size_gib * (1 << 30)) // workers // LAYER_BYTES)
-    num_blocks = LAYER_BYTES // BLOCK_BYTES
-    desc = parse_description(description(layers, num_blocks), "bench")
-    generator = torch.Generator().manual_seed(seed)
-    shift = 32
-    # Normal values (no NaN or Inf): what a real cache holds.
-    base = torch.randn(LAYER_BYTES // 2 + layers * shift, generator=generator)
-    base = base.to(torch.bfloat16)
-    order = torch.randperm(num_blocks, generator=generator).tolist()
-    per_request = num_blocks // REQUESTS
-    requests = {
-        f"req-{i}": RequestBlocks(
-            per_request * BLOCK_SIZE - 5, {0: (0, order[i * per_request : (i + 1) * per_request])}
-        )
-        for i in range(REQUESTS)
-    }
-    for rank in range(workers):
-        tensors = {
-            f"model.layers.{i}.self_attn.attn": base[
-                (i + rank) * shift : (i + rank) * shift + LAYER_BYTES // 2
-            ].view(num_blocks, BLOCK_SIZE, HEADS, CELL)
-            for i in range(layers)
-        }
-        write_dump(
-            os.path.join(folder, f"rank{rank}.safetensors"),
-            desc,
-            tensors,
-            requests,
-            worker=WorkerInfo(rank, workers, 0, 1, role, "bench"),
-        )
-    return workers * layers * LAYER_BYTES
 
 
 def child(mode: str, producer: str, consumer: str) -> None:
@@ -130,8 +72,12 @@ def main() -> None:
     folder = tempfile.mkdtemp(prefix="kvaudit-numeric-", dir=args.dir)
     try:
         producer, consumer = os.path.join(folder, "p"), os.path.join(folder, "c")
-        nbytes = write_set(producer, args.size_gib, args.workers, "producer", 0)
-        write_set(consumer, args.size_gib, args.workers, "consumer", 1)
+        sides = (("producer", producer), ("consumer", consumer))
+        for seed, (role, side) in enumerate(sides):
+            os.makedirs(side)
+            nbytes = write_llama_set(
+                side, args.size_gib, args.workers, role=role, seed=seed, values="normal"
+            )
         print(f"two dump sets of {nbytes / (1 << 30):.2f} GiB each in {folder}")
         best: dict[str, dict] = {}
         for _ in range(args.repeats):

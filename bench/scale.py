@@ -24,66 +24,9 @@ import sys
 import tempfile
 import time
 
-BLOCK_SIZE, HEADS, CELL = 16, 8, 256  # bf16 cell: K and V rows of 128
-BLOCK_BYTES = BLOCK_SIZE * HEADS * CELL * 2
-LAYER_BYTES = 32 << 20
-REQUESTS = 8
+from llama_set import write_llama_set
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def write_set(folder: str, size_gib: float, workers: int) -> int:
-    """Write the dump set (every layer a view of one random buffer); returns its bytes."""
-    import torch
-
-    from kvaudit.checksummer import RequestBlocks
-    from kvaudit.description import parse_description
-    from kvaudit.dumps import write_dump
-    from kvaudit.records import WorkerInfo
-
-    layers = max(1, int(size_gib * (1 << 30)) // workers // LAYER_BYTES)
-    num_blocks = LAYER_BYTES // BLOCK_BYTES
-    spec = {
-        "type": "full_attention",
-        "block_size": BLOCK_SIZE,
-        "num_kv_heads": HEADS,
-        "head_size": CELL // 2,
-        "dtype": "bfloat16",
-        "layout": "NTHC",
-    }
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-    description = parse_description(
-        {"kvaudit": 1, "num_blocks": num_blocks, "groups": [{"spec": spec, "layers": names}]},
-        "bench",
-    )
-    generator = torch.Generator().manual_seed(0)
-    shift = 32  # elements between the layers' views of the buffer
-    base = torch.randint(
-        -(2**15), 2**15, (LAYER_BYTES // 2 + (layers + workers) * shift,), dtype=torch.int16,
-        generator=generator,
-    ).view(torch.bfloat16)  # fmt: skip
-    order = torch.randperm(num_blocks, generator=generator).tolist()
-    per_request = num_blocks // REQUESTS
-    requests = {
-        f"req-{i}": RequestBlocks(
-            per_request * BLOCK_SIZE - 5, {0: (0, order[i * per_request : (i + 1) * per_request])}
-        )
-        for i in range(REQUESTS)
-    }
-    for rank in range(workers):
-        tensors = {
-            name: base[(i + rank) * shift : (i + rank) * shift + LAYER_BYTES // 2].view(
-                num_blocks, BLOCK_SIZE, HEADS, CELL
-            )
-            for i, name in enumerate(names)
-        }
-        write_dump(
-            os.path.join(folder, f"rank{rank}.safetensors"),
-            description,
-            tensors,
-            requests,
-            worker=WorkerInfo(rank, workers, 0, 1, "producer", "bench"),
-        )
-    return workers * layers * LAYER_BYTES
 
 
 def timed(command: list[str], repeats: int) -> tuple[float, dict]:
@@ -117,7 +60,7 @@ def main() -> None:
         processes = torch.cuda.device_count() if args.device == "cuda" else 2
     folder = tempfile.mkdtemp(prefix="kvaudit-scale-", dir=args.dir)
     try:
-        size = write_set(folder, args.size_gib, args.workers)
+        size = write_llama_set(folder, args.size_gib, args.workers, layer_bytes=32 << 20)
         kvaudit = ["-m", "kvaudit", "checksum", folder, "--format", "json", "-q"]
         kvaudit += ["--device", args.device]
         one, single = timed([sys.executable, *kvaudit], args.repeats)
