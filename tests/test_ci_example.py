@@ -5,7 +5,6 @@ run with bash on dumps in the nested ``<case>/producer`` layout, with ``python``
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from example_module import example
 
 ROOT = Path(__file__).resolve().parent.parent
 CI = ROOT / "examples" / "ci"
@@ -27,22 +27,12 @@ REPORTS = "The diff reports in JUnit and JSON"
 INSTALL = "Install"
 
 
-def _load_example():
-    spec = importlib.util.spec_from_file_location(
-        "kvaudit_example_ci", ROOT / "examples" / "make_example.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def dumps(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two cases side by side, as a connector's test writes them: ``tp2-tp4/`` (producer,
     consumer, consumer-broken) and ``same/`` (producer, consumer: the producer's copy)."""
     root = tmp_path_factory.mktemp("kv-dumps")
-    _load_example().make_example(root / "tp2-tp4", seed=2)
+    example.make_example(root / "tp2-tp4", seed=2)
     (root / "same").mkdir()
     shutil.copytree(root / "tp2-tp4" / "producer", root / "same" / "producer")
     shutil.copytree(root / "tp2-tp4" / "producer", root / "same" / "consumer")

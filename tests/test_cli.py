@@ -10,7 +10,6 @@ exit status 2.
 from __future__ import annotations
 
 import csv
-import importlib.util
 import io
 import json
 import os
@@ -24,6 +23,7 @@ import pytest
 import reference as ref
 import torch
 from click.testing import CliRunner, Result
+from example_module import example
 
 from kvaudit.cli import main
 from kvaudit.dumps import open_dump_set
@@ -33,17 +33,6 @@ from kvaudit.sources import checksum_dump_set
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "make_example.py"
 SEED = 3
-
-
-def _load_example():
-    spec = importlib.util.spec_from_file_location("kvaudit_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
-    spec.loader.exec_module(module)
-    return module
-
-
-example = _load_example()
 
 
 @pytest.fixture(scope="module")

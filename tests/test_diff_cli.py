@@ -12,7 +12,6 @@ checksums of offloaded blocks for ``verify``.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -30,6 +29,7 @@ import reference as ref
 import torch
 import yaml
 from click.testing import CliRunner, Result
+from example_module import example
 from safetensors import safe_open
 
 from kvaudit.checksummer import RequestBlocks
@@ -75,17 +75,6 @@ LOCATED_KEYS = {
     "consumer_worker",
     "file",
 }
-
-
-def _load_example():
-    spec = importlib.util.spec_from_file_location("kvaudit_example_diff", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-example = _load_example()
 
 
 def run(*args: object) -> Result:

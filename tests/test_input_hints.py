@@ -6,16 +6,15 @@ does not have. Each is bad input: one line naming the file, exit status 2.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from click.testing import CliRunner, Result
+from example_module import example
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -26,19 +25,7 @@ from kvaudit.dumps import open_dump, write_dump
 from kvaudit.errors import KvauditError
 from kvaudit.records import WorkerInfo
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "make_example.py"
 HINT = "looks like a cache description: pass it with -c"
-
-
-def _load_example():
-    spec = importlib.util.spec_from_file_location("kvaudit_example_hints", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
-    spec.loader.exec_module(module)
-    return module
-
-
-example = _load_example()
 
 
 @pytest.fixture(scope="module")

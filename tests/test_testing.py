@@ -8,7 +8,6 @@ and consumer with a planted fault: the clean pair passes, the broken pair raises
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 import yaml
 from click.testing import CliRunner
+from example_module import example
 
 from kvaudit.checksummer import Checksummer, RequestBlocks
 from kvaudit.cli import main
@@ -28,20 +28,8 @@ from kvaudit.sources import checksum_dump_set
 from kvaudit.testing import LiveSide, assert_kv_equal, diff_kv
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = ROOT / "examples" / "make_example.py"
 CI_TEST = ROOT / "examples" / "ci" / "test_kv_transfer.py"
 SEED = 6
-
-
-def _load_example():
-    spec = importlib.util.spec_from_file_location("kvaudit_example_testing", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-example = _load_example()
 
 
 @pytest.fixture(scope="module")

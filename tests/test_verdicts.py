@@ -13,7 +13,6 @@ safetensors.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import struct
@@ -29,6 +28,7 @@ import pytest
 import reference as ref
 import torch
 from click.testing import CliRunner, Result
+from example_module import example
 from safetensors import safe_open
 
 from kvaudit.checksummer import RequestBlocks
@@ -38,22 +38,10 @@ from kvaudit.dumps import write_dump
 from kvaudit.records import WorkerInfo
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = ROOT / "examples" / "make_example.py"
 SEED = 0
 BLOCK = 16
 LAYERS = tuple(f"model.layers.{i}.self_attn.attn" for i in range(2))
 TOKENS = {"r1": 40, "r2": 21}
-
-
-def _load_example():
-    spec = importlib.util.spec_from_file_location("kvaudit_example_verdicts", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-example = _load_example()
 
 
 def run(*args: object) -> Result:
