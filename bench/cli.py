@@ -43,7 +43,8 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dump_memory import evict, write_set
+from dump_memory import evict
+from llama_set import write_llama_set
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = sys.executable
@@ -168,7 +169,7 @@ def write_one_block(path: str) -> None:
 def write_sized(folder: str, size_gib: float) -> str:
     """A one-worker dump of about ``size_gib``; its path."""
     os.makedirs(folder)
-    write_set(folder, size_gib, 1)
+    write_llama_set(folder, size_gib, 1)
     return os.path.join(folder, "rank0.safetensors")
 
 

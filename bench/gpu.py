@@ -356,7 +356,7 @@ def bench_dump(size_gib: float) -> bool:
     """(g) A dump checksummed on the GPU against the pinned host-to-device copy of its bytes
     and the CPU path; True when the GPU's record equals the CPU's."""
     sys.path.insert(0, str(REPO / "bench"))
-    from dump_memory import write_set
+    from llama_set import write_llama_set
 
     from kvaudit.dumps import open_dump_set
     from kvaudit.formats import record_to_json
@@ -364,7 +364,7 @@ def bench_dump(size_gib: float) -> bool:
 
     folder = tempfile.mkdtemp(prefix="kvaudit-gpu-dump-")
     try:
-        nbytes, _ = write_set(folder, size_gib, 1)
+        nbytes = write_llama_set(folder, size_gib, 1)
         dump_set = open_dump_set([folder])
 
         def timed(device: str) -> tuple[float, dict]:
