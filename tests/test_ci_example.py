@@ -159,6 +159,6 @@ def test_the_repository_builds_as_a_package(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     (wheel,) = (tmp_path / "wheels").glob("kvaudit-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "kvaudit/cli.py" in names
+    assert "kvaudit/cli/__init__.py" in names and "kvaudit/cli/checksum_command.py" in names
     entry_points = next(name for name in names if name.endswith("entry_points.txt"))
     assert "kvaudit = kvaudit.__main__:run" in zipfile.ZipFile(wheel).read(entry_points).decode()

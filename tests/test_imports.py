@@ -42,7 +42,8 @@ LAYERS: list[list[str]] = [
     ["corrupt", "diffing", "pairing"],
     ["formats", "report", "progress"],
     ["distributed"],
-    ["testing", "exits", "cli", "__main__", ""],
+    ["exits", "cli.options", "cli.arguments", "cli.output"],
+    ["testing", "cli", "__main__", ""],
 ]
 """From the bottom up; a module may import modules of its own layer or below. An entry
 names a module or a package (with every module in it unless a longer entry names it);
@@ -167,6 +168,8 @@ def test_the_checks_see_the_imports() -> None:
     assert ("sources", True) in imports("report.inventory")
     assert layer_of("dumps.dump") < layer_of("sources.raw") < layer_of("locate")
     assert layer_of("kernels.triton_tiling") < layer_of("kernels.triton_kernel")
+    assert layer_of("cli.output") < layer_of("cli.checksum_command") == layer_of("cli")
+    assert ("cli.group", False) in imports("cli.diff_command")
 
 
 def test_dumps_are_file_io() -> None:

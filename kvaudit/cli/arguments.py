@@ -1,0 +1,53 @@
+"""What the commands share about their arguments: SOURCEs opened (spread under
+torchrun), descriptions read, ``--request`` ids, and output options checked before any
+work."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ..distributed import is_writer, spread
+from ..files import check_output
+
+if TYPE_CHECKING:
+    from ..description import CacheDescription
+    from ..sources import Source
+
+
+def check_outputs(outputs: dict[str, str | None], inputs: Sequence[str | None]) -> None:
+    """Refuse, before any work, an output option (``-o``) that names no file or names one
+    of the command's inputs (SOURCE arguments, records, descriptions); under torchrun,
+    on rank 0 only, which writes it."""
+    if not is_writer():
+        return
+    named = [name for name in inputs if name]
+    for option, output in outputs.items():
+        if output is not None:
+            check_output(output, named, option)
+
+
+def load_config(path: str | None) -> CacheDescription | None:
+    """The cache description a ``-c``-style option names; None when not given."""
+    from ..description import load_description
+
+    return None if path is None else load_description(path)
+
+
+def open_sources(
+    names: Sequence[str], config: CacheDescription | None, device: str | None
+) -> Source:
+    """SOURCE arguments resolved; live tensors move to ``--device`` only when given. Under
+    torchrun, each process opens its share of the dumps (docs/scale.md)."""
+    if spread():
+        from ..distributed.commands import open_spread_source
+
+        return open_spread_source(names, config, device)
+    from ..sources import open_source
+
+    return open_source(names, config, device_given=device is not None)
+
+
+def wanted_ids(request_ids: Sequence[str]) -> list[str] | None:
+    """The ``--request`` ids, each once; None (every request) when none is given."""
+    return list(dict.fromkeys(request_ids)) or None

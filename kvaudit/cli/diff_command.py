@@ -1,0 +1,178 @@
+"""``kvaudit diff``: a producer's KV compared with a consumer's, by checksums (differing
+blocks located) or, with ``--numeric``, by value."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from ..distributed import spread
+from .arguments import check_outputs, load_config, open_sources, wanted_ids
+from .group import EXIT_MISMATCH, EXIT_OK, main
+from .options import DIFF_EXIT_HELP, ReportFormat, common_options, report_options, request_option
+from .output import ReportOutputs, emit, emit_report, emit_table
+
+if TYPE_CHECKING:
+    from ..sources import Source
+
+
+def _numeric_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--numeric``, ``--atol``, ``--rtol`` and ``--html FILE`` of ``diff``."""
+    command = click.option(
+        "--html",
+        "html_path",
+        metavar="FILE",
+        default=None,
+        help="Also write a self-contained HTML report with heatmaps (docs/numeric.md).",
+    )(command)
+    for name, what in (("--rtol", "relative"), ("--atol", "absolute")):
+        command = click.option(
+            name,
+            type=click.FloatRange(min=0.0),
+            default=None,
+            help=f"With --numeric: the {what} tolerance [default: 0].",
+        )(command)
+    return click.option(
+        "--numeric",
+        is_flag=True,
+        help="Compare element values in each layer's dtype: errors per request, layer and "
+        "head; exit 1 when |consumer - producer| > atol + rtol |producer| anywhere.",
+    )(command)
+
+
+@main.command(epilog=DIFF_EXIT_HELP)
+@click.argument("producer", metavar="PRODUCER")
+@click.argument("consumer", metavar="CONSUMER")
+@request_option("Compare only this request (repeatable); default all.")
+@click.option(
+    "--locate/--no-locate",
+    default=None,
+    help="Narrow each differing block down to layers, heads, tokens and bytes "
+    "[default: when both sides hold the raw KV].",
+)
+@report_options
+@click.option(
+    "--producer-config",
+    metavar="FILE",
+    default=None,
+    help="Cache description of the producer's dumps only (overrides -c there).",
+)
+@click.option(
+    "--consumer-config",
+    metavar="FILE",
+    default=None,
+    help="Cache description of the consumer's dumps only (overrides -c there).",
+)
+@_numeric_options
+@common_options
+def diff(
+    producer: str,
+    consumer: str,
+    request_ids: tuple[str, ...],
+    locate: bool | None,
+    output_format: ReportFormat,
+    output: str | None,
+    json_path: str | None,
+    junit_path: str | None,
+    allow_missing: bool,
+    allow_empty: bool,
+    producer_config: str | None,
+    consumer_config: str | None,
+    config_path: str | None,
+    device: str | None,
+    quiet: bool,
+    numeric: bool = False,
+    atol: float | None = None,
+    rtol: float | None = None,
+    html_path: str | None = None,
+) -> int:
+    """Compare a producer's KV with a consumer's, request by request: PRODUCER and
+    CONSUMER are each a dump file, a directory of one engine's dumps, a record (JSON) or a
+    live handle. Differing blocks are located down to layers, heads, tokens and bytes."""
+    from ..diffing import diff_sources, diff_work
+    from ..progress import progress_bar
+    from ..report import DIFF_SIDES
+    from ..sources import resolve_device
+
+    check_outputs(
+        {"-o": output, "--json": json_path, "--junit": junit_path, "--html": html_path},
+        [producer, consumer, producer_config, consumer_config, config_path],
+    )
+    runtime = resolve_device(device or "auto")
+    config = functools.cache(load_config)  # -c serves both sides: read it once
+    left = open_sources([producer], config(producer_config or config_path), device)
+    right = open_sources([consumer], config(consumer_config or config_path), device)
+    wanted = wanted_ids(request_ids)
+    if numeric:
+        if junit_path is not None:
+            raise click.UsageError("--numeric reports as table or JSON, not JUnit")
+        outputs = (output, json_path, html_path)
+        tolerance = (atol or 0.0, rtol or 0.0)
+        return diff_numeric(left, right, wanted, tolerance, output_format, outputs, quiet)
+    if atol is not None or rtol is not None:
+        raise click.UsageError("--atol and --rtol go with --numeric")
+    with progress_bar(diff_work(left, right, wanted), "diff", enabled=not quiet) as advance:
+        report = diff_sources(
+            left,
+            right,
+            request_ids=wanted,
+            locate=False if spread() else locate,
+            runtime=runtime,
+            progress=advance,
+            allow_missing=allow_missing,
+            allow_empty=allow_empty,
+        )
+    if spread():
+        from ..distributed.commands import locate_across
+
+        locate_across(report, left, right, wanted, locate)
+    title = f"diff: producer {left.describe()}, consumer {right.describe()}"
+    outputs = ReportOutputs(output_format, output, json_path, junit_path)
+    emit_report(report, outputs, title, DIFF_SIDES, "kvaudit.diff")
+    if html_path is not None:
+        from ..formats.html import diff_html
+
+        emit(diff_html(report, title), html_path)
+    return EXIT_OK if report.ok else EXIT_MISMATCH
+
+
+def diff_numeric(
+    left: Source,
+    right: Source,
+    wanted: list[str] | None,
+    tolerance: tuple[float, float],
+    output_format: ReportFormat,
+    outputs: tuple[str | None, str | None, str | None],
+    quiet: bool,
+) -> int:
+    """``diff --numeric``: compare by value, print or write the report (``outputs``: -o,
+    --json and --html files), the exit status."""
+    from ..diffing import diff_work, numeric_sources
+    from ..formats import json_text
+    from ..formats.html import numeric_html
+    from ..formats.numeric import numeric_to_json
+    from ..progress import progress_bar
+    from ..report.numeric import print_numeric
+
+    if output_format == "junit":
+        raise click.UsageError("--numeric reports as --format table or json")
+    output, json_path, html_path = outputs
+    atol, rtol = tolerance
+    with progress_bar(diff_work(left, right, wanted), "diff", enabled=not quiet) as advance:
+        report = numeric_sources(
+            left, right, atol=atol, rtol=rtol, request_ids=wanted, progress=advance
+        )
+    title = f"diff --numeric: producer {left.describe()}, consumer {right.describe()}"
+    text = json_text(numeric_to_json(report, left.describe(), right.describe())) + "\n"
+    if output_format == "json":
+        emit(text, output)
+    else:
+        emit_table(functools.partial(print_numeric, report=report, title=title), output)
+    if json_path is not None:
+        emit(text, json_path)
+    if html_path is not None:
+        emit(numeric_html(report, title), html_path)
+    return EXIT_OK if report.ok else EXIT_MISMATCH

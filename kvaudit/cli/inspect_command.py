@@ -1,0 +1,37 @@
+"""``kvaudit inspect``: what a dump set (or record, or live engine) holds."""
+
+from __future__ import annotations
+
+from typing import get_args
+
+import click
+
+from .arguments import load_config, open_sources
+from .group import EXIT_INCOMPLETE, EXIT_OK, main
+from .options import EXIT_HELP, InventoryFormat, common_options, format_option
+from .output import stamp
+
+
+@main.command(epilog=EXIT_HELP)
+@click.argument("sources", metavar="SOURCE...", nargs=-1, required=True)
+@format_option(get_args(InventoryFormat), "Output format.")
+@common_options
+def inspect(
+    sources: tuple[str, ...],
+    output_format: InventoryFormat,
+    config_path: str | None,
+    device: str | None,
+    quiet: bool,
+) -> int:
+    """Show what a dump set holds: workers, groups, coverage, fingerprints, requests."""
+    from ..formats import inventory_to_json, json_text
+    from ..report import make_console, print_inventory
+    from ..sources import resolve_device
+
+    resolve_device(device or "auto")  # rejects --device cuda without CUDA, as everywhere
+    inventory = open_sources(sources, load_config(config_path), device).inventory()
+    if output_format == "json":
+        click.echo(json_text(stamp(inventory_to_json(inventory))))
+    else:
+        print_inventory(make_console(), inventory)
+    return EXIT_OK if inventory.complete else EXIT_INCOMPLETE

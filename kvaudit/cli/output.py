@@ -1,0 +1,114 @@
+"""Where a command's result goes: JSON stamped under torchrun, tables on stdout's console
+or as plain text in a file, files written whole or not at all, and the ``diff`` and
+``verify`` report in its ``--format`` with its ``--json`` and ``--junit`` files."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from ..distributed import is_writer, spread
+from ..errors import printable
+from .options import ReportFormat
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from ..compare import DiffReport
+    from ..report import Sides
+
+
+@dataclass(frozen=True)
+class ReportOutputs:
+    """Where a ``diff`` or ``verify`` report goes: ``--format`` on stdout or ``-o``, and
+    the ``--json`` and ``--junit`` files beside it."""
+
+    output_format: ReportFormat
+    output: str | None
+    json_path: str | None
+    junit_path: str | None
+
+
+def emit_report(
+    report: DiffReport, outputs: ReportOutputs, title: str, sides: Sides, suite: str
+) -> None:
+    """Warn on stderr, write the ``--json`` and ``--junit`` files, then print or write
+    the report in the chosen format. A reader of stdout that went away (``| head``)
+    loses the rest of the output, not the verdict's exit status."""
+    from ..formats import diff_junit, diff_to_json, json_text
+    from ..report import make_console, print_diff
+
+    for warning in report.warnings:
+        click.echo(f"kvaudit: warning: {printable(warning, newlines=False)}", err=True)
+    if outputs.json_path is not None:
+        emit(json_text(stamp(diff_to_json(report))) + "\n", outputs.json_path)
+    if outputs.junit_path is not None:
+        emit(diff_junit(report, suite), outputs.junit_path)
+    output = outputs.output
+    try:
+        if outputs.output_format == "json":
+            emit(json_text(stamp(diff_to_json(report))) + "\n", output)
+        elif outputs.output_format == "junit":
+            emit(diff_junit(report, suite), output)
+        elif output is None:
+            console = make_console()
+            # rich exits with status 1 on a closed pipe; the verdict decides the status.
+            console.on_broken_pipe = _raise_broken_pipe  # type: ignore[method-assign]
+            print_diff(console, report=report, title=title, sides=sides)
+        else:
+            render = functools.partial(print_diff, report=report, title=title, sides=sides)
+            emit_table(render, output)
+        if output is None:
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # Point stdout at /dev/null so that flushing it at exit raises nothing more.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _raise_broken_pipe() -> None:
+    """A console's reaction to a closed pipe: raise, so that the caller decides."""
+    raise BrokenPipeError
+
+
+def stamp(data: dict[str, Any]) -> dict[str, Any]:
+    """A result's JSON, with ``"processes"`` when several processes computed it."""
+    if not spread():
+        return data
+    from ..distributed.commands import stamped
+
+    return stamped(data)
+
+
+def emit_table(render: Callable[[Console], None], output: str | None) -> None:
+    """Print tables on stdout's console, or write them as plain text to ``output``."""
+    if not is_writer():
+        return
+    from ..report import make_console, render_text
+
+    if output is None:
+        render(make_console())
+    else:
+        emit(render_text(render), output)
+
+
+def emit(text: str, output: str | None) -> None:
+    """Print ``text``, or write it to ``output`` whole or not at all (under torchrun,
+    rank 0 only)."""
+    if not is_writer():
+        return
+    from ..files import atomic_path
+
+    if output is None:
+        click.echo(text, nl=False)
+        return
+    with (
+        atomic_path(output) as temporary,
+        open(temporary, "x", encoding="utf-8", errors="backslashreplace", newline="") as handle,
+    ):
+        handle.write(text)

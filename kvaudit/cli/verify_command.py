@@ -1,0 +1,105 @@
+"""``kvaudit verify``: a dump set (or record) checked one way: against a saved record,
+the producer checksums it received, or the stored checksums of its offloaded blocks."""
+
+from __future__ import annotations
+
+import click
+
+from ..distributed import spread
+from .arguments import check_outputs, load_config, open_sources, wanted_ids
+from .group import EXIT_MISMATCH, EXIT_OK, main
+from .options import DIFF_EXIT_HELP, ReportFormat, common_options, report_options, request_option
+from .output import ReportOutputs, emit_report
+
+
+@main.command(epilog=DIFF_EXIT_HELP)
+@click.argument("sources", metavar="SOURCE...", nargs=-1, required=True)
+@click.option(
+    "--against",
+    metavar="RECORD",
+    default=None,
+    help="Check against a saved record (a regression check): every block must match it.",
+)
+@click.option(
+    "--received",
+    is_flag=True,
+    help="Check a consumer's dumps against the producer checksums they received.",
+)
+@click.option(
+    "--stored",
+    is_flag=True,
+    help="Check the stored checksums of offloaded blocks against the blocks.",
+)
+@request_option("Verify only this request (repeatable); default all.")
+@report_options
+@common_options
+def verify(
+    sources: tuple[str, ...],
+    against: str | None,
+    received: bool,
+    stored: bool,
+    request_ids: tuple[str, ...],
+    output_format: ReportFormat,
+    output: str | None,
+    json_path: str | None,
+    junit_path: str | None,
+    allow_missing: bool,
+    allow_empty: bool,
+    config_path: str | None,
+    device: str | None,
+    quiet: bool,
+) -> int:
+    """Check a dump set (or record) one way: against a saved record (--against), the
+    producer checksums its dumps received (--received), or the stored checksums of its
+    offloaded blocks (--stored)."""
+    from ..diffing import verify_sources, verify_work
+    from ..progress import progress_bar
+    from ..report import Sides
+    from ..sources import resolve_device
+
+    chosen = [
+        name
+        for name, given in (("--against", against), ("--received", received), ("--stored", stored))
+        if given
+    ]
+    if len(chosen) != 1:
+        found = " and ".join(chosen) if chosen else "none"
+        raise click.UsageError(
+            f"give exactly one of --against RECORD, --received or --stored (got {found})"
+        )
+    check_outputs(
+        {"-o": output, "--json": json_path, "--junit": junit_path},
+        [*sources, against, config_path],
+    )
+    runtime = resolve_device(device or "auto")
+    source = open_sources(sources, load_config(config_path), device)
+    saved = open_sources([against], None, device) if against is not None else None
+    wanted = wanted_ids(request_ids)
+    work = verify_work(source, against=saved, request_ids=wanted)
+    check = verify_sources
+    if spread():
+        from ..distributed.spread_verify import verify_spread as check
+    with progress_bar(work, "verify", enabled=not quiet) as advance:
+        report = check(
+            source,
+            against=saved,
+            received=received,
+            stored=stored,
+            request_ids=wanted,
+            runtime=runtime,
+            progress=advance,
+            allow_missing=allow_missing,
+            allow_empty=allow_empty,
+        )
+    if saved is not None:
+        sides = Sides("saved record", "source")
+        title = f"verify {source.describe()} against {saved.describe()}"
+    elif received:
+        sides = Sides("received producer checksums", "consumer")
+        title = f"verify {source.describe()} against the producer checksums it received"
+    else:
+        sides = Sides("stored checksums", "dumps", "checked")
+        title = f"verify the stored checksums of {source.describe()}"
+    outputs = ReportOutputs(output_format, output, json_path, junit_path)
+    emit_report(report, outputs, title, sides, "kvaudit.verify")
+    return EXIT_OK if report.ok else EXIT_MISMATCH
