@@ -1,0 +1,147 @@
+"""``diff_sources``: a producer and a consumer checksummed over the tokens both hold and
+compared, request by request; differing blocks located from both sides' raw KV and traced
+to the producer blocks they hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from ..compare import DiffReport, compare_records
+from ..errors import KvauditError
+from ..locate import locate_differences
+from ..pairing import group_windows, side_warnings
+from ..sources import Progress, Runtime, Source, resolve_device
+from ..sources.raw import RawWorker, fetched, fetches
+from ..trace import trace_report
+from .sides import (
+    check_wanted,
+    checksum_held,
+    held_ids,
+    shared_numbering,
+    shared_tokens,
+    trim_to,
+    unique_ids,
+)
+
+
+def diff_work(producer: Source, consumer: Source, request_ids: Sequence[str] | None = None) -> int:
+    """The bytes ``diff_sources`` checksums (0 where a side holds only checksums): the
+    total of its ``progress`` calls."""
+    ids = unique_ids(request_ids)
+    return sum(source.work(held_ids(source, ids)) for source in (producer, consumer))
+
+
+def diff_sources(
+    producer: Source,
+    consumer: Source,
+    *,
+    request_ids: Sequence[str] | None = None,
+    locate: bool | None = None,
+    runtime: Runtime | None = None,
+    progress: Progress | None = None,
+    allow_missing: bool = False,
+    allow_empty: bool = False,
+) -> DiffReport:
+    """The producer compared with the consumer, request by request (docs/cli.md, diff).
+
+    A side that can be checksummed again (dumps, live workers) is checksummed over the
+    tokens both sides hold (the smaller token count), so a consumer that decoded further
+    is compared up to the last shared token; a record is compared as it is. Positions the
+    producer holds that the consumer lacks are missing (accepted with
+    ``allow_missing``); a report in which nothing was compared fails unless
+    ``allow_empty``. ``locate``: None locates differences when both sides hold the raw
+    KV, True requires it, False never locates. Located entries fill each group's
+    ``located``; only the differing blocks are read again. The report warns when the
+    sides' roles are swapped or both sides are the same files.
+
+    Raises:
+        KvauditError: A requested id on neither side, ``locate=True`` with a side that
+            holds only checksums, records of different position numberings, or any bad
+            input met while checksumming.
+
+    """
+    runtime = runtime or resolve_device("auto")
+    ids = unique_ids(request_ids)
+    if ids is not None:
+        check_wanted(producer, consumer, ids)
+    warnings = side_warnings(producer, consumer)
+    counts = (producer.token_counts(), consumer.token_counts())
+    windows = group_windows(producer, consumer)
+    shared = shared_tokens(producer, consumer, ids)
+    untrimmed = producer.raw_kv() if locate is not False else None
+    producer = trim_to(producer, shared)
+    consumer = trim_to(consumer, shared)
+    raw = _raw_kv(producer, consumer, locate)
+    positions = shared_numbering(producer, consumer)
+    left = checksum_held(producer, ids, positions, runtime, progress)
+    right = checksum_held(consumer, ids, positions, runtime, progress)
+    report = compare_records(left, right, request_ids=ids, token_counts=counts, windows=windows)
+    report.allow_missing, report.allow_empty = allow_missing, allow_empty
+    report.warnings = warnings
+    if raw is not None:
+        locate_report(report, *raw, shared)
+        remote = [side for side, workers in zip((producer, consumer), raw) if fetches(workers)]
+        if remote:
+            report.untraced = (
+                f"not traced: {', '.join(remote[0].names)} is a running engine, whose blocks "
+                "are fetched only at the differing positions"
+            )
+        else:
+            trace_report(report, untrimmed or raw[0], raw[1], shared)
+    else:
+        report.untraced = _untraced(producer, consumer, locate)
+    return report
+
+
+def _untraced(producer: Source, consumer: Source, locate: bool | None) -> str:
+    """Why differing blocks are not traced to the producer blocks they hold."""
+    if locate is False:
+        return "not traced (--no-locate)"
+    side = producer if producer.raw_kv() is None else consumer
+    return (
+        f"no trace possible: {', '.join(side.names)} is a {side.kind} that holds only "
+        "checksums, not the KV"
+    )
+
+
+def _raw_kv(
+    producer: Source, consumer: Source, locate: bool | None
+) -> tuple[list[RawWorker], list[RawWorker]] | None:
+    """Both sides' raw KV where differences are to be located (``locate``: None when
+    both hold it, True always, False never), else None.
+
+    Raises:
+        KvauditError: ``locate=True`` with a side that holds only checksums.
+
+    """
+    if locate is False:
+        return None
+    left, right = producer.raw_kv(), consumer.raw_kv()
+    if left is not None and right is not None:
+        return left, right
+    if locate:
+        side = producer if left is None else consumer
+        raise KvauditError(
+            f"--locate needs the raw KV on both sides; {', '.join(side.names)} is a "
+            f"{side.kind} that holds only checksums"
+        )
+    return None
+
+
+def locate_report(
+    report: DiffReport,
+    producer: Sequence[RawWorker],
+    consumer: Sequence[RawWorker],
+    num_tokens: Mapping[str, int],
+) -> None:
+    """Fill each differing group's ``located`` with the layers, heads, tokens and bytes
+    that differ at its mismatched positions and replica-differing positions."""
+    for request_id, gid, group in report.groups():
+        positions = {*group.mismatched_positions, *(p for p, _, _ in group.replica_mismatches)}
+        if not positions or request_id not in num_tokens:
+            continue
+        wanted = (request_id, gid, sorted(positions), group.block_size, num_tokens[request_id])
+        group.located = locate_differences(
+            fetched(producer, *wanted), fetched(consumer, *wanted), *wanted
+        )

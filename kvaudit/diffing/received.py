@@ -1,0 +1,69 @@
+"""``verify --received``: a consumer's checksums, over the producer's tokens and under its
+position numbering, against the producer's wire checksums its dumps carry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from ..compare import DiffReport, verify_received
+from ..compare.received import decode_received, received_numbering
+from ..dumps import Dump, DumpSet
+from ..errors import KvauditError
+from ..pairing import group_windows
+from ..sources import Progress, Runtime, Source
+from .sides import trim_to
+
+
+def received_bytes(dump_set: DumpSet, request_ids: Sequence[str] | None = None) -> dict[str, bytes]:
+    """Per request, the producer's wire checksums the set's dumps carry.
+
+    Raises:
+        KvauditError: Two workers carry different bytes for one request.
+
+    """
+    found: dict[str, tuple[bytes, Dump]] = {}
+    for dump in dump_set.dumps:
+        for request_id, request in dump.requests.items():
+            if request.received is None:
+                continue
+            if request_ids is not None and request_id not in request_ids:
+                continue
+            seen = found.get(request_id)
+            if seen is None:
+                found[request_id] = (request.received, dump)
+            elif seen[0] != request.received:
+                raise KvauditError(
+                    f"request {request_id!r}: the received checksums differ from those "
+                    f"{seen[1].path} carries; the workers of one consumer receive the same",
+                    dump.path,
+                )
+    return {request_id: data for request_id, (data, _) in found.items()}
+
+
+def verify_wire(
+    source: Source,
+    wire_bytes: Mapping[str, bytes],
+    ids: list[str] | None,
+    runtime: Runtime,
+    progress: Progress | None,
+) -> DiffReport:
+    """The source checked against the producer checksums its dumps carry (``wire_bytes``
+    per request, as ``received_bytes`` reads them)."""
+    name = ", ".join(source.names)
+    wires = decode_received(wire_bytes, name)
+    numbering = received_numbering(wires, name)
+    counts = source.token_counts()
+    # The consumer's checksums cover only the producer's tokens, as a diff's do.
+    sent = {
+        rid: min(int(wire.num_tokens), counts[rid]) for rid, wire in wires.items() if rid in counts
+    }
+    record = trim_to(source, sent).checksum(ids, numbering, runtime, progress)
+    return verify_received(
+        record,
+        wires,
+        source=name,
+        request_ids=ids,
+        consumer_tokens=counts,
+        windows=group_windows(source),
+    )

@@ -1,0 +1,117 @@
+"""``verify_sources``: one source checked one way, against a saved record, the producer
+checksums its dumps received, or the stored checksums of its offloaded blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..compare import DiffReport, verify_against_record
+from ..errors import KvauditError
+from ..pairing import group_windows
+from ..sources import Progress, Runtime, Source, resolve_device
+from .diff import diff_work
+from .received import received_bytes, verify_wire
+from .sides import check_wanted, checksum_held, shared_numbering, shared_tokens, trim_to, unique_ids
+from .stored import verify_stored
+
+
+def verify_work(
+    source: Source, *, against: Source | None = None, request_ids: Sequence[str] | None = None
+) -> int:
+    """The bytes ``verify_sources`` checksums (0 where it reads only checksums): the
+    total of its ``progress`` calls.
+
+    Raises:
+        KvauditError: Without ``against``, a requested id the source does not hold.
+
+    """
+    ids = unique_ids(request_ids)
+    if against is not None:
+        return diff_work(against, source, ids)
+    if ids is not None:
+        source.check_request_ids(ids)
+    return source.work(ids)
+
+
+def verify_sources(
+    source: Source,
+    *,
+    against: Source | None = None,
+    received: bool = False,
+    stored: bool = False,
+    request_ids: Sequence[str] | None = None,
+    runtime: Runtime | None = None,
+    progress: Progress | None = None,
+    allow_missing: bool = False,
+    allow_empty: bool = False,
+) -> DiffReport:
+    """One source checked one way (docs/cli.md, verify): ``against`` a saved record (it
+    plays the producer; every replica key must match when the layouts agree), the
+    producer checksums its dumps ``received`` (over the producer's tokens, under its
+    numbering), or the ``stored`` checksums of its offloaded blocks. Exactly one of the
+    three is given. ``allow_missing`` and ``allow_empty`` as for ``diff_sources``.
+
+    Raises:
+        KvauditError: None or several ways given, a requested id the source does not
+            hold, ``received``/``stored`` on a source that is not dumps, dumps whose
+            workers carry different received checksums for one request, malformed wire
+            bytes, or any bad input met while checksumming.
+
+    """
+    chosen = [against is not None, received, stored]
+    if sum(chosen) != 1:
+        raise KvauditError("verify needs exactly one of --against RECORD, --received, --stored")
+    runtime = runtime or resolve_device("auto")
+    ids = unique_ids(request_ids)
+    report = _verify_one_way(source, against, received, ids, runtime, progress)
+    report.allow_missing, report.allow_empty = allow_missing, allow_empty
+    if against is not None:
+        report.untraced = "no trace possible: verify --against compares checksums only"
+    elif received:
+        report.untraced = "no trace possible: the producer sent only its checksums"
+    return report
+
+
+def _verify_one_way(
+    source: Source,
+    against: Source | None,
+    received: bool,
+    ids: list[str] | None,
+    runtime: Runtime,
+    progress: Progress | None,
+) -> DiffReport:
+    """``verify_sources`` without its policy: the report of the chosen way."""
+    if against is not None:
+        return _verify_against(source, against, ids, runtime, progress)
+    if ids is not None:
+        source.check_request_ids(ids)
+    dump_set = source.carried_checksums()
+    if dump_set is None:
+        what = "--received" if received else "--stored"
+        raise KvauditError(
+            f"{what} reads what dumps carry; {', '.join(source.names)} is a {source.kind}"
+        )
+    if received:
+        return verify_wire(source, received_bytes(dump_set, ids), ids, runtime, progress)
+    return verify_stored(dump_set, request_ids=ids, runtime=runtime, progress=progress)
+
+
+def _verify_against(
+    source: Source,
+    saved: Source,
+    ids: list[str] | None,
+    runtime: Runtime,
+    progress: Progress | None,
+) -> DiffReport:
+    if ids is not None:
+        check_wanted(saved, source, ids, ("the saved record", "the source"))
+    counts = source.token_counts()
+    windows = group_windows(source)
+    current = trim_to(source, shared_tokens(saved, source, ids))
+    positions = shared_numbering(saved, current)
+    saved_record = checksum_held(saved, ids, positions, runtime, progress)
+    current_record = checksum_held(current, ids, positions, runtime, progress)
+    return verify_against_record(
+        current_record, saved_record, request_ids=ids, token_counts=counts, windows=windows
+    )
