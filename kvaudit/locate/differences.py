@@ -1,0 +1,160 @@
+"""``locate_differences``: the (layer, global head) slices whose cells differ at a block
+position, compared byte by byte on both sides, with the differing tokens, the first
+differing byte and the largest errors of the differing elements read in their dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..compare.model import LocatedDifference
+from ..dtypes import dtype_size, torch_dtype
+from ..errors import KvauditError
+from ..scheme import valid_tokens
+from ..sources.raw import RawWorker
+from .cells import CellSegment
+from .slices import SliceCells, SliceReader
+
+if TYPE_CHECKING:
+    import torch
+
+
+def element_errors(
+    reference: np.ndarray, other: np.ndarray, segments: Sequence[CellSegment]
+) -> tuple[float, float]:
+    """The largest absolute and relative error over the elements whose bytes differ, in
+    uint8 cells ``[tokens, cell bytes]`` read as the segments' dtypes.
+
+    The relative error is relative to the reference value (infinite where the reference
+    is 0 and the other is not); a NaN on one side only counts as an infinite error, NaN on
+    both sides as none.
+    """
+    max_abs = 0.0
+    max_rel = 0.0
+    for segment in segments:
+        size = dtype_size(segment.dtype)
+        a = np.ascontiguousarray(reference[:, segment.start : segment.end]).reshape(-1, size)
+        b = np.ascontiguousarray(other[:, segment.start : segment.end]).reshape(-1, size)
+        differ = (a != b).any(axis=1)
+        if not differ.any():
+            continue
+        abs_errors, rel_errors = _errors(a[differ], b[differ], segment.dtype)
+        max_abs = max(max_abs, float(abs_errors.max()))
+        max_rel = max(max_rel, float(rel_errors.max()))
+    return max_abs, max_rel
+
+
+def _errors(a: np.ndarray, b: np.ndarray, dtype: torch.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Absolute and relative errors of elements given as their bytes ``[n, size]``."""
+    if dtype.is_floating_point:
+        x = _elements(a, dtype)
+        y = _elements(b, dtype)
+        with np.errstate(invalid="ignore", over="ignore"):
+            abs_errors = np.abs(x - y)
+        one_nan = np.isnan(x) != np.isnan(y)
+        both_nan = np.isnan(x) & np.isnan(y)
+        abs_errors[one_nan] = np.inf
+        abs_errors[both_nan] = 0.0
+        reference = np.abs(x)
+    else:
+        # Python integers: exact differences, even of 64-bit values beyond float precision.
+        xs = _elements(a, dtype).tolist()
+        ys = _elements(b, dtype).tolist()
+        abs_errors = np.array([float(abs(x - y)) for x, y in zip(xs, ys)])
+        reference = np.array([float(abs(x)) for x in xs])
+    rel_errors = np.zeros_like(abs_errors)
+    nonzero = abs_errors != 0
+    infinite = nonzero & (np.isinf(abs_errors) | (reference == 0) | ~np.isfinite(reference))
+    rel_errors[infinite] = np.inf
+    finite = nonzero & ~infinite
+    rel_errors[finite] = abs_errors[finite] / reference[finite]
+    return abs_errors, rel_errors
+
+
+def _elements(raw: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """Elements given as their bytes ``[n, size]``: float64 values of a floating dtype,
+    else the integers (a bool element as its byte)."""
+    import torch
+
+    values = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1))
+    if dtype.is_floating_point:
+        return values.view(torch_dtype(dtype)).to(torch.float64).numpy()
+    return values.view(torch.uint8 if dtype == torch.bool else torch_dtype(dtype)).numpy()
+
+
+def _located_entry(
+    position: int, name: str, head: int, reference: SliceCells, other: SliceCells, replica: int
+) -> LocatedDifference | None:
+    """The located entry of one slice pair at the tokens both hold, or None when their
+    cells agree there; ``replica`` (when not 0) is the consumer replica compared."""
+    tokens, index_a, index_b = np.intersect1d(reference.tokens, other.tokens, return_indices=True)
+    a, b = reference.cells[index_a], other.cells[index_b]
+    if a.shape[1] != b.shape[1]:
+        return None
+    differ = a != b
+    rows = np.flatnonzero(differ.any(axis=1))
+    if not len(rows):
+        return None
+    max_abs, max_rel = element_errors(a[rows], b[rows], reference.segments)
+    return LocatedDifference(
+        position=position,
+        layer=name,
+        head=head,
+        tokens=[int(t) for t in tokens[rows]],
+        first_byte=int(np.argmax(differ[rows[0]])),
+        max_abs_error=max_abs,
+        max_rel_error=max_rel,
+        replica=replica,
+        consumer_worker=other.worker,
+        file=other.file,
+    )
+
+
+def locate_differences(
+    producer: Sequence[RawWorker],
+    consumer: Sequence[RawWorker],
+    request_id: str,
+    group_id: int,
+    positions: Iterable[int],
+    block_size: int,
+    num_tokens: int,
+) -> list[LocatedDifference]:
+    """The (layer, global head) slices that differ at each of ``positions`` (numbered in
+    blocks of ``block_size`` tokens, which may be coarser than either side's), with their
+    differing request positions, first differing byte and largest errors.
+
+    Position ``p`` covers request positions ``p * block_size .. p * block_size +
+    block_size - 1`` below ``num_tokens``. Producer replica 0 is compared with consumer
+    replica 0; each consumer replica ``r > 0`` with consumer replica 0 (its entries have
+    ``replica == r``). Only the blocks of those positions are read. Entries are sorted by
+    position, replica, layer number, layer name and head.
+
+    Raises:
+        KvauditError: ``block_size`` is not positive.
+
+    """
+    if block_size < 1:
+        raise KvauditError(f"block size must be positive, got {block_size}")
+    sides = [SliceReader.open(raw, request_id, group_id) for raw in (producer, consumer)]
+    entries: list[LocatedDifference] = []
+    for position in sorted(set(positions)):
+        lo = position * block_size
+        hi = lo + int(valid_tokens(num_tokens, block_size, position))
+        if hi <= lo:
+            continue
+        produced, consumed = (side.gather(request_id, group_id, lo, hi) for side in sides)
+        found = []
+        for (name, head, replica), item in consumed.items():
+            # Replica 0 is checked against the producer, another replica against replica 0.
+            reference = (consumed if replica else produced).get((name, head, 0))
+            if reference is None:
+                continue
+            entry = _located_entry(position, name, head, reference, item, replica)
+            if entry is not None:
+                found.append(((replica, item.number, name, head), entry))
+        found.sort(key=lambda pair: pair[0])
+        entries.extend(entry for _, entry in found)
+    return entries

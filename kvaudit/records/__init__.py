@@ -1,0 +1,34 @@
+"""Records: checksums per request, group and block position under each replica key.
+
+A ``WorkerRecord`` is what one worker computed; ``Record`` sums the workers of one
+engine (a dump set) and is what ``kvaudit checksum --format json`` writes (docs/cli.md;
+``kvaudit.formats`` writes it, ``Record.from_json`` reads it back).
+
+Modules, each using only those above it: ``model`` (the per-request and per-worker
+dataclasses), ``reading`` (the checks of a record's JSON entries), ``record`` (``Record``),
+``combining`` (``combine_workers``).
+"""
+
+from .combining import combine_workers
+from .model import (
+    RECORD_FORMAT,
+    GroupChecksums,
+    RequestChecksums,
+    WorkerInfo,
+    WorkerRecord,
+    WorkerSummary,
+    replica_zero_totals,
+)
+from .record import Record
+
+__all__ = [
+    "RECORD_FORMAT",
+    "GroupChecksums",
+    "Record",
+    "RequestChecksums",
+    "WorkerInfo",
+    "WorkerRecord",
+    "WorkerSummary",
+    "combine_workers",
+    "replica_zero_totals",
+]

@@ -1,0 +1,128 @@
+"""``combine_workers``: one engine's worker records summed into a ``Record``, request by
+request and group by group, over the union of positions and replica keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from ..errors import KvauditError
+from ..scheme import MASK64
+from ..validation import POSITION_NUMBERINGS, describe_worker, worker_layout
+from .model import GroupChecksums, RequestChecksums, WorkerRecord, WorkerSummary
+from .record import Record
+
+
+def combine_workers(records: Sequence[WorkerRecord]) -> Record:
+    """Sums the partial checksums of one engine's workers.
+
+    Each request and group covers the union of the workers' positions and replica keys;
+    a worker's absent positions and keys count as 0. A group's fingerprint sums, over PP
+    stages, the one reported by each stage's lowest TP rank present.
+
+    Raises:
+        KvauditError: No records, workers that disagree on the position numbering, TP or
+            PP size, a request's token count or a group's block size, or two workers with
+            the same ranks; the message names the sources.
+
+    """
+    if not records:
+        raise KvauditError("no worker records to combine")
+    first = records[0]
+    for record in records:
+        if record.positions not in POSITION_NUMBERINGS:
+            raise KvauditError(
+                f"{describe_worker(record.worker)}: unknown position numbering {record.positions!r}"
+            )
+        if record.positions != first.positions:
+            raise KvauditError(
+                f"workers disagree on positions: {describe_worker(first.worker)} numbers them by "
+                f"{first.positions}, {describe_worker(record.worker)} by {record.positions}"
+            )
+    missing = worker_layout([record.worker for record in records])
+
+    # Per PP stage, the worker of lowest TP rank present reports the stage's fingerprints.
+    stage_reporters: dict[int, WorkerRecord] = {}
+    for record in records:
+        current = stage_reporters.get(record.worker.pp_rank)
+        if current is None or record.worker.tp_rank < current.worker.tp_rank:
+            stage_reporters[record.worker.pp_rank] = record
+
+    requests: dict[str, RequestChecksums] = {}
+    for request_id in dict.fromkeys(rid for record in records for rid in record.requests):
+        holders = [record for record in records if request_id in record.requests]
+        requests[request_id] = _combine_request(request_id, holders, stage_reporters)
+
+    workers = [
+        WorkerSummary(record.worker, dict(record.fingerprints), dict(record.not_covered))
+        for record in records
+    ]
+    return Record(first.positions, workers, not missing, requests, missing)
+
+
+def _combine_request(
+    request_id: str, holders: Sequence[WorkerRecord], stage_reporters: Mapping[int, WorkerRecord]
+) -> RequestChecksums:
+    """One request summed over the workers that hold it."""
+    first = holders[0]
+    num_tokens = first.requests[request_id].num_tokens
+    for record in holders:
+        if record.requests[request_id].num_tokens != num_tokens:
+            raise KvauditError(
+                f"request {request_id}: {describe_worker(first.worker)} has {num_tokens} tokens, "
+                f"{describe_worker(record.worker)} has {record.requests[request_id].num_tokens}"
+            )
+    group_ids = sorted({gid for record in holders for gid in record.requests[request_id].groups})
+    groups: dict[int, GroupChecksums] = {}
+    for gid in group_ids:
+        parts = [
+            (record, record.requests[request_id].groups[gid])
+            for record in holders
+            if gid in record.requests[request_id].groups
+        ]
+        groups[gid] = _combine_group(request_id, gid, parts, stage_reporters)
+    return RequestChecksums(num_tokens, groups)
+
+
+def _combine_group(
+    request_id: str,
+    gid: int,
+    parts: Sequence[tuple[WorkerRecord, GroupChecksums]],
+    stage_reporters: Mapping[int, WorkerRecord],
+) -> GroupChecksums:
+    """One request's group summed over the workers that hold it."""
+    first_record, first_group = parts[0]
+    for record, group in parts:
+        if group.block_size != first_group.block_size:
+            raise KvauditError(
+                f"request {request_id} group {gid}: {describe_worker(first_record.worker)} has "
+                f"block size {first_group.block_size}, {describe_worker(record.worker)} has "
+                f"{group.block_size}"
+            )
+    keys = sorted({tuple(key) for _, group in parts for key in group.replica_keys})
+    column = {key: k for k, key in enumerate(keys)}
+    start = min(group.start for _, group in parts)
+    end = max(group.end for _, group in parts)
+    values = np.zeros((end - start, len(keys)), dtype=np.uint64)
+    for _, group in parts:
+        columns = [column[tuple(key)] for key in group.replica_keys]
+        rows = slice(group.start - start, group.end - start)
+        # uint64 addition wraps modulo 2**64, as the definition requires.
+        values[rows, columns] += np.asarray(group.values, dtype=np.uint64)
+
+    held = {id(record): group for record, group in parts}
+    fingerprint = 0
+    for reporter in stage_reporters.values():
+        if gid in reporter.fingerprints:
+            fingerprint += reporter.fingerprints[gid]
+        elif id(reporter) in held:
+            fingerprint += held[id(reporter)].fingerprint
+    return GroupChecksums(
+        block_size=first_group.block_size,
+        start=start,
+        replica_keys=[(int(r), int(i)) for r, i in keys],
+        values=values,
+        fingerprint=fingerprint & MASK64,
+    )

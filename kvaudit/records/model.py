@@ -1,0 +1,106 @@
+"""The checksums of requests and workers: a group's checksums per block position and replica
+key (``GroupChecksums``), a request's groups, who a worker is, what one worker computed
+(``WorkerRecord``) and what a record keeps of each worker (``WorkerSummary``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..scheme import ReplicaKey
+from ..validation import Positions, Role
+from ..wire import WireChecksums, WireGroup
+
+RECORD_FORMAT = "kvaudit.record/1"
+
+
+@dataclass
+class GroupChecksums:
+    """One group's checksums of one request.
+
+    ``values[i, k]`` is the checksum of position ``start + i`` under
+    ``replica_keys[k]`` (uint64).
+    """
+
+    block_size: int
+    start: int
+    replica_keys: list[ReplicaKey]
+    values: np.ndarray
+    fingerprint: int
+
+    @property
+    def count(self) -> int:
+        """The number of positions held."""
+        return int(self.values.shape[0])
+
+    @property
+    def end(self) -> int:
+        """One past the last position held."""
+        return self.start + self.count
+
+    def totals(self) -> np.ndarray:
+        """Per position, the sum of the columns whose replica index is 0 (uint64)."""
+        return replica_zero_totals(self.values, self.replica_keys)
+
+    def to_wire(self, group_id: int) -> WireGroup:
+        """The group's totals as a producer sends them."""
+        return WireGroup(group_id, self.fingerprint, self.block_size, self.start, self.totals())
+
+
+def replica_zero_totals(values: np.ndarray, replica_keys: Sequence[ReplicaKey]) -> np.ndarray:
+    """Per row of ``values`` (one column per replica key), the sum mod 2**64 of the
+    columns whose replica index is 0 (uint64)."""
+    columns = [k for k, (_, index) in enumerate(replica_keys) if index == 0]
+    if not columns:
+        return np.zeros(values.shape[0], dtype=np.uint64)
+    return values[:, columns].sum(axis=1, dtype=np.uint64)
+
+
+@dataclass
+class RequestChecksums:
+    """One request's checksums: its token count and each checksummed group."""
+
+    num_tokens: int
+    groups: dict[int, GroupChecksums] = field(default_factory=dict)
+
+    def to_wire(self, numbering: Positions) -> WireChecksums:
+        """What a producer sends for the request (``encode_wire``): its token count, the
+        record's position ``numbering`` and the totals per group, in group id order."""
+        groups = [self.groups[gid].to_wire(gid) for gid in sorted(self.groups)]
+        return WireChecksums(self.num_tokens, numbering, groups)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """Which worker a record comes from."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    role: Role = "producer"
+    engine: str = ""
+    source: str = ""
+
+
+@dataclass
+class WorkerRecord:
+    """One worker's partial checksums, with its group fingerprints and uncovered groups."""
+
+    worker: WorkerInfo
+    positions: Positions
+    fingerprints: dict[int, int]
+    not_covered: dict[int, str]
+    requests: dict[str, RequestChecksums]
+
+
+@dataclass
+class WorkerSummary:
+    """One worker of a record: who it is, its group fingerprints and uncovered groups."""
+
+    worker: WorkerInfo
+    fingerprints: dict[int, int] = field(default_factory=dict)
+    not_covered: dict[int, str] = field(default_factory=dict)

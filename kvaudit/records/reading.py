@@ -1,0 +1,191 @@
+"""What reads a record's JSON form strictly: typed access whose errors name the source and
+key path, and each worker, request and group entry checked (keys, types, hex values, row
+widths, totals).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from ..scheme import ReplicaKey, from_hex, to_hex
+from ..validation import (
+    MAX_BLOCK_SIZE,
+    MAX_COUNT,
+    MAX_TOKENS,
+    MAX_WORKERS,
+    Checker,
+    check_positions,
+    join,
+    short,
+)
+from .model import GroupChecksums, RequestChecksums, WorkerInfo, WorkerSummary
+
+_HEX = re.compile(r"[0-9a-f]{16}")
+_WORKER_KEYS = (
+    "source",
+    "tp_rank",
+    "tp_size",
+    "pp_rank",
+    "pp_size",
+    "role",
+    "fingerprints",
+    "not_covered",
+)
+_GROUP_KEYS = ("block_size", "start", "fingerprint", "replica_keys", "values", "totals")
+
+
+def item_path(path: str, key: str | int) -> str:
+    """The key path of a list item (``path[3]``) or an object member (``path["id"]``)."""
+    return f"{path}[{key}]" if isinstance(key, int) else f"{path}[{json.dumps(key)}]"
+
+
+class RecordReader(Checker):
+    """Typed access to a record's JSON with errors that name the source and key path."""
+
+    limit = 40
+
+    def obj(self, value: object, path: str) -> Mapping:
+        if not isinstance(value, Mapping):
+            self.fail(path, f"expected an object, {self.got(value)}")
+        return value
+
+    def array(self, value: object, path: str) -> list:
+        if not isinstance(value, list):
+            self.fail(path, f"expected a list, {self.got(value)}")
+        return value
+
+    def keys(
+        self, value: object, path: str, required: Sequence[str], optional: Sequence[str] = ()
+    ) -> Mapping:
+        """An object with every ``required`` key and no key outside ``optional``."""
+        data = self.obj(value, path or "record")
+        for key in required:
+            if key not in data:
+                self.fail(join(path, key), "missing")
+        for key in data:
+            if key not in required and key not in optional:
+                self.fail(join(path, str(key)), "unknown key")
+        return data
+
+    def integer(self, value: object, path: str, minimum: int = 0, maximum: int = MAX_COUNT) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+            self.fail(path, f"expected an integer from {minimum} to {maximum}, {self.got(value)}")
+        return value
+
+    def string(self, value: object, path: str) -> str:
+        if not isinstance(value, str):
+            self.fail(path, f"expected a string, {self.got(value)}")
+        return value
+
+    def hex64(self, value: object, path: str) -> int:
+        if not isinstance(value, str) or not _HEX.fullmatch(value):
+            self.fail(path, f"expected 16 lowercase hex digits, {self.got(value)}")
+        return from_hex(value)
+
+    def group_id(self, key: object, path: str) -> int:
+        """An object key that is a group id in canonical decimal (``"0"``, not ``"00"``)."""
+        if not isinstance(key, str) or not key.isdigit() or str(int(key)) != key:
+            self.fail(item_path(path, str(key)), "expected a group id (a decimal integer)")
+        return int(key)
+
+
+def worker_from_json(reader: RecordReader, value: object, path: str) -> WorkerSummary:
+    """One ``workers`` entry, validated."""
+    data = reader.keys(value, path, _WORKER_KEYS, ("engine",))
+    role = reader.role(reader.string(data["role"], join(path, "role")), join(path, "role"))
+    info = WorkerInfo(
+        tp_rank=reader.integer(data["tp_rank"], join(path, "tp_rank")),
+        tp_size=reader.integer(data["tp_size"], join(path, "tp_size"), 1, MAX_WORKERS),
+        pp_rank=reader.integer(data["pp_rank"], join(path, "pp_rank")),
+        pp_size=reader.integer(data["pp_size"], join(path, "pp_size"), 1, MAX_WORKERS),
+        role=role,
+        engine=reader.string(data.get("engine", ""), join(path, "engine")),
+        source=reader.string(data["source"], join(path, "source")),
+    )
+    fp_path = join(path, "fingerprints")
+    fingerprints = {
+        reader.group_id(key, fp_path): reader.hex64(fp, item_path(fp_path, key))
+        for key, fp in reader.obj(data["fingerprints"], fp_path).items()
+    }
+    nc_path = join(path, "not_covered")
+    not_covered = {
+        reader.group_id(key, nc_path): reader.string(reason, item_path(nc_path, key))
+        for key, reason in reader.obj(data["not_covered"], nc_path).items()
+    }
+    return WorkerSummary(info, fingerprints, not_covered)
+
+
+def request_from_json(reader: RecordReader, value: object, path: str) -> RequestChecksums:
+    """One ``requests`` entry, validated."""
+    data = reader.keys(value, path, ("num_tokens", "groups"))
+    num_tokens = reader.integer(data["num_tokens"], join(path, "num_tokens"), 0, MAX_TOKENS)
+    groups_path = join(path, "groups")
+    groups = {}
+    for key, item in reader.obj(data["groups"], groups_path).items():
+        group_id = reader.group_id(key, groups_path)
+        group_path = item_path(groups_path, key)
+        group = _group_from_json(reader, item, group_path)
+        check_positions(
+            reader.source, group_path, num_tokens, group.block_size, group.start, group.count
+        )
+        groups[group_id] = group
+    return RequestChecksums(num_tokens, groups)
+
+
+def _group_from_json(reader: RecordReader, value: object, path: str) -> GroupChecksums:
+    """One group of a request, validated: unique replica keys, rows one value per key,
+    totals that are the sums of the replica-0 values."""
+    data = reader.keys(value, path, _GROUP_KEYS)
+    block_size = reader.integer(data["block_size"], join(path, "block_size"), 1, MAX_BLOCK_SIZE)
+    start = reader.integer(data["start"], join(path, "start"), 0, MAX_TOKENS)
+    fingerprint = reader.hex64(data["fingerprint"], join(path, "fingerprint"))
+
+    keys_path = join(path, "replica_keys")
+    keys: list[ReplicaKey] = []
+    for k, item in enumerate(reader.array(data["replica_keys"], keys_path)):
+        key_path = item_path(keys_path, k)
+        pair = reader.array(item, key_path)
+        if len(pair) != 2:
+            reader.fail(key_path, f"expected [replicas, replica_index], {reader.got(pair)}")
+        replicas = reader.integer(pair[0], item_path(key_path, 0), 1, MAX_WORKERS)
+        index = reader.integer(pair[1], item_path(key_path, 1))
+        if index >= replicas:
+            reader.fail(key_path, f"replica index {index} is not below {replicas} replicas")
+        if (replicas, index) in keys:
+            reader.fail(key_path, f"replica key {short(pair, 40)} repeated")
+        keys.append((replicas, index))
+    if not keys:
+        reader.fail(keys_path, "expected at least one replica key")
+
+    values_path = join(path, "values")
+    rows = reader.array(data["values"], values_path)
+    values = np.zeros((len(rows), len(keys)), dtype=np.uint64)
+    for i, row in enumerate(rows):
+        row_path = item_path(values_path, i)
+        reader.array(row, row_path)
+        if len(row) != len(keys):
+            reader.fail(
+                row_path, f"expected {len(keys)} values (one per replica key), got {len(row)}"
+            )
+        values[i] = [reader.hex64(item, item_path(row_path, k)) for k, item in enumerate(row)]
+    group = GroupChecksums(block_size, start, keys, values, fingerprint)
+
+    totals_path = join(path, "totals")
+    totals = reader.array(data["totals"], totals_path)
+    if len(totals) != len(rows):
+        reader.fail(
+            totals_path, f"expected {len(rows)} totals (one per position), got {len(totals)}"
+        )
+    expected = group.totals().tolist()
+    for i, item in enumerate(totals):
+        total = reader.hex64(item, item_path(totals_path, i))
+        if total != expected[i]:
+            reader.fail(
+                item_path(totals_path, i),
+                f"{item} is not the sum of the replica-0 values, {to_hex(expected[i])}",
+            )
+    return group

@@ -1,0 +1,77 @@
+"""``Record``: one engine's checksums, summed over its workers, as ``kvaudit checksum
+--format json`` writes them (``kvaudit.formats``) and ``Record.from_json`` reads them back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ..errors import KvauditError
+from ..validation import POSITION_NUMBERINGS, Positions, check_plain, worker_layout
+from .model import RECORD_FORMAT, RequestChecksums, WorkerSummary
+from .reading import RecordReader, item_path, request_from_json, worker_from_json
+
+
+@dataclass
+class Record:
+    """One engine's checksums, summed over its workers.
+
+    ``missing_workers`` lists the ``(pp_rank, tp_rank)`` of the engine's layout that the
+    set lacks; ``complete`` is true when there are none.
+    """
+
+    positions: Positions
+    workers: list[WorkerSummary]
+    complete: bool
+    requests: dict[str, RequestChecksums]
+    missing_workers: list[tuple[int, int]] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, data: Mapping, source: str) -> Record:
+        """A record read back from its JSON form, validated strictly.
+
+        Raises:
+            KvauditError: A wrong format tag, a missing or unknown key, a value of the
+                wrong type, bad hex, rows of the wrong width, or totals that are not the
+                sums of the replica-0 values; the message names the source and key path.
+
+        """
+        check_plain(data, source)
+        reader = RecordReader(source)
+        reader.keys(
+            data, "", ("format", "positions", "workers", "complete", "requests"), ("processes",)
+        )
+        if "processes" in data:  # how many processes computed it (kvaudit under torchrun)
+            reader.integer(data["processes"], "processes", 1)
+        if data["format"] != RECORD_FORMAT:
+            reader.fail("format", f"expected {RECORD_FORMAT!r}, {reader.got(data['format'])}")
+        positions = data["positions"]
+        if positions not in POSITION_NUMBERINGS:
+            reader.fail(
+                "positions", f"expected one of {POSITION_NUMBERINGS}, {reader.got(positions)}"
+            )
+        workers_data = reader.array(data["workers"], "workers")
+        if not workers_data:
+            reader.fail("workers", "expected at least one worker")
+        workers = [
+            worker_from_json(reader, item, f"workers[{index}]")
+            for index, item in enumerate(workers_data)
+        ]
+        try:
+            missing = worker_layout([summary.worker for summary in workers])
+        except KvauditError as error:
+            reader.fail("workers", str(error))
+        complete = data["complete"]
+        if not isinstance(complete, bool):
+            reader.fail("complete", f"expected true or false, {reader.got(complete)}")
+        if complete and missing:
+            reader.fail("complete", f"is true but workers (pp_rank, tp_rank) {missing} are missing")
+        if not complete and not missing:
+            reader.fail("complete", "is false but no worker is missing")
+        requests_data = reader.obj(data["requests"], "requests")
+        requests = {
+            request_id: request_from_json(reader, item, item_path("requests", request_id))
+            for request_id, item in requests_data.items()
+        }
+        return cls(positions, workers, complete, requests, missing)
