@@ -78,30 +78,45 @@ class NumpyPart:
         self.piece_weights = (factors[:, None] * offsets[None, :]).reshape(-1)
         self.head_weights = 2 * part.cell_pieces * factors
 
-    def accumulate(
-        self,
-        block_ids: np.ndarray,
-        first_tokens: np.ndarray,
-        valid_tokens: np.ndarray,
-        out: np.ndarray,
-    ) -> None:
-        """Add this part's weighted sums of the rows into ``out[:, column]``."""
-        full = np.flatnonzero(valid_tokens >= self.tokens_per_row)
-        tasks = [
-            (full[start : start + self.chunk_rows], self.tokens_per_row)
-            for start in range(0, len(full), self.chunk_rows)
+    def chunks(self, rows: np.ndarray) -> list[np.ndarray]:
+        """``rows`` (indices of the launch's rows) in chunks of ``chunk_rows``."""
+        return [
+            rows[start : start + self.chunk_rows] for start in range(0, len(rows), self.chunk_rows)
         ]
-        # Rows cut short (a request's last block) are few: one task each, to their count.
-        cut = np.flatnonzero((valid_tokens > 0) & (valid_tokens < self.tokens_per_row))
-        tasks += [(cut[i : i + 1], int(valid_tokens[cut[i]])) for i in range(len(cut))]
 
-        def run(task: tuple[np.ndarray, int]) -> np.ndarray:
-            index, count = task
-            return self._row_sums(self._rows(block_ids[index]), first_tokens[index], count)
+    def row_sums(self, block_ids: np.ndarray, first: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """The weighted sums of the rows of ``block_ids`` over their first ``counts``
+        tokens (each at least 1 and at most ``tokens_per_row``)."""
+        x = self._rows(block_ids)
+        tokens = self.tokens
+        top = int(counts.max())
+        total = x[:, 0, :, 0, :].astype(np.int64)  # Y so far: [rows, heads, pieces]
+        counted = total.copy()  # each token u counted (tokens so far) - u times
+        # Rows cut short (a request's last block) keep their sums as of their count.
+        short = {int(c): np.flatnonzero(counts == c) for c in np.unique(counts[counts < top])}
+        kept_total = np.empty_like(total) if short else total
+        kept_counted = np.empty_like(counted) if short else counted
+        for u in range(1, top):
+            done = short.get(u)
+            if done is not None:
+                kept_total[done] = total[done]
+                kept_counted[done] = counted[done]
+            kernel_block, token = divmod(u, tokens)
+            np.add(total, x[:, kernel_block, :, token, :], out=total)
+            np.add(counted, total, out=counted)
+        if short:
+            full = counts == top
+            kept_total[full] = total[full]
+            kept_counted[full] = counted[full]
+        rows = len(x)
+        # Z = sum of u * x_u = count * Y - (sum of the running sums)
+        weighted = np.multiply(kept_total, counts[:, None, None])
+        np.subtract(weighted, kept_counted, out=weighted)
+        sums = kept_total.reshape(rows, -1) @ self.piece_weights
+        per_head = first[:, None] * kept_total.sum(axis=2) + weighted.sum(axis=2)
+        sums += per_head @ self.head_weights
+        return sums
 
-        results = _pool().map(run, tasks) if len(tasks) > 1 else map(run, tasks)
-        for (index, _), sums in zip(tasks, results, strict=True):
-            out[index, self.column] += sums
 
     def _rows(self, block_ids: np.ndarray) -> np.ndarray:
         """The rows of these blocks: a view when they are consecutive, else a gather."""
@@ -112,23 +127,6 @@ class NumpyPart:
         ):
             return self.blocks[first : last + 1]
         return self.blocks[block_ids]
-
-    def _row_sums(self, x: np.ndarray, first: np.ndarray, count: int) -> np.ndarray:
-        """The weighted sums of rows ``x`` over their first ``count`` tokens."""
-        tokens = self.tokens
-        total = x[:, 0, :, 0, :].astype(np.int64)  # Y so far: [rows, heads, pieces]
-        counted = total.copy()  # each token u counted count - u times
-        for u in range(1, count):
-            kernel_block, token = divmod(u, tokens)
-            np.add(total, x[:, kernel_block, :, token, :], out=total)
-            np.add(counted, total, out=counted)
-        rows = len(x)
-        weighted = counted
-        np.subtract(count * total, counted, out=weighted)  # Z = sum of u * x_u
-        sums = total.reshape(rows, -1) @ self.piece_weights
-        per_head = first[:, None] * total.sum(axis=2) + weighted.sum(axis=2)
-        sums += per_head @ self.head_weights
-        return sums
 
 
 class NumpyLaunch:
@@ -150,5 +148,17 @@ class NumpyLaunch:
     ) -> None:
         """Add every part's weighted sums of the rows into its column of ``out``
         ``[rows, columns]``."""
-        for part in self.parts:
-            part.accumulate(block_ids, first_tokens, valid_tokens, out)
+        tasks = [
+            (part, chunk)
+            for part in self.parts
+            for chunk in part.chunks(np.flatnonzero(valid_tokens > 0))
+        ]
+
+        def run(task: tuple[NumpyPart, np.ndarray]) -> np.ndarray:
+            part, index = task
+            counts = np.minimum(valid_tokens[index], part.tokens_per_row)
+            return part.row_sums(block_ids[index], first_tokens[index], counts)
+
+        results = _pool().map(run, tasks) if len(tasks) > 1 else map(run, tasks)
+        for (part, index), sums in zip(tasks, results, strict=True):
+            out[index, part.column] += sums
