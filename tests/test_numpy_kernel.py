@@ -5,6 +5,7 @@ scattered rows gathered, rows cut short mixed with full ones in one chunk."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 
 import numpy as np
@@ -97,18 +98,23 @@ def test_cases_read_rows_in_place_and_gathered(monkeypatch: pytest.MonkeyPatch) 
     """The in-order cases take the in-place path and the gathered one, and chunks hold rows
     of several counts: what the tests above rely on to cover both."""
     seen = {"view": 0, "gather": 0, "mixed counts": 0}
+    lock = threading.Lock()  # the spies run on the pool's threads
     rows = numpy_cpu.NumpyPart._rows
     sums = numpy_cpu.NumpyPart.row_sums
 
     def spy_rows(self: numpy_cpu.NumpyPart, block_ids: np.ndarray) -> np.ndarray:
         x = rows(self, block_ids)
-        seen["view" if np.shares_memory(x, self.blocks) else "gather"] += 1
+        kind = "view" if np.shares_memory(x, self.blocks) else "gather"
+        with lock:
+            seen[kind] += 1
         return x
 
     def spy_sums(
         self: numpy_cpu.NumpyPart, block_ids: np.ndarray, first: np.ndarray, counts: np.ndarray
     ) -> np.ndarray:
-        seen["mixed counts"] += len(np.unique(counts)) > 1
+        mixed = len(np.unique(counts)) > 1
+        with lock:
+            seen["mixed counts"] += mixed
         return sums(self, block_ids, first, counts)
 
     monkeypatch.setattr(numpy_cpu.NumpyPart, "_rows", spy_rows)

@@ -117,7 +117,6 @@ class NumpyPart:
         sums += per_head @ self.head_weights
         return sums
 
-
     def _rows(self, block_ids: np.ndarray) -> np.ndarray:
         """The rows of these blocks: a view when they are consecutive, else a gather."""
         first = int(block_ids[0])
