@@ -76,8 +76,11 @@ def decode(raw: np.ndarray, dtype: DType | torch.dtype, out: np.ndarray) -> None
         out[...] = _TABLES[name][raw]
         return
     if name == "bfloat16" and out.dtype == np.float32:
-        # A bf16 is the high half of the float32 of the same value.
-        np.left_shift(raw.view(np.uint16), 16, out=out.view(np.uint32), dtype=np.uint32)
+        # A bf16 is the high half of the float32 of the same value: widened, then shifted
+        # in place (faster than one shift that casts on the way).
+        bits = out.view(np.uint32)
+        np.copyto(bits, raw.view(np.uint16))
+        np.left_shift(bits, 16, out=bits)
         return
     if name == "bfloat16":
         high = raw.view(np.uint16).astype(np.uint32) << 16

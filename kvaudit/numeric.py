@@ -11,19 +11,28 @@ and the worst token positions; per layer and token bin, the largest relative err
 
 from __future__ import annotations
 
+import math
 import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .compare.numeric import GroupNumeric, NumericReport, RequestNumeric, SliceErrors
+from .elements import work_dtype
 from .sources.raw import RawWorker
 from .value_reads import (
     LayerValues,
+    RowFiles,
     SideWorker,
+    WorkerRows,
+    attention_views,
     batch_tokens,
-    read_side,
+    block_unit,
+    decode_layer,
+    plan_rows,
     side_layers,
     side_workers,
 )
@@ -39,23 +48,118 @@ THREADS = 4
 """At most this many threads read the sides and compare layers."""
 BATCH_BYTES = 8 << 20
 """About how many raw bytes each side reads per batch (memory stays bounded)."""
+CHUNK_ELEMENTS = 1 << 17
+"""About how many elements of a side are decoded and compared at once (they stay in the
+cache)."""
 
 
-def _accumulate(
-    slices: list[SliceErrors],
-    lo: int,
-    p: np.ndarray,
-    c: np.ndarray,
-    mask: np.ndarray,
-    atol: float,
-    rtol: float,
-) -> np.ndarray:
-    """Add one batch of one layer (``[heads, tokens, elements]`` from request position
-    ``lo``; tokens not in ``mask`` hold zeros on both sides) to its slices; returns per
-    token the largest over heads of ``max |c - p| / max |p|`` (NaN where no head
-    compared it)."""
+_INTEGERS = {4: np.int32, 8: np.int64}
+"""Integers of a float's size: non-negative floats order as their bits do."""
+_SCRATCH = threading.local()
+
+
+def _scratch(key: str, dtype: type[np.generic], shape: tuple[int, ...]) -> np.ndarray:
+    """A buffer of this thread's, reused batch after batch (grown when too small)."""
+    buffers: dict[str, np.ndarray] = _SCRATCH.__dict__.setdefault("buffers", {})
+    need = math.prod(shape) * np.dtype(dtype).itemsize
+    buffer = buffers.get(key)
+    if buffer is None or buffer.nbytes < need:
+        buffer = buffers[key] = np.empty(need, dtype=np.uint8)
+    return buffer[:need].view(dtype).reshape(shape)
+
+
+def _row_max(x: np.ndarray) -> np.ndarray:
+    """The largest of each last-axis row of non-negative floats (NaN where one is NaN),
+    compared as integers: the same values, without the float reduction's NaN checks."""
+    ints = _INTEGERS[x.dtype.itemsize]
+    return x.view(ints).max(axis=-1).view(x.dtype)
+
+
+def _counts(flags: np.ndarray) -> np.ndarray:
+    """The True flags of each ``flags[h]``: eight flags a word, summed bytewise by one
+    multiplication (its top byte), where the flags fill whole words."""
+    heads = flags.shape[0]
+    if flags.size % (8 * heads) or not flags.flags.c_contiguous:
+        return np.count_nonzero(flags.reshape(heads, -1), axis=1)
+    words = flags.view(np.uint64).reshape(heads, -1)
+    byte_sums = np.multiply(words, np.uint64(0x0101010101010101))
+    byte_sums >>= np.uint64(56)
+    return byte_sums.sum(axis=1, dtype=np.int64)
+
+
+def _squares(a: np.ndarray) -> np.ndarray:
+    """Per head, the sum of the squares of ``a`` ``[heads, tokens, elements]``: per token
+    a dot product in the work dtype (a few hundred elements), then summed in float64."""
+    return np.vecdot(a, a).sum(axis=1, dtype=np.float64)
+
+
+@dataclass
+class _Chunk:
+    """Errors of some heads of one layer's batch: per ``[heads, tokens]`` the largest
+    ``|c - p|`` and ``|p|`` (and the tokens with a NaN or Inf on one side, if any), per
+    head the largest relative error, the elements over tolerance, the squares' sum and
+    the elements with a NaN or Inf on one side."""
+
+    token_abs: np.ndarray
+    token_scale: np.ndarray
+    one_sided: np.ndarray | None
+    head_rel: np.ndarray
+    over: np.ndarray
+    squares: np.ndarray
+    nonfinite: np.ndarray
+
+
+def _fast(p: np.ndarray, c: np.ndarray, atol: float, rtol: float) -> _Chunk | None:
+    """``_exact`` for heads whose values are all finite on both sides, in fewer passes and
+    in reused buffers (``p`` and ``c`` are overwritten); None, with ``p`` and ``c``
+    untouched, where a value is not finite. Sides equal bit for bit skip the errors."""
+    heads, tokens, _ = p.shape
+    zeros = np.zeros(heads)
+    a = _scratch("a", p.dtype, p.shape)
+    if np.array_equal(p[:, 0], c[:, 0]) and np.array_equal(p, c):
+        token_scale = _row_max(np.abs(p, out=a))
+        if not np.isfinite(token_scale).all():
+            return None
+        none = np.zeros(heads, dtype=np.int64)
+        token_abs = np.zeros((heads, tokens), dtype=p.dtype)
+        return _Chunk(token_abs, token_scale, None, zeros, none, zeros, none)
+    np.subtract(c, p, out=a)
+    np.abs(a, out=a)
+    token_abs = _row_max(a)
+    if not np.isfinite(token_abs).all():
+        return None
+    np.abs(p, out=p)
+    token_scale = _row_max(p)
+    head_abs = token_abs.max(axis=1)
+    over = np.zeros(heads, dtype=np.int64)
+    if head_abs.max() == 0:
+        return _Chunk(token_abs, token_scale, None, zeros, over, zeros, over)
+    ratio = c  # c is not needed any more
+    with np.errstate(divide="ignore", invalid="ignore"):
+        np.divide(a, p, out=ratio)
+    # 0 / 0 (both 0) is NaN, which fmax skips; a head of only those has no error.
+    head_rel = np.fmax(np.fmax.reduce(ratio.reshape(heads, -1), axis=1), 0.0)
+    if atol == 0:
+        # a > rtol |p| is a / |p| > rtol (0 / 0, a NaN, is not over; a / 0 is).
+        counted = np.flatnonzero(head_rel > rtol)
+        exceed = np.greater(ratio, rtol, out=_scratch("exceed", np.bool_, p.shape))
+    else:
+        counted = np.flatnonzero(head_abs > atol)
+        if counted.size:
+            np.multiply(p, rtol, out=ratio)
+            ratio += atol
+            exceed = np.greater(a, ratio, out=_scratch("exceed", np.bool_, p.shape))
+    if counted.size:
+        over[:] = _counts(exceed)
+    squares = _squares(a)
+    return _Chunk(token_abs, token_scale, None, head_rel, over, squares, zeros.astype(np.int64))
+
+
+def _exact(p: np.ndarray, c: np.ndarray, atol: float, rtol: float) -> _Chunk:
+    """The errors of ``[heads, tokens, elements]`` values, NaN and Inf included (NaN
+    against NaN and an Inf against the same Inf agree; on one side only they count as
+    infinite errors); ``p`` and ``c`` are overwritten."""
     heads, tokens, elements = p.shape
-    counts = mask.sum(axis=1)
     a = np.subtract(c, p)
     np.abs(a, out=a)
     mismatch = None
@@ -71,21 +175,18 @@ def _accumulate(
         token_abs = a.max(axis=2)
     np.abs(p, out=p)
     token_scale = p.max(axis=2) if elements else np.zeros((heads, tokens), a.dtype)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        token_norm = np.nan_to_num(token_abs / token_scale, nan=0.0, posinf=np.inf)
-    head_abs = token_abs.max(axis=1) if tokens else np.zeros(heads)
+    head_abs = token_abs.max(axis=1)
     token_rel = np.zeros((heads, tokens), dtype=a.dtype)
     over = np.zeros(heads, dtype=np.int64)
-    if head_abs.size and head_abs.max() > 0:
+    one_sided = None if mismatch is None else mismatch.any(axis=2)
+    if head_abs.max() > 0:
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = np.divide(a, p, out=c)  # c is not needed any more
             token_rel = np.nan_to_num(np.fmax.reduce(ratio, axis=2), nan=0.0, posinf=np.inf)
-        if mismatch is not None:
-            token_rel[mismatch.any(axis=2)] = np.inf
-            token_norm[mismatch.any(axis=2)] = np.inf
+        if one_sided is not None:
+            token_rel[one_sided] = np.inf
         if head_abs.max() > atol:
             if atol == 0 and mismatch is None:
-                # a > rtol |p| is a / |p| > rtol (0 / 0, a NaN, is not over; a / 0 is).
                 exceed = ratio > rtol
             else:
                 np.multiply(p, rtol, out=ratio)
@@ -96,9 +197,7 @@ def _accumulate(
             over = np.count_nonzero(exceed.reshape(heads, -1), axis=1)
         if mismatch is not None:
             a[mismatch] = 0.0
-        # Per token in the work dtype (a few hundred elements), then summed in float64.
-        np.square(a, out=a)
-        squares = a.sum(axis=2).sum(axis=1, dtype=np.float64)
+        squares = _squares(a)
     else:
         squares = np.zeros(heads)
     nonfinite = (
@@ -106,51 +205,110 @@ def _accumulate(
         if mismatch is not None
         else np.zeros(heads, dtype=np.int64)
     )
-    head_rel = token_rel.max(axis=1) if tokens else np.zeros(heads)
-    head_scale = np.nan_to_num(token_scale.max(axis=1), nan=0.0) if tokens else np.zeros(heads)
-    for h, item in enumerate(slices):
-        if not counts[h]:
-            continue
-        item.tokens += int(counts[h])
-        item.elements += int(counts[h]) * elements
-        item.max_abs_error = max(item.max_abs_error, float(head_abs[h]))
-        item.max_rel_error = max(item.max_rel_error, float(head_rel[h]))
-        item.max_producer = max(item.max_producer, float(head_scale[h]))
-        item.sum_squares += float(squares[h])
-        item.over_tolerance += int(over[h])
-        item.nonfinite_mismatches += int(nonfinite[h])
-        if head_abs[h] > 0:
-            _merge_worst(item, lo, token_abs[h], mask[h])
-    return np.where(mask.any(axis=0), token_norm.max(axis=0, initial=0.0), np.nan)
+    return _Chunk(
+        token_abs, token_scale, one_sided, token_rel.max(axis=1), over, squares, nonfinite
+    )
 
 
-def _merge_worst(item: SliceErrors, lo: int, token_abs: np.ndarray, held: np.ndarray) -> None:
-    """Keep the slice's ``WORST_TOKENS`` positions of largest error (earliest on ties);
-    ``token_abs[t]`` is the largest error at request position ``lo + t``."""
-    errors = np.where(held, token_abs, 0.0)
-    count = min(WORST_TOKENS, len(errors))
-    top = np.argsort(-errors, kind="stable")[:count]
-    merged = item.worst + [(lo + int(t), float(errors[t])) for t in top]
-    merged = [pair for pair in merged if pair[1] > 0]
-    merged.sort(key=lambda pair: (-pair[1], pair[0]))
-    item.worst = merged[:WORST_TOKENS]
+class _LayerErrors:
+    """One layer's errors per global head, batch after batch (``SliceErrors`` at the end)."""
+
+    def __init__(self, heads: int) -> None:
+        self.tokens = np.zeros(heads, dtype=np.int64)
+        self.max_abs = np.zeros(heads)
+        self.max_rel = np.zeros(heads)
+        self.max_producer = np.zeros(heads)
+        self.sum_squares = np.zeros(heads)
+        self.over = np.zeros(heads, dtype=np.int64)
+        self.nonfinite = np.zeros(heads, dtype=np.int64)
+        self.worst_error = np.zeros((heads, WORST_TOKENS))
+        self.worst_position = np.full((heads, WORST_TOKENS), -1, dtype=np.int64)
+
+    def merge_worst(self, lo: int, errors: np.ndarray) -> None:
+        """Keep each head's ``WORST_TOKENS`` positions of largest error (earliest on ties);
+        ``errors[h, t]`` is the largest error of head ``h`` at request position ``lo + t``."""
+        if (errors.max(axis=1) <= self.worst_error[:, -1]).all():
+            return  # later positions lose ties: nothing here enters
+        count = min(WORST_TOKENS, errors.shape[1])
+        top = np.argsort(-errors, axis=1, kind="stable")[:, :count]
+        error = np.concatenate([self.worst_error, np.take_along_axis(errors, top, axis=1)], axis=1)
+        position = np.concatenate([self.worst_position, top + lo], axis=1)
+        order = np.lexsort((position, -error), axis=1)[:, :WORST_TOKENS]
+        self.worst_error = np.take_along_axis(error, order, axis=1)
+        self.worst_position = np.take_along_axis(position, order, axis=1)
+
+    def slices(self, layer: str, number: int, elements: int) -> list[SliceErrors]:
+        """The layer's heads as ``SliceErrors``."""
+        result = []
+        for h in range(len(self.tokens)):
+            worst = [
+                (int(position), float(error))
+                for position, error in zip(self.worst_position[h], self.worst_error[h])
+                if error > 0
+            ]
+            result.append(
+                SliceErrors(
+                    layer,
+                    number,
+                    h,
+                    tokens=int(self.tokens[h]),
+                    elements=int(self.tokens[h]) * elements,
+                    max_abs_error=float(self.max_abs[h]),
+                    max_rel_error=float(self.max_rel[h]),
+                    max_producer=float(self.max_producer[h]),
+                    sum_squares=float(self.sum_squares[h]),
+                    over_tolerance=int(self.over[h]),
+                    nonfinite_mismatches=int(self.nonfinite[h]),
+                    worst=worst,
+                )
+            )
+        return result
 
 
-def _compare_layer(
-    slices: list[SliceErrors],
+def _compare_values(
+    errors: _LayerErrors,
     lo: int,
-    left: tuple[np.ndarray, np.ndarray],
-    right: tuple[np.ndarray, np.ndarray],
+    p: np.ndarray,
+    c: np.ndarray,
+    mask: np.ndarray,
     tolerance: tuple[float, float],
-    bins: np.ndarray,
-    layer_tokens: np.ndarray,
-) -> None:
-    """One layer's batch added to its slices and its row of token bins."""
-    (p, held_p), (c, held_c) = left, right
-    if p.dtype != c.dtype:
-        p, c = np.asarray(p, np.float64), np.asarray(c, np.float64)
-    row = _accumulate(slices, lo, p, c, held_p & held_c, *tolerance)
-    np.fmax.at(layer_tokens, bins, row)
+) -> np.ndarray:
+    """Add one layer's batch (``[heads, tokens, elements]`` from request position ``lo``,
+    compared where ``mask``; ``p`` and ``c`` are overwritten) to its errors; returns per
+    token the largest over heads of ``max |c - p| / max |p|`` (NaN where no head compared
+    it)."""
+    heads, tokens, elements = p.shape
+    if not mask.all():
+        p[~mask] = 0
+        c[~mask] = 0
+    step = max(1, CHUNK_ELEMENTS // max(tokens * elements, 1))
+    chunks = []
+    for h in range(0, heads, step):
+        left, right = p[h : h + step], c[h : h + step]
+        chunk = _fast(left, right, *tolerance) if elements else None
+        chunks.append(chunk if chunk is not None else _exact(left, right, *tolerance))
+    token_abs = np.concatenate([chunk.token_abs for chunk in chunks])
+    token_scale = np.concatenate([chunk.token_scale for chunk in chunks])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        # 0 / 0 (nothing to compare against, no error) is NaN: 0 (fmax skips NaN).
+        token_norm = np.fmax(token_abs / token_scale, 0.0)
+    for h, chunk in zip(range(0, heads, step), chunks):
+        if chunk.one_sided is not None:
+            token_norm[h : h + step][chunk.one_sided] = np.inf
+    head_abs = token_abs.max(axis=1)
+    errors.tokens += mask.sum(axis=1)
+    np.maximum(errors.max_abs, head_abs, out=errors.max_abs)
+    np.maximum(
+        errors.max_rel, np.concatenate([chunk.head_rel for chunk in chunks]), out=errors.max_rel
+    )
+    head_scale = np.fmax(token_scale.max(axis=1), 0.0)
+    np.maximum(errors.max_producer, head_scale, out=errors.max_producer)
+    errors.sum_squares += np.concatenate([chunk.squares for chunk in chunks])
+    errors.over += np.concatenate([chunk.over for chunk in chunks])
+    errors.nonfinite += np.concatenate([chunk.nonfinite for chunk in chunks])
+    if head_abs.max() > 0:
+        errors.merge_worst(lo, np.where(mask, token_abs, 0.0))
+    return np.where(mask.any(axis=0), token_norm.max(axis=0, initial=0.0), np.nan)
 
 
 def _layer_plan(
@@ -177,6 +335,54 @@ def _layer_plan(
     return common, reasons
 
 
+Piece = tuple[int, int, tuple[list[WorkerRows], list[WorkerRows]]]
+"""Request positions ``lo .. hi - 1`` and the rows of each side that hold them."""
+
+
+def _compare_layer(
+    errors: _LayerErrors,
+    pieces: Sequence[Piece],
+    name: str,
+    layers: tuple[LayerValues, LayerValues],
+    tolerance: tuple[float, float],
+    layer_tokens: tuple[np.ndarray, int],
+) -> int:
+    """One layer's batch, piece by piece: both sides decoded into this thread's buffers
+    (small enough to stay in the cache while compared) and added to its errors and its
+    row of token bins ``layer_tokens = (values, positions per bin)``; returns the bytes
+    read. The rows' mapped pages are dropped after."""
+    read = 0
+    row, width = layer_tokens
+    with RowFiles() as files:
+        for lo, hi, plans in pieces:
+            values = []
+            for key, plan, layer in zip("pc", plans, layers):
+                shape = (layer.heads, hi - lo, layer.elements)
+                buffer = _scratch(key, work_dtype(layer.dtype), shape)
+                held = np.zeros(shape[:2], dtype=bool)
+                read += decode_layer(plan, name, layer, (buffer, held), files)
+                values.append((buffer, held))
+            (p, held_p), (c, held_c) = values
+            if p.dtype != c.dtype:
+                p, c = p.astype(np.float64), c.astype(np.float64)
+            token_row = _compare_values(errors, lo, p, c, held_p & held_c, tolerance)
+            np.fmax.at(row, np.arange(lo, hi) // width, token_row)
+    # Rows far apart map a large folio of file pages each: dropped at once (another
+    # thread's rows of the same files are read again from the page cache if needed).
+    workers = {
+        id(item.worker): item.worker for *_, plans in pieces for plan in plans for item in plan
+    }
+    for worker in workers.values():
+        worker.drop_pages()
+    return read
+
+
+def _piece_tokens(unit: int, layers: Mapping[str, LayerValues], common: Sequence[str]) -> int:
+    """Tokens per piece: a multiple of ``unit``, about ``CHUNK_ELEMENTS`` per side."""
+    per_token = max((layers[name].heads * layers[name].elements for name in common), default=1)
+    return max(unit, CHUNK_ELEMENTS // max(per_token, 1) // unit * unit)
+
+
 def _compare_group(
     sides: tuple[list[SideWorker], list[SideWorker]],
     request_id: str,
@@ -187,9 +393,9 @@ def _compare_group(
     batch_bytes: int,
     pool: ThreadPoolExecutor,
 ) -> tuple[GroupNumeric | None, list[str]]:
-    """One request's group compared by value, and why parts of it are not compared; the
-    sides are read, and the layers compared, on the pool's threads (numpy and torch
-    release the GIL)."""
+    """One request's group compared by value, and why parts of it are not compared: the
+    layers of each batch read and compared on the pool's threads (numpy releases the GIL),
+    the sides' mapped pages dropped after each."""
     producer, consumer = sides
     for side, label in ((producer, "producer"), (consumer, "consumer")):
         if not side:
@@ -200,38 +406,44 @@ def _compare_group(
     heads = max((info[name].heads for name in common), default=0)
     width = max(1, -(-num_tokens // MAX_BINS))
     layer_tokens = np.full((len(common), -(-num_tokens // width)), np.nan)
-    slices = {
-        name: [SliceErrors(name, info[name].number, h) for h in range(info[name].heads)]
-        for name in common
-    }
-    step = batch_tokens(sides, batch_bytes)
+    errors = {name: _LayerErrors(info[name].heads) for name in common}
+    piece = _piece_tokens(block_unit(sides), info, common)
+    step = max(piece, batch_tokens(sides, batch_bytes) // piece * piece)
+    chosen = (attention_views(producer), attention_views(consumer))
+    request = (request_id, group_id)
     for lo in range(0, num_tokens, step):
         hi = min(num_tokens, lo + step)
-
-        reads = [
-            pool.submit(read_side, sides[i], layers[i], common, (request_id, group_id), lo, hi)
-            for i in (0, 1)
+        pieces = [
+            (
+                start,
+                min(hi, start + piece),
+                (
+                    plan_rows(producer, chosen[0], request, start, min(hi, start + piece)),
+                    plan_rows(consumer, chosen[1], request, start, min(hi, start + piece)),
+                ),
+            )
+            for start in range(lo, hi, piece)
         ]
-        (left, read_left), (right, read_right) = (job.result() for job in reads)
-        if progress is not None:
-            progress(read_left + read_right)
-        bins = np.arange(lo, hi) // width
         jobs = [
             pool.submit(
                 _compare_layer,
-                slices[name],
-                lo,
-                left[name],
-                right[name],
+                errors[name],
+                pieces,
+                name,
+                (layers[0][name], layers[1][name]),
                 tolerance,
-                bins,
-                layer_tokens[index],
+                (layer_tokens[index], width),
             )
             for index, name in enumerate(common)
         ]
-        for job in jobs:
-            job.result()
-    flat = [item for name in common for item in slices[name]]
+        read = sum(job.result() for job in jobs)
+        if progress is not None:
+            progress(read)
+    flat = [
+        item
+        for name in common
+        for item in errors[name].slices(name, info[name].number, info[name].elements)
+    ]
     reasons += [
         f"layer {item.layer} head {item.head}: no token held on both sides"
         for item in flat

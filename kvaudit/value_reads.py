@@ -1,22 +1,25 @@
 """Reading one side's raw KV as values for ``kvaudit.numeric``: the workers that hold a
-request's group, its attention layers, and batches of request positions decoded into
-``[heads, tokens, elements]`` float arrays (whole block rows copied once, decoded in
-place, the mapped pages dropped after each batch)."""
+request's group, its attention layers, which block rows hold a batch of request positions,
+and one layer's batch decoded into a ``[heads, tokens, elements]`` float buffer (a dump's
+rows read in place where consecutive, else copied whole once; no torch for dumps)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .arrays import is_numpy
+from .arrays import element_size, is_numpy
 from .description import LayerSpec
 from .dtypes import DType
-from .elements import decode, work_dtype
-from .locate import cell_bytes, layer_specs, piece_bytes
+from .elements import decode
+from .errors import KvauditError
+from .locate import layer_specs
+from .mapping import CHANGED, FileMap
 from .sources.raw import RawWorker
 from .views import GroupViews, LayerView
 
@@ -37,31 +40,119 @@ class LayerValues:
     scales: tuple[float | None, float | None]
 
 
-def read_rows(view: LayerView, rows: Sequence[int]) -> np.ndarray:
-    """A copy of block rows' cells, uint8 ``[rows, kernel blocks, heads, kernel block
-    tokens, cell bytes]`` (each cell its parts, K row then V row, in piece order)."""
-    size = piece_bytes(view)
-    pieces = [_picked(part.pieces, rows) for part in view.parts]
-    if len(pieces) == 1:
-        return pieces[0]
-    out = np.empty((*pieces[0].shape[:-1], cell_bytes(view)), dtype=np.uint8)
-    for part, raw in zip(view.parts, pieces):
-        start = part.piece_offset * size
-        out[..., start : start + raw.shape[-1]] = raw
-    return out
+class RowFiles:
+    """Dump files opened while one thread reads a layer's batch, to read rows with
+    ``pread`` into a buffer: rows far apart in a mapping would each map a large folio of
+    pages (slow to map, and the RSS grows by the folio). Close it (``with``) after."""
+
+    def __init__(self) -> None:
+        self._descriptors: dict[str, int | None] = {}
+        # By id; the pieces are held too, so that no other array takes their id meanwhile.
+        self._layouts: dict[int, tuple[np.ndarray, tuple[int, str, int, int] | None]] = {}
+        self._buffer = np.empty(0, dtype=np.uint8)
+
+    def __enter__(self) -> RowFiles:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for descriptor in self._descriptors.values():
+            if descriptor is not None:
+                os.close(descriptor)
+        self._descriptors.clear()
+
+    def descriptor(self, mapped: FileMap) -> int | None:
+        """The mapped file opened for reading; None where the path now names another file
+        (the mapping is read instead) or cannot be opened."""
+        if mapped.path not in self._descriptors:
+            try:
+                descriptor = os.open(mapped.path, os.O_RDONLY)
+            except OSError:
+                descriptor = None
+            if descriptor is not None:
+                info = os.fstat(descriptor)
+                if (info.st_dev, info.st_ino) != mapped.identity:
+                    os.close(descriptor)
+                    descriptor = None
+            self._descriptors[mapped.path] = descriptor
+        return self._descriptors[mapped.path]
+
+    def layout(self, worker: RawWorker, pieces: np.ndarray) -> tuple[int, str, int, int] | None:
+        """Where a dump's pieces are in its file: the open file, its path, the offset of
+        their first row and the bytes a row spans; None where they are read from the
+        mapping (no file, strides that do not keep a row together)."""
+        key = id(pieces)
+        if key not in self._layouts:
+            self._layouts[key] = (pieces, self._find(worker, pieces))
+        return self._layouts[key][1]
+
+    def _find(self, worker: RawWorker, pieces: np.ndarray) -> tuple[int, str, int, int] | None:
+        maps: list[FileMap] | None = getattr(worker, "maps", None)  # a dump's; live: none
+        size = pieces.dtype.itemsize
+        if not maps or any(stride <= 0 or stride % size for stride in pieces.strides):
+            return None
+        inner = pieces.strides[1:]
+        span = sum((n - 1) * stride for n, stride in zip(pieces.shape[1:], inner)) + size
+        if span > 2 * math.prod(pieces.shape[1:]) * size:
+            return None
+        start = int(pieces.__array_interface__["data"][0])
+        mapped = next((m for m in maps if m.address <= start < m.address + m.length), None)
+        descriptor = None if mapped is None else self.descriptor(mapped)
+        if mapped is None or descriptor is None:
+            return None
+        return descriptor, mapped.path, start - mapped.address, span
+
+    def buffer(self, nbytes: int) -> np.ndarray:
+        """A buffer of ``nbytes``, reused read after read."""
+        if self._buffer.nbytes < nbytes:
+            self._buffer = np.empty(nbytes, dtype=np.uint8)
+        return self._buffer[:nbytes]
 
 
-def _picked(pieces: np.ndarray | torch.Tensor, rows: Sequence[int]) -> np.ndarray:
-    """One part's pieces of the rows as bytes ``[rows, kernel blocks, heads, tokens, part
-    bytes]``: whole rows copied, in one pass."""
+def _file_rows(
+    worker: RawWorker, pieces: np.ndarray, rows: Sequence[int], files: RowFiles
+) -> np.ndarray | None:
+    """The rows of a dump's ``pieces`` read from its file into ``files``' buffer, as an
+    array of the same row layout; None where they are read from the mapping instead (no
+    file, strides that do not keep a row together).
+
+    Raises:
+        KvauditError: The file shrank while reading.
+
+    """
+    found = files.layout(worker, pieces)
+    if found is None:
+        return None
+    descriptor, path, offset, span = found
+    buffer = files.buffer(len(rows) * span)
+    step = pieces.strides[0]
+    for index, row in enumerate(rows):
+        part = buffer[index * span : (index + 1) * span]
+        if os.preadv(descriptor, [part], offset + row * step) != span:
+            raise KvauditError(f"{CHANGED}: it is shorter than when opened", path)
+    shape = (len(rows), *pieces.shape[1:])
+    return np.ndarray(shape, pieces.dtype, buffer, strides=(span, *pieces.strides[1:]))
+
+
+def _row_source(
+    worker: RawWorker,
+    pieces: np.ndarray | torch.Tensor,
+    rows: Sequence[int],
+    files: RowFiles | None,
+) -> tuple[np.ndarray, list[int]]:
+    """Where one part's rows are read from, and their indices there: a dump's rows read
+    from its file, other numpy rows in place, a tensor's rows copied to the CPU in one
+    gather."""
     if is_numpy(pieces):
-        picked = np.take(pieces, list(rows), axis=0)
-    else:
-        import torch
+        read = None if files is None else _file_rows(worker, pieces, rows, files)
+        if read is not None:
+            return read, list(range(len(rows)))
+        if pieces.strides[-1] == pieces.dtype.itemsize:
+            return pieces, list(rows)
+        return np.ascontiguousarray(pieces[np.asarray(rows)]), list(range(len(rows)))
+    import torch
 
-        index = torch.as_tensor(list(rows), dtype=torch.long, device=pieces.device)
-        picked = pieces.index_select(0, index).cpu().numpy()
-    return picked.view(np.uint8).reshape(*picked.shape[:-1], -1)
+    index = torch.as_tensor(list(rows), dtype=torch.long, device=pieces.device)
+    return pieces.index_select(0, index).cpu().numpy(), list(range(len(rows)))
 
 
 SideWorker = tuple[RawWorker, GroupViews, dict[str, LayerSpec]]
@@ -72,7 +163,7 @@ def side_workers(raw: Sequence[RawWorker], request_id: str, group_id: int) -> li
     found = []
     for worker in raw:
         request = worker.requests.get(request_id)
-        views = worker.group_views.get(group_id)
+        views = worker.array_views.get(group_id)
         if request is None or group_id not in request.groups or views is None:
             continue
         if views.covered:
@@ -100,27 +191,45 @@ def side_layers(side: list[SideWorker]) -> dict[str, LayerValues]:
     return layers
 
 
-def gather(
+@dataclass(frozen=True)
+class WorkerRows:
+    """One worker's block rows that hold request positions of a batch: token ``skip`` of
+    the first row is batch position ``target.start``, ``count`` positions in all."""
+
+    worker: RawWorker
+    views: dict[str, LayerView]
+    rows: list[int]
+    skip: int
+    count: int
+    target: slice
+
+
+def attention_views(side: list[SideWorker]) -> list[dict[str, LayerView]]:
+    """Per worker of a side, its attention views of replica 0 by layer name (copies of a
+    head are read once; states are compared by checksum only)."""
+    return [
+        {
+            view.name: view
+            for view in views.views
+            if view.replica_key[1] == 0 and not specs[view.name].is_state
+        }
+        for _, views, specs in side
+    ]
+
+
+def plan_rows(
     side: list[SideWorker],
-    layers: Mapping[str, LayerValues],
-    request_id: str,
-    group_id: int,
+    chosen: list[dict[str, LayerView]],
+    request: tuple[str, int],
     lo: int,
     hi: int,
-    out_dtypes: Mapping[str, type[np.floating]],
-) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], int]:
-    """Per layer, the values ``[heads, hi - lo, elements]`` of request positions ``lo ..
-    hi - 1`` (zero where not held) and which ``[heads, hi - lo]`` are held; and the bytes
-    read."""
-    out = {
-        name: (
-            np.zeros((layer.heads, hi - lo, layer.elements), dtype=out_dtypes[name]),
-            np.zeros((layer.heads, hi - lo), dtype=bool),
-        )
-        for name, layer in layers.items()
-    }
-    read = 0
-    for worker, views, _ in side:
+) -> list[WorkerRows]:
+    """Which rows of which of the side's workers hold request positions ``lo .. hi - 1``
+    of ``request = (id, group)``, with each worker's ``chosen`` views
+    (``attention_views``)."""
+    request_id, group_id = request
+    plan = []
+    for (worker, views, _), named in zip(side, chosen):
         start, block_ids = worker.requests[request_id].groups[group_id]
         block_size = views.group.block_size
         first = max(lo // block_size, start)
@@ -131,59 +240,100 @@ def gather(
         # Request positions first * block_size + u; those in lo .. hi - 1 are consecutive.
         skip = max(lo - first * block_size, 0)
         count = min(hi, (last + 1) * block_size) - max(lo, first * block_size)
-        target = slice(first * block_size + skip - lo, first * block_size + skip - lo + count)
-        for view in views.views:
-            layer = layers.get(view.name)
-            if layer is None or view.replica_key[1] != 0:
-                continue
-            block = read_rows(view, rows)
-            read += block.nbytes
-            heads = slice(view.first_head, view.first_head + view.heads)
-            buffer, held = out[view.name]
-            values = buffer[heads, target]
-            cells = block.transpose(2, 0, 1, 3, 4)  # heads first, a view
-            if skip == 0 and count == len(rows) * block_size:
-                # Splitting the token axis of a slice of the buffer: a view, never a copy
-                # (setting ``shape`` raises rather than copy).
-                target_view = values.view()
-                target_view.shape = (*cells.shape[:-1], values.shape[-1])
-                decode(cells, view.dtype, target_view)
-            else:
-                whole = np.ascontiguousarray(cells).reshape(view.heads, len(rows) * block_size, -1)
-                decode(whole[:, skip : skip + count], view.dtype, values)
-            k_scale, v_scale = layer.scales
-            if k_scale is not None:
-                values[..., : layer.head_size] *= k_scale
-            if v_scale is not None:
-                values[..., layer.head_size :] *= v_scale
-            held[heads, target] = True
-    return out, read
+        begin = first * block_size + skip - lo
+        plan.append(WorkerRows(worker, named, rows, skip, count, slice(begin, begin + count)))
+    return plan
 
 
-def read_side(
-    side: list[SideWorker],
-    layers: Mapping[str, LayerValues],
-    common: Sequence[str],
-    request: tuple[str, int],
-    lo: int,
-    hi: int,
-) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], int]:
-    """One side's values of the common layers at positions ``lo .. hi - 1`` (``gather``),
-    its mapped pages dropped after."""
-    wanted = {name: layers[name] for name in common}
-    dtypes = {name: work_dtype(layer.dtype) for name, layer in wanted.items()}
-    values, read = gather(side, wanted, *request, lo, hi, dtypes)
-    for worker, _, _ in side:
-        worker.drop_pages()
-    return values, read
+def decode_layer(
+    plan: Sequence[WorkerRows],
+    name: str,
+    layer: LayerValues,
+    out: tuple[np.ndarray, np.ndarray],
+    files: RowFiles | None = None,
+) -> int:
+    """Decode a layer's batch into ``values`` ``[heads, batch tokens, elements]`` (its
+    work dtype) and mark the ``[heads, batch tokens]`` decoded in ``held`` (positions not
+    marked are left as they were), ``out = (values, held)``; dumps' rows are read through
+    ``files`` where given. Returns the bytes read."""
+    values, held = out
+    read = 0
+    for item in plan:
+        view = item.views.get(name)
+        if view is None:
+            continue
+        heads = slice(view.first_head, view.first_head + view.heads)
+        target = values[heads, item.target]
+        for part in view.parts:
+            size = element_size(part.pieces)
+            _, kernel_blocks, _, tokens, pieces = part.pieces.shape
+            read += len(item.rows) * kernel_blocks * view.heads * tokens * pieces * size
+            start = part.piece_offset * size // view.dtype.itemsize
+            width = pieces * size // view.dtype.itemsize
+            source = _row_source(item.worker, part.pieces, item.rows, files)
+            _decode_part(source, item, view.dtype, target[..., start : start + width])
+        k_scale, v_scale = layer.scales
+        if k_scale is not None:
+            target[..., : layer.head_size] *= k_scale
+        if v_scale is not None:
+            target[..., layer.head_size :] *= v_scale
+        held[heads, item.target] = True
+    return read
+
+
+def _decode_part(
+    rows_at: tuple[np.ndarray, list[int]], item: WorkerRows, dtype: DType, out: np.ndarray
+) -> None:
+    """Decode one part's cells at ``item``'s positions (rows ``rows_at[1]`` of
+    ``rows_at[0]``, pieces ``[rows, kernel blocks, heads, tokens, pieces]``) into ``out``
+    ``[heads, count, part elements]``, row by row."""
+    source, rows = rows_at
+    _, kernel_blocks, _, tokens, _ = source.shape
+    per_row = kernel_blocks * tokens
+    begin, end = item.skip, item.skip + item.count
+    if source.shape[0] == len(rows) == rows[-1] + 1 and end - begin == len(rows) * per_row:
+        # Whole rows, all of them in order (read into a buffer): one pass.
+        cells = source.view(np.uint8).transpose(2, 0, 1, 3, 4)  # heads first, a view
+        target = out.view()
+        target.shape = (*cells.shape[:-1], out.shape[-1])
+        decode(cells, dtype, target)
+        return
+    for index, row in enumerate(rows):
+        lo, hi = max(begin, index * per_row), min(end, (index + 1) * per_row)
+        if lo >= hi:
+            continue
+        cells = source[row].view(np.uint8).transpose(1, 0, 2, 3)  # [heads, kb, tokens, bytes]
+        if hi - lo == per_row:
+            # Splitting the token axis of a slice of the buffer: a view, never a copy
+            # (setting ``shape`` raises rather than copy).
+            target = out[:, lo - begin : hi - begin].view()
+            target.shape = (*cells.shape[:-1], out.shape[-1])
+            decode(cells, dtype, target)
+            continue
+        # A row cut short (the batch's first or last): its kernel blocks one by one.
+        for block in range(kernel_blocks):
+            first = index * per_row + block * tokens
+            a, b = max(lo, first), min(hi, first + tokens)
+            if a < b:
+                decode(cells[:, block, a - first : b - first], dtype, out[:, a - begin : b - begin])
+
+
+def block_unit(sides: Sequence[list[SideWorker]]) -> int:
+    """The least multiple of every block size of both sides."""
+    return math.lcm(*(views.group.block_size for side in sides for _, views, _ in side))
 
 
 def batch_tokens(sides: Sequence[list[SideWorker]], batch_bytes: int) -> int:
     """Tokens per batch: a multiple of every block size of both sides, about
     ``batch_bytes`` of cells on the larger side."""
-    unit = math.lcm(*(views.group.block_size for side in sides for _, views, _ in side))
+    unit = block_unit(sides)
     per_token = max(
-        sum(view.heads * cell_bytes(view) for _, views, _ in side for view in views.views)
+        sum(view.heads * _cell_bytes(view) for _, views, _ in side for view in views.views)
         for side in sides
     )
     return max(unit, batch_bytes // max(per_token, 1) // unit * unit)
+
+
+def _cell_bytes(view: LayerView) -> int:
+    """The bytes of one cell of the view."""
+    return view.parts[0].cell_pieces * element_size(view.parts[0].pieces)
