@@ -123,7 +123,8 @@ def _fast(p: np.ndarray, c: np.ndarray, atol: float, rtol: float) -> _Chunk | No
         none = np.zeros(heads, dtype=np.int64)
         token_abs = np.zeros((heads, tokens), dtype=p.dtype)
         return _Chunk(token_abs, token_scale, None, zeros, none, zeros, none)
-    np.subtract(c, p, out=a)
+    with np.errstate(invalid="ignore", over="ignore"):  # Inf - Inf, overflow: see below
+        np.subtract(c, p, out=a)
     np.abs(a, out=a)
     token_abs = _row_max(a)
     if not np.isfinite(token_abs).all():
@@ -160,7 +161,8 @@ def _exact(p: np.ndarray, c: np.ndarray, atol: float, rtol: float) -> _Chunk:
     against NaN and an Inf against the same Inf agree; on one side only they count as
     infinite errors); ``p`` and ``c`` are overwritten."""
     heads, tokens, elements = p.shape
-    a = np.subtract(c, p)
+    with np.errstate(invalid="ignore", over="ignore"):  # told apart below
+        a = np.subtract(c, p)
     np.abs(a, out=a)
     mismatch = None
     token_abs = a.max(axis=2) if elements else np.zeros((heads, tokens), a.dtype)
