@@ -26,8 +26,9 @@ from valued_sets import (
 
 import kvaudit.value_reads
 from kvaudit.compare.numeric import NumericReport, SliceErrors
+from kvaudit.element_errors import counts
 from kvaudit.errors import KvauditError
-from kvaudit.numeric import _counts, numeric_diff
+from kvaudit.numeric import numeric_diff
 from kvaudit.sources import open_source
 
 
@@ -165,4 +166,4 @@ def test_a_file_that_shrinks_while_read_is_an_error(tmp_path: Path) -> None:
 @pytest.mark.parametrize("shape", [(4, 8, 16), (3, 5, 7), (1, 1, 1), (2, 3, 8)])
 def test_flag_counts_per_head(shape: tuple[int, ...]) -> None:
     flags = np.random.default_rng(sum(shape)).random(shape) > 0.3
-    np.testing.assert_array_equal(_counts(flags), flags.reshape(shape[0], -1).sum(axis=1))
+    np.testing.assert_array_equal(counts(flags), flags.reshape(shape[0], -1).sum(axis=1))
