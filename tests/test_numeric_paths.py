@@ -1,7 +1,8 @@
 """``diff --numeric``'s shortcuts give the same errors as the independent numpy
 computation: sides equal bit for bit (the errors skipped), a single differing element,
-NaN and Inf on both sides beside a difference, many small batches, dumps' rows read from
-their files or through their mappings, a file that shrinks while read."""
+NaN and Inf on both sides beside a difference, many small batches, tokens one side lacks,
+dumps' rows read from their files or through their mappings, a file that shrinks while
+read."""
 
 from __future__ import annotations
 
@@ -124,6 +125,39 @@ def test_nan_and_inf_on_both_sides_beside_a_difference(tmp_path: Path) -> None:
     assert item.max_abs_error == abs(c[10, 0, 2] - p[10, 0, 2])
     assert [position for position, _ in item.worst] == [10]
     assert report.failed_slices == 1
+
+
+def test_tokens_one_side_lacks_are_left_out(tmp_path: Path) -> None:
+    the_model = model("bfloat16")
+    produced = draw(16, the_model)
+    rng = np.random.default_rng(7)
+    consumed = {
+        rid: {n: v + rng.normal(0, 0.1, v.shape) for n, v in layers.items()}
+        for rid, layers in produced.items()
+    }
+    left = dump(tmp_path / "p", the_model, produced, PRODUCER, "producer")
+    # The consumer lists req-a's blocks from position 2 on (block size 4: tokens 8 on).
+    first = 8
+    right = dump(
+        tmp_path / "c", the_model, consumed, CONSUMER, "consumer", positions={"req-a": {0: (2, 8)}}
+    )
+    report = compare(left, right, rtol=0.05)
+    n = TOKENS["req-a"]
+    got = by_slice(report, "req-a")
+    for name in produced["req-a"]:
+        p = cell_values(to_cells(produced["req-a"][name][first:n], "bfloat16"), "bfloat16")
+        c = cell_values(to_cells(consumed["req-a"][name][first:n], "bfloat16"), "bfloat16")
+        for head in range(HEADS):
+            want = reference(p[:, head], c[:, head], 0.0, 0.05)
+            item = got[name, head]
+            assert item.tokens == n - first
+            assert item.max_abs_error == pytest.approx(want["max_abs_error"], rel=1e-6)
+            assert item.rms_error == pytest.approx(want["rms_error"], rel=1e-6)
+            assert item.over_tolerance == want["over_tolerance"]
+            assert [position - first for position, _ in item.worst] == want["worst"]
+            assert item.max_producer == np.abs(p[:, head]).max()
+    row = report.requests["req-a"].groups[0].layer_tokens[0]
+    assert np.isnan(row[:first]).all() and not np.isnan(row[first:n]).any()
 
 
 def test_rows_read_from_files_or_mappings_agree(

@@ -50,9 +50,11 @@ def dump(
     engine: kb.Engine,
     role: str,
     scale: float | None = None,
+    positions: dict[str, dict[int, tuple[int, int]]] | None = None,
 ) -> Path:
     """An engine's dumps of requests whose layers hold ``values[rid][layer]`` (float
-    ``[tokens, heads, elements]``, cast to each layer's dtype)."""
+    ``[tokens, heads, elements]``, cast to each layer's dtype); ``positions`` lists only
+    some block positions (``kvbuild.build_engine``)."""
     folder.mkdir(parents=True, exist_ok=True)
     requests = {}
     for rid, layers in values.items():
@@ -61,7 +63,7 @@ def dump(
             name: to_cells(array, the_model.layer(name).dtype) for name, array in layers.items()
         }
         requests[rid] = kb.RequestKV(tokens, data)
-    for w in kb.build_engine(the_model, requests, engine):
+    for w in kb.build_engine(the_model, requests, engine, positions):
         if scale is not None:
             for group in w.description["groups"]:
                 group["spec"]["scale"] = scale
