@@ -8,7 +8,6 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType, TracebackType
@@ -83,6 +82,8 @@ def internal_error(error: Exception, debug: bool) -> int:
     """Report an exception that escaped (a bug): the traceback only with ``--debug``,
     then one line saying it is a bug, what and where; the internal-error status."""
     if debug:
+        import traceback  # only on a bug, with --debug: every start-up would pay for it
+
         traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
     where = _raising_frame(error.__traceback__)
     hint = "" if debug else "; run with --debug for the traceback"

@@ -13,10 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import secrets
-import shutil
 import stat
-import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -181,7 +178,7 @@ def _running(pid: int) -> bool:
 
 def _temporary_name(directory: str, target: str) -> str:
     base = os.path.basename(target)[:100]
-    return os.path.join(directory, f".{base}.kvaudit-{os.getpid()}-{secrets.token_hex(6)}.tmp")
+    return os.path.join(directory, f".{base}.kvaudit-{os.getpid()}-{os.urandom(6).hex()}.tmp")
 
 
 @contextlib.contextmanager
@@ -199,6 +196,8 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[str]:
     path = os.fspath(target)
     place = output_place(path)
     if place.in_place:
+        import tempfile  # only for special files: importing it costs every command
+
         directory = tempfile.gettempdir()
     else:
         directory = os.path.dirname(os.path.abspath(place.path))
@@ -230,6 +229,8 @@ def _copy_in_place(temporary: str, place: OutputPlace) -> None:
     else:
         # No O_CREAT, no O_TRUNC: a device or FIFO is written, never made or emptied.
         descriptor = os.open(place.path, os.O_WRONLY)
+    import shutil
+
     with open(temporary, "rb") as source, open(descriptor, "wb") as sink:
         shutil.copyfileobj(source, sink)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,10 +20,11 @@ def progress_bar(total: int, description: str, *, enabled: bool) -> Iterator[Cal
     The bar appears only when ``enabled``, stderr is a terminal and the work is still
     running after ``PROGRESS_DELAY_S``: short work prints nothing.
     """
-    if not enabled or total <= 0:
+    if not enabled or total <= 0 or not _may_be_terminal():
         yield lambda done: None
         return
-    # rich only for a bar that may show: `-q` and short work never import it.
+    # rich only for a bar that may show: `-q`, short work and a redirected stderr never
+    # import it.
     from rich.console import Console
     from rich.progress import (
         BarColumn,
@@ -68,3 +71,15 @@ def progress_bar(total: int, description: str, *, enabled: bool) -> Iterator[Cal
             closed = True
             if shown:
                 progress.stop()
+
+
+def _may_be_terminal() -> bool:
+    """Whether rich could take stderr for a terminal: it is one, or the environment
+    forces it (``TTY_COMPATIBLE``, ``FORCE_COLOR``); rich decides the rest."""
+    if "TTY_COMPATIBLE" in os.environ or "FORCE_COLOR" in os.environ:
+        return True
+    isatty = getattr(sys.stderr, "isatty", None)
+    try:
+        return isatty is not None and bool(isatty())
+    except ValueError:  # a closed stream
+        return False

@@ -9,10 +9,9 @@ position numberings, so that nothing below it needs a bare string.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal, NoReturn, Protocol, cast, get_args
-
-import numpy as np
 
 from .errors import KvauditError
 
@@ -51,7 +50,12 @@ MAX_YAML_NODES = 100_000
 
 def is_int(value: object) -> bool:
     """True for a Python or numpy integer, but not a bool."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+    if isinstance(value, int):
+        return not isinstance(value, bool)
+    # No numpy integer exists before numpy is imported: the commands that compute nothing
+    # (``--help``) never import it for this check.
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, numpy.integer)
 
 
 def short(value: object, limit: int = 60) -> str:

@@ -167,7 +167,8 @@ def test_the_checks_see_the_imports() -> None:
     # The parser resolves relative, package and absolute imports (else the tests above
     # would pass vacuously).
     assert ("sources.raw", False) in imports("locate.cells")
-    assert ("sources.record_source", False) in imports("sources")
+    assert ("sources.record_source", True) in imports("sources")
+    assert ("cli.checksum_command", False) in imports("cli")
     assert ("compare.model", False) in imports("formats.junit")
     assert ("sources", True) in imports("report.inventory")
     assert layer_of("dumps.dump") < layer_of("sources.raw") < layer_of("locate")

@@ -28,10 +28,13 @@ def check_outputs(outputs: dict[str, str | None], inputs: Sequence[str | None]) 
 
 
 def load_config(path: str | None) -> CacheDescription | None:
-    """The cache description a ``-c``-style option names; None when not given."""
+    """The cache description a ``-c``-style option names; None when not given (then YAML
+    is never imported)."""
+    if path is None:
+        return None
     from ..description import load_description
 
-    return None if path is None else load_description(path)
+    return load_description(path)
 
 
 def open_sources(

@@ -46,7 +46,6 @@ def checksum(
 ) -> int:
     """Per-block checksums summed over the workers: per request, group and position, per
     replica key, and the total."""
-    from ..formats import json_text, record_csv, record_to_json
     from ..progress import progress_bar
     from ..sources import resolve_device
 
@@ -58,9 +57,14 @@ def checksum(
         source.check_request_ids(wanted)
     with progress_bar(source.work(wanted), "checksum", enabled=not quiet) as advance:
         record = source.checksum(wanted, positions, runtime, progress=advance)
+    # Each format's writer imported only for its output.
     if output_format == "json":
+        from ..formats import json_text, record_to_json
+
         emit(json_text(stamp(record_to_json(record))) + "\n", output)
     elif output_format == "csv":
+        from ..formats import record_csv
+
         emit(record_csv(record), output)
     else:
         from ..report import print_record

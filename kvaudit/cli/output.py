@@ -41,27 +41,35 @@ def emit_report(
     """Warn on stderr, write the ``--json`` and ``--junit`` files, then print or write
     the report in the chosen format. A reader of stdout that went away (``| head``)
     loses the rest of the output, not the verdict's exit status."""
-    from ..formats import diff_junit, diff_to_json, json_text
-    from ..report import make_console, print_diff
+    # Each format's writer imported only for its output: JSON imports no XML or rich.
+    from ..formats import diff_to_json, json_text
 
     for warning in report.warnings:
         click.echo(f"kvaudit: warning: {printable(warning, newlines=False)}", err=True)
     if outputs.json_path is not None:
         emit(json_text(stamp(diff_to_json(report))) + "\n", outputs.json_path)
     if outputs.junit_path is not None:
+        from ..formats import diff_junit
+
         emit(diff_junit(report, suite), outputs.junit_path)
     output = outputs.output
     try:
         if outputs.output_format == "json":
             emit(json_text(stamp(diff_to_json(report))) + "\n", output)
         elif outputs.output_format == "junit":
+            from ..formats import diff_junit
+
             emit(diff_junit(report, suite), output)
         elif output is None:
+            from ..report import make_console, print_diff
+
             console = make_console()
             # rich exits with status 1 on a closed pipe; the verdict decides the status.
             console.on_broken_pipe = _raise_broken_pipe  # type: ignore[method-assign]
             print_diff(console, report=report, title=title, sides=sides)
         else:
+            from ..report import print_diff
+
             render = functools.partial(print_diff, report=report, title=title, sides=sides)
             emit_table(render, output)
         if output is None:

@@ -16,7 +16,6 @@ import dataclasses
 import math
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..description import CacheDescription, LayerEntry, LayerSpec
@@ -147,7 +146,7 @@ def example_connector_folders(directory: str) -> list[str]:
 
 def request_id_of(folder: str) -> str:
     """A folder's request id: its name (the connector's hash of the prompt)."""
-    return Path(os.path.abspath(folder)).name
+    return os.path.basename(os.path.abspath(folder))
 
 
 def open_example_connector(folder: str, config: CacheDescription | None) -> Dump:
@@ -163,7 +162,8 @@ def open_example_connector(folder: str, config: CacheDescription | None) -> Dump
     if config is None:
         fail(folder, "an ExampleConnector folder embeds no cache description: give one (--config)")
     files = {
-        Path(file).name.removesuffix(".safetensors"): file for file in safetensors_files(folder)
+        os.path.basename(path).removesuffix(".safetensors"): path
+        for path in safetensors_files(folder)
     }
     _check_files(files, config)
     num_tokens: int | None = None

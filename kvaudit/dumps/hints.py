@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
-import yaml
-
-from ..description.loader import parse_yaml
-from ..validation import Role
+if TYPE_CHECKING:
+    from ..validation import Role
 
 DESCRIPTION_HINT = (
     "looks like a cache description: pass it with -c (--config), not as a dump or record"
@@ -43,6 +42,11 @@ def looks_like_description(path: str) -> bool:
     except UnicodeDecodeError:
         return False
     # Strict YAML, as a description is read: hostile text stays within the input limits.
+    # YAML (slow to import) only for a small text file, the rare mistake this catches.
+    import yaml
+
+    from ..description.loader import parse_yaml
+
     for parse in (json.loads, parse_yaml):
         try:
             if is_description_data(parse(text)):

@@ -7,23 +7,41 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..lazy import lazy_exports
-from .csv import CSV_HEADER, record_csv, record_csv_rows
-from .json import (
-    DIFF_FORMAT,
-    INVENTORY_FORMAT,
-    diff_json_text,
-    diff_to_json,
-    inventory_to_json,
-    json_text,
-    planted_to_json,
-    record_to_json,
-)
 
 if TYPE_CHECKING:
+    from .csv import CSV_HEADER, record_csv, record_csv_rows
+    from .json import (
+        DIFF_FORMAT,
+        INVENTORY_FORMAT,
+        diff_json_text,
+        diff_to_json,
+        inventory_to_json,
+        json_text,
+        planted_to_json,
+        record_to_json,
+    )
     from .junit import diff_junit
 
-# XML is written only for --format junit.
-__getattr__ = lazy_exports(__name__, {"diff_junit": ".junit"})
+# Each format's module is imported when first asked for: `checksum --format json` imports
+# neither CSV nor XML.
+_EXPORTS = {
+    **dict.fromkeys(("CSV_HEADER", "record_csv", "record_csv_rows"), ".csv"),
+    **dict.fromkeys(
+        (
+            "DIFF_FORMAT",
+            "INVENTORY_FORMAT",
+            "diff_json_text",
+            "diff_to_json",
+            "inventory_to_json",
+            "json_text",
+            "planted_to_json",
+            "record_to_json",
+        ),
+        ".json",
+    ),
+    "diff_junit": ".junit",
+}
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
     "CSV_HEADER",

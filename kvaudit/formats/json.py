@@ -10,12 +10,13 @@ import json
 import math
 from typing import TYPE_CHECKING, Any
 
-from ..compare.model import DiffReport, GroupComparison, LocatedDifference
-from ..corrupt.result import PlantedFault
 from ..records import RECORD_FORMAT, GroupChecksums, Record, WorkerSummary
 from ..scheme import to_hex
 
+# The results are only read here: writing a record imports no comparison.
 if TYPE_CHECKING:
+    from ..compare.model import DiffReport, GroupComparison, LocatedDifference
+    from ..corrupt.result import PlantedFault
     from ..sources import Inventory
 
 DIFF_FORMAT = "kvaudit.diff/1"

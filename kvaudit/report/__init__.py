@@ -1,21 +1,51 @@
 """What the command line shows people: rich tables of an inventory (``inventory.py``), a
 record (``record.py``), a diff report (``diff.py``) and a planted fault (``planted.py``),
-with the console and helpers they share (``text.py``). Machine forms are in
-``kvaudit.formats``."""
+with the console and helpers they share (``text.py``) and the names of a report's sides
+(``sides.py``). Machine forms are in ``kvaudit.formats``. Each name is imported on first
+use: rich only for a table."""
 
-from .diff import DIFF_SIDES, LOCATED_ROWS, Sides, diff_verdict, print_diff
-from .inventory import print_inventory
-from .planted import print_corrupted
-from .record import print_record
-from .text import (
-    PLAIN_WIDTH,
-    error_text,
-    human_bytes,
-    make_console,
-    missing_workers_text,
-    ranges,
-    render_text,
-)
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from .diff import LOCATED_ROWS, diff_verdict, print_diff
+    from .inventory import print_inventory
+    from .planted import print_corrupted
+    from .record import print_record
+    from .sides import DIFF_SIDES, Sides
+    from .text import (
+        PLAIN_WIDTH,
+        error_text,
+        human_bytes,
+        make_console,
+        missing_workers_text,
+        ranges,
+        render_text,
+    )
+
+_EXPORTS = {
+    **dict.fromkeys(("LOCATED_ROWS", "diff_verdict", "print_diff"), ".diff"),
+    "print_inventory": ".inventory",
+    "print_corrupted": ".planted",
+    "print_record": ".record",
+    **dict.fromkeys(("DIFF_SIDES", "Sides"), ".sides"),
+    **dict.fromkeys(
+        (
+            "PLAIN_WIDTH",
+            "error_text",
+            "human_bytes",
+            "make_console",
+            "missing_workers_text",
+            "ranges",
+            "render_text",
+        ),
+        ".text",
+    ),
+}
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
     "DIFF_SIDES",

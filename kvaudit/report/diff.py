@@ -3,31 +3,16 @@ differs, the verdict line, and the located differences."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from ..compare.model import DiffReport, GroupComparison
+from .sides import DIFF_SIDES, Sides
 from .text import error_text, filled_table, plural, ranges
 
 LOCATED_ROWS = 40
 """Located differences a table shows per request and group; JSON holds them all."""
-
-
-@dataclass(frozen=True)
-class Sides:
-    """What a report's two sides are called: the side that plays the producer, the one
-    that plays the consumer, and what a compared block is (``compared``, ``checked``)."""
-
-    producer: str = "producer"
-    consumer: str = "consumer"
-    compared: Literal["compared", "checked"] = "compared"
-
-
-DIFF_SIDES = Sides()
 
 
 def diff_verdict(report: DiffReport, sides: Sides = DIFF_SIDES) -> str:

@@ -8,7 +8,7 @@ from rich.text import Text
 
 from ..records import Record
 from ..scheme import to_hex, valid_tokens
-from .text import completeness, layout_line, print_missing, worker_name
+from .text import completeness, layout_line, print_missing, print_table, worker_name
 
 
 def print_record(console: Console, record: Record) -> None:
@@ -66,4 +66,4 @@ def print_record(console: Console, record: Record) -> None:
                     *(to_hex(value) for value in row),
                     Text(to_hex(totals[i]), style="bold"),
                 )
-            console.print(table)
+            print_table(console, table)

@@ -20,20 +20,65 @@ shows), ``raw`` (the raw-KV protocol dumps and live tensors share, for checksumm
 locating), ``registry`` (kinds by prefix or sniffing, objects by type), then one module per
 kind: ``record_source``, ``vllm_output_source``, ``dump_source`` (with ``dump_checksums``,
 the bounded-memory checksums of a dump set), ``live_source``, ``socket_source``,
-``checksummer_source``. A new kind is one module that registers itself, imported here.
+``checksummer_source``, and ``sniffing`` (how the built-in kinds are recognised). A new
+kind is one module and its ``register_kind`` line in ``registry`` (docs/architecture.md).
+The names below are imported on first use, and a kind's module when it opens its
+arguments: a command given dumps imports only theirs.
 """
 
-from . import record_source, vllm_output_source, dump_source, live_source, socket_source  # noqa: I001  (registration order)
-from .base import Progress, Runtime, Source, resolve_device
-from .checksummer_source import ChecksummerSource
-from .dump_checksums import BATCH_BYTES, checksum_dump_set, total_bytes
-from .dump_source import DumpSource
-from .inventory import GroupInfo, Inventory, RequestInventory, WorkerInventory
-from .live_source import LiveSource
-from .raw import LiveWorker, RawKVSource, RawWorker
-from .record_source import RecordSource, load_record
-from .socket_source import SocketSource
-from .registry import SourceKind, open_source, register_kind, register_object, source_of
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from . import dump_source, live_source, record_source, socket_source, vllm_output_source
+    from .base import Progress, Runtime, Source, resolve_device
+    from .checksummer_source import ChecksummerSource
+    from .dump_checksums import BATCH_BYTES, checksum_dump_set, total_bytes
+    from .dump_source import DumpSource
+    from .inventory import GroupInfo, Inventory, RequestInventory, WorkerInventory
+    from .live_source import LiveSource
+    from .raw import LiveWorker, RawKVSource, RawWorker
+    from .record_source import RecordSource, load_record
+    from .registry import SourceKind, open_source, register_kind, register_object, source_of
+    from .socket_source import SocketSource
+
+_EXPORTS = {
+    "BATCH_BYTES": ".dump_checksums",
+    "ChecksummerSource": ".checksummer_source",
+    "DumpSource": ".dump_source",
+    "GroupInfo": ".inventory",
+    "Inventory": ".inventory",
+    "LiveSource": ".live_source",
+    "LiveWorker": ".raw",
+    "Progress": ".base",
+    "RawKVSource": ".raw",
+    "RawWorker": ".raw",
+    "RecordSource": ".record_source",
+    "RequestInventory": ".inventory",
+    "Runtime": ".base",
+    "SocketSource": ".socket_source",
+    "Source": ".base",
+    "SourceKind": ".registry",
+    "WorkerInventory": ".inventory",
+    "checksum_dump_set": ".dump_checksums",
+    "dump_source": ".dump_source",
+    "live_source": ".live_source",
+    "load_record": ".record_source",
+    "open_source": ".registry",
+    "record_source": ".record_source",
+    "register_kind": ".registry",
+    "register_object": ".registry",
+    "resolve_device": ".base",
+    "socket_source": ".socket_source",
+    "source_of": ".registry",
+    "total_bytes": ".dump_checksums",
+    "vllm_output_source": ".vllm_output_source",
+}
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
     "BATCH_BYTES",

@@ -15,7 +15,7 @@ from ..records import Record, WorkerInfo
 from .base import Progress, Runtime
 from .dump_checksums import checksum_dump_set, total_bytes
 from .raw import RawKVSource
-from .registry import OpenOptions, SourceKind, register_kind, register_object
+from .registry import OpenOptions
 
 
 class DumpSource(RawKVSource):
@@ -66,13 +66,13 @@ class DumpSource(RawKVSource):
         )
 
 
-def _open(names: Sequence[str], claimed: Sequence[str], options: OpenOptions) -> DumpSource:
+def open_dumps(names: Sequence[str], claimed: Sequence[str], options: OpenOptions) -> DumpSource:
+    """The dumps kind's opener (the fallback kind): every argument a dump or a folder."""
     return DumpSource(names, open_dump_set(names, options.config))
 
 
-def _wrap(dump_set: DumpSet, config: CacheDescription | None, label: str) -> DumpSource:
+def dump_set_as_source(
+    dump_set: DumpSet, config: CacheDescription | None, label: str
+) -> DumpSource:
+    """A ``DumpSet`` object as a source."""
     return DumpSource([dump.path for dump in dump_set.dumps], dump_set)
-
-
-register_kind(SourceKind("dumps", _open), fallback=True)
-register_object(DumpSet, _wrap, "a DumpSet")

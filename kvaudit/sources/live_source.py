@@ -37,10 +37,9 @@ from ..records import Record, WorkerInfo
 from ..validation import MAX_TOKENS, check_int, check_plain, check_positions, check_worker, short
 from .base import Progress, Runtime
 from .raw import LiveWorker, RawKVSource, checksum_each, one_line, one_line_errors
-from .registry import OpenOptions, SourceKind, register_kind
+from .registry import OpenOptions
+from .sniffing import LIVE_PREFIX, PY_PREFIX
 
-LIVE_PREFIX = "live:"
-PY_PREFIX = "py:"
 LIVE_FUNCTION = "kvaudit_live"
 _RANK_KEYS = ("tp_rank", "tp_size", "pp_rank", "pp_size", "role", "engine", "num_blocks")
 
@@ -70,7 +69,8 @@ class LiveSource(RawKVSource):
         return LiveSource(self.trimmed_workers(num_tokens), self.device_given)
 
 
-def _open(names: Sequence[str], handles: Sequence[str], options: OpenOptions) -> LiveSource:
+def open_handles(names: Sequence[str], handles: Sequence[str], options: OpenOptions) -> LiveSource:
+    """The Python-handle kind's opener: every argument a handle."""
     if len(handles) != len(names):
         raise KvauditError("live: handles cannot be mixed with dumps or records")
     workers = [_load_live(name, options.config) for name in names]
@@ -263,23 +263,3 @@ def _check_listed(
             check_positions(
                 name, group_where, num_tokens, block_sizes[group_id], first, len(block_ids)
             )
-
-
-def python_target(target: str) -> bool:
-    """Whether ``live:TARGET`` is a Python handle: a path ending ``.py``, or a dotted
-    module name that is no existing file, socket or folder."""
-    if target.endswith(".py"):
-        return True
-    if not target or os.path.lexists(target):
-        return False
-    return all(part.isidentifier() for part in target.split("."))
-
-
-register_kind(
-    SourceKind(
-        "live",
-        _open,
-        prefix=PY_PREFIX,
-        sniff=lambda name: name.startswith(LIVE_PREFIX) and python_target(name[len(LIVE_PREFIX) :]),
-    )
-)

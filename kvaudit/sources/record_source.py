@@ -8,7 +8,6 @@ with ``{``, and stands alone among a command's SOURCE arguments.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,10 +19,7 @@ from ..records import Record, WorkerInfo
 from ..validation import MAX_DEPTH, short_text
 from .base import Progress, Runtime, Source
 from .inventory import GroupInfo, Inventory, RequestInventory, WorkerInventory, add_request
-from .registry import OpenOptions, SourceKind, register_kind, register_object
-
-RECORD_SUFFIX = ".json"
-DUMP_SUFFIX = ".safetensors"
+from .registry import OpenOptions
 
 
 class RecordSource(Source):
@@ -139,22 +135,10 @@ def load_record(path: str) -> Record:
     return Record.from_json(data, path)
 
 
-def is_record(name: str) -> bool:
-    """A record: a ``.json`` file, or a file whose first non-blank byte is ``{``."""
-    if name.lower().endswith(RECORD_SUFFIX):
-        return True
-    if name.lower().endswith(DUMP_SUFFIX) or not os.path.isfile(name):
-        return False
-    try:
-        with open(name, "rb") as handle:
-            head = handle.read(64)
-    except OSError:
-        return False
-    # A safetensors file starts with an 8-byte header length, never with "{".
-    return head.lstrip()[:1] == b"{"
-
-
-def _open(names: Sequence[str], records: Sequence[str], options: OpenOptions) -> RecordSource:
+def open_records(
+    names: Sequence[str], records: Sequence[str], options: OpenOptions
+) -> RecordSource:
+    """The record kind's opener: one record, standing alone."""
     if len(names) != 1:
         raise KvauditError(
             f"{records[0]}: a record stands alone; give one record, or dumps without records"
@@ -162,9 +146,6 @@ def _open(names: Sequence[str], records: Sequence[str], options: OpenOptions) ->
     return RecordSource(records[0], load_record(records[0]))
 
 
-def _wrap(record: Record, config: CacheDescription | None, label: str) -> RecordSource:
+def record_as_source(record: Record, config: CacheDescription | None, label: str) -> RecordSource:
+    """A ``Record`` object as a source named ``label``."""
     return RecordSource(label, record)
-
-
-register_kind(SourceKind("record", _open, sniff=is_record))
-register_object(Record, _wrap, "a Record")

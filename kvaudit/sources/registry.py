@@ -4,12 +4,17 @@ A kind registers how it recognises its arguments, by a prefix (``live:``) or by 
 the path (a record file), and how it opens them; one kind (dumps) takes what no other
 claims. Python objects (a ``Record``, a ``DumpSet``, ``kvaudit.testing.LiveSide``) register
 how they become a source. ``open_source`` serves the command line, ``source_of`` serves
-``kvaudit.testing``. A new kind of source is one module that calls ``register_kind``.
+``kvaudit.testing``. A new kind of source is one module and a ``register_kind`` call.
+
+The built-in kinds are listed here by name (``"module:function"``): a kind's module is
+imported when it opens its arguments, so a command given dumps never imports the record,
+live or socket kinds (``kvaudit.sources.sniffing`` recognises them all).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,6 +24,7 @@ from ..description import CacheDescription
 from ..errors import KvauditError
 from ..files import check_input
 from .base import Source
+from .sniffing import PY_PREFIX, is_output_folder, is_python_handle, is_record, is_socket
 
 
 @dataclass(frozen=True)
@@ -35,13 +41,20 @@ Opener = Callable[[Sequence[str], Sequence[str], OpenOptions], Source]
 """Opens a command's SOURCE arguments (all of them, then those the kind claims)."""
 
 
+def _named(path: str) -> object:
+    """What ``"module:name"`` names, the module relative to ``kvaudit.sources``."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module, __package__), name)
+
+
 @dataclass(frozen=True)
 class SourceKind:
     """A kind of SOURCE argument: it claims those with its ``prefix``, or those ``sniff``
-    accepts, and opens them with ``opener`` (which rejects mixes it cannot take)."""
+    accepts, and opens them with ``opener`` (which rejects mixes it cannot take): a
+    function, or its ``"module:function"`` imported when first needed."""
 
     name: str
-    opener: Opener
+    opener: Opener | str
     prefix: str | None = None
     sniff: Callable[[str], bool] | None = None
 
@@ -50,6 +63,11 @@ class SourceKind:
         if self.prefix is not None and name.startswith(self.prefix):
             return True
         return self.sniff is not None and self.sniff(name)
+
+    def open(self, names: Sequence[str], claimed: Sequence[str], options: OpenOptions) -> Source:
+        """Open a command's SOURCE arguments (all of them, and those this kind claims)."""
+        opener = _named(self.opener) if isinstance(self.opener, str) else self.opener
+        return opener(names, claimed, options)  # type: ignore[operator]
 
 
 _KINDS: list[SourceKind] = []
@@ -84,7 +102,7 @@ def open_source(
         if not name.startswith("live:"):
             check_input(name, directory=True)  # a FIFO or a device would block
     kind, claimed = source_kind(names)
-    return kind.opener(names, claimed, OpenOptions(config, device_given))
+    return kind.open(names, claimed, OpenOptions(config, device_given))
 
 
 def source_kind(names: Sequence[str]) -> tuple[SourceKind, list[str]]:
@@ -108,6 +126,14 @@ Wrapper = Callable[[_Side, CacheDescription | None, str], Source]
 """Makes a Python object a source: ``(object, config, label)``."""
 
 _ACCEPTED: list[str] = []
+_BUILTIN_OBJECTS = (
+    ("..records:Record", ".record_source:record_as_source", "a Record"),
+    ("..dumps:DumpSet", ".dump_source:dump_set_as_source", "a DumpSet"),
+)
+"""The built-in objects' classes and wrappers, registered before any other (so that the
+error for an object of another type lists them first), when an object is first wrapped
+or registered."""
+_builtins_registered = False
 
 
 @functools.singledispatch
@@ -117,9 +143,19 @@ def _wrap(side: object, config: CacheDescription | None, label: str) -> Source:
     raise KvauditError(f"the {label} must be {accepted}, got {type(side).__name__}")
 
 
+def _register_builtin_objects() -> None:
+    global _builtins_registered
+    if not _builtins_registered:
+        _builtins_registered = True
+        for cls, wrapper, accepted in _BUILTIN_OBJECTS:
+            _wrap.register(_named(cls))(_named(wrapper))
+            _ACCEPTED.append(accepted)
+
+
 def register_object(cls: type, wrapper: Wrapper, accepted: str) -> None:
     """Register how an object of ``cls`` (or a subclass) becomes a source; ``accepted``
     names it in the error for an object of no registered type (``"a Record"``)."""
+    _register_builtin_objects()
     _wrap.register(cls)(wrapper)
     _ACCEPTED.append(accepted)
 
@@ -132,6 +168,7 @@ def source_of(side: object, config: CacheDescription | None = None, label: str =
         KvauditError: A path that cannot be read, or an object of another type.
 
     """
+    _register_builtin_objects()
     return _wrap(side, config, label)
 
 
@@ -145,6 +182,18 @@ def _paths(side: Sequence[object], config: CacheDescription | None, label: str) 
     return _wrap.dispatch(object)(side, config, label)
 
 
-register_object(str, _path, "dump paths")
+_wrap.register(str)(_path)
+_ACCEPTED.append("dump paths")
 _wrap.register(os.PathLike)(_path)
 _wrap.register(Sequence)(_paths)
+
+# The built-in kinds, tried in this order after those with a prefix (docs/cli.md, SOURCE).
+register_kind(SourceKind("record", ".record_source:open_records", sniff=is_record))
+register_kind(
+    SourceKind("vllm-output", ".vllm_output_source:open_output_folders", sniff=is_output_folder)
+)
+register_kind(SourceKind("dumps", ".dump_source:open_dumps"), fallback=True)
+register_kind(
+    SourceKind("live", ".live_source:open_handles", prefix=PY_PREFIX, sniff=is_python_handle)
+)
+register_kind(SourceKind("live", ".socket_source:open_sockets", sniff=is_socket))

@@ -28,11 +28,9 @@ from ..records import Record, WorkerInfo, WorkerRecord, combine_workers
 from ..validation import MAX_COUNT, Checker, check_int, check_positions, worker_layout
 from .base import Progress, Runtime, Source, request_ids_of, token_counts_of, trim
 from .inventory import GroupInfo, Inventory, WorkerInventory, request_inventory
-from .live_source import python_target
 from .raw import RawWorker
-from .registry import OpenOptions, SourceKind, register_kind
-
-PREFIX = "live:"
+from .registry import OpenOptions
+from .sniffing import LIVE_PREFIX as PREFIX
 
 
 @dataclass
@@ -309,19 +307,13 @@ def _listing(
     return requests
 
 
-def _open(names: Sequence[str], claimed: Sequence[str], options: OpenOptions) -> SocketSource:
+def open_sockets(
+    names: Sequence[str], claimed: Sequence[str], options: OpenOptions
+) -> SocketSource:
+    """The live kind's opener: every argument a socket or a folder of sockets."""
     if len(claimed) != len(names):
         raise KvauditError("live: sockets cannot be mixed with dumps, records or Python handles")
     scratch = _Scratch()
     sockets = [sock for name in names for sock in sockets_of(name[len(PREFIX) :], name)]
     workers = [open_remote(sock, scratch) for sock in dict.fromkeys(sockets)]
     return SocketSource(names, workers)
-
-
-register_kind(
-    SourceKind(
-        "live",
-        _open,
-        sniff=lambda name: name.startswith(PREFIX) and not python_target(name[len(PREFIX) :]),
-    )
-)

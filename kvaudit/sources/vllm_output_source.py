@@ -7,17 +7,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..errors import KvauditError
-from ..integrations.vllm.output import is_output_folder, read_output_folder
+from ..integrations.vllm.output import read_output_folder
 from .record_source import RecordSource
-from .registry import OpenOptions, SourceKind, register_kind
+from .registry import OpenOptions
 
 
-def _open(names: Sequence[str], folders: Sequence[str], options: OpenOptions) -> RecordSource:
+def open_output_folders(
+    names: Sequence[str], folders: Sequence[str], options: OpenOptions
+) -> RecordSource:
+    """The vLLM output kind's opener: one folder, standing alone."""
     if len(names) != 1:
         raise KvauditError(
             f"{folders[0]}: a kvaudit vLLM output folder stands alone; give one folder"
         )
     return RecordSource(folders[0], read_output_folder(folders[0]))
-
-
-register_kind(SourceKind("vllm-output", _open, sniff=lambda name: is_output_folder(name)))

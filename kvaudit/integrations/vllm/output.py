@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 from ...errors import KvauditError
 from ...files import atomic_path
@@ -75,6 +74,8 @@ def write_description(
     engine), and mark the folder."""
     folder = worker_folder(output, worker.pp_rank, worker.tp_rank)
     folder.mkdir(parents=True, exist_ok=True)
+    import yaml  # only the connector writes YAML; readers of the folder never import it
+
     text = yaml.safe_dump(dict(description), sort_keys=False).encode("utf-8")
     _write_whole(folder / "cache.yaml", text)
     if worker.pp_size == 1 and worker.tp_rank == 0:

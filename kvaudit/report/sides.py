@@ -1,0 +1,21 @@
+"""What a report's two sides are called in its tables (``diff``: producer and consumer;
+``verify``: what it checks against), apart from the tables so that choosing them
+imports no rich."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class Sides:
+    """What a report's two sides are called: the side that plays the producer, the one
+    that plays the consumer, and what a compared block is (``compared``, ``checked``)."""
+
+    producer: str = "producer"
+    consumer: str = "consumer"
+    compared: Literal["compared", "checked"] = "compared"
+
+
+DIFF_SIDES = Sides()
