@@ -252,8 +252,7 @@ def add_batch(
         left, right = p[h : h + step], c[h : h + step]
         chunk = fast_errors(left, right, *tolerance) if elements else None
         chunks.append(chunk if chunk is not None else exact_errors(left, right, *tolerance))
-    token_abs = np.concatenate([chunk.token_abs for chunk in chunks])
-    token_scale = np.concatenate([chunk.token_scale for chunk in chunks])
+    token_abs, token_scale = _joined(chunks, "token_abs"), _joined(chunks, "token_scale")
     with np.errstate(divide="ignore", invalid="ignore"):
         # 0 / 0 (nothing to compare against, no error) is NaN: 0 (fmax skips NaN).
         token_norm = np.fmax(token_abs / token_scale, 0.0)
@@ -263,14 +262,19 @@ def add_batch(
     head_abs = token_abs.max(axis=1)
     errors.tokens += mask.sum(axis=1)
     np.maximum(errors.max_abs, head_abs, out=errors.max_abs)
-    np.maximum(
-        errors.max_rel, np.concatenate([chunk.head_rel for chunk in chunks]), out=errors.max_rel
-    )
+    np.maximum(errors.max_rel, _joined(chunks, "head_rel"), out=errors.max_rel)
     head_scale = np.fmax(token_scale.max(axis=1), 0.0)
     np.maximum(errors.max_producer, head_scale, out=errors.max_producer)
-    errors.sum_squares += np.concatenate([chunk.squares for chunk in chunks])
-    errors.over += np.concatenate([chunk.over for chunk in chunks])
-    errors.nonfinite += np.concatenate([chunk.nonfinite for chunk in chunks])
+    errors.sum_squares += _joined(chunks, "squares")
+    errors.over += _joined(chunks, "over")
+    errors.nonfinite += _joined(chunks, "nonfinite")
     if head_abs.max() > 0:
         errors.merge_worst(lo, np.where(mask, token_abs, 0.0))
     return np.where(mask.any(axis=0), token_norm.max(axis=0, initial=0.0), np.nan)
+
+
+def _joined(chunks: list[Chunk], name: str) -> np.ndarray:
+    """One field of the chunks, their heads joined in order."""
+    if len(chunks) == 1:
+        return getattr(chunks[0], name)
+    return np.concatenate([getattr(chunk, name) for chunk in chunks])

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .compare.numeric import GroupNumeric, NumericReport, RequestNumeric
-from .element_errors import CHUNK_ELEMENTS, LayerErrors, add_batch, scratch
+from .element_errors import LayerErrors, add_batch, scratch
 from .elements import work_dtype
 from .sources.raw import RawWorker
 from .value_reads import (
@@ -46,6 +46,9 @@ THREADS = 4
 """At most this many threads read the sides and compare layers."""
 BATCH_BYTES = 8 << 20
 """About how many raw bytes each side reads per batch (memory stays bounded)."""
+PIECE_ELEMENTS = 1 << 18
+"""About how many elements of a side one layer decodes at once (compared in cache-sized
+chunks of heads: ``kvaudit.element_errors.CHUNK_ELEMENTS``)."""
 
 
 def _layer_plan(
@@ -115,9 +118,9 @@ def _compare_layer(
 
 
 def _piece_tokens(unit: int, layers: Mapping[str, LayerValues], common: Sequence[str]) -> int:
-    """Tokens per piece: a multiple of ``unit``, about ``CHUNK_ELEMENTS`` per side."""
+    """Tokens per piece: a multiple of ``unit``, about ``PIECE_ELEMENTS`` per side."""
     per_token = max((layers[name].heads * layers[name].elements for name in common), default=1)
-    return max(unit, CHUNK_ELEMENTS // max(per_token, 1) // unit * unit)
+    return max(unit, PIECE_ELEMENTS // max(per_token, 1) // unit * unit)
 
 
 def _compare_group(

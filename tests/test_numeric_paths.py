@@ -1,8 +1,8 @@
 """``diff --numeric``'s shortcuts give the same errors as the independent numpy
 computation: sides equal bit for bit (the errors skipped), a single differing element,
 NaN and Inf on both sides beside a difference, many small batches, tokens one side lacks,
-dumps' rows read from their files or through their mappings, a file that shrinks while
-read."""
+dumps' rows read from their files, through their mappings or as torch tensors, a file
+that shrinks while read."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ from valued_sets import (
     to_cells,
 )
 
+import kvaudit.element_errors
+import kvaudit.numeric
 import kvaudit.value_reads
 from kvaudit.compare.numeric import NumericReport, SliceErrors
 from kvaudit.element_errors import counts
@@ -108,6 +110,36 @@ def test_many_small_batches_match_one(dtype: str, tmp_path: Path) -> None:
         )
 
 
+def test_one_head_at_a_time_in_small_pieces_agrees(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    the_model = model("float16")
+    produced = draw(17, the_model)
+    rng = np.random.default_rng(8)
+    consumed = {
+        rid: {n: v * (1 + rng.normal(0, 0.01, v.shape)) for n, v in layers.items()}
+        for rid, layers in produced.items()
+    }
+    consumed["req-a"][ATTN.format(1)][6, 2, 4] = np.nan  # on one side: the exact way
+    left = dump(tmp_path / "p", the_model, produced, PRODUCER, "producer")
+    right = dump(tmp_path / "c", the_model, consumed, CONSUMER, "consumer")
+    whole = compare(left, right, rtol=0.01)
+    monkeypatch.setattr(kvaudit.element_errors, "CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(kvaudit.numeric, "PIECE_ELEMENTS", 1)
+    chunked = compare(left, right, rtol=0.01)
+    assert by_slice(chunked, "req-a")[ATTN.format(1), 2].nonfinite_mismatches == 1
+    for rid in TOKENS:
+        for key, item in by_slice(whole, rid).items():
+            other = by_slice(chunked, rid)[key]
+            assert other.rms_error == pytest.approx(item.rms_error, rel=1e-12)
+            other.sum_squares = item.sum_squares
+            assert other == item
+        np.testing.assert_array_equal(
+            whole.requests[rid].groups[0].layer_tokens,
+            chunked.requests[rid].groups[0].layer_tokens,
+        )
+
+
 def test_nan_and_inf_on_both_sides_beside_a_difference(tmp_path: Path) -> None:
     the_model = model("float16")
     produced = draw(13, the_model)
@@ -160,7 +192,7 @@ def test_tokens_one_side_lacks_are_left_out(tmp_path: Path) -> None:
     assert np.isnan(row[:first]).all() and not np.isnan(row[first:n]).any()
 
 
-def test_rows_read_from_files_or_mappings_agree(
+def test_rows_read_from_files_mappings_or_tensors_agree(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     the_model = model("bfloat16")
@@ -173,13 +205,19 @@ def test_rows_read_from_files_or_mappings_agree(
     left = dump(tmp_path / "p", the_model, produced, PRODUCER, "producer")
     right = dump(tmp_path / "c", the_model, consumed, CONSUMER, "consumer")
     from_files = compare(left, right, rtol=0.05)
+    # Torch tensors over the same mappings (as live workers hold them): rows gathered.
+    raw = [open_source([str(path)], None).raw_kv() for path in (left, right)]
+    for worker in raw[0] + raw[1]:
+        worker.__dict__["array_views"] = worker.group_views
+    gathered = numeric_diff(raw[0], raw[1], TOKENS, rtol=0.05)
     monkeypatch.setattr(kvaudit.value_reads.RowFiles, "layout", lambda *_: None)
     mapped = compare(left, right, rtol=0.05)
     assert not from_files.ok
-    for rid in TOKENS:
-        ours, theirs = from_files.requests[rid].groups[0], mapped.requests[rid].groups[0]
-        assert ours.slices == theirs.slices
-        np.testing.assert_array_equal(ours.layer_tokens, theirs.layer_tokens)
+    for other in (mapped, gathered):
+        for rid in TOKENS:
+            ours, theirs = from_files.requests[rid].groups[0], other.requests[rid].groups[0]
+            assert ours.slices == theirs.slices
+            np.testing.assert_array_equal(ours.layer_tokens, theirs.layer_tokens)
     assert_matches_reference(mapped, produced, consumed, "bfloat16", 0.0, 0.05)
 
 
