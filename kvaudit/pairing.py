@@ -1,12 +1,14 @@
 """What the ``diff`` and ``verify`` driver learns about its two sides before comparing:
 warnings about the sides themselves (the same files on both, roles swapped) and the
-attention window of each sliding-window group, from the sides' descriptions."""
+attention window of each windowed group (sliding-window or chunked local attention),
+from the sides' descriptions."""
 
 from __future__ import annotations
 
 import os
 
-from .description.model import SLIDING_TYPES
+from .compare.sides import AttentionWindow
+from .description.model import SLIDING_TYPES, LayerSpec
 from .sources import Source
 from .sources.record_source import RecordSource
 
@@ -52,19 +54,35 @@ def side_warnings(producer: Source, consumer: Source) -> list[str]:
     return warnings
 
 
-def group_windows(*sources: Source) -> dict[int, int]:
-    """The attention window in tokens of each group whose layers are all sliding-window
-    layers, from the sides' descriptions (the smaller where they differ); groups of a
-    record side are not known."""
-    windows: dict[int, int] = {}
+def _group_window(specs: list[LayerSpec]) -> AttentionWindow | None:
+    """The window of a group whose layers are all sliding-window layers (the largest
+    window) or all chunked local attention with a known chunk size (the same size)."""
+    if all(spec.type in SLIDING_TYPES and spec.sliding_window for spec in specs):
+        return AttentionWindow(max(int(spec.sliding_window or 0) for spec in specs))
+    if all(spec.type == "chunked_local_attention" and spec.attention_chunk_size for spec in specs):
+        sizes = {int(spec.attention_chunk_size or 0) for spec in specs}
+        return AttentionWindow(sizes.pop(), chunked=True) if len(sizes) == 1 else None
+    return None
+
+
+def group_windows(*sources: Source) -> dict[int, AttentionWindow]:
+    """The window of each windowed group (sliding-window or chunked local attention),
+    from the sides' descriptions: where they differ, the sliding window that expects
+    fewer positions (the smaller), and no window for chunk sizes that disagree; groups
+    of a record side are not known."""
+    found: dict[int, list[AttentionWindow | None]] = {}
     for source in sources:
         for description in source.descriptions():
             for group in description.groups:
                 specs = [entry.spec for entry in group.layers] or [group.spec]
-                if not all(spec.type in SLIDING_TYPES and spec.sliding_window for spec in specs):
-                    continue
-                window = max(int(spec.sliding_window or 0) for spec in specs)
-                windows[group.id] = min(windows.get(group.id, window), window)
+                found.setdefault(group.id, []).append(_group_window(specs))
+    windows: dict[int, AttentionWindow] = {}
+    for gid, rules in found.items():
+        known = {rule for rule in rules if rule is not None}
+        if len(known) == 1:
+            windows[gid] = known.pop()
+        elif known and not any(rule.chunked for rule in known):
+            windows[gid] = min(known, key=lambda rule: rule.tokens)
     return windows
 
 

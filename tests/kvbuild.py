@@ -54,6 +54,7 @@ class Attn:
     max_tp_shards: int | None = None
     layout: str | None = None  # None: the engine's layout for the group
     sliding_window: int | None = None
+    attention_chunk_size: int | None = None  # chunked_local_attention only
     shares: str | None = None  # the layer whose cache this one aliases
 
     @property
@@ -335,6 +336,8 @@ def _spec_dict(
         spec["max_tp_shards"] = layer.max_tp_shards
     if layer.type in SLIDING:
         spec["sliding_window"] = layer.sliding_window or 4096
+    if layer.attention_chunk_size is not None:
+        spec["attention_chunk_size"] = layer.attention_chunk_size
     return spec
 
 

@@ -13,10 +13,12 @@ offloaded blocks (``verify --stored``). Reports are written by ``kvaudit.formats
 from .model import NO_RECEIVED, DiffReport, GroupComparison, LocatedDifference, StaleSource
 from .received import verify_received
 from .record_diff import compare_records, verify_against_record
+from .sides import AttentionWindow
 from .stored import StoredCheck, stored_report, verify_stored_blocks
 
 __all__ = [
     "NO_RECEIVED",
+    "AttentionWindow",
     "DiffReport",
     "GroupComparison",
     "LocatedDifference",

@@ -18,6 +18,7 @@ from ..records import GroupChecksums, Record, RequestChecksums, WorkerInfo, Work
 from ..wire import WireChecksums, decode_wire
 from .model import NO_RECEIVED, DiffReport, GroupComparison
 from .record_diff import compare
+from .sides import Window
 
 
 def decode_received(
@@ -64,7 +65,7 @@ def verify_received(
     source: str,
     request_ids: Sequence[str] | None = None,
     consumer_tokens: Mapping[str, int] | None = None,
-    windows: Mapping[int, int] | None = None,
+    windows: Mapping[int, Window] | None = None,
 ) -> DiffReport:
     """The consumer checked against the producer totals it received (wire bytes, or
     decoded checksums, per request).

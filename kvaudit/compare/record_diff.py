@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import KvauditError
 from ..records import GroupChecksums, Record
 from .model import DiffReport, GroupComparison
-from .sides import Side, compare_sides, held_positions, missing_and_expected
+from .sides import Side, Window, compare_sides, held_positions, missing_and_expected
 
 TokenCounts = Mapping[str, int]
 """Request id to the token count a side holds (where its checksums cover fewer)."""
@@ -105,7 +105,7 @@ def _checksums_group(record: Record, gid: int) -> bool:
     return any(gid in summary.fingerprints for summary in record.workers)
 
 
-def _none_held(producer: Side, consumer_tokens: int, window: int | None) -> GroupComparison:
+def _none_held(producer: Side, consumer_tokens: int, window: Window | None) -> GroupComparison:
     """A group the consumer checksums but holds no block of: every expected position of
     the producer is missing."""
     empty = GroupChecksums(producer.block_size, 0, [(1, 0)], np.zeros((0, 1), np.uint64), 0)
@@ -127,7 +127,7 @@ def _compare_request(
     per_key: bool,
     producer_absence: str | None,
     tokens: tuple[int, int],
-    windows: Mapping[int, int],
+    windows: Mapping[int, Window],
 ) -> dict[int, GroupComparison]:
     """Each group of one request present on both sides; ``missing`` says which side's
     workers are missing, if any; ``tokens`` the request's token count on each side."""
@@ -173,13 +173,14 @@ def compare(
     per_key: bool,
     producer_absence: str | None = None,
     token_counts: tuple[TokenCounts, TokenCounts] | None = None,
-    windows: Mapping[int, int] | None = None,
+    windows: Mapping[int, Window] | None = None,
 ) -> DiffReport:
     """Two records compared by the module's rules; ``per_key`` compares every column
     where the replica keys agree, and ``producer_absence`` replaces the reason given for
     a group only the consumer holds when the producer's workers give none.
     ``token_counts`` are the token counts each side holds where its record covers fewer
-    (default: the records' own), ``windows`` each windowed group's window in tokens."""
+    (default: the records' own), ``windows`` each windowed group's window (an
+    ``AttentionWindow``, or a sliding window's size in tokens)."""
     _check_numbering(producer, consumer)
     both, only_producer, only_consumer = _select(producer, consumer, request_ids)
     reasons = [
@@ -235,14 +236,15 @@ def compare_records(
     *,
     request_ids: Sequence[str] | None = None,
     token_counts: tuple[TokenCounts, TokenCounts] | None = None,
-    windows: Mapping[int, int] | None = None,
+    windows: Mapping[int, Window] | None = None,
 ) -> DiffReport:
     """The producer's totals compared with the consumer's totals and replicas.
 
     With ``request_ids``, only those requests (in that order); others in record order.
     ``token_counts``: the tokens each side holds where its record was checksummed over
-    fewer (a diff compares over the tokens both hold); ``windows``: the window in tokens
-    of each windowed group (sliding-window attention).
+    fewer (a diff compares over the tokens both hold); ``windows``: the window of each
+    windowed group (``AttentionWindow``: sliding-window or chunked local attention; an
+    int is a sliding window's size in tokens).
 
     Raises:
         KvauditError: The records number positions differently, or a requested id is on
@@ -260,7 +262,7 @@ def verify_against_record(
     *,
     request_ids: Sequence[str] | None = None,
     token_counts: TokenCounts | None = None,
-    windows: Mapping[int, int] | None = None,
+    windows: Mapping[int, Window] | None = None,
 ) -> DiffReport:
     """A regression check: ``saved`` plays the producer, ``current`` the consumer.
 

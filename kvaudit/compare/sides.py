@@ -10,7 +10,9 @@
 - A position is compared only when both sides hold it and both give it the same, non-zero,
   number of valid tokens (each side with the ``num_tokens`` its checksums cover).
 - A position is expected when the producer holds it with valid tokens (its full token
-  count, ``tokens``) and, for a windowed group, it lies inside the window on both sides.
+  count, ``tokens``) and, for a windowed group (``AttentionWindow``: a sliding window or
+  chunked local attention), each side keeps it: after ``tokens`` tokens a side keeps the
+  blocks from the one holding the first token its next token attends to.
   An expected position is missing when the consumer's blocks do not cover the producer's
   tokens of it (its block list stops early or skips it, or its token count is smaller).
   A position is compared over the tokens both sides hold, so a position the consumer
@@ -39,6 +41,32 @@ from ..records import GroupChecksums, replica_zero_totals
 from ..scheme import ReplicaKey, to_hex, valid_tokens
 from ..validation import Positions
 from .model import GroupComparison
+
+
+@dataclass(frozen=True)
+class AttentionWindow:
+    """The tokens a group's next token attends to: the last ``tokens`` (a sliding window)
+    or, ``chunked``, those of its own ``tokens``-token chunk (chunked local attention)."""
+
+    tokens: int
+    chunked: bool = False
+
+    def first_token(self, held: int) -> int:
+        """The first token that the next token, at position ``held``, attends to."""
+        if self.chunked:
+            return held // self.tokens * self.tokens
+        return max(0, held - self.tokens + 1)
+
+
+Window = int | AttentionWindow
+"""A group's window: an ``AttentionWindow``, or a sliding window's size in tokens."""
+
+
+def as_window(window: Window | None) -> AttentionWindow | None:
+    """``window`` as an ``AttentionWindow`` (an int is a sliding window's size)."""
+    if window is None or isinstance(window, AttentionWindow):
+        return window
+    return AttentionWindow(int(window))
 
 
 @dataclass
@@ -157,14 +185,17 @@ def _incomparable(producer: Side, consumer: Side, numbering: Positions) -> str |
     return None
 
 
-def window_start(producer: Side, consumer: Side, coarse: int, window: int | None) -> int:
-    """The first position (at ``coarse``) inside a window of ``window`` tokens on both
-    sides: each side keeps the blocks from the one holding token ``tokens - window + 1``
-    (the oldest its next token attends to); 0 without a window."""
-    if window is None:
+def window_start(producer: Side, consumer: Side, coarse: int, window: Window | None) -> int:
+    """The first position (at ``coarse``) that both sides keep: each side keeps its blocks
+    from the one holding the first token its next token (at position ``tokens``) attends
+    to, as vLLM frees the blocks before it; 0 without a window."""
+    rule = as_window(window)
+    if rule is None:
         return 0
-    first_token = max(max(0, side.tokens - window + 1) for side in (producer, consumer))
-    kept = max(first_token // side.block_size * side.block_size for side in (producer, consumer))
+    kept = max(
+        rule.first_token(side.tokens) // side.block_size * side.block_size
+        for side in (producer, consumer)
+    )
     return -(-kept // coarse)
 
 
@@ -182,7 +213,7 @@ def held_positions(side: Side, coarse: int) -> range:
 
 
 def missing_and_expected(
-    producer: Side, consumer: Side, coarse: int, window: int | None
+    producer: Side, consumer: Side, coarse: int, window: Window | None
 ) -> tuple[list[int], list[int]]:
     """The expected positions the consumer lacks in whole or in part, and all expected
     positions (the producer's with valid tokens, inside the window on both sides)."""
@@ -203,10 +234,10 @@ def compare_sides(
     numbering: Positions,
     *,
     per_key: bool,
-    window: int | None = None,
+    window: Window | None = None,
 ) -> GroupComparison:
     """One group compared by the module's rules, both sides complete and holding it;
-    ``window`` is the group's attention window in tokens (None: every position)."""
+    ``window`` is the group's attention window (None: every position)."""
     coarse = max(producer.block_size, consumer.block_size)
     reason = _incomparable(producer, consumer, numbering)
     if reason is not None:
