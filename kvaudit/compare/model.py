@@ -42,11 +42,16 @@ class LocatedDifference:
 @dataclass(frozen=True)
 class StaleSource:
     """A producer block whose content a differing consumer block holds: ``position`` in
-    the producer's numbering of the compared block size."""
+    the producer's numbering of the compared block size. A trace at a finer block size
+    (block sizes differ and only part of the compared block is stale) sets
+    ``block_size`` to it: ``position`` is then the producer's block at that size, and
+    ``consumer_position`` the consumer's block at that size holding its content."""
 
     request: str
     group: int
     position: int
+    block_size: int | None = None
+    consumer_position: int | None = None
 
 
 @dataclass

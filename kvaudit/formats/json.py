@@ -15,7 +15,7 @@ from ..scheme import to_hex
 
 # The results are only read here: writing a record imports no comparison.
 if TYPE_CHECKING:
-    from ..compare.model import DiffReport, GroupComparison, LocatedDifference
+    from ..compare.model import DiffReport, GroupComparison, LocatedDifference, StaleSource
     from ..corrupt.result import PlantedFault
     from ..sources import Inventory
 
@@ -131,6 +131,20 @@ def located_to_json(item: LocatedDifference) -> dict[str, Any]:
     }
 
 
+def _stale_to_json(source: StaleSource) -> dict[str, Any]:
+    """A stale source: request, group and position; with the block size and consumer
+    position of a trace at a finer block size than the compared one."""
+    data: dict[str, Any] = {
+        "request": source.request,
+        "group": int(source.group),
+        "position": int(source.position),
+    }
+    if source.block_size is not None:
+        data["block_size"] = int(source.block_size)
+        data["consumer_position"] = source.consumer_position
+    return data
+
+
 def group_to_json(group: GroupComparison) -> dict[str, Any]:
     """A group's entry of a diff report's JSON."""
     held = None
@@ -147,7 +161,7 @@ def group_to_json(group: GroupComparison) -> dict[str, Any]:
         "positions": held,
         "located": [located_to_json(item) for item in group.located],
         "stale_sources": {
-            str(position): [dataclasses.asdict(source) for source in sources]
+            str(position): [_stale_to_json(source) for source in sources]
             for position, sources in sorted(group.stale_sources.items())
         },
     }

@@ -80,12 +80,24 @@ def _result_cell(group: GroupComparison, allow_missing: bool) -> Text:
 
 
 def _stale_text(group: GroupComparison) -> list[str]:
-    """Each traced differing position as ``4 holds req-a position 1``."""
+    """Each traced differing position as ``4 holds req-a position 1``; a trace at a finer
+    block size as ``1 tokens 80-95 hold req-a position 2 at block size 16``."""
     lines = []
     for position, sources in sorted(group.stale_sources.items()):
-        if sources:
-            held = ", ".join(f"{source.request} position {source.position}" for source in sources)
+        whole = [source for source in sources if source.block_size is None]
+        if whole:
+            held = ", ".join(f"{source.request} position {source.position}" for source in whole)
             lines.append(f"{position} holds {held}")
+        units: dict[tuple[int, int], list[str]] = {}
+        for source in sources:
+            if source.block_size is not None and source.consumer_position is not None:
+                unit = (source.consumer_position, source.block_size)
+                units.setdefault(unit, []).append(f"{source.request} position {source.position}")
+        for (unit, size), held_by in units.items():
+            lines.append(
+                f"{position} tokens {unit * size}-{unit * size + size - 1} hold "
+                f"{', '.join(held_by)} at block size {size}"
+            )
     return lines
 
 
