@@ -15,33 +15,112 @@ is reused and sent in each side's own blocks: one stale block of the finer side 
 the rest of the coarse block intact, and no producer block holds the whole. A position
 that nothing holds whole is therefore traced again block by block at the finer size,
 each block whose tokens differ on its own, its sources named at that size.
+
+The steps are separate so that processes holding parts of the sides can each do theirs
+(``kvaudit.distributed.spread_trace``): ``trace_units`` (what to trace), ``unit_digests``
+(the consumer's content of each), ``ProducerBlocks.matching`` (the producer blocks whose
+slices held here match) and ``stale_sources`` (the sources, from every part's matches).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
-from .compare.model import DiffReport, GroupComparison, StaleSource
+from .compare.model import DiffReport, StaleSource
+from .description import CacheDescription
 from .locate import SliceReader
 from .scheme import valid_tokens
 from .sources.raw import RawWorker
 
-_Slice = tuple[str, int]
+Slice = tuple[str, int]
 """``(layer name, global head)``: a slice of replica 0."""
+
+Matches = dict[tuple[str, int], set[Slice]]
+"""Producer blocks ``(request, position)`` with the unit's slices found to match there."""
+
+
+@dataclass(frozen=True)
+class TraceUnit:
+    """One consumer block to trace: block ``index`` at ``size`` of a request's group (its
+    first ``valid`` tokens), within compared position ``position`` (``whole``: the
+    compared block itself), and the ``slices`` that differ there."""
+
+    request: str
+    group: int
+    position: int
+    size: int
+    index: int
+    valid: int
+    slices: tuple[Slice, ...]
+    whole: bool
+
+    @property
+    def first(self) -> int:
+        """The request position of the block's first token."""
+        return self.index * self.size
+
+
+def finest_sizes(descriptions: Iterable[CacheDescription]) -> dict[int, int]:
+    """Each group's smallest block size over the descriptions (both sides')."""
+    sizes: dict[int, int] = {}
+    for description in descriptions:
+        for group in description.groups:
+            sizes[group.id] = min(sizes.get(group.id, group.block_size), group.block_size)
+    return sizes
+
+
+def trace_units(
+    report: DiffReport, num_tokens: Mapping[str, int], finest: Mapping[int, int]
+) -> list[TraceUnit]:
+    """The blocks to trace: each mismatched position with located slices, whole at the
+    compared size, and, where ``finest[group]`` is smaller, each of its blocks at that
+    size whose tokens differ; ``num_tokens`` are the tokens compared per request."""
+    units = []
+    for request_id, gid, group in report.groups():
+        if not group.mismatched_positions or request_id not in num_tokens:
+            continue
+        size, tokens = group.block_size, num_tokens[request_id]
+        fine = min(finest.get(gid, size), size)
+        per_position: dict[int, dict[int, set[Slice]]] = defaultdict(lambda: defaultdict(set))
+        for item in group.located:
+            if item.replica == 0:
+                for token in item.tokens:
+                    per_position[item.position][int(token) // fine].add((item.layer, item.head))
+        for position in sorted(set(group.mismatched_positions)):
+            per_block = per_position.get(position)
+            if not per_block:
+                continue
+            whole = sorted(set().union(*per_block.values()))
+            valid = int(valid_tokens(tokens, size, position))
+            units.append(
+                TraceUnit(request_id, gid, position, size, position, valid, tuple(whole), True)
+            )
+            if fine < size:
+                for index, slices in sorted(per_block.items()):
+                    valid = int(valid_tokens(tokens, fine, index))
+                    units.append(
+                        TraceUnit(
+                            request_id,
+                            gid,
+                            position,
+                            fine,
+                            index,
+                            valid,
+                            tuple(sorted(slices)),
+                            False,
+                        )
+                    )
+    return units
 
 
 def _digests(
-    reader: SliceReader,
-    request_id: str,
-    group_id: int,
-    lo: int,
-    hi: int,
-    layers: set[str],
-) -> dict[_Slice, bytes]:
-    """Per replica-0 slice of ``layers``, a digest of its cells at request positions
-    ``lo .. hi - 1`` (wherever in the request they sit)."""
+    reader: SliceReader, request_id: str, group_id: int, lo: int, hi: int, layers: set[str]
+) -> dict[Slice, bytes]:
+    """Per replica-0 slice of ``layers`` that the reader's workers hold, a digest of its
+    cells at request positions ``lo .. hi - 1`` (wherever in the request they sit)."""
     found = reader.gather(request_id, group_id, lo, hi, layers)
     result = {}
     for (name, head, replica), item in found.items():
@@ -50,15 +129,20 @@ def _digests(
     return result
 
 
-def _wanted_slices(group: GroupComparison, size: int) -> dict[int, dict[int, set[_Slice]]]:
-    """Per mismatched position, per block (at ``size``) holding tokens that differ, the
-    slices whose replica 0 differs from the producer there."""
-    slices: dict[int, dict[int, set[_Slice]]] = defaultdict(lambda: defaultdict(set))
-    for item in group.located:
-        if item.replica == 0:
-            for token in item.tokens:
-                slices[item.position][int(token) // size].add((item.layer, item.head))
-    return slices
+def unit_digests(
+    consumer: Sequence[RawWorker], units: Sequence[TraceUnit]
+) -> list[dict[Slice, bytes]]:
+    """Per unit, the digests of its slices that the ``consumer`` workers hold."""
+    readers: dict[tuple[str, int], SliceReader] = {}
+    result = []
+    for unit in units:
+        key = (unit.request, unit.group)
+        if key not in readers:
+            readers[key] = SliceReader.open(consumer, *key)
+        layers = {name for name, _ in unit.slices}
+        held = _digests(readers[key], *key, unit.first, unit.first + unit.valid, layers)
+        result.append({s: held[s] for s in unit.slices if s in held})
+    return result
 
 
 def _producer_blocks(producer: Sequence[RawWorker], group_id: int, size: int) -> dict[str, range]:
@@ -81,127 +165,90 @@ def _producer_blocks(producer: Sequence[RawWorker], group_id: int, size: int) ->
     return found
 
 
-def _finest(workers: Sequence[RawWorker], group_id: int) -> int | None:
-    """The smallest block size of the group among the workers that hold its layers."""
-    sizes = [
-        worker.description.group(group_id).block_size
-        for worker in workers
-        if any(group.id == group_id for group in worker.description.groups)
-    ]
-    return min(sizes, default=None)
+class ProducerBlocks:
+    """The producer blocks of the groups traced, read and digested on demand, each once."""
 
-
-class _Producer:
-    """The producer's blocks of one group, read and digested on demand, each digest once."""
-
-    def __init__(self, producer: Sequence[RawWorker], group_id: int, layers: set[str]) -> None:
-        self.producer, self.group_id, self.layers = producer, group_id, layers
-        requests = _producer_blocks(producer, group_id, 1)
-        self.readers = {rid: SliceReader.open(producer, rid, group_id) for rid in requests}
+    def __init__(self, producer: Sequence[RawWorker], layers: Mapping[int, set[str]]) -> None:
+        self.producer, self.layers = producer, layers
+        self.blocks: dict[tuple[int, int], dict[str, range]] = {}
+        self.readers: dict[tuple[str, int], SliceReader] = {}
         self.counts = {
-            rid: int(next(w.requests[rid].num_tokens for w in producer if rid in w.requests))
-            for rid in requests
+            rid: int(request.num_tokens) for w in producer for rid, request in w.requests.items()
         }
-        self.blocks: dict[int, dict[str, range]] = {}
-        self.digests: dict[tuple[str, int, int], dict[_Slice, bytes]] = {}
+        self.digests: dict[tuple[str, int, int, int], dict[Slice, bytes]] = {}
 
-    def holding(
-        self, size: int, valid: int, target: dict[_Slice, bytes | None]
-    ) -> list[tuple[str, int]]:
-        """``(request, position at size)`` of each producer block (at ``size``) with at least
-        ``valid`` valid tokens whose slices hold ``target``'s digests over ``valid`` tokens."""
-        if size not in self.blocks:
-            self.blocks[size] = _producer_blocks(self.producer, self.group_id, size)
-        found = []
-        for rid, positions in self.blocks[size].items():
+    def order(self) -> list[str]:
+        """The producer's request ids, in the order its workers list them."""
+        return list(dict.fromkeys(rid for w in self.producer for rid in w.requests))
+
+    def matching(self, unit: TraceUnit, target: Mapping[Slice, bytes]) -> Matches:
+        """The producer blocks (at the unit's size, any request, at least the unit's valid
+        tokens) where the unit's slices held here all equal ``target`` (at least one),
+        with those slices."""
+        gid, size, valid = unit.group, unit.size, unit.valid
+        if (gid, size) not in self.blocks:
+            self.blocks[gid, size] = _producer_blocks(self.producer, gid, size)
+        found: Matches = {}
+        for rid, positions in self.blocks[gid, size].items():
             for q in positions:
                 if int(valid_tokens(self.counts[rid], size, q)) < valid:
                     continue
-                key = (rid, q * size, valid)
-                if key not in self.digests:
-                    self.digests[key] = _digests(
-                        self.readers[rid],
-                        rid,
-                        self.group_id,
-                        q * size,
-                        q * size + valid,
-                        self.layers,
-                    )
-                digests = self.digests[key]
-                if all(
-                    digest is not None and digests.get(s) == digest for s, digest in target.items()
-                ):
-                    found.append((rid, q))
+                digests = self._digests(rid, gid, q * size, valid)
+                held = [s for s in unit.slices if s in digests]
+                if held and all(target.get(s) == digests[s] for s in held):
+                    found[rid, q] = set(held)
         return found
 
+    def _digests(
+        self, request_id: str, group_id: int, first: int, valid: int
+    ) -> dict[Slice, bytes]:
+        key = (request_id, group_id, first, valid)
+        if key not in self.digests:
+            if (request_id, group_id) not in self.readers:
+                self.readers[request_id, group_id] = SliceReader.open(
+                    self.producer, request_id, group_id
+                )
+            reader = self.readers[request_id, group_id]
+            self.digests[key] = _digests(
+                reader, request_id, group_id, first, first + valid, self.layers[group_id]
+            )
+        return self.digests[key]
 
-def trace_group(
-    producer: Sequence[RawWorker],
-    consumer: Sequence[RawWorker],
-    request_id: str,
-    group_id: int,
-    group: GroupComparison,
-    num_tokens: int,
-) -> dict[int, list[StaleSource]]:
-    """The producer blocks holding the content of each of the group's mismatched
-    positions, from its located entries; ``num_tokens`` are the tokens compared.
 
-    A position is traced whole, at the group's compared block size; where nothing holds
-    it and the sides' block sizes differ, each of its blocks at the finer size whose
-    tokens differ is traced on its own (a sender's or a slot's unit of reuse), and its
-    sources carry that ``block_size`` and the ``consumer_position`` traced. Positions
-    without located slices are left out; a position no producer block explains maps to
-    an empty list."""
-    size = group.block_size
-    fine = min(
-        (found for found in (_finest(producer, group_id), _finest(consumer, group_id)) if found),
-        default=size,
-    )
-    units = _wanted_slices(group, fine)
-    if not units:
-        return {}
-    layers = {
-        name for per_unit in units.values() for slices in per_unit.values() for name, _ in slices
-    }
-    consumed = SliceReader.open(consumer, request_id, group_id)
-    blocks = _Producer(producer, group_id, layers)
-    result: dict[int, list[StaleSource]] = {}
-    for position in sorted(set(group.mismatched_positions)):
-        per_unit = units.get(position)
-        if not per_unit:
-            continue
-        slices = set().union(*per_unit.values())
-        sources = [
-            StaleSource(rid, group_id, q)
-            for rid, q in _holding(blocks, consumed, request_id, position, size, num_tokens, slices)
-        ]
-        if not sources and fine < size:
-            for unit, unit_slices in sorted(per_unit.items()):
-                sources += [
-                    StaleSource(rid, group_id, q, fine, unit)
-                    for rid, q in _holding(
-                        blocks, consumed, request_id, unit, fine, num_tokens, unit_slices
-                    )
-                ]
-        result[position] = sources
+def unit_layers(units: Iterable[TraceUnit]) -> dict[int, set[str]]:
+    """Per group, the layers of the units' slices."""
+    layers: dict[int, set[str]] = defaultdict(set)
+    for unit in units:
+        layers[unit.group].update(name for name, _ in unit.slices)
+    return layers
+
+
+def stale_sources(
+    units: Sequence[TraceUnit],
+    targets: Sequence[Mapping[Slice, bytes]],
+    matches: Sequence[Matches],
+    order: Sequence[str],
+) -> dict[tuple[str, int], dict[int, list[StaleSource]]]:
+    """Per (request, group), each traced position's sources: the producer blocks where
+    every slice of the unit matched its (complete) ``targets``, over all parts'
+    ``matches``; a position's whole unit's sources, else those of its finer blocks.
+    Sources come in the producer's ``order`` of requests, then by position."""
+    rank = {rid: k for k, rid in enumerate(order)}
+    result: dict[tuple[str, int], dict[int, list[StaleSource]]] = defaultdict(dict)
+    for unit, target, found in zip(units, targets, matches):
+        traced = result[unit.request, unit.group]
+        complete = set(target) == set(unit.slices)
+        held = sorted(
+            (block for block, slices in found.items() if complete and slices == set(unit.slices)),
+            key=lambda block: (rank.get(block[0], len(rank)), block[0], block[1]),
+        )
+        if unit.whole:
+            traced[unit.position] = [StaleSource(rid, unit.group, q) for rid, q in held]
+        elif not any(source.block_size is None for source in traced[unit.position]):
+            traced[unit.position] += [
+                StaleSource(rid, unit.group, q, unit.size, unit.index) for rid, q in held
+            ]
     return result
-
-
-def _holding(
-    blocks: _Producer,
-    consumed: SliceReader,
-    request_id: str,
-    position: int,
-    size: int,
-    num_tokens: int,
-    slices: set[_Slice],
-) -> list[tuple[str, int]]:
-    """The producer blocks (at ``size``) whose ``slices`` hold the same bytes as the
-    consumer's block at ``position`` over its valid tokens."""
-    lo = position * size
-    valid = int(valid_tokens(num_tokens, size, position))
-    held = _digests(consumed, request_id, blocks.group_id, lo, lo + valid, blocks.layers)
-    return blocks.holding(size, valid, {key: held.get(key) for key in slices})
 
 
 def trace_report(
@@ -210,12 +257,26 @@ def trace_report(
     consumer: Sequence[RawWorker],
     num_tokens: Mapping[str, int],
 ) -> None:
-    """Fill each group's ``stale_sources`` from its located differences."""
+    """Fill each group's ``stale_sources`` from its located differences (positions
+    without located slices left out; a position nothing holds maps to an empty list)."""
+    workers = [*producer, *consumer]
+    units = trace_units(report, num_tokens, finest_sizes(w.description for w in workers))
+    targets = unit_digests(consumer, units)
+    blocks = ProducerBlocks(producer, unit_layers(units))
+    matches = [blocks.matching(unit, target) for unit, target in zip(units, targets)]
+    traced = stale_sources(units, targets, matches, blocks.order())
     for request_id, gid, group in report.groups():
-        if group.mismatched_positions and request_id in num_tokens:
-            group.stale_sources = trace_group(
-                producer, consumer, request_id, gid, group, num_tokens[request_id]
-            )
+        if (request_id, gid) in traced:
+            group.stale_sources = traced[request_id, gid]
 
 
-__all__ = ["trace_group", "trace_report"]
+__all__ = [
+    "ProducerBlocks",
+    "TraceUnit",
+    "finest_sizes",
+    "stale_sources",
+    "trace_report",
+    "trace_units",
+    "unit_digests",
+    "unit_layers",
+]

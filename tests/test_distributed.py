@@ -20,9 +20,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from dumped_sets import (
     COMPARED,
+    MODEL,
     TOKENS,
     Sets,
     all_positions,
@@ -34,7 +36,6 @@ from dumped_sets import (
 from kvaudit.corrupt import corrupt_dump
 from kvaudit.diffing import diff_sources
 from kvaudit.distributed.comm import Place
-from kvaudit.distributed.commands import UNTRACED
 from kvaudit.distributed.placement import Unit, assign, fill
 from kvaudit.formats import diff_to_json, inventory_to_json, record_to_json
 from kvaudit.formats.json import located_to_json
@@ -52,6 +53,7 @@ FAULTS = [  # (consumer worker, request, group, position, mode): on both ranks' 
     ("pp0-tp3", "req-a", 0, 1, "flip"),
     ("pp0-tp1", "req-b", 2, 1, "zero"),
     ("pp0-tp0", "req-a", 1, 2, "flip"),
+    ("pp0-tp2", "req-b", 0, 3, "stale"),  # tokens 12..15: part of compared position 0
 ]
 
 
@@ -132,6 +134,36 @@ def _cells(entry: dict) -> dict:
     return {key: value for key, value in entry.items() if key != "file"}
 
 
+def expected_stale(
+    produced: dict, consumed: dict, request_id: str, group_id: int, index: int, size: int
+) -> list[dict]:
+    """The producer blocks of ``size`` tokens (any request) whose cells equal, in every
+    (layer, head) where the consumer's block ``index`` (at ``size``) of the request
+    differs from the producer's, the consumer's cells there: its stale sources."""
+    tokens = range(index * size, (index + 1) * size)
+    layers = {layer.name for layer in MODEL.group(group_id).layers}
+    slices = {
+        (name, head)
+        for (rid, name, head, token, replica), cell in consumed.items()
+        if (rid, replica) == (request_id, 0) and name in layers and token in tokens
+        and not np.array_equal(cell.data, produced[rid, name, head, token, 0].data)
+    }  # fmt: skip
+    found = []
+    for rid, count in TOKENS.items():
+        for q in range(count // size):
+            if all(
+                np.array_equal(
+                    consumed[request_id, name, head, token, 0].data,
+                    produced[rid, name, head, q * size + token - tokens.start, 0].data,
+                )
+                for name, head in slices
+                for token in tokens
+            ):
+                found.append({"request": rid, "group": group_id, "position": q,
+                              "block_size": size, "consumer_position": index})  # fmt: skip
+    return found if slices else []
+
+
 def _errors(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("kvaudit: error:")]
 
@@ -183,16 +215,17 @@ def test_diff_locates_the_faults_as_one_process(split: tuple[Sets, Path, list[st
     one = diff_to_json(
         diff_sources(open_source(sets.producer.paths), open_source(faulty), runtime=CPU)
     )
-    # Tracing to producer blocks is left to one process (docs/scale.md).
-    assert data.pop("untraced") == UNTRACED
     for _, _, group in _groups(data, one):
-        group.pop("stale_sources")
         for entry in group["located"]:
             entry["file"] = Path(entry["file"]).name
-    one.pop("untraced")
+    assert data["untraced"] is None
     assert data == one
-    # Every planted fault is located, as the decoded cells say.
+    # The stale 4-token block is traced to the producer blocks holding its cells.
     produced, consumed = sets.producer_cells, decode_set(sets.consumer, faulty)
+    stale = data["requests"]["req-b"]["groups"]["0"]["stale_sources"]
+    expected = expected_stale(produced, consumed, "req-b", 0, 3, 4)
+    assert expected and stale == {"0": expected}
+    # Every planted fault is located, as the decoded cells say.
     for _, request_id, group_id, _, _ in FAULTS:
         group = data["requests"][request_id]["groups"][str(group_id)]
         assert group["mismatched_positions"] or group["replicas_differing"]

@@ -1,5 +1,5 @@
 """What the commands do differently under torchrun: join the process group, open
-SOURCEs spread over the processes, locate across them, and stamp the JSON with the
+SOURCEs spread over the processes, locate and trace across them, and stamp the JSON with the
 number of processes. Only rank 0 writes; the others' stdout and stderr go to /dev/null
 (every process's errors reach rank 0, which reports them).
 """
@@ -19,11 +19,7 @@ from ..sources import Source, resolve_device
 from .comm import join, leave
 from .spread_locate import locate_spread
 from .spread_source import SpreadSource, open_spread
-
-UNTRACED = (
-    "not traced: under torchrun, differing blocks are located but not traced to the "
-    "producer blocks they hold"
-)
+from .spread_trace import trace_spread
 
 
 def _silence() -> None:
@@ -54,9 +50,9 @@ def locate_across(
     request_ids: Sequence[str] | None,
     locate: bool | None,
 ) -> None:
-    """Locate the report's differences as ``diff --locate`` does in one process, reading
-    blocks from the processes that hold them (``locate``: None when both sides are
-    dumps, True required, False never).
+    """Locate the report's differences and trace them to the producer blocks they hold,
+    as ``diff --locate`` does in one process, reading blocks from the processes that hold
+    them (``locate``: None when both sides are dumps, True required, False never).
 
     Raises:
         KvauditError: ``locate=True`` with a side that holds only checksums.
@@ -64,18 +60,18 @@ def locate_across(
     """
     if locate is False:
         return
-    sides = (producer, consumer)
-    if not all(isinstance(side, SpreadSource) for side in sides):
+    if not (isinstance(producer, SpreadSource) and isinstance(consumer, SpreadSource)):
+        side = consumer if isinstance(producer, SpreadSource) else producer
+        where = f"{', '.join(side.names)} is a {side.kind} that holds only checksums"
         if locate:
-            side = next(side for side in sides if not isinstance(side, SpreadSource))
-            raise KvauditError(
-                f"--locate needs the raw KV on both sides; {', '.join(side.names)} is a "
-                f"{side.kind} that holds only checksums"
-            )
+            raise KvauditError(f"--locate needs the raw KV on both sides; {where}")
+        report.untraced = f"no trace possible: {where}, not the KV"
         return
-    report.untraced = UNTRACED
     shared = shared_tokens(producer, consumer, request_ids)
-    locate_spread(report, producer.trimmed(shared), consumer.trimmed(shared), shared)  # type: ignore[union-attr]
+    consumed = consumer.trimmed(shared)
+    locate_spread(report, producer.trimmed(shared), consumed, shared)
+    report.untraced = None
+    trace_spread(report, producer, consumed, shared)
 
 
 def stamped(data: dict[str, Any]) -> dict[str, Any]:

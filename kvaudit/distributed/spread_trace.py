@@ -1,0 +1,123 @@
+"""Tracing differing blocks across processes: each process digests the blocks its own
+dumps hold, and only digests and matches travel.
+
+Rank 0, which holds the located entries, gives every process the blocks to trace
+(``kvaudit.trace.trace_units``). Each process digests the slices of those consumer blocks
+that its consumer dumps hold; the digests, gathered, are the targets. Each process then
+lists the producer blocks of its own dumps whose slices it holds match their targets; a
+producer block is a source when every slice of the unit matched on some process
+(``kvaudit.trace.stale_sources``), as one process decides over all the dumps. A slice two
+processes give different digests of is never matched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..compare import DiffReport
+from ..trace import (
+    Matches,
+    ProducerBlocks,
+    Slice,
+    TraceUnit,
+    finest_sizes,
+    stale_sources,
+    trace_units,
+    unit_digests,
+    unit_layers,
+)
+from .spread_source import SpreadSource
+
+_CONFLICT = ""
+"""A target digest that processes disagree on: it equals no digest (hex is never empty)."""
+
+
+def _unit(data: Mapping[str, Any]) -> TraceUnit:
+    """A unit from its JSON (``dataclasses.asdict`` of it)."""
+    slices = tuple((str(name), int(head)) for name, head in data["slices"])
+    return TraceUnit(**{**data, "slices": slices})
+
+
+def _targets(parts: Sequence[Sequence[Sequence[Any]]], count: int) -> list[dict[Slice, str]]:
+    """Per unit, the digests of its slices over every process's ``[name, head, hex]``."""
+    targets: list[dict[Slice, str]] = [{} for _ in range(count)]
+    for part in parts:
+        for target, held in zip(targets, part):
+            for name, head, digest in held:
+                key = (str(name), int(head))
+                target[key] = digest if target.get(key, digest) == digest else _CONFLICT
+    return targets
+
+
+def _matches(parts: Sequence[Sequence[Sequence[Any]]], count: int) -> list[Matches]:
+    """Per unit, each producer block with the slices that matched on any process, over
+    every process's ``[request, position, [[name, head], ...]]``."""
+    merged: list[Matches] = [{} for _ in range(count)]
+    for part in parts:
+        for found, blocks in zip(merged, part):
+            for request_id, position, slices in blocks:
+                held = found.setdefault((str(request_id), int(position)), set())
+                held.update((str(name), int(head)) for name, head in slices)
+    return merged
+
+
+def trace_spread(
+    report: DiffReport,
+    producer: SpreadSource,
+    consumer: SpreadSource,
+    num_tokens: Mapping[str, int],
+) -> None:
+    """Fill each differing group's ``stale_sources`` on rank 0, as ``trace_report`` does
+    in one process; every process takes part. ``producer`` is the whole producer (any
+    of its requests may hold a block's content), ``consumer`` cut to the tokens compared.
+
+    Raises:
+        KvauditError: On every process, when one failed to read its dumps.
+
+    """
+    comm = producer.comm
+    rank = comm.place.rank
+
+    def plan() -> list[dict[str, Any]] | None:
+        if rank != 0:
+            return None
+        descriptions = [*producer.descriptions(), *consumer.descriptions()]
+        units = trace_units(report, num_tokens, finest_sizes(descriptions))
+        return [dataclasses.asdict(unit) for unit in units]
+
+    units = [_unit(data) for data in comm.outcomes(plan)[0]]
+    if not units:
+        return
+
+    def digests() -> list[list[list[Any]]]:
+        held = unit_digests(list(consumer.local.values()), units)
+        return [[[name, head, digest.hex()] for (name, head), digest in d.items()] for d in held]
+
+    targets = _targets(comm.outcomes(digests), len(units))
+
+    def matching() -> list[list[list[Any]]]:
+        blocks = ProducerBlocks(list(producer.local.values()), unit_layers(units))
+        result = []
+        for unit, target in zip(units, targets):
+            wanted = {key: bytes.fromhex(digest) for key, digest in target.items() if digest}
+            found = blocks.matching(unit, wanted)
+            result.append([[rid, q, sorted(slices)] for (rid, q), slices in found.items()])
+        return result
+
+    matches = _matches(comm.outcomes(matching), len(units))
+    if rank != 0:
+        return
+    complete = [
+        {key: bytes.fromhex(digest) for key, digest in target.items() if digest}
+        for target in targets
+    ]
+    order = list(dict.fromkeys(rid for item in producer.held for rid in item.requests))
+    traced = stale_sources(units, complete, matches, order)
+    for request_id, gid, group in report.groups():
+        if (request_id, gid) in traced:
+            group.stale_sources = traced[request_id, gid]
+
+
+__all__ = ["trace_spread"]
