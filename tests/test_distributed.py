@@ -240,6 +240,26 @@ def test_diff_locates_the_faults_as_one_process(split: tuple[Sets, Path, list[st
 
 
 @pytest.mark.slow
+def test_diff_against_a_record_says_no_trace_is_possible(
+    split: tuple[Sets, Path, list[str]], tmp_path: Path
+) -> None:
+    sets, root, _ = split
+    record = tmp_path / "producer.json"
+    record.write_text(
+        json.dumps(record_to_json(open_source(sets.producer.paths).checksum(None, None, CPU)))
+    )
+    done = torchrun(
+        "diff", record, root / "n{rank}" / "consumer", "--format", "json", "--device", "cpu"
+    )
+    assert done.returncode == 1, done.stderr
+    data = json.loads(done.stdout)
+    assert data["untraced"] == (
+        f"no trace possible: {record} is a record that holds only checksums, not the KV"
+    )
+    assert all(not group["stale_sources"] for _, _, group in _groups(data))
+
+
+@pytest.mark.slow
 def test_shared_paths_inspect(split: tuple[Sets, Path, list[str]]) -> None:
     """Without placeholders both processes see every file and share them; ``inspect``
     says what one process says, and only rank 0 writes."""
