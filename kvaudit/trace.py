@@ -19,14 +19,15 @@ each block whose tokens differ on its own, its sources named at that size.
 The steps are separate so that processes holding parts of the sides can each do theirs
 (``kvaudit.distributed.spread_trace``): ``trace_units`` (what to trace), ``unit_digests``
 (the consumer's content of each), ``ProducerBlocks.matching`` (the producer blocks whose
-slices held here match) and ``stale_sources`` (the sources, from every part's matches).
+slices held here match) and ``stale_sources`` (the sources, from every part's matches,
+finer blocks only where the whole finds none).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .compare.model import DiffReport, StaleSource
@@ -223,32 +224,54 @@ def unit_layers(units: Iterable[TraceUnit]) -> dict[int, set[str]]:
     return layers
 
 
+def _sources(
+    unit: TraceUnit, target: Mapping[Slice, bytes], found: Matches, rank: Mapping[str, int]
+) -> list[StaleSource]:
+    """The unit's sources: the producer blocks where every slice of the unit matched its
+    (complete) ``target``, in the producer's request order (``rank``), then by position."""
+    if set(target) != set(unit.slices):
+        return []  # a slice whose content is unknown matches nothing
+    held = sorted(
+        (block for block, slices in found.items() if slices == set(unit.slices)),
+        key=lambda block: (rank.get(block[0], len(rank)), block[0], block[1]),
+    )
+    if unit.whole:
+        return [StaleSource(rid, unit.group, q) for rid, q in held]
+    return [StaleSource(rid, unit.group, q, unit.size, unit.index) for rid, q in held]
+
+
+Traced = dict[tuple[str, int], dict[int, list[StaleSource]]]
+"""Per (request, group), each traced position's sources."""
+
+Digest = Callable[[list[TraceUnit]], list[dict[Slice, bytes]]]
+"""The consumer's digests of each unit's slices (complete where the content is known)."""
+
+Match = Callable[[list[TraceUnit], list[dict[Slice, bytes]]], list[Matches]]
+"""Each unit's matching producer blocks, with the slices matched (over every part)."""
+
+
 def stale_sources(
-    units: Sequence[TraceUnit],
-    targets: Sequence[Mapping[Slice, bytes]],
-    matches: Sequence[Matches],
-    order: Sequence[str],
-) -> dict[tuple[str, int], dict[int, list[StaleSource]]]:
-    """Per (request, group), each traced position's sources: the producer blocks where
-    every slice of the unit matched its (complete) ``targets``, over all parts'
-    ``matches``; a position's whole unit's sources, else those of its finer blocks.
-    Sources come in the producer's ``order`` of requests, then by position."""
+    units: Sequence[TraceUnit], digest: Digest, match: Match, order: Sequence[str]
+) -> Traced:
+    """Each traced position's sources: its whole unit's, else (only then traced) those of
+    its blocks at the finer size, in unit order. ``digest`` and ``match`` do the reading;
+    ``order`` is the producer's order of requests."""
     rank = {rid: k for k, rid in enumerate(order)}
-    result: dict[tuple[str, int], dict[int, list[StaleSource]]] = defaultdict(dict)
-    for unit, target, found in zip(units, targets, matches):
-        traced = result[unit.request, unit.group]
-        complete = set(target) == set(unit.slices)
-        held = sorted(
-            (block for block, slices in found.items() if complete and slices == set(unit.slices)),
-            key=lambda block: (rank.get(block[0], len(rank)), block[0], block[1]),
-        )
-        if unit.whole:
-            traced[unit.position] = [StaleSource(rid, unit.group, q) for rid, q in held]
-        elif not any(source.block_size is None for source in traced[unit.position]):
-            traced[unit.position] += [
-                StaleSource(rid, unit.group, q, unit.size, unit.index) for rid, q in held
-            ]
-    return result
+    traced: Traced = defaultdict(dict)
+    whole = [unit for unit in units if unit.whole]
+    targets = digest(whole)
+    for unit, target, found in zip(whole, targets, match(whole, targets)):
+        traced[unit.request, unit.group][unit.position] = _sources(unit, target, found, rank)
+    finer = [
+        unit
+        for unit in units
+        if not unit.whole and not traced[unit.request, unit.group][unit.position]
+    ]
+    if finer:
+        targets = digest(finer)
+        for unit, target, found in zip(finer, targets, match(finer, targets)):
+            traced[unit.request, unit.group][unit.position] += _sources(unit, target, found, rank)
+    return traced
 
 
 def trace_report(
@@ -261,10 +284,14 @@ def trace_report(
     without located slices left out; a position nothing holds maps to an empty list)."""
     workers = [*producer, *consumer]
     units = trace_units(report, num_tokens, finest_sizes(w.description for w in workers))
-    targets = unit_digests(consumer, units)
     blocks = ProducerBlocks(producer, unit_layers(units))
-    matches = [blocks.matching(unit, target) for unit, target in zip(units, targets)]
-    traced = stale_sources(units, targets, matches, blocks.order())
+
+    def match(chosen: list[TraceUnit], targets: list[dict[Slice, bytes]]) -> list[Matches]:
+        return [blocks.matching(unit, target) for unit, target in zip(chosen, targets)]
+
+    traced = stale_sources(
+        units, lambda chosen: unit_digests(consumer, chosen), match, blocks.order()
+    )
     for request_id, gid, group in report.groups():
         if (request_id, gid) in traced:
             group.stale_sources = traced[request_id, gid]

@@ -13,6 +13,7 @@ processes give different digests of is never matched.
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,9 +31,6 @@ from ..trace import (
 )
 from .spread_source import SpreadSource
 
-_CONFLICT = ""
-"""A target digest that processes disagree on: it equals no digest (hex is never empty)."""
-
 
 def _unit(data: Mapping[str, Any]) -> TraceUnit:
     """A unit from its JSON (``dataclasses.asdict`` of it)."""
@@ -40,15 +38,18 @@ def _unit(data: Mapping[str, Any]) -> TraceUnit:
     return TraceUnit(**{**data, "slices": slices})
 
 
-def _targets(parts: Sequence[Sequence[Sequence[Any]]], count: int) -> list[dict[Slice, str]]:
-    """Per unit, the digests of its slices over every process's ``[name, head, hex]``."""
-    targets: list[dict[Slice, str]] = [{} for _ in range(count)]
+def _targets(parts: Sequence[Sequence[Sequence[Any]]], count: int) -> list[dict[Slice, bytes]]:
+    """Per unit, the digests of its slices over every process's ``[name, head, hex]``; a
+    slice processes give different digests of is left out, so it matches nothing."""
+    seen: list[dict[Slice, set[str]]] = [defaultdict(set) for _ in range(count)]
     for part in parts:
-        for target, held in zip(targets, part):
+        for found, held in zip(seen, part):
             for name, head, digest in held:
-                key = (str(name), int(head))
-                target[key] = digest if target.get(key, digest) == digest else _CONFLICT
-    return targets
+                found[str(name), int(head)].add(str(digest))
+    return [
+        {key: bytes.fromhex(next(iter(d))) for key, d in found.items() if len(d) == 1}
+        for found in seen
+    ]
 
 
 def _matches(parts: Sequence[Sequence[Sequence[Any]]], count: int) -> list[Matches]:
@@ -90,34 +91,28 @@ def trace_spread(
     units = [_unit(data) for data in comm.outcomes(plan)[0]]
     if not units:
         return
+    blocks = ProducerBlocks(list(producer.local.values()), unit_layers(units))
 
-    def digests() -> list[list[list[Any]]]:
-        held = unit_digests(list(consumer.local.values()), units)
-        return [[[name, head, digest.hex()] for (name, head), digest in d.items()] for d in held]
+    def digest(chosen: list[TraceUnit]) -> list[dict[Slice, bytes]]:
+        def own() -> list[list[list[Any]]]:
+            held = unit_digests(list(consumer.local.values()), chosen)
+            return [[[name, head, d.hex()] for (name, head), d in part.items()] for part in held]
 
-    targets = _targets(comm.outcomes(digests), len(units))
+        return _targets(comm.outcomes(own), len(chosen))
 
-    def matching() -> list[list[list[Any]]]:
-        blocks = ProducerBlocks(list(producer.local.values()), unit_layers(units))
-        result = []
-        for unit, target in zip(units, targets):
-            wanted = {key: bytes.fromhex(digest) for key, digest in target.items() if digest}
-            found = blocks.matching(unit, wanted)
-            result.append([[rid, q, sorted(slices)] for (rid, q), slices in found.items()])
-        return result
+    def match(chosen: list[TraceUnit], targets: list[dict[Slice, bytes]]) -> list[Matches]:
+        def own() -> list[list[list[Any]]]:
+            found = [blocks.matching(unit, target) for unit, target in zip(chosen, targets)]
+            return [[[rid, q, sorted(slices)] for (rid, q), slices in f.items()] for f in found]
 
-    matches = _matches(comm.outcomes(matching), len(units))
-    if rank != 0:
-        return
-    complete = [
-        {key: bytes.fromhex(digest) for key, digest in target.items() if digest}
-        for target in targets
-    ]
+        return _matches(comm.outcomes(own), len(chosen))
+
     order = list(dict.fromkeys(rid for item in producer.held for rid in item.requests))
-    traced = stale_sources(units, complete, matches, order)
-    for request_id, gid, group in report.groups():
-        if (request_id, gid) in traced:
-            group.stale_sources = traced[request_id, gid]
+    traced = stale_sources(units, digest, match, order)
+    if rank == 0:
+        for request_id, gid, group in report.groups():
+            if (request_id, gid) in traced:
+                group.stale_sources = traced[request_id, gid]
 
 
 __all__ = ["trace_spread"]
