@@ -6,7 +6,10 @@ Per request present on both sides and per group either side holds:
 - Both records must number positions the same way (``request`` or ``block``), else
   ``KvauditError``.
 - A group is unverified when a worker of either side is missing or only one side holds
-  it; otherwise it is compared by the rules of ``kvaudit.compare.sides``. A group the
+  it; otherwise it is compared by the rules of ``kvaudit.compare.sides``. A group that
+  neither side checksums is unverified in every request when a worker leaves it out for a
+  reason other than its description's (``transfer: false``, ``host_resident: true``):
+  KV that moves went unchecked. A group the
   consumer's workers checksum but hold no block of for a request has every expected
   position missing.
 - A request only the producer has is a failure (the consumer never got it); a request
@@ -19,6 +22,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from ..description import LEFT_OUT_BY_DESCRIPTION
 from ..errors import KvauditError
 from ..records import GroupChecksums, Record
 from .model import DiffReport, GroupComparison
@@ -46,6 +50,33 @@ def _not_covered_reason(record: Record, gid: int) -> str | None:
         summary.not_covered[gid] for summary in record.workers if gid in summary.not_covered
     )
     return "; ".join(reasons) if reasons else None
+
+
+def _unchecked_groups(producer: Record, consumer: Record) -> dict[int, str]:
+    """The groups neither side checksums although they should be, with why: a worker of
+    either side leaves the group out for a reason other than its description's, and no
+    worker leaves it out by its description."""
+    given: dict[int, set[str]] = {}
+    for record in (producer, consumer):
+        for summary in record.workers:
+            for gid, reason in summary.not_covered.items():
+                given.setdefault(gid, set()).add(reason)
+    result: dict[int, str] = {}
+    for gid in sorted(given):
+        covered = any(
+            gid in summary.fingerprints and gid not in summary.not_covered
+            for record in (producer, consumer)
+            for summary in record.workers
+        )
+        if covered or given[gid] & LEFT_OUT_BY_DESCRIPTION:
+            continue
+        said = "; ".join(
+            f"{label}: {reason}"
+            for label, record in (("producer", producer), ("consumer", consumer))
+            if (reason := _not_covered_reason(record, gid)) is not None
+        )
+        result[gid] = f"not covered on either side ({said})"
+    return result
 
 
 def _covered_on_one_side(lacking: str, record: Record, gid: int, absence: str | None) -> str:
@@ -128,13 +159,18 @@ def _compare_request(
     producer_absence: str | None,
     tokens: tuple[int, int],
     windows: Mapping[int, Window],
+    unchecked: Mapping[int, str],
 ) -> dict[int, GroupComparison]:
     """Each group of one request present on both sides; ``missing`` says which side's
-    workers are missing, if any; ``tokens`` the request's token count on each side."""
+    workers are missing, if any; ``tokens`` the request's token count on each side;
+    ``unchecked`` the groups neither side checksums although they should be."""
     produced = producer.requests[request_id]
     consumed = consumer.requests[request_id]
     result: dict[int, GroupComparison] = {}
-    for gid in sorted({*produced.groups, *consumed.groups}):
+    for gid in sorted({*produced.groups, *consumed.groups, *unchecked}):
+        if gid in unchecked and gid not in produced.groups and gid not in consumed.groups:
+            result[gid] = GroupComparison(unverified=unchecked[gid])
+            continue
         left, right = produced.groups.get(gid), consumed.groups.get(gid)
         if missing is None and left is not None and right is not None:
             result[gid] = compare_sides(
@@ -190,6 +226,7 @@ def compare(
     ]
     missing = "; ".join(reasons) if reasons else None
     counts = _token_counts(producer, consumer, token_counts)
+    unchecked = _unchecked_groups(producer, consumer)
     requests = {
         rid: _compare_request(
             producer,
@@ -200,6 +237,7 @@ def compare(
             producer_absence=producer_absence,
             tokens=(counts[rid][0] or 0, counts[rid][1] or 0),
             windows=windows or {},
+            unchecked=unchecked,
         )
         for rid in both
     }

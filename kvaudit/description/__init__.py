@@ -16,8 +16,11 @@ from ..lazy import lazy_exports
 from .model import (
     ATTENTION_TYPES,
     FORMAT_VERSION,
+    HOST_RESIDENT,
     LAYOUT_AXES,
+    LEFT_OUT_BY_DESCRIPTION,
     MLA_TYPES,
+    NOT_TRANSFERRED,
     SLIDING_TYPES,
     SPEC_CLASSES,
     SPEC_TYPES,
@@ -39,8 +42,11 @@ __getattr__ = lazy_exports(__name__, {"load_description": ".loader"})
 __all__ = [
     "ATTENTION_TYPES",
     "FORMAT_VERSION",
+    "HOST_RESIDENT",
     "LAYOUT_AXES",
+    "LEFT_OUT_BY_DESCRIPTION",
     "MLA_TYPES",
+    "NOT_TRANSFERRED",
     "SLIDING_TYPES",
     "SPEC_CLASSES",
     "SPEC_TYPES",

@@ -113,6 +113,13 @@ class LayerEntry:
     shares: str | None = None
 
 
+NOT_TRANSFERRED = "it is not a transfer group"
+HOST_RESIDENT = "its KV is host-resident"
+LEFT_OUT_BY_DESCRIPTION = frozenset({NOT_TRANSFERRED, HOST_RESIDENT})
+"""The reasons a group is not covered because its description says so (``transfer:
+false``, ``host_resident: true``); any other reason means KV that moves goes unchecked."""
+
+
 @dataclass(frozen=True)
 class GroupDescription:
     """A KV cache group: layers that share one block table and block size."""

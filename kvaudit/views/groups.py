@@ -9,7 +9,13 @@ from collections import defaultdict
 from collections.abc import Mapping
 
 from ..arrays import data_ptr, strides
-from ..description import CacheDescription, GroupDescription, LayerSpec
+from ..description import (
+    HOST_RESIDENT,
+    NOT_TRANSFERRED,
+    CacheDescription,
+    GroupDescription,
+    LayerSpec,
+)
 from ..errors import UnsupportedGroupError
 from ..fingerprint import group_fingerprint
 from ..scheme import MAX_KV_HEADS_PER_LAYER, layer_module
@@ -63,9 +69,9 @@ def _group_views(
 
     """
     if not group.transfer:
-        raise UnsupportedGroupError("it is not a transfer group")
+        raise UnsupportedGroupError(NOT_TRANSFERRED)
     if group.host_resident:
-        raise UnsupportedGroupError("its KV is host-resident")
+        raise UnsupportedGroupError(HOST_RESIDENT)
     layers = [entry for entry in group.layers if entry.name not in description.draft_layers]
     by_name = {entry.name: entry for group_ in description.groups for entry in group_.layers}
 

@@ -1,0 +1,108 @@
+"""Statements of the specs checked where no other test module asserts them.
+
+- cli.md, "What a diff must never pass": a transfer group that neither side can checksum
+  (here: cells of 12 bytes, not whole 8-byte pieces) is unverified in every request, so
+  ``diff`` and ``verify`` exit 1 instead of passing the KV it moved unchecked; a group
+  its description leaves out (``transfer: false``, ``host_resident: true``) is expected by
+  neither side.
+
+Expectations are written by hand from the specs: which group cannot be checksummed and
+why follows from its cell size.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import kvbuild as kb
+import pytest
+from click.testing import CliRunner, Result
+
+from kvaudit.checksummer import RequestBlocks
+from kvaudit.cli import main
+from kvaudit.description import parse_description
+from kvaudit.dumps import write_dump
+from kvaudit.records import WorkerInfo
+
+GOOD = tuple(f"model.layers.{i}.self_attn.attn" for i in range(2))
+ODD = "model.layers.2.self_attn.attn"
+TOKENS = {"r1": 30, "r2": 9}
+
+
+def run(*args: object) -> Result:
+    return CliRunner().invoke(main, [str(arg) for arg in args])
+
+
+def two_group_model(**odd_group: bool) -> kb.Model:
+    """Group 0 checksummable; group 1 one layer of 3-element bf16 heads (12-byte cells)."""
+    good = kb.GroupModel(0, tuple(kb.Attn(name, 4, 8) for name in GOOD))
+    odd = kb.GroupModel(1, (kb.Attn(ODD, 4, head_size=3),), **odd_group)
+    return kb.Model((good, odd), model_kv_heads=4)
+
+
+def write(workers: list[kb.Worker], folder: Path, role: str) -> Path:
+    """Each worker's dump in ``folder`` with its own description, every request's blocks."""
+    folder.mkdir(parents=True)
+    for w in workers:
+        path = folder / f"pp{w.pp_rank}-tp{w.tp_rank}.safetensors"
+        blocks = {rid: RequestBlocks(n, dict(groups)) for rid, (n, groups) in w.requests.items()}
+        info = WorkerInfo(w.tp_rank, w.tp_size, w.pp_rank, w.pp_size, role, "test")
+        write_dump(
+            path, parse_description(w.description, str(path)), w.tensors, blocks, worker=info
+        )
+    return folder
+
+
+def engines(model: kb.Model, folder: Path) -> tuple[Path, Path]:
+    requests = {rid: kb.make_request(model, n, seed=i) for i, (rid, n) in enumerate(TOKENS.items())}
+    producer = kb.build_engine(model, requests, kb.Engine(tp_size=2, seed=1))
+    consumer = kb.build_engine(model, requests, kb.Engine(tp_size=4, seed=2))
+    return write(producer, folder / "producer", "producer"), write(
+        consumer, folder / "consumer", "consumer"
+    )
+
+
+def test_a_group_neither_side_can_checksum_is_unverified(tmp_path: Path) -> None:
+    producer, consumer = engines(two_group_model(), tmp_path)
+    checksum = run("checksum", producer, "--format", "json", "-o", tmp_path / "p.json")
+    assert checksum.exit_code == 0, checksum.output
+    record = json.loads((tmp_path / "p.json").read_text())
+    assert all("8-byte" in w["not_covered"]["1"] for w in record["workers"])
+
+    for args in (
+        ("diff", producer, consumer),
+        ("diff", tmp_path / "p.json", consumer),
+        ("diff", producer, consumer, "--allow-missing", "--allow-empty"),
+        ("verify", consumer, "--against", tmp_path / "p.json"),
+    ):
+        result = run(*args, "--format", "json")
+        assert result.exit_code == 1, result.output
+        report = json.loads(result.stdout)
+        assert report["ok"] is False
+        for rid in TOKENS:
+            groups = report["requests"][rid]["groups"]
+            # Group 0 is compared and matches; group 1 says why it was not.
+            assert groups["0"]["unverified"] is None and groups["0"]["compared"] > 0
+            assert groups["0"]["mismatched_positions"] == []
+            reason = groups["1"]["unverified"]
+            assert "not covered on either side" in reason and "8-byte" in reason
+            assert groups["1"]["compared"] == 0
+
+    table = run("diff", producer, consumer)
+    assert table.exit_code == 1
+    assert "UNVERIFIED" in table.stdout and "not covered on either side" in table.stdout
+    junit = run("diff", producer, consumer, "--format", "junit")
+    assert junit.exit_code == 1 and 'errors="2"' in junit.stdout
+
+
+@pytest.mark.parametrize("left_out", ["transfer", "host_resident"])
+def test_a_group_the_description_leaves_out_is_not_expected(tmp_path: Path, left_out: str) -> None:
+    odd = {"transfer": False} if left_out == "transfer" else {"host_resident": True}
+    producer, consumer = engines(two_group_model(**odd), tmp_path)
+    result = run("diff", producer, consumer, "--format", "json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["ok"] is True
+    for rid in TOKENS:
+        assert list(report["requests"][rid]["groups"]) == ["0"]
