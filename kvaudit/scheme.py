@@ -45,7 +45,8 @@ def layer_module(layer_name: str) -> tuple[int, str]:
 
     """
     parts = layer_name.split(".")
-    numbered = [i for i, part in enumerate(parts) if part.isdigit()]
+    # ASCII digits only: str.isdigit() also accepts "²", which int() refuses.
+    numbered = [i for i, part in enumerate(parts) if part.isascii() and part.isdigit()]
     if len(numbered) != 1:
         raise UnsupportedGroupError(f"layer {layer_name} has no single layer number")
     index = numbered[0]

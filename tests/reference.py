@@ -19,7 +19,7 @@ MAX_HEADS = 65536
 
 def layer_number(name: str) -> int:
     """The one all-digit dot-separated component of a layer name, as an integer."""
-    numbers = [int(part) for part in name.split(".") if part.isdigit()]
+    numbers = [int(part) for part in name.split(".") if part.isascii() and part.isdigit()]
     if len(numbers) != 1:
         raise ValueError(f"layer {name} has no single layer number")
     return numbers[0]
@@ -28,7 +28,7 @@ def layer_number(name: str) -> int:
 def layer_module(name: str) -> str:
     """The layer's name up to and including its layer number."""
     parts = name.split(".")
-    index = next(i for i, part in enumerate(parts) if part.isdigit())
+    index = next(i for i, part in enumerate(parts) if part.isascii() and part.isdigit())
     return ".".join(parts[: index + 1])
 
 

@@ -5,6 +5,9 @@
   ``diff`` and ``verify`` exit 1 instead of passing the KV it moved unchecked; a group
   its description leaves out (``transfer: false``, ``host_resident: true``) is expected by
   neither side.
+- checksum.md, "Layer number", and the group ids of dumps and records: only ASCII decimal
+  digits make a number; a name or key with other Unicode digits is no layer number or bad
+  input (exit 2), not an internal error.
 
 Expectations are written by hand from the specs: which group cannot be checksummed and
 why follows from its cell size.
@@ -13,6 +16,8 @@ why follows from its cell size.
 from __future__ import annotations
 
 import json
+import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import kvbuild as kb
@@ -23,7 +28,9 @@ from kvaudit.checksummer import RequestBlocks
 from kvaudit.cli import main
 from kvaudit.description import parse_description
 from kvaudit.dumps import write_dump
+from kvaudit.errors import UnsupportedGroupError
 from kvaudit.records import WorkerInfo
+from kvaudit.scheme import layer_module
 
 GOOD = tuple(f"model.layers.{i}.self_attn.attn" for i in range(2))
 ODD = "model.layers.2.self_attn.attn"
@@ -106,3 +113,46 @@ def test_a_group_the_description_leaves_out_is_not_expected(tmp_path: Path, left
     assert report["ok"] is True
     for rid in TOKENS:
         assert list(report["requests"][rid]["groups"]) == ["0"]
+
+
+# A layer number and a group id are ASCII decimal integers: other Unicode digits ("²",
+# which str.isdigit() accepts and int() refuses) are bad input or no layer number, never
+# an internal error (exit 3).
+
+
+def test_a_superscript_digit_is_no_layer_number() -> None:
+    with pytest.raises(UnsupportedGroupError, match="no single layer number"):
+        layer_module("model.layers.\u00b2.self_attn.attn")
+    assert layer_module("model.layers.12.self_attn.attn") == (12, "model.layers.12")
+
+
+def _rewrite_header(path: Path, edit: Callable[[dict], None]) -> None:
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    edit(header)
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + length :])
+
+
+def _superscript_group(header: dict) -> None:
+    requests = json.loads(header["__metadata__"]["kvaudit.requests"])
+    requests["r1"]["groups"]["\u00b2"] = requests["r1"]["groups"].pop("0")
+    header["__metadata__"]["kvaudit.requests"] = json.dumps(requests)
+
+
+def test_a_superscript_group_id_is_bad_input(tmp_path: Path) -> None:
+    producer, _ = engines(two_group_model(), tmp_path)
+    record = tmp_path / "p.json"
+    assert run("checksum", producer, "--format", "json", "-o", record).exit_code == 0
+    data = json.loads(record.read_text())
+    data["requests"]["r1"]["groups"]["\u00b2"] = data["requests"]["r1"]["groups"].pop("0")
+    record.write_text(json.dumps(data))
+    dump = sorted(producer.iterdir())[0]
+    _rewrite_header(dump, _superscript_group)
+    for source in (record, dump):
+        result = run("checksum", source)
+        assert result.exit_code == 2, result.output
+        message = result.output.strip()
+        assert "\n" not in message and "internal error" not in message
+        assert message.startswith(f"kvaudit: error: {source}")

@@ -152,7 +152,7 @@ def check_group_blocks(
 
 
 def _group_key(source: str, where: str, key: object, group_ids: set[int]) -> int:
-    if not isinstance(key, str) or not key.isdigit() or str(int(key)) != key:
+    if not isinstance(key, str) or not (key.isascii() and key.isdigit()) or str(int(key)) != key:
         fail(source, f"{where}: group key {short(key)} is not a decimal group id")
     group_id = int(key)
     if group_id not in group_ids:

@@ -88,7 +88,11 @@ class RecordReader(Checker):
 
     def group_id(self, key: object, path: str) -> int:
         """An object key that is a group id in canonical decimal (``"0"``, not ``"00"``)."""
-        if not isinstance(key, str) or not key.isdigit() or str(int(key)) != key:
+        if (
+            not isinstance(key, str)
+            or not (key.isascii() and key.isdigit())
+            or str(int(key)) != key
+        ):
             self.fail(item_path(path, str(key)), "expected a group id (a decimal integer)")
         return int(key)
 

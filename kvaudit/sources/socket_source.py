@@ -287,7 +287,11 @@ def _listing(
         groups = {}
         for key, entry in _mapping(check, data.get("groups"), f"{where}.groups").items():
             gid = check_int(
-                int(key) if key.isdigit() else key, source, f"{where}.groups", 0, 1 << 20
+                int(key) if key.isascii() and key.isdigit() else key,
+                source,
+                f"{where}.groups",
+                0,
+                1 << 20,
             )
             if gid not in block_sizes:
                 check.fail(f"{where}.groups", f"group {gid} is not in the description")
