@@ -4,7 +4,7 @@
   (here: cells of 12 bytes, not whole 8-byte pieces) is unverified in every request, so
   ``diff`` and ``verify`` exit 1 instead of passing the KV it moved unchecked; a group
   its description leaves out (``transfer: false``, ``host_resident: true``) is expected by
-  neither side.
+  neither side. ``verify --stored`` says the same of a group a worker cannot checksum.
 - checksum.md, "Layer number", and the group ids of dumps and records: only ASCII decimal
   digits make a number; a name or key with other Unicode digits is no layer number or bad
   input (exit 2), not an internal error.
@@ -96,6 +96,11 @@ def test_a_group_neither_side_can_checksum_is_unverified(tmp_path: Path) -> None
             assert "not covered on either side" in reason and "8-byte" in reason
             assert groups["1"]["compared"] == 0
 
+    # verify --stored: the group is unverified on the worker that cannot checksum it.
+    stored = json.loads(run("verify", producer, "--stored", "--format", "json").stdout)
+    for rid in TOKENS:
+        assert "8-byte" in stored["requests"][rid]["groups"]["1"]["unverified"]
+
     table = run("diff", producer, consumer)
     assert table.exit_code == 1
     assert "UNVERIFIED" in table.stdout and "not covered on either side" in table.stdout
@@ -111,8 +116,10 @@ def test_a_group_the_description_leaves_out_is_not_expected(tmp_path: Path, left
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["ok"] is True
+    stored = json.loads(run("verify", producer, "--stored", "--format", "json").stdout)
     for rid in TOKENS:
         assert list(report["requests"][rid]["groups"]) == ["0"]
+        assert list(stored["requests"][rid]["groups"]) == ["0"]
 
 
 # A layer number and a group id are ASCII decimal integers: other Unicode digits ("²",

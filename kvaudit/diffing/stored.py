@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..compare import DiffReport, StoredCheck, stored_report, verify_stored_blocks
+from ..description import LEFT_OUT_BY_DESCRIPTION
 from ..dumps import Dump, DumpSet
 from ..records import Record
 from ..sources import Progress, Runtime, checksum_dump_set, resolve_device
@@ -25,8 +26,9 @@ def verify_stored(
     checksums of offloaded blocks"): per worker, every listed block with a block hash.
 
     A dump without stored checksums leaves its requests' groups unverified; a group no
-    block of which has a hash is unverified too. Groups a worker cannot checksum are left
-    out, as a diff leaves them out.
+    block of which has a hash is unverified too, and so is a group a worker cannot
+    checksum; a group its description leaves out (``transfer: false``, ``host_resident:
+    true``) is left out.
     """
     runtime = runtime or resolve_device("auto")
     ids = dump_set.request_ids if request_ids is None else request_ids
@@ -56,7 +58,13 @@ def stored_checks(
     for rid in held:
         request = dump.requests[rid]
         for gid in sorted(request.groups):
-            if gid in summary.not_covered:
+            reason = summary.not_covered.get(gid)
+            if reason in LEFT_OUT_BY_DESCRIPTION:
+                continue
+            if reason is not None:
+                block_size = dump.description.group(gid).block_size
+                unverified = f"not covered on this worker ({reason})"
+                checks.append(StoredCheck(rid, gid, block_size, unverified=unverified))
                 continue
             checks.append(_stored_check(dump, record, summary.fingerprints[gid], rid, gid))
     return checks
