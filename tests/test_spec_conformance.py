@@ -8,6 +8,7 @@
 - checksum.md, "Layer number", and the group ids of dumps and records: only ASCII decimal
   digits make a number; a name or key with other Unicode digits is no layer number or bad
   input (exit 2), not an internal error.
+- cli.md, ``corrupt SOURCE``: a record given as SOURCE is named as a record (exit 2).
 
 Expectations are written by hand from the specs: which group cannot be checksummed and
 why follows from its cell size.
@@ -163,3 +164,19 @@ def test_a_superscript_group_id_is_bad_input(tmp_path: Path) -> None:
         message = result.output.strip()
         assert "\n" not in message and "internal error" not in message
         assert message.startswith(f"kvaudit: error: {source}")
+
+
+def test_a_record_given_to_corrupt_is_named_as_a_record(tmp_path: Path) -> None:
+    # cli.md: corrupt takes a dump file; a record holds no KV to corrupt.
+    producer, _ = engines(two_group_model(), tmp_path)
+    record = tmp_path / "p.json"
+    assert run("checksum", producer, "--format", "json", "-o", record).exit_code == 0
+    out = tmp_path / "out.safetensors"
+    args = ("--request", "r1", "--group", "0", "--position", "0")
+    result = run("corrupt", record, "-o", out, *args)
+    assert result.exit_code == 2
+    assert result.output.strip() == (
+        f"kvaudit: error: {record}: looks like a record (checksums only, from checksum "
+        "--format json), not a dump"
+    )
+    assert not out.exists()

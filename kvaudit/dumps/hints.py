@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -15,6 +16,11 @@ DESCRIPTION_HINT = (
     "looks like a cache description: pass it with -c (--config), not as a dump or record"
 )
 """The message for a cache description (YAML or JSON) given as a dump or a record."""
+
+RECORD_HINT = "looks like a record (checksums only, from checksum --format json), not a dump"
+"""The message for a record given where only a dump will do (``corrupt``)."""
+
+_RECORD_START = re.compile(rb'\s*\{\s*"format"\s*:\s*"kvaudit\.record/')
 
 _SNIFF_BYTES = 1 << 20  # a description is a few kilobytes; a larger file is not sniffed
 
@@ -54,6 +60,16 @@ def looks_like_description(path: str) -> bool:
         except (ValueError, RecursionError, yaml.YAMLError):
             continue
     return False
+
+
+def looks_like_record(path: str) -> bool:
+    """Whether a file starts as a kvaudit record does (its ``format`` key first)."""
+    try:
+        with open(path, "rb") as handle:
+            start = handle.read(256)
+    except OSError:
+        return False
+    return _RECORD_START.match(start) is not None
 
 
 def other_engine_hint(role: Role, num_blocks: int) -> str:

@@ -42,7 +42,13 @@ from .dump import (
     TorchViews,
 )
 from .example_connector import open_example_connector
-from .hints import DESCRIPTION_HINT, looks_like_description, other_engine_hint
+from .hints import (
+    DESCRIPTION_HINT,
+    RECORD_HINT,
+    looks_like_description,
+    looks_like_record,
+    other_engine_hint,
+)
 from .layers import check_layer, kernel_blocks_per_block, owner_layers, tensor_names
 from .safetensors_io import PAD_PREFIX, Entry, Header, array_view, map_file, read_header
 
@@ -350,6 +356,8 @@ def open_dump(path: str | os.PathLike[str], config: CacheDescription | None = No
     except KvauditError:
         if looks_like_description(source):
             fail(source, DESCRIPTION_HINT)
+        if looks_like_record(source):
+            fail(source, RECORD_HINT)
         raise
     metadata = header.metadata
     version = metadata.get(META_FORMAT)
