@@ -8,6 +8,8 @@
 - checksum.md, "Layer number", and the group ids of dumps and records: only ASCII decimal
   digits make a number; a name or key with other Unicode digits is no layer number or bad
   input (exit 2), not an internal error.
+- dump-format.md: a dump written with safetensors alone, rows in the order of
+  ``kvaudit.blocks`` (not ascending), K/V planes, kernel blocks, junk past ``num_tokens``.
 - cli.md, ``corrupt SOURCE``: a record given as SOURCE is named as a record (exit 2).
 
 Expectations are written by hand from the specs: which group cannot be checksummed and
@@ -22,8 +24,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import kvbuild as kb
+import numpy as np
 import pytest
+import reference as ref
 from click.testing import CliRunner, Result
+from safetensors.numpy import save_file
 
 from kvaudit.checksummer import RequestBlocks
 from kvaudit.cli import main
@@ -180,3 +185,71 @@ def test_a_record_given_to_corrupt_is_named_as_a_record(tmp_path: Path) -> None:
         "--format json), not a dump"
     )
     assert not out.exists()
+
+
+# dump-format.md, a dump written without kvaudit: the N axis holds the dumped blocks'
+# kernel blocks in the order of kvaudit.blocks (any order), K and V planes apart (KNHTD),
+# kernel blocks of half a block (cache-description.md, "Kernel blocks"); slots past
+# num_tokens hold junk. Checked against tests/reference.py on the global KV.
+
+
+def test_a_dump_written_with_safetensors_alone(tmp_path: Path) -> None:
+    rng = np.random.default_rng(7)
+    names = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+    tokens, block, kernel, heads, dim = 10, 4, 2, 2, 4
+    table = [5, 2, 7]  # engine block ids of positions 0, 1, 2
+    rows = [7, 5, 2]  # kvaudit.blocks: the dumped rows, not in ascending order
+    # Global KV: per token and head a cell of K row then V row (4 fp16 each: 16 bytes).
+    cells = {name: rng.integers(0, 256, (tokens, heads, 16), dtype=np.uint8) for name in names}
+    tensors = {}
+    for name in names:
+        # [K/V plane, N kernel blocks, H, T, D] of fp16 bits, junk everywhere first.
+        plane = rng.integers(0, 2**16, (2, len(rows) * 2, heads, kernel, dim), dtype=np.uint16)
+        for position, block_id in enumerate(table):
+            row = rows.index(block_id)
+            for t in range(position * block, min((position + 1) * block, tokens)):
+                k, slot = divmod(t - position * block, kernel)
+                for h in range(heads):
+                    for kv in (0, 1):
+                        row_bytes = cells[name][t, h, kv * 8 : kv * 8 + 8]
+                        plane[kv, row * 2 + k, h, slot] = row_bytes.view("<u2")
+        tensors[name] = plane.view(np.float16)
+    spec = {
+        "type": "full_attention",
+        "block_size": block,
+        "kernel_block_size": kernel,
+        "num_kv_heads": heads,
+        "head_size": dim,
+        "dtype": "float16",
+        "layout": "KNHTD",
+    }
+    metadata = {
+        "kvaudit.format": "1",
+        "kvaudit.worker": json.dumps(
+            {
+                "tp_rank": 0,
+                "tp_size": 1,
+                "pp_rank": 0,
+                "pp_size": 1,
+                "role": "producer",
+                "engine": "hand-written",
+            }
+        ),
+        "kvaudit.cache": json.dumps(
+            {"kvaudit": 1, "num_blocks": 8, "groups": [{"spec": spec, "layers": list(names)}]}
+        ),
+        "kvaudit.requests": json.dumps({"q": {"num_tokens": tokens, "groups": {"0": [0, table]}}}),
+        "kvaudit.blocks": json.dumps(rows),
+    }
+    path = tmp_path / "rank0.safetensors"
+    save_file(tensors, str(path), metadata=metadata)
+
+    result = run("checksum", path, "--format", "json")
+    assert result.exit_code == 0, result.output
+    group = json.loads(result.stdout)["requests"]["q"]["groups"]["0"]
+    model = ref.Group(block, tuple(ref.Layer(name, cells[name]) for name in names))
+    expected = ref.total(ref.block_checksums(model, tokens))
+    assert group["start"] == 0 and group["replica_keys"] == [[1, 0]]
+    assert group["totals"] == [f"{int(value):016x}" for value in expected]
+    identities = [(name, "FullAttentionSpec", "torch.float16") for name in names]
+    assert group["fingerprint"] == f"{ref.fingerprint(identities):016x}"
