@@ -10,6 +10,7 @@
   input (exit 2), not an internal error.
 - dump-format.md: a dump written with safetensors alone, rows in the order of
   ``kvaudit.blocks`` (not ascending), K/V planes, kernel blocks, junk past ``num_tokens``.
+- cli.md: a closed stdout pipe keeps the exit status of checksum, inspect and corrupt.
 - cli.md, ``corrupt SOURCE``: a record given as SOURCE is named as a record (exit 2).
 
 Expectations are written by hand from the specs: which group cannot be checksummed and
@@ -19,7 +20,10 @@ why follows from its cell size.
 from __future__ import annotations
 
 import json
+import os
 import struct
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,6 +45,7 @@ from kvaudit.scheme import layer_module
 GOOD = tuple(f"model.layers.{i}.self_attn.attn" for i in range(2))
 ODD = "model.layers.2.self_attn.attn"
 TOKENS = {"r1": 30, "r2": 9}
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(*args: object) -> Result:
@@ -253,3 +258,31 @@ def test_a_dump_written_with_safetensors_alone(tmp_path: Path) -> None:
     assert group["totals"] == [f"{int(value):016x}" for value in expected]
     identities = [(name, "FullAttentionSpec", "torch.float16") for name in names]
     assert group["fingerprint"] == f"{ref.fingerprint(identities):016x}"
+
+
+# cli.md: a closed pipe on stdout does not change the exit status (said of diff; the same
+# holds for every command): checksum and inspect keep 0 for a complete set and 1 for an
+# incomplete one, corrupt its 0, whatever the reader of stdout does.
+
+
+def test_a_closed_pipe_keeps_every_commands_status(tmp_path: Path) -> None:
+    producer, _ = engines(two_group_model(), tmp_path)
+    one_worker = sorted(producer.iterdir())[0]
+    out = tmp_path / "corrupted.safetensors"
+    plant = f"corrupt {one_worker} -o {out} --request r1 --group 0 --position 0"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cases = [
+        (f"checksum {producer} --format json", 0),
+        (f"checksum {one_worker}", 1),
+        (f"inspect {producer}", 0),
+        (f"inspect {one_worker} --format json", 1),
+        (plant, 0),
+    ]
+    for args, status in cases:
+        # The reader exits at once: every write to stdout meets a closed pipe.
+        command = f"{sys.executable} -m kvaudit {args} -q | true; exit ${{PIPESTATUS[0]}}"
+        done = subprocess.run(
+            ["bash", "-c", command], capture_output=True, text=True, env=env, check=False
+        )
+        assert done.returncode == status, (args, done.stderr)
+        assert "Traceback" not in done.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import TYPE_CHECKING, get_args
 
@@ -12,6 +13,7 @@ from ..errors import KvauditError
 from .arguments import check_outputs, load_config
 from .group import EXIT_OK, main
 from .options import CORRUPT_EXIT_HELP, PlantedFormat, common_options, format_option
+from .output import emit, emit_table
 
 if TYPE_CHECKING:
     from ..corrupt import CorruptMode
@@ -69,7 +71,7 @@ def corrupt(
     changed (for testing connectors and checkers)."""
     from ..corrupt import corrupt_dump
     from ..formats import json_text, planted_to_json
-    from ..report import make_console, print_corrupted
+    from ..report import print_corrupted
     from ..sources import resolve_device
 
     resolve_device(device or "auto")
@@ -90,7 +92,7 @@ def corrupt(
         config=load_config(config_path),
     )
     if output_format == "json":
-        click.echo(json_text(planted_to_json(fault)))
+        emit(json_text(planted_to_json(fault)) + "\n", None)
     else:
-        print_corrupted(make_console(), fault)
+        emit_table(functools.partial(print_corrupted, fault=fault), None)
     return EXIT_OK

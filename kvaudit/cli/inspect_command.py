@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import get_args
 
 import click
@@ -9,7 +10,7 @@ import click
 from .arguments import load_config, open_sources
 from .group import EXIT_INCOMPLETE, EXIT_OK, main
 from .options import EXIT_HELP, InventoryFormat, common_options, format_option
-from .output import stamp
+from .output import emit, emit_table, stamp
 
 
 @main.command(epilog=EXIT_HELP)
@@ -25,13 +26,13 @@ def inspect(
 ) -> int:
     """Show what a dump set holds: workers, groups, coverage, fingerprints, requests."""
     from ..formats import inventory_to_json, json_text
-    from ..report import make_console, print_inventory
+    from ..report import print_inventory
     from ..sources import resolve_device
 
     resolve_device(device or "auto")  # rejects --device cuda without CUDA, as everywhere
     inventory = open_sources(sources, load_config(config_path), device).inventory()
     if output_format == "json":
-        click.echo(json_text(stamp(inventory_to_json(inventory))))
+        emit(json_text(stamp(inventory_to_json(inventory))) + "\n", None)
     else:
-        print_inventory(make_console(), inventory)
+        emit_table(functools.partial(print_inventory, inventory=inventory), None)
     return EXIT_OK if inventory.complete else EXIT_INCOMPLETE

@@ -79,6 +79,17 @@ def emit_report(
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+def _to_stdout(write: Callable[[], None]) -> None:
+    """Run ``write``, which prints on stdout: a reader that went away (``| head``) loses
+    the rest of the output, not the command's exit status."""
+    try:
+        write()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Point stdout at /dev/null so that flushing it at exit raises nothing more.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def _raise_broken_pipe() -> None:
     """A console's reaction to a closed pipe: raise, so that the caller decides."""
     raise BrokenPipeError
@@ -100,7 +111,10 @@ def emit_table(render: Callable[[Console], None], output: str | None) -> None:
     from ..report import make_console, render_text
 
     if output is None:
-        render(make_console())
+        console = make_console()
+        # rich exits with status 1 on a closed pipe; the command decides the status.
+        console.on_broken_pipe = _raise_broken_pipe  # type: ignore[method-assign]
+        _to_stdout(lambda: render(console))
     else:
         emit(render_text(render), output)
 
@@ -113,7 +127,7 @@ def emit(text: str, output: str | None) -> None:
     from ..files import atomic_path
 
     if output is None:
-        click.echo(text, nl=False)
+        _to_stdout(lambda: click.echo(text, nl=False))
         return
     with (
         atomic_path(output) as temporary,
