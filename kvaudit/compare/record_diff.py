@@ -9,9 +9,8 @@ Per request present on both sides and per group either side holds:
   it; otherwise it is compared by the rules of ``kvaudit.compare.sides``. A group that
   neither side checksums is unverified in every request when a worker leaves it out for a
   reason other than its description's (``transfer: false``, ``host_resident: true``):
-  KV that moves went unchecked. A group the
-  consumer's workers checksum but hold no block of for a request has every expected
-  position missing.
+  KV that moves went unchecked. A group the consumer's workers checksum but hold no
+  block of for a request has every expected position missing.
 - A request only the producer has is a failure (the consumer never got it); a request
   only the consumer has is informational (it may have been computed locally).
 """
