@@ -1,12 +1,18 @@
 """CPU path throughput against baselines on the same bytes, in one run.
 
-    python bench/cpu.py [--layers 8] [--blocks 1024] [--repeats 3]
+    python bench/cpu.py [--layers 8] [--blocks 1024] [--repeats 3] [--dump-mib 512]
 
 Prints GB/s of: hashlib.sha256 (the issue's baseline), numpy's sum (about memory
 bandwidth), and kvaudit's two CPU backends (numpy, the default, and torch) on a
 Llama-shaped cache (8 KV heads, head size 128, bf16, 16-token blocks) in two layouts, its
 blocks in random order (gathered) and in order (read in place), with the ratios of
-kvaudit to each baseline. Whole processes against file tools: ``bench/cli.py``.
+kvaudit to each baseline.
+
+With ``--dump-mib N`` it instead writes an N MiB dump of such a cache (bench/llama_set.py)
+to a temporary folder and times ``checksum_dump_set`` on it in this process (the compute,
+without the start-up of a ``kvaudit`` process) against ``b3sum`` and ``sha256sum`` on the
+same file, all from the page cache, alternating, medians of ``--repeats``. Whole processes
+against file tools: ``bench/cli.py``.
 """
 
 from __future__ import annotations
@@ -52,12 +58,65 @@ def llama_description(layers: int, blocks: int, layout: str) -> dict:
     }
 
 
+def dump_figures(size_mib: int, repeats: int) -> None:
+    """The in-process checksum of an ``size_mib`` MiB dump against file hashes."""
+    import os
+    import shutil
+    import statistics
+    import subprocess
+    import tempfile
+
+    from llama_set import write_llama_set
+
+    from kvaudit.dumps import open_dump_set
+    from kvaudit.sources import checksum_dump_set
+
+    folder = tempfile.mkdtemp(prefix="kvaudit-cpu-")
+    try:
+        nbytes = write_llama_set(folder, size_mib / 1024, 1)
+        path = os.path.join(folder, "rank0.safetensors")
+        tools = [tool for tool in ("b3sum", "sha256sum") if shutil.which(tool)]
+        runs: dict[str, Callable[[], object]] = {
+            "kvaudit checksum_dump_set": lambda: checksum_dump_set(open_dump_set([folder])),
+            **{
+                tool: lambda tool=tool: subprocess.run([tool, path], stdout=subprocess.DEVNULL)
+                for tool in tools
+            },
+        }
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for run in runs.values():
+            run()  # into the page cache
+        for repeat in range(repeats):
+            for name in list(runs)[:: 1 if repeat % 2 == 0 else -1]:
+                start = time.perf_counter()
+                runs[name]()
+                times[name].append(time.perf_counter() - start)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    median = {name: statistics.median(values) for name, values in times.items()}
+    print(
+        f"{nbytes / 2**20:.0f} MiB dump from the page cache, median of {repeats}, "
+        f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs"
+    )
+    for name, seconds in median.items():
+        print(f"  {name:28s} {seconds:7.3f} s {nbytes / seconds / 1e9:6.2f} GB/s")
+    ours = median["kvaudit checksum_dump_set"]
+    for tool in tools:
+        print(f"  ratio to {tool}: {ours / median[tool]:.2f}x its time")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--blocks", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--dump-mib", type=int, default=0, help="time a dump of this size instead (see above)"
+    )
     args = parser.parse_args()
+    if args.dump_mib:
+        dump_figures(args.dump_mib, args.repeats)
+        return
 
     generator = torch.Generator().manual_seed(0)
     shapes = {"NTHC": (args.blocks, 16, 8, 256), "KNTHD": (2, args.blocks, 16, 8, 128)}

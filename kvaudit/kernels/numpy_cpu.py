@@ -29,8 +29,9 @@ from . import LaunchPart
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
 
-CHUNK_BYTES = 2 << 20
-"""Bytes of rows one task reads: small enough that its running sums stay in cache."""
+CHUNK_BYTES = 4 << 20
+"""Bytes of rows one task reads: small enough that its running sums stay in cache, large
+enough that each numpy call covers many rows."""
 
 THREADS = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
 """Threads that reduce chunks at once."""
@@ -93,7 +94,9 @@ class NumpyPart:
         total = x[:, 0, :, 0, :].astype(np.int64)  # Y so far: [rows, heads, pieces]
         counted = total.copy()  # each token u counted (tokens so far) - u times
         # Rows cut short (a request's last block) keep their sums as of their count.
-        short = {int(c): np.flatnonzero(counts == c) for c in np.unique(counts[counts < top])}
+        short: dict[int, np.ndarray] = {}
+        if int(counts.min()) < top:
+            short = {int(c): np.flatnonzero(counts == c) for c in np.unique(counts[counts < top])}
         kept_total = np.empty_like(total) if short else total
         kept_counted = np.empty_like(counted) if short else counted
         for u in range(1, top):
