@@ -34,8 +34,13 @@ ELSEWHERE = (
     "kvaudit.sources.live_source",
     "kvaudit.sources.socket_source",
     "kvaudit.sources.vllm_output_source",
+    "kvaudit.dumps.example_connector",
+    "numpy.ma",
+    "concurrent.futures",
+    "logging",
 )
-"""What a checksum of dumps written as JSON does not need."""
+"""What a checksum of dumps written as JSON does not need (dump files, not ExampleConnector
+folders; numpy.ma and concurrent.futures, which brings logging, cost start-up time)."""
 
 PROBE = """
 import json, sys

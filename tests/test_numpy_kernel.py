@@ -121,3 +121,29 @@ def test_cases_read_rows_in_place_and_gathered(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(numpy_cpu.NumpyPart, "row_sums", spy_sums)
     numpy_launch(in_order(CASES["nthc_two_layers"]("cpu", True), seed=1), chunk_rows=3)
     assert all(seen.values()), seen
+
+
+def test_pool_returns_in_order_and_raises_the_first_error() -> None:
+    """The chunks' pool: results in the items' order whatever thread ends first, the
+    first item's error (in order) raised in the caller, and the pool usable after it."""
+    pool = numpy_cpu._pool()
+    threads = set()
+
+    def slow_first(item: int) -> int:
+        threads.add(threading.current_thread().name)
+        if item == 0:
+            threading.Event().wait(0.05)
+        return item * item
+
+    assert pool.map(slow_first, range(40)) == [item * item for item in range(40)]
+    assert all(name.startswith("kvaudit-numpy") for name in threads)
+
+    def failing(item: int) -> int:
+        if item in (5, 9):
+            raise ValueError(f"item {item}")
+        return item
+
+    with pytest.raises(ValueError, match="item 5"):
+        pool.map(failing, range(12))
+    assert pool.map(failing, range(4)) == [0, 1, 2, 3]
+    assert pool.map(failing, []) == []

@@ -9,12 +9,6 @@ from ..description import CacheDescription
 from ..errors import KvauditError
 from ..validation import fail, worker_layout
 from .dump import DumpSet
-from .example_connector import (
-    example_connector_folders,
-    is_example_connector,
-    open_example_connectors,
-    safetensors_files,
-)
 from .reading import open_dump
 
 
@@ -25,6 +19,13 @@ def expand_dump_paths(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
     for path in paths:
         source = os.fspath(path)
         if os.path.isdir(source):
+            # Imported here: a dump file never needs the ExampleConnector reader.
+            from .example_connector import (
+                example_connector_folders,
+                is_example_connector,
+                safetensors_files,
+            )
+
             if is_example_connector(source):
                 result.append(source)
                 continue
@@ -61,6 +62,8 @@ def open_dump_set(
     folders = [file for file in files if os.path.isdir(file)]
     dumps = [open_dump(file, config) for file in files if not os.path.isdir(file)]
     if folders:
+        from .example_connector import open_example_connectors
+
         dumps.append(open_example_connectors(folders, config))
     missing = worker_layout([dump.worker for dump in dumps])
     dumps.sort(key=lambda dump: (dump.worker.pp_rank, dump.worker.tp_rank))

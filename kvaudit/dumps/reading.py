@@ -41,7 +41,6 @@ from .dump import (
     DumpRequest,
     TorchViews,
 )
-from .example_connector import open_example_connector
 from .hints import (
     DESCRIPTION_HINT,
     RECORD_HINT,
@@ -350,6 +349,9 @@ def open_dump(path: str | os.PathLike[str], config: CacheDescription | None = No
     """
     source = os.fspath(path)
     if os.path.isdir(source):
+        # Imported here: a dump file never needs the ExampleConnector reader.
+        from .example_connector import open_example_connector
+
         return open_example_connector(source, config)
     try:
         header = read_header(source)
