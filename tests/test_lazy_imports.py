@@ -35,12 +35,15 @@ ELSEWHERE = (
     "kvaudit.sources.socket_source",
     "kvaudit.sources.vllm_output_source",
     "kvaudit.dumps.example_connector",
+    "kvaudit.corrupt.result",
+    "kvaudit.sources.dump_staging",
     "numpy.ma",
     "concurrent.futures",
     "logging",
 )
 """What a checksum of dumps written as JSON does not need (dump files, not ExampleConnector
-folders; numpy.ma and concurrent.futures, which brings logging, cost start-up time)."""
+folders; batches read in place, never staged; numpy.ma and concurrent.futures, which brings
+logging, cost start-up time)."""
 
 PROBE = """
 import json, sys

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, get_args
 
 import click
 
-from ..corrupt.result import MODES
+from ..corrupt.mode_names import MODES
 from ..errors import KvauditError
 from .arguments import check_outputs, load_config
 from .group import EXIT_OK, main

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
 
-CorruptMode = Literal["flip", "zero", "swap-tokens", "swap-heads", "stale", "shift"]
-"""How a fault changes a block (``corrupt --mode``)."""
-
-MODES: tuple[CorruptMode, ...] = get_args(CorruptMode)
+from .mode_names import MODES as MODES  # re-exported: where kvaudit.corrupt finds it
+from .mode_names import CorruptMode
 
 
 @dataclass(frozen=True)

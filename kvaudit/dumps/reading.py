@@ -145,6 +145,14 @@ def check_group_blocks(
         fail(source, f"{where}: start position must be a non-negative integer, got {short(start)}")
     if not isinstance(block_ids, (list, tuple)):
         fail(source, f"{where}: expected a list of block ids, got {short(block_ids)}")
+    # Python ints, each held, none twice, checked at C speed (``holds`` is a set's or a
+    # range's ``__contains__`` when read); any doubt falls to the loop, which names the block.
+    if (
+        set(map(type, block_ids)) <= {int}
+        and all(map(holds, block_ids))
+        and len(set(block_ids)) == len(block_ids)
+    ):
+        return
     seen: set[int] = set()
     for block_id in block_ids:
         if not is_int(block_id):
@@ -376,11 +384,8 @@ def open_dump(path: str | os.PathLike[str], config: CacheDescription | None = No
     if block_ids is None and config is not None:
         _check_whole_cache_rows(source, header, config, worker)
     num_rows = len(block_ids) if block_ids is not None else description.num_blocks
-    held = set(block_ids) if block_ids is not None else None
-
-    def holds(block_id: int) -> bool:
-        return block_id in held if held is not None else 0 <= block_id < num_rows
-
+    # Called once per listed block: a C method, not a Python function.
+    holds = (set(block_ids) if block_ids is not None else range(num_rows)).__contains__
     requests = _parse_requests(metadata, description, holds, source)
     entries, stored_entry = _dump_tensors(source, header, description, num_rows)
 

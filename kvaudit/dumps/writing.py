@@ -173,9 +173,7 @@ def _request_metadata(
     """``kvaudit.requests``, each request checked as a reader checks it."""
     group_ids = {group.id for group in description.groups}
 
-    def holds(block_id: int) -> bool:
-        return 0 <= block_id < description.num_blocks
-
+    holds = range(description.num_blocks).__contains__
     not_held = f"is not in the cache (0..{description.num_blocks - 1})"
     out: dict[str, Any] = {}
     for request_id, request in requests.items():

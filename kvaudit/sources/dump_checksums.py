@@ -21,7 +21,6 @@ from ..records import Record, combine_workers
 from ..validation import POSITION_NUMBERINGS, Positions
 from .base import Progress
 from .dump_batches import DumpBatches, MappedBatches
-from .dump_staging import StagedBatches
 
 if TYPE_CHECKING:
     import torch
@@ -105,6 +104,9 @@ def checksum_dump_set(
         if in_place:
             batches = MappedBatches(dump, backend, batch_bytes)
         else:
+            # Imported here: reading in place (the CPU path) never stages batches.
+            from .dump_staging import StagedBatches
+
             batches = StagedBatches(dump, device_name, backend, batch_bytes)
         records.append(batches.checksum(held, positions, progress))
     return combine_workers(records)
