@@ -203,6 +203,29 @@ def test_record_json() -> None:
     assert Record.from_json(data, "golden").requests.keys() == {"req-7", 'r,"q"'}
 
 
+def test_json_text_writes_long_lists_an_item_a_line() -> None:
+    # Plain items of a long list are written flat, nested lists and objects indented.
+    value = {"a": ["x" * 30, "y" * 30, 7, [1, 2], {}, (3, 4), {"k": [1]}], "b": []}
+    assert json_text(value).splitlines() == [
+        "{",
+        '  "a": [',
+        f'    "{"x" * 30}",',
+        f'    "{"y" * 30}",',
+        "    7,",
+        "    [1, 2],",
+        "    {},",
+        "    [3, 4],",
+        "    {",
+        '      "k": [1]',
+        "    }",
+        "  ],",
+        '  "b": []',
+        "}",
+    ]
+    with pytest.raises(ValueError):
+        json_text([math.nan])
+
+
 def test_record_csv() -> None:
     text = record_csv(record())
     assert text == golden("record_csv")

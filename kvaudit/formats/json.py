@@ -24,6 +24,10 @@ INVENTORY_FORMAT = "kvaudit.inventory/1"
 JSON_INLINE_WIDTH = 72
 """The longest list JSON output keeps on one line."""
 
+_FLAT = json.JSONEncoder(separators=(", ", ": "), allow_nan=False)
+"""What ``json.dumps`` with these options builds anew on every call: a record's thousands
+of checksums are written with one."""
+
 
 def json_text(value: object, level: int = 0) -> str:
     """Strict JSON (a NaN or infinity raises ``ValueError``) indented by two spaces, with
@@ -36,11 +40,15 @@ def json_text(value: object, level: int = 0) -> str:
             f"{inner}{json.dumps(key)}: {json_text(item, level + 1)}" for key, item in value.items()
         ]
         return "{\n" + ",\n".join(items) + f"\n{close}}}"
-    flat = json.dumps(value, separators=(", ", ": "), allow_nan=False)
+    flat = _FLAT.encode(value)
     if isinstance(value, list) and (
         len(flat) > JSON_INLINE_WIDTH or any(isinstance(item, dict) for item in value)
     ):
-        items = [inner + json_text(item, level + 1) for item in value]
+        items = [
+            inner
+            + (json_text(item, level + 1) if isinstance(item, (dict, list)) else _FLAT.encode(item))
+            for item in value
+        ]
         return "[\n" + ",\n".join(items) + f"\n{close}]"
     return flat
 
