@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from ..errors import KvauditError
 from ..validation import POSITION_NUMBERINGS, Positions, check_plain, worker_layout
 from .model import RECORD_FORMAT, RequestChecksums, WorkerSummary
-from .reading import RecordReader, item_path, request_from_json, worker_from_json
 
 
 @dataclass
@@ -37,6 +36,9 @@ class Record:
                 sums of the replica-0 values; the message names the source and key path.
 
         """
+        # Imported here: a checksum writes records, only a few commands read them back.
+        from .reading import RecordReader, item_path, request_from_json, worker_from_json
+
         check_plain(data, source)
         reader = RecordReader(source)
         reader.keys(

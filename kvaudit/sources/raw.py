@@ -26,10 +26,10 @@ from ..scheme import valid_tokens
 from ..validation import worker_layout
 from ..views import GroupViews, build_group_views
 from .base import Listing, Runtime, Source, request_ids_of, token_counts_of, trim
-from .inventory import Inventory, raw_inventory, request_inventory
 
 if TYPE_CHECKING:
     from ..views import LayerTensor
+    from .inventory import Inventory
 
 
 class RawWorker(Protocol):
@@ -267,6 +267,9 @@ class RawKVSource(Source):
         return not missing, missing
 
     def inventory(self) -> Inventory:
+        # Imported here: only inspect lists a source, a checksum never does.
+        from .inventory import Inventory, raw_inventory, request_inventory
+
         workers = [raw_inventory(worker) for worker in self.workers]
         complete, missing = self.layout()
         return Inventory(
