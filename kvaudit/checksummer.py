@@ -48,6 +48,33 @@ class Checksummer:
     a consumer or offload tier checksums every replica, so each can be checked.
     """
 
+    @classmethod
+    def of_worker(
+        cls,
+        description: CacheDescription,
+        tensors: LayerTensors,
+        worker: WorkerInfo,
+        *,
+        backend: str = "auto",
+        num_blocks: int | None = None,
+        source: str = "",
+    ) -> Checksummer:
+        """A checksummer over ``tensors`` in ``worker``'s place (ranks, role, engine);
+        ``source`` names the tensors in errors and in the record."""
+        return cls(
+            description,
+            tensors,
+            tp_rank=worker.tp_rank,
+            tp_size=worker.tp_size,
+            pp_rank=worker.pp_rank,
+            pp_size=worker.pp_size,
+            role=worker.role,
+            backend=backend,
+            num_blocks=num_blocks,
+            engine=worker.engine,
+            source=source,
+        )
+
     def __init__(
         self,
         description: CacheDescription,

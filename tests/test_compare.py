@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from report_keys import DIFF_KEYS, GROUP_KEYS
 
 from kvaudit.compare import (
     DiffReport,
@@ -566,30 +567,9 @@ def test_different_position_numberings_raise() -> None:
 
 # Report forms.
 
-GROUP_KEYS = {
-    "compared",
-    "mismatched_positions",
-    "missing_positions",
-    "replicas_differing",
-    "unverified",
-    "positions",
-    "located",
-    "stale_sources",
-}
-
 
 def check_json_shape(data: dict) -> None:
-    assert set(data) == {
-        "format",
-        "ok",
-        "positions",
-        "unverified",
-        "warnings",
-        "requests",
-        "only_in_producer",
-        "only_in_consumer",
-        "untraced",
-    }
+    assert set(data) == DIFF_KEYS
     assert data["format"] == "kvaudit.diff/1"
     assert isinstance(data["ok"], bool)
     assert data["positions"] in ("request", "block")

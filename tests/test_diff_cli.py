@@ -30,6 +30,7 @@ import torch
 import yaml
 from click.testing import CliRunner, Result
 from example_module import example
+from report_keys import DIFF_KEYS, GROUP_KEYS
 from safetensors import safe_open
 
 from kvaudit.checksummer import RequestBlocks
@@ -43,27 +44,6 @@ from kvaudit.records import WorkerInfo
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "make_example.py"
 SEED = 4
-DIFF_KEYS = {
-    "format",
-    "ok",
-    "positions",
-    "unverified",
-    "warnings",
-    "requests",
-    "only_in_producer",
-    "only_in_consumer",
-    "untraced",
-}
-GROUP_KEYS = {
-    "compared",
-    "mismatched_positions",
-    "missing_positions",
-    "replicas_differing",
-    "unverified",
-    "positions",
-    "located",
-    "stale_sources",
-}
 LOCATED_KEYS = {
     "position",
     "layer",

@@ -21,6 +21,7 @@ from valued_sets import (
     cell_values,
     draw,
     dump,
+    errors_reference,
     model,
     to_cells,
 )
@@ -32,22 +33,6 @@ from kvaudit.errors import DescriptionError
 from kvaudit.formats.heatmaps import layer_head_errors, layer_token_errors
 from kvaudit.numeric import numeric_diff
 from kvaudit.sources import open_source
-
-
-def reference(p: np.ndarray, c: np.ndarray, atol: float, rtol: float) -> dict:
-    """Errors of one (layer, head): p and c float64 ``[tokens, elements]``."""
-    err = np.abs(c - p)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        rel = np.where(err == 0, 0.0, err / np.abs(p))
-    per_token = err.max(axis=1)
-    order = sorted(range(len(per_token)), key=lambda t: (-per_token[t], t))
-    return {
-        "max_abs_error": err.max(),
-        "max_rel_error": rel.max(),
-        "rms_error": np.sqrt(np.mean(err**2)),
-        "over_tolerance": int((err > atol + rtol * np.abs(p)).sum()),
-        "worst": [int(t) for t in order[:5] if per_token[t] > 0],
-    }
 
 
 def run_numeric(producer: Path, consumer: Path, *args: str) -> tuple[int, dict]:
@@ -110,7 +95,7 @@ def test_errors_match_numpy_per_dtype(dtype: str, atol: float, tmp_path: Path) -
             p = cell_values(to_cells(produced[rid][name], dtype), dtype)
             c = cell_values(to_cells(consumed[rid][name][:n], dtype), dtype)
             for head in range(HEADS):
-                want = reference(p[:, head], c[:, head], atol, rtol)
+                want = errors_reference(p[:, head], c[:, head], atol, rtol)
                 item = got[name, head]
                 assert item["tokens"] == n and item["elements"] == n * 2 * HEAD_SIZE
                 for key in ("max_abs_error", "max_rel_error", "rms_error"):

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_numeric import reference
 from valued_sets import (
     ATTN,
     CONSUMER,
@@ -21,6 +20,7 @@ from valued_sets import (
     cell_values,
     draw,
     dump,
+    errors_reference,
     model,
     to_cells,
 )
@@ -54,7 +54,7 @@ def assert_matches_reference(
             p = cell_values(to_cells(produced[rid][name], dtype), dtype)
             c = cell_values(to_cells(consumed[rid][name][:n], dtype), dtype)
             for head in range(HEADS):
-                want = reference(p[:, head], c[:, head], atol, rtol)
+                want = errors_reference(p[:, head], c[:, head], atol, rtol)
                 item = got[name, head]
                 assert item.max_abs_error == pytest.approx(want["max_abs_error"], rel=1e-6)
                 assert item.max_rel_error == pytest.approx(want["max_rel_error"], rel=1e-6)
@@ -180,7 +180,7 @@ def test_tokens_one_side_lacks_are_left_out(tmp_path: Path) -> None:
         p = cell_values(to_cells(produced["req-a"][name][first:n], "bfloat16"), "bfloat16")
         c = cell_values(to_cells(consumed["req-a"][name][first:n], "bfloat16"), "bfloat16")
         for head in range(HEADS):
-            want = reference(p[:, head], c[:, head], 0.0, 0.05)
+            want = errors_reference(p[:, head], c[:, head], 0.0, 0.05)
             item = got[name, head]
             assert item.tokens == n - first
             assert item.max_abs_error == pytest.approx(want["max_abs_error"], rel=1e-6)

@@ -11,7 +11,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from test_triton_kernel import CASES, MASK64, Case, reference
+from kernel_cases import CASES, MASK64, Case, reference
 
 from kvaudit.kernels import LaunchPart, numpy_cpu
 

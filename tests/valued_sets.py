@@ -87,3 +87,19 @@ def draw(seed: int, the_model: kb.Model, tokens: dict[str, int] = TOKENS) -> dic
         }
         for rid, n in tokens.items()
     }
+
+
+def errors_reference(p: np.ndarray, c: np.ndarray, atol: float, rtol: float) -> dict:
+    """Errors of one (layer, head): p and c float64 ``[tokens, elements]``."""
+    err = np.abs(c - p)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = np.where(err == 0, 0.0, err / np.abs(p))
+    per_token = err.max(axis=1)
+    order = sorted(range(len(per_token)), key=lambda t: (-per_token[t], t))
+    return {
+        "max_abs_error": err.max(),
+        "max_rel_error": rel.max(),
+        "rms_error": np.sqrt(np.mean(err**2)),
+        "over_tolerance": int((err > atol + rtol * np.abs(p)).sum()),
+        "worst": [int(t) for t in order[:5] if per_token[t] > 0],
+    }

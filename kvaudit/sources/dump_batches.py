@@ -28,7 +28,6 @@ from .raw import request_rows
 
 if TYPE_CHECKING:
     from ..arrays import Array
-    from ..views import LayerTensor
 
 
 def batch_rows(dump: Dump, batch_bytes: int) -> int:
@@ -38,26 +37,6 @@ def batch_rows(dump: Dump, batch_bytes: int) -> int:
     )
     row_bytes = total // dump.num_rows if dump.num_rows else 0
     return max(1, min(dump.num_rows, batch_bytes // max(row_bytes, 1)))
-
-
-def dump_checksummer(
-    dump: Dump, tensors: dict[str, LayerTensor], rows: int, backend: str
-) -> Checksummer:
-    """A checksummer of the dump's worker over ``tensors`` of ``rows`` rows."""
-    worker = dump.worker
-    return Checksummer(
-        dump.description,
-        tensors,
-        tp_rank=worker.tp_rank,
-        tp_size=worker.tp_size,
-        pp_rank=worker.pp_rank,
-        pp_size=worker.pp_size,
-        role=worker.role,
-        backend=backend,
-        num_blocks=rows,
-        engine=worker.engine,
-        source=dump.path,
-    )
 
 
 Table = tuple[int, np.ndarray]
@@ -178,7 +157,14 @@ class MappedBatches(DumpBatches):
 
     def __init__(self, dump: Dump, backend: str, batch_bytes: int) -> None:
         super().__init__(dump, batch_rows(dump, batch_bytes))
-        self.checksummer = dump_checksummer(dump, dump.layer_arrays, dump.num_rows, backend)
+        self.checksummer = Checksummer.of_worker(
+            dump.description,
+            dump.layer_arrays,
+            dump.worker,
+            backend=backend,
+            num_blocks=dump.num_rows,
+            source=dump.path,
+        )
 
     @property
     def plans_of(self) -> Checksummer:

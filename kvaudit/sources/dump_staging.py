@@ -11,7 +11,7 @@ from ..checksummer import Checksummer, launch_torch
 from ..dumps import Dump
 from ..dumps.layers import layer_parts, owner_layers
 from ..dumps.safetensors_io import as_integers
-from .dump_batches import DumpBatches, Finish, Table, batch_rows, dump_checksummer, row_axis
+from .dump_batches import DumpBatches, Finish, Table, batch_rows, row_axis
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -82,7 +82,14 @@ class StagedBatches(DumpBatches):
                 else as_integers(part)
                 for part in parts
             )
-        checksummer = dump_checksummer(self.dump, buffers, self.rows, backend)
+        checksummer = Checksummer.of_worker(
+            self.dump.description,
+            buffers,
+            self.dump.worker,
+            backend=backend,
+            num_blocks=self.rows,
+            source=self.dump.path,
+        )
         return _Slot(buffers, hosts, checksummer)
 
     @property

@@ -183,19 +183,13 @@ class LiveWorker:
         tensors = self.tensors
         if runtime is not None:
             tensors = {name: _to_device(tensor, runtime.device) for name, tensor in tensors.items()}
-        worker = self.worker
         with one_line_errors(self.name):
-            return Checksummer(
+            return Checksummer.of_worker(
                 self.description,
                 tensors,
-                tp_rank=worker.tp_rank,
-                tp_size=worker.tp_size,
-                pp_rank=worker.pp_rank,
-                pp_size=worker.pp_size,
-                role=worker.role,
+                self.worker,
                 backend="auto" if runtime is None else runtime.backend,
                 num_blocks=self.num_rows,
-                engine=worker.engine,
                 source=self.name,
             )
 

@@ -1,0 +1,25 @@
+"""The keys of a diff report's JSON (docs/cli.md), which the report tests check exactly."""
+
+from __future__ import annotations
+
+DIFF_KEYS = {
+    "format",
+    "ok",
+    "positions",
+    "unverified",
+    "warnings",
+    "requests",
+    "only_in_producer",
+    "only_in_consumer",
+    "untraced",
+}
+GROUP_KEYS = {
+    "compared",
+    "mismatched_positions",
+    "missing_positions",
+    "replicas_differing",
+    "unverified",
+    "positions",
+    "located",
+    "stale_sources",
+}
