@@ -111,7 +111,8 @@ class DiffReport:
     None where a side does not say). ``allow_missing`` accepts missing positions and
     ``allow_empty`` a report in which nothing was compared. ``warnings`` are things the
     user should know (swapped roles, a set compared with itself); ``untraced`` says why
-    differing blocks were not traced to producer blocks, if they were not.
+    the trace of differing blocks to producer blocks is partial (by request-numbered
+    checksums, a block left without a source) or absent, None when it is neither.
     """
 
     positions: Positions

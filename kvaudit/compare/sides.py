@@ -112,7 +112,7 @@ class Side:
         return {key: k for k, key in enumerate(self.keys)}
 
 
-def _coarsen(side: Side, coarse: int) -> tuple[np.ndarray, np.ndarray]:
+def coarsen(side: Side, coarse: int) -> tuple[np.ndarray, np.ndarray]:
     """The coarse positions the side can form and their columns summed mod 2**64.
 
     A coarse block is formed when each of its fine positions is held or has no valid token
@@ -243,8 +243,8 @@ def compare_sides(
     if reason is not None:
         return GroupComparison(unverified=reason, block_size=coarse)
 
-    producer_positions, producer_columns = _coarsen(producer, coarse)
-    consumer_positions, consumer_columns = _coarsen(consumer, coarse)
+    producer_positions, producer_columns = coarsen(producer, coarse)
+    consumer_positions, consumer_columns = coarsen(consumer, coarse)
     common, in_producer, in_consumer = np.intersect1d(
         producer_positions, consumer_positions, assume_unique=True, return_indices=True
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from ..compare import DiffReport, compare_records
+from ..compare.checksum_trace import partial_note, trace_by_checksums
 from ..errors import KvauditError
 from ..locate import locate_differences
 from ..pairing import group_windows, side_warnings
@@ -83,26 +84,26 @@ def diff_sources(
         locate_report(report, *raw, shared)
         remote = [side for side, workers in zip((producer, consumer), raw) if fetches(workers)]
         if remote:
-            report.untraced = (
-                f"not traced: {', '.join(remote[0].names)} is a running engine, whose blocks "
-                "are fetched only at the differing positions"
+            why = (
+                f"{', '.join(remote[0].names)} is a running engine, whose blocks are fetched "
+                "only at the differing positions"
             )
+            if trace_by_checksums(report, left, right):
+                report.untraced = partial_note(why)
         else:
             trace_report(report, untrimmed or raw[0], raw[1], shared)
-    else:
-        report.untraced = _untraced(producer, consumer, locate)
+    elif trace_by_checksums(report, left, right):
+        report.untraced = partial_note(_unread(producer, consumer, locate))
     return report
 
 
-def _untraced(producer: Source, consumer: Source, locate: bool | None) -> str:
-    """Why differing blocks are not traced to the producer blocks they hold."""
+def _unread(producer: Source, consumer: Source, locate: bool | None) -> str:
+    """Why the raw KV was not read for tracing (a side holds only checksums, or
+    ``--no-locate``)."""
     if locate is False:
-        return "not traced (--no-locate)"
+        return "--no-locate"
     side = producer if producer.raw_kv() is None else consumer
-    return (
-        f"no trace possible: {', '.join(side.names)} is a {side.kind} that holds only "
-        "checksums, not the KV"
-    )
+    return f"{', '.join(side.names)} is a {side.kind} that holds only checksums, not the KV"
 
 
 def _raw_kv(

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..compare import DiffReport, verify_against_record
+from ..compare.checksum_trace import partial_note, trace_by_checksums
 from ..errors import KvauditError
 from ..pairing import group_windows
 from ..sources import Progress, Runtime, Source, resolve_device
@@ -66,9 +67,7 @@ def verify_sources(
     ids = unique_ids(request_ids)
     report = _verify_one_way(source, against, received, ids, runtime, progress)
     report.allow_missing, report.allow_empty = allow_missing, allow_empty
-    if against is not None:
-        report.untraced = "no trace possible: verify --against compares checksums only"
-    elif received:
+    if received:
         report.untraced = "no trace possible: the producer sent only its checksums"
     return report
 
@@ -112,6 +111,9 @@ def _verify_against(
     positions = shared_numbering(saved, current)
     saved_record = checksum_held(saved, ids, positions, runtime, progress)
     current_record = checksum_held(current, ids, positions, runtime, progress)
-    return verify_against_record(
+    report = verify_against_record(
         current_record, saved_record, request_ids=ids, token_counts=counts, windows=windows
     )
+    if trace_by_checksums(report, saved_record, current_record):
+        report.untraced = partial_note("verify --against compares checksums only")
+    return report

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..compare import DiffReport
+from ..compare.checksum_trace import partial_note
 from ..description import CacheDescription
 from ..diffing import shared_tokens
 from ..errors import KvauditError
@@ -65,12 +66,16 @@ def locate_across(
         where = f"{', '.join(side.names)} is a {side.kind} that holds only checksums"
         if locate:
             raise KvauditError(f"--locate needs the raw KV on both sides; {where}")
-        report.untraced = f"no trace possible: {where}, not the KV"
+        if report.untraced is not None:  # diff_sources traced by checksums, saying why
+            report.untraced = partial_note(f"{where}, not the KV")
         return
     shared = shared_tokens(producer, consumer, request_ids)
     consumed = consumer.trimmed(shared)
     locate_spread(report, producer.trimmed(shared), consumed, shared)
+    # The bytes decide now, as in one process: the checksums' trace is dropped.
     report.untraced = None
+    for _, _, group in report.groups():
+        group.stale_sources = {}
     trace_spread(report, producer, consumed, shared)
 
 
