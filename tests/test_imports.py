@@ -24,6 +24,7 @@ LAYERS: list[list[str]] = [
         "arrays",
         "files",
         "mapping",
+        "native",
         "validation",
         "scheme",
         "kernels.triton_tiling",

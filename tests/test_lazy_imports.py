@@ -7,6 +7,7 @@ terminals), which then lists the modules it imported."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 from click.testing import CliRunner
 from dumped_sets import Sets
 
+from kvaudit import native
 from kvaudit.cli import main
 
 HEAVY = ("torch", "triton")
@@ -110,6 +112,23 @@ def test_help_imports_click_and_little_else() -> None:
     assert among(modules, ("kvaudit.formats", "kvaudit.dumps", "kvaudit.records")) == []
 
 
+NATIVE = ("kvaudit.native", "kvaudit.kernels._native")
+"""The C extensions' loader and the checksum's C loop: loaded only by a path that
+checksums."""
+
+
+def test_commands_that_compute_nothing_load_no_c_extension(
+    sets: Sets, records: tuple[Path, Path]
+) -> None:
+    producer, consumer = records
+    for args in (
+        ("--help",),
+        ("inspect", *sets.producer.paths),
+        ("diff", producer, consumer, "--format", "json", "-q"),
+    ):
+        assert among(imported(*args), NATIVE) == [], args
+
+
 def test_inspect_imports_no_torch(sets: Sets, records: tuple[Path, Path]) -> None:
     assert imported_heavy("inspect", *sets.producer.paths) == []
     assert imported_heavy("inspect", records[0]) == []
@@ -154,6 +173,9 @@ def test_each_path_imports_what_it_needs(
     assert among(table, ("yaml",)) == []
     csv = imported("checksum", *sets.consumer.paths, "--device", "cpu", "--format", "csv", "-q")
     assert among(csv, ("kvaudit.formats.csv",)) == ["kvaudit.formats.csv"]
+    # The checksum loads the C loop where it built and may run (tests/test_native_kernel.py).
+    loads = native.enabled() and importlib.util.find_spec("kvaudit.kernels._native") is not None
+    assert among(table, NATIVE) == list(NATIVE if loads else NATIVE[:1])
     record = imported("inspect", records[0], "--format", "json")
     assert among(record, ("kvaudit.sources.record_source",)) == ["kvaudit.sources.record_source"]
     assert among(record, ("kvaudit.sources.dump_source", "kvaudit.sources.socket_source")) == []

@@ -1,19 +1,19 @@
 """The numpy CPU path (``kvaudit/kernels/numpy_cpu.py``) against the plain numpy reference
 of the kernel contract that the Triton kernel is held to (tests/test_triton_kernel.py):
 every layout case, rows in chunks of every size, consecutive rows read in place and
-scattered rows gathered, rows cut short mixed with full ones in one chunk."""
+scattered rows gathered, rows cut short mixed with full ones in one chunk. These run the
+numpy code (as ``KVAUDIT_NATIVE=0`` does); the C loop has tests/test_native_kernel.py."""
 
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
 
 import numpy as np
 import pytest
-import torch
-from kernel_cases import CASES, MASK64, Case, reference
+from cpu_launch import in_order, numpy_launch
+from kernel_cases import CASES, reference
 
-from kvaudit.kernels import LaunchPart, numpy_cpu
+from kvaudit.kernels import numpy_cpu
 
 # Rows per chunk: the default (from CHUNK_BYTES), one, and three (so that chunks end
 # inside runs of consecutive rows and hold rows of several counts).
@@ -24,57 +24,6 @@ CHUNK_ROWS = {"default": None, "one_row": 1, "three_rows": 3}
 def chunk_rows(request: pytest.FixtureRequest) -> int | None:
     """Each chunk size in turn."""
     return CHUNK_ROWS[request.param]
-
-
-def numpy_launch(case: Case, chunk_rows: int | None = None) -> list[list[int]]:
-    """The numpy launch's result for a case, as unsigned 64-bit integers; ``chunk_rows``
-    replaces the parts' own chunk size."""
-    parts = [
-        LaunchPart(
-            entry.view.numpy(),
-            entry.first_slice,
-            entry.column,
-            entry.piece_offset,
-            entry.cell_pieces,
-        )
-        for entry in case.entries
-    ]
-    launch = numpy_cpu.NumpyLaunch(parts)
-    for part in launch.parts:
-        part.chunk_rows = chunk_rows or part.chunk_rows
-    out = np.array([[v & MASK64 for v in row] for row in case.out_start], dtype=np.uint64)
-    out = out.view(np.int64)
-    launch.accumulate(
-        np.array(case.block_ids, dtype=np.int64),
-        np.array(case.first_tokens, dtype=np.int64),
-        np.array(case.valid_tokens, dtype=np.int64),
-        out,
-    )
-    return [[value & MASK64 for value in row] for row in out.tolist()]
-
-
-def in_order(case: Case, seed: int) -> Case:
-    """The case over every block in order, except one left out (so the rows around it are
-    gathered), with random valid tokens (full, cut short and zero) and first tokens."""
-    blocks, *_, tokens, _ = case.template.shape
-    rows_per_block = case.template.shape[1] * tokens
-    g = torch.Generator().manual_seed(seed)
-    block_ids = [block for block in range(blocks) if block != blocks // 2 or blocks < 3]
-    count = len(block_ids)
-    valid = torch.randint(0, rows_per_block + 1, (count,), generator=g).tolist()
-    valid[: count // 2] = [rows_per_block] * (count // 2)  # a run of full rows
-    valid[-1] = max(1, rows_per_block - 1)
-    first = torch.randint(0, 1 << 30, (count,), generator=g).tolist()
-    columns = len(case.out_start[0])
-    start = torch.randint(-(2**62), 2**62, (count, columns), generator=g).tolist()
-    return replace(
-        case,
-        block_ids=block_ids,
-        first_tokens=first,
-        valid_tokens=valid,
-        out_start=start,
-        expected=None,
-    )
 
 
 @pytest.mark.parametrize("big", [False, True])
@@ -100,7 +49,7 @@ def test_cases_read_rows_in_place_and_gathered(monkeypatch: pytest.MonkeyPatch) 
     seen = {"view": 0, "gather": 0, "mixed counts": 0}
     lock = threading.Lock()  # the spies run on the pool's threads
     rows = numpy_cpu.NumpyPart._rows
-    sums = numpy_cpu.NumpyPart.row_sums
+    sums = numpy_cpu.NumpyPart.numpy_row_sums
 
     def spy_rows(self: numpy_cpu.NumpyPart, block_ids: np.ndarray) -> np.ndarray:
         x = rows(self, block_ids)
@@ -118,7 +67,7 @@ def test_cases_read_rows_in_place_and_gathered(monkeypatch: pytest.MonkeyPatch) 
         return sums(self, block_ids, first, counts)
 
     monkeypatch.setattr(numpy_cpu.NumpyPart, "_rows", spy_rows)
-    monkeypatch.setattr(numpy_cpu.NumpyPart, "row_sums", spy_sums)
+    monkeypatch.setattr(numpy_cpu.NumpyPart, "numpy_row_sums", spy_sums)
     numpy_launch(in_order(CASES["nthc_two_layers"]("cpu", True), seed=1), chunk_rows=3)
     assert all(seen.values()), seen
 

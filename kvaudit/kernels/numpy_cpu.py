@@ -14,6 +14,10 @@ over each token's ``[heads, pieces]`` slice builds both with additions only: a r
 weights only meet the ``U`` times smaller ``Y`` and ``Z``. numpy's int64 arithmetic wraps
 modulo 2**64, which gives the uint64 bits, and releases the GIL, so chunks of rows run on
 a small thread pool.
+
+Where the C extension ``kvaudit.kernels._native`` built (``setup.py``), each chunk's row
+sums come from its loop instead: the same sums, in one pass over the row with the running
+sums in L1, the GIL released. ``KVAUDIT_NATIVE=0`` runs the numpy code (kvaudit.native).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..arrays import Array, is_numpy
+from ..native import extension
 from . import LaunchPart
 
 _T = TypeVar("_T")
@@ -35,6 +40,13 @@ _R = TypeVar("_R")
 CHUNK_BYTES = 4 << 20
 """Bytes of rows one task reads: small enough that its running sums stay in cache, large
 enough that each numpy call covers many rows."""
+
+NATIVE_CHUNK_BYTES = 16 << 20
+"""The same for the C loop, whose running sums stay in cache whatever the chunk: only
+large enough that the calls' own cost is small, small enough that every thread gets one."""
+
+NATIVE = "kvaudit.kernels._native"
+"""The C extension with the row sums' loop."""
 
 THREADS = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
 """Threads that reduce chunks at once."""
@@ -128,8 +140,10 @@ class NumpyPart:
         self.tokens = tokens
         self.tokens_per_row = kernel_blocks * tokens
         self.column = part.column
+        self.native = extension(NATIVE)
         row_bytes = kernel_blocks * heads * tokens * num_pieces * pieces.dtype.itemsize
-        self.chunk_rows = max(1, CHUNK_BYTES // max(row_bytes, 1))
+        chunk_bytes = CHUNK_BYTES if self.native is None else NATIVE_CHUNK_BYTES
+        self.chunk_rows = max(1, chunk_bytes // max(row_bytes, 1))
         factors = 2 * (np.arange(heads, dtype=np.int64) + part.first_slice) + 1  # m_h
         offsets = 2 * (part.piece_offset + np.arange(num_pieces, dtype=np.int64)) + 1
         # Weights of Y, [heads * pieces]; of first * Y[h] + Z[h], [heads].
@@ -144,7 +158,34 @@ class NumpyPart:
 
     def row_sums(self, block_ids: np.ndarray, first: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """The weighted sums of the rows of ``block_ids`` over their first ``counts``
-        tokens (each at least 1 and at most ``tokens_per_row``)."""
+        tokens (each at least 1 and at most ``tokens_per_row``), int64: by the C loop
+        where it is loaded, else by numpy."""
+        if self.native is None:
+            return self.numpy_row_sums(block_ids, first, counts)
+        return self.native_row_sums(block_ids, first, counts)
+
+    def native_row_sums(
+        self, block_ids: np.ndarray, first: np.ndarray, counts: np.ndarray
+    ) -> np.ndarray:
+        """:meth:`row_sums` by the C loop, which reads each block where it lies (it checks
+        that every block id and count falls within the view; ValueError or IndexError)."""
+        assert self.native is not None
+        sums = np.empty(len(block_ids), dtype=np.int64)
+        self.native.row_sums(
+            self.blocks,
+            np.ascontiguousarray(block_ids, dtype=np.int64),
+            np.ascontiguousarray(first, dtype=np.int64),
+            np.ascontiguousarray(counts, dtype=np.int64),
+            self.piece_weights,
+            self.head_weights,
+            sums,
+        )
+        return sums
+
+    def numpy_row_sums(
+        self, block_ids: np.ndarray, first: np.ndarray, counts: np.ndarray
+    ) -> np.ndarray:
+        """:meth:`row_sums` by numpy (the path without the C extension)."""
         x = self._rows(block_ids)
         tokens = self.tokens
         top = int(counts.max())

@@ -1,0 +1,32 @@
+"""kvaudit's optional C extensions (built by ``setup.py`` where a C compiler is at hand):
+each one loaded on first use, or None where it did not build or ``KVAUDIT_NATIVE=0`` asks
+for the numpy code it replaces. Whichever runs, the results are the same bits."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+ENVIRONMENT = "KVAUDIT_NATIVE"
+"""Set to ``0`` to run the numpy code instead of every C extension."""
+
+_LOADED: dict[str, ModuleType | None] = {}
+
+
+def enabled() -> bool:
+    """Whether the C extensions may run (``KVAUDIT_NATIVE`` is not ``0``)."""
+    return os.environ.get(ENVIRONMENT, "").strip() != "0"
+
+
+def extension(name: str) -> ModuleType | None:
+    """The C extension module ``name`` (``kvaudit.kernels._native``) where it built and
+    :func:`enabled`, else None. The import is tried once per process."""
+    if not enabled():
+        return None
+    if name not in _LOADED:
+        try:
+            _LOADED[name] = importlib.import_module(name)
+        except ImportError:
+            _LOADED[name] = None
+    return _LOADED[name]
