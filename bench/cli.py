@@ -18,7 +18,8 @@ kvaudit's modules are byte-compiled first, as installing the package does: where
 ``PYTHONDONTWRITEBYTECODE`` is set, every run would otherwise compile them again.
 
 The checksum figures time ``kvaudit checksum --format json`` (stdout to /dev/null); the
-default table output is timed once more against ``b3sum``, for information.
+default table output is timed once more against ``b3sum``, for information, and so is the
+numpy code that runs without the C extension (``KVAUDIT_NATIVE=0``), where it built.
 
 Targets: ``kvaudit --help`` <= 2x ``python -c "import numpy"``; a one-block dump's checksum
 <= 2.5x ``python -c "import numpy, safetensors"``; a 512 MiB dump's checksum <= 3x
@@ -58,6 +59,8 @@ class Command:
     label: str
     argv: Sequence[Sequence[str]]
     before: Callable[[], None] | None = None
+    environment: dict[str, str] | None = None
+    """Variables set for this command only."""
 
 
 @dataclass
@@ -73,10 +76,21 @@ class Figure:
     goal: float | None = None
 
 
-def env() -> dict[str, str]:
+def env(extra: dict[str, str] | None = None) -> dict[str, str]:
     variables = dict(os.environ)
     variables["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, variables.get("PYTHONPATH")]))
+    variables.update(extra or {})
     return variables
+
+
+def c_loop_built() -> bool:
+    """Whether the checksum's C loop (``kvaudit.kernels._native``) built, in a child that
+    runs as the timed commands do."""
+    probe = "import importlib.util as u; print(u.find_spec('kvaudit.kernels._native') is not None)"
+    done = subprocess.run(
+        [PYTHON, "-c", probe], env=env(), capture_output=True, text=True, check=True
+    )
+    return done.stdout.strip() == "True"
 
 
 def run_once(command: Command) -> float:
@@ -86,7 +100,11 @@ def run_once(command: Command) -> float:
     start = time.perf_counter()
     for argv in command.argv:
         subprocess.run(
-            argv, check=True, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            argv,
+            check=True,
+            env=env(command.environment),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
     return time.perf_counter() - start
 
@@ -211,6 +229,12 @@ def main() -> None:
     try:
         print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
         compileall.compile_dir(os.path.join(ROOT, "kvaudit"), quiet=1)
+        built = c_loop_built()
+        print(
+            "the checksum's C loop (kvaudit.kernels._native) "
+            + ("built" if built else "did not build: the numpy code runs"),
+            flush=True,
+        )
         small = os.path.join(folder, "one-block.safetensors")
         write_one_block(small)
         big = write_sized(os.path.join(folder, "512mib"), 0.5)
@@ -249,6 +273,15 @@ def main() -> None:
                 Figure(
                     "512 MiB dump, the default table output",
                     Command("checksum", [[*table, big]]),
+                    Command("b3sum", [b3sum]),
+                    float("inf"),
+                )
+            )
+        if b3sum is not None and built:
+            figures.append(
+                Figure(
+                    "512 MiB dump, the numpy code (KVAUDIT_NATIVE=0)",
+                    Command("checksum", [[*checksum, big]], environment={"KVAUDIT_NATIVE": "0"}),
                     Command("b3sum", [b3sum]),
                     float("inf"),
                 )

@@ -3,29 +3,69 @@
     python bench/cpu.py [--layers 8] [--blocks 1024] [--repeats 3] [--dump-mib 512]
 
 Prints GB/s of: hashlib.sha256 (the issue's baseline), numpy's sum (about memory
-bandwidth), and kvaudit's two CPU backends (numpy, the default, and torch) on a
-Llama-shaped cache (8 KV heads, head size 128, bf16, 16-token blocks) in two layouts, its
-blocks in random order (gathered) and in order (read in place), with the ratios of
-kvaudit to each baseline.
+bandwidth), and kvaudit's CPU backends on a Llama-shaped cache (8 KV heads, head size 128,
+bf16, 16-token blocks) in two layouts, its blocks in random order (gathered) and in order
+(read in place), with the ratios of kvaudit to each baseline. The backends: numpy (the
+default) with its C loop (``kvaudit.kernels._native``, where it built) and with its numpy
+code (``KVAUDIT_NATIVE=0``), and torch.
 
 With ``--dump-mib N`` it instead writes an N MiB dump of such a cache (bench/llama_set.py)
 to a temporary folder and times ``checksum_dump_set`` on it in this process (the compute,
-without the start-up of a ``kvaudit`` process) against ``b3sum`` and ``sha256sum`` on the
-same file, all from the page cache, alternating, medians of ``--repeats``. Whole processes
-against file tools: ``bench/cli.py``.
+without the start-up of a ``kvaudit`` process), with the C loop and with the numpy code,
+against ``b3sum`` and ``sha256sum`` on the same file, all from the page cache,
+alternating, medians of ``--repeats``. Whole processes against file tools:
+``bench/cli.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import importlib.util
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
+from kvaudit import native
 from kvaudit.checksummer import Checksummer, RequestBlocks
 from kvaudit.description import parse_description
+
+C_LOOP = "kvaudit.kernels._native"
+
+
+def paths() -> dict[str, bool]:
+    """The numpy backend's paths to time, by label: the C loop (where it built) and the
+    numpy code."""
+    built = importlib.util.find_spec(C_LOOP) is not None
+    if not built:
+        print(f"{C_LOOP} did not build (no C compiler?): the numpy code alone is timed")
+    return {"C loop": True, "numpy code": False} if built else {"numpy code": False}
+
+
+@contextlib.contextmanager
+def numpy_path(c_loop: bool) -> Iterator[None]:
+    """Launches made inside run the C loop or the numpy code (``KVAUDIT_NATIVE``)."""
+    before = os.environ.get(native.ENVIRONMENT)
+    os.environ[native.ENVIRONMENT] = "1" if c_loop else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[native.ENVIRONMENT]
+        else:
+            os.environ[native.ENVIRONMENT] = before
+
+
+def checksum_dump(folder: str, c_loop: bool) -> None:
+    """``checksum_dump_set`` of the dump in ``folder`` by the C loop or the numpy code."""
+    from kvaudit.dumps import open_dump_set
+    from kvaudit.sources import checksum_dump_set
+
+    with numpy_path(c_loop):
+        checksum_dump_set(open_dump_set([folder]))
 
 
 def best_seconds(run: Callable[[], object], repeats: int) -> float:
@@ -60,7 +100,6 @@ def llama_description(layers: int, blocks: int, layout: str) -> dict:
 
 def dump_figures(size_mib: int, repeats: int) -> None:
     """The in-process checksum of an ``size_mib`` MiB dump against file hashes."""
-    import os
     import shutil
     import statistics
     import subprocess
@@ -68,16 +107,16 @@ def dump_figures(size_mib: int, repeats: int) -> None:
 
     from llama_set import write_llama_set
 
-    from kvaudit.dumps import open_dump_set
-    from kvaudit.sources import checksum_dump_set
-
     folder = tempfile.mkdtemp(prefix="kvaudit-cpu-")
     try:
         nbytes = write_llama_set(folder, size_mib / 1024, 1)
         path = os.path.join(folder, "rank0.safetensors")
         tools = [tool for tool in ("b3sum", "sha256sum") if shutil.which(tool)]
         runs: dict[str, Callable[[], object]] = {
-            "kvaudit checksum_dump_set": lambda: checksum_dump_set(open_dump_set([folder])),
+            **{
+                f"kvaudit, {label}": lambda c_loop=c_loop: checksum_dump(folder, c_loop)
+                for label, c_loop in paths().items()
+            },
             **{
                 tool: lambda tool=tool: subprocess.run([tool, path], stdout=subprocess.DEVNULL)
                 for tool in tools
@@ -100,9 +139,10 @@ def dump_figures(size_mib: int, repeats: int) -> None:
     )
     for name, seconds in median.items():
         print(f"  {name:28s} {seconds:7.3f} s {nbytes / seconds / 1e9:6.2f} GB/s")
-    ours = median["kvaudit checksum_dump_set"]
-    for tool in tools:
-        print(f"  ratio to {tool}: {ours / median[tool]:.2f}x its time")
+    for name, ours in median.items():
+        if name.startswith("kvaudit"):
+            ratios = ", ".join(f"{ours / median[tool]:.2f}x {tool}" for tool in tools)
+            print(f"  {name}: {ratios or 'no file tool installed'} (of its time)")
 
 
 def main() -> None:
@@ -140,16 +180,18 @@ def main() -> None:
         "numpy sum": best_seconds(lambda: [w.sum() for w in words], args.repeats),
     }
     in_order = {"bench": RequestBlocks(args.blocks * 16, {0: (0, list(range(args.blocks)))})}
-    for backend in ("numpy", "torch"):
+    backends = [(f"numpy ({label})", "numpy", c_loop) for label, c_loop in paths().items()]
+    for name, backend, c_loop in [*backends, ("torch", "torch", False)]:
         for layout, tensors in caches.items():
             description = parse_description(
                 llama_description(args.layers, args.blocks, layout), "bench"
             )
-            checksummer = Checksummer(description, tensors, backend=backend)
-            results[f"kvaudit {backend} {layout}"] = best_seconds(
+            with numpy_path(c_loop):  # the launches choose their path when made
+                checksummer = Checksummer(description, tensors, backend=backend)
+            results[f"kvaudit {name} {layout}"] = best_seconds(
                 lambda c=checksummer: c.checksum(requests), args.repeats
             )
-            results[f"kvaudit {backend} {layout}, blocks in order"] = best_seconds(
+            results[f"kvaudit {name} {layout}, blocks in order"] = best_seconds(
                 lambda c=checksummer: c.checksum(in_order), args.repeats
             )
 
@@ -159,7 +201,7 @@ def main() -> None:
         f"{args.repeats}"
     )
     for name, seconds in results.items():
-        print(f"  {name:40s} {nbytes / seconds / 1e9:7.2f} GB/s")
+        print(f"  {name:52s} {nbytes / seconds / 1e9:7.2f} GB/s")
     for name, seconds in results.items():
         if name.startswith("kvaudit"):
             print(

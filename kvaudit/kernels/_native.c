@@ -75,7 +75,7 @@ typedef struct {
     } while (0)
 
 INLINE uint64_t add_token(uint64_t *restrict y, const char *restrict x, Py_ssize_t n,
-                                 Py_ssize_t itemsize, Py_ssize_t step)
+                          Py_ssize_t itemsize, Py_ssize_t step)
 {
     uint64_t total = 0;
     switch (itemsize) {
@@ -98,8 +98,8 @@ INLINE uint64_t add_token(uint64_t *restrict y, const char *restrict x, Py_ssize
 /* One head's part of the row sum from its tile of Y: the weighted pieces plus the head
  * term, with Z = count * Y[h] - running (the running sums' total). */
 INLINE uint64_t head_sum(const uint64_t *restrict y, const uint64_t *restrict weights,
-                                Py_ssize_t n, uint64_t head_weight, uint64_t first,
-                                uint64_t count, uint64_t running)
+                         Py_ssize_t n, uint64_t head_weight, uint64_t first, uint64_t count,
+                         uint64_t running)
 {
     uint64_t weighted = 0, pieces = 0;
     for (Py_ssize_t p = 0; p < n; p++) {
