@@ -175,16 +175,15 @@ def exact_errors(p: np.ndarray, c: np.ndarray, atol: float, rtol: float) -> Chun
 
 
 class LayerErrors:
-    """One layer's errors per global head, batch after batch (``SliceErrors`` at the end)."""
+    """One layer's errors per global head, batch after batch (``SliceErrors`` at the end):
+    ``figures`` and ``counts`` hold the per-head arrays (updated in place, by numpy or by
+    ``kvaudit._element_errors``)."""
 
     def __init__(self, heads: int) -> None:
-        self.tokens = np.zeros(heads, dtype=np.int64)
-        self.max_abs = np.zeros(heads)
-        self.max_rel = np.zeros(heads)
-        self.max_producer = np.zeros(heads)
-        self.sum_squares = np.zeros(heads)
-        self.over = np.zeros(heads, dtype=np.int64)
-        self.nonfinite = np.zeros(heads, dtype=np.int64)
+        self.figures = np.zeros((4, heads))
+        self.max_abs, self.max_rel, self.max_producer, self.sum_squares = self.figures
+        self.counts = np.zeros((3, heads), dtype=np.int64)
+        self.tokens, self.over, self.nonfinite = self.counts
         self.worst_error = np.zeros((heads, WORST_TOKENS))
         self.worst_position = np.full((heads, WORST_TOKENS), -1, dtype=np.int64)
 
@@ -199,8 +198,8 @@ class LayerErrors:
         error = np.concatenate([self.worst_error, errors[heads, top]], axis=1)
         position = np.concatenate([self.worst_position, top + lo], axis=1)
         order = np.lexsort((position, -error), axis=1)[:, :WORST_TOKENS]
-        self.worst_error = error[heads, order]
-        self.worst_position = position[heads, order]
+        self.worst_error[...] = error[heads, order]
+        self.worst_position[...] = position[heads, order]
 
     def slices(self, layer: str, number: int, elements: int) -> list[SliceErrors]:
         """The layer's heads as ``SliceErrors``."""

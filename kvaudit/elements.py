@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .dtypes import DType, dtype_name
+from .dtypes import DType, dtype_name, dtype_size
 
 if TYPE_CHECKING:
     import torch
@@ -93,3 +93,12 @@ def decode(raw: np.ndarray, dtype: DType | torch.dtype, out: np.ndarray) -> None
         out[...] = raw.view(_INTEGERS[name])
         return
     raise ValueError(f"cannot compare {name} elements by value")
+
+
+def copy_bits(raw: np.ndarray, dtype: DType | torch.dtype, out: np.ndarray) -> None:
+    """Copy elements given as their little-endian bytes (uint8, last axis a whole number
+    of elements of ``dtype``) into ``out``, an unsigned array of their size: the bits
+    unchanged, for ``kvaudit._element_errors`` to decode."""
+    if out.dtype.itemsize != dtype_size(dtype):
+        raise ValueError(f"{dtype_name(dtype)} elements do not fit {out.dtype} bits")
+    np.copyto(out, raw.view(out.dtype.newbyteorder("<")))

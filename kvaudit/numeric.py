@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,6 +23,7 @@ import numpy as np
 from .compare.numeric import GroupNumeric, NumericReport, RequestNumeric
 from .element_errors import LayerErrors, add_batch, scratch
 from .elements import work_dtype
+from .native_errors import add_raw_batch, native_module, raw_dtype, reads
 from .sources.raw import RawWorker
 from .value_reads import (
     LayerValues,
@@ -93,19 +95,22 @@ def _compare_layer(
     read. The rows' mapped pages are dropped after."""
     read = 0
     row, width = layer_tokens
+    native = native_module()
+    if native is not None and not reads(native, *(layer.dtype for layer in layers)):
+        native = None
     with RowFiles() as files:
         for lo, hi, plans in pieces:
             values = []
             for key, plan, layer in zip("pc", plans, layers):
                 shape = (layer.heads, hi - lo, layer.elements)
-                buffer = scratch(key, work_dtype(layer.dtype), shape)
+                kind = work_dtype(layer.dtype) if native is None else raw_dtype(layer.dtype)
+                buffer = scratch(key, kind, shape)
                 held = np.zeros(shape[:2], dtype=bool)
-                read += decode_layer(plan, name, layer, (buffer, held), files)
+                read += decode_layer(
+                    plan, name, layer, (buffer, held), files, raw=native is not None
+                )
                 values.append((buffer, held))
-            (p, held_p), (c, held_c) = values
-            if p.dtype != c.dtype:
-                p, c = p.astype(np.float64), c.astype(np.float64)
-            token_row = add_batch(errors, lo, p, c, held_p & held_c, tolerance)
+            token_row = _add_piece(native, errors, lo, values, layers, tolerance)
             np.fmax.at(row, np.arange(lo, hi) // width, token_row)
     # Rows far apart map a large folio of file pages each: dropped at once (another
     # thread's rows of the same files are read again from the page cache if needed).
@@ -115,6 +120,27 @@ def _compare_layer(
     for worker in workers.values():
         worker.drop_pages()
     return read
+
+
+def _add_piece(
+    native: ModuleType | None,
+    errors: LayerErrors,
+    lo: int,
+    values: list[tuple[np.ndarray, np.ndarray]],
+    layers: tuple[LayerValues, LayerValues],
+    tolerance: tuple[float, float],
+) -> np.ndarray:
+    """Add a piece of a layer's batch to its errors: both sides' element bits in the C
+    extension (``native``), else their decoded values in numpy (one float type for
+    both); returns its token row (``add_batch``)."""
+    (p, held_p), (c, held_c) = values
+    held = held_p & held_c
+    if native is not None:
+        left, right = ((layer.dtype, layer.head_size, layer.scales) for layer in layers)
+        return add_raw_batch(native, errors, lo, (p, c), held, (left, right), tolerance)
+    if p.dtype != c.dtype:
+        p, c = p.astype(np.float64), c.astype(np.float64)
+    return add_batch(errors, lo, p, c, held, tolerance)
 
 
 def _piece_tokens(unit: int, layers: Mapping[str, LayerValues], common: Sequence[str]) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,7 +16,7 @@ import numpy as np
 from .arrays import element_size, is_numpy
 from .description import LayerSpec
 from .dtypes import DType
-from .elements import decode
+from .elements import copy_bits, decode
 from .errors import KvauditError
 from .locate import layer_specs
 from .mapping import CHANGED, FileMap
@@ -251,12 +251,17 @@ def decode_layer(
     layer: LayerValues,
     out: tuple[np.ndarray, np.ndarray],
     files: RowFiles | None = None,
+    *,
+    raw: bool = False,
 ) -> int:
     """Decode a layer's batch into ``values`` ``[heads, batch tokens, elements]`` (its
-    work dtype) and mark the ``[heads, batch tokens]`` decoded in ``held`` (positions not
-    marked are left as they were), ``out = (values, held)``; dumps' rows are read through
-    ``files`` where given. Returns the bytes read."""
+    work dtype, times its scales) and mark the ``[heads, batch tokens]`` decoded in
+    ``held`` (positions not marked are left as they were), ``out = (values, held)``; dumps'
+    rows are read through ``files`` where given. ``raw``: the elements' bits are copied
+    instead (``values`` of an unsigned type of their size), unscaled. Returns the bytes
+    read."""
     values, held = out
+    write = copy_bits if raw else decode
     read = 0
     for item in plan:
         view = item.views.get(name)
@@ -271,23 +276,34 @@ def decode_layer(
             start = part.piece_offset * size // view.dtype.itemsize
             width = pieces * size // view.dtype.itemsize
             source = _row_source(item.worker, part.pieces, item.rows, files)
-            _decode_part(source, item, view.dtype, target[..., start : start + width])
+            _decode_part(source, item, (view.dtype, write), target[..., start : start + width])
+        held[heads, item.target] = True
+        if raw:
+            continue
         k_scale, v_scale = layer.scales
         if k_scale is not None:
             target[..., : layer.head_size] *= k_scale
         if v_scale is not None:
             target[..., layer.head_size :] *= v_scale
-        held[heads, item.target] = True
     return read
 
 
+Writer = Callable[[np.ndarray, DType, np.ndarray], None]
+"""``decode`` or ``copy_bits``: elements' bytes (uint8, last axis) written into an array."""
+
+
 def _decode_part(
-    rows_at: tuple[np.ndarray, list[int]], item: WorkerRows, dtype: DType, out: np.ndarray
+    rows_at: tuple[np.ndarray, list[int]],
+    item: WorkerRows,
+    dtype_write: tuple[DType, Writer],
+    out: np.ndarray,
 ) -> None:
     """Decode one part's cells at ``item``'s positions (rows ``rows_at[1]`` of
     ``rows_at[0]``, pieces ``[rows, kernel blocks, heads, tokens, pieces]``) into ``out``
-    ``[heads, count, part elements]``, row by row."""
+    ``[heads, count, part elements]``, row by row, with ``dtype_write = (dtype, decode
+    or copy_bits)``."""
     source, rows = rows_at
+    dtype, write = dtype_write
     _, kernel_blocks, _, tokens, _ = source.shape
     per_row = kernel_blocks * tokens
     begin, end = item.skip, item.skip + item.count
@@ -296,7 +312,7 @@ def _decode_part(
         cells = source.view(np.uint8).transpose(2, 0, 1, 3, 4)  # heads first, a view
         target = out.view()
         target.shape = (*cells.shape[:-1], out.shape[-1])
-        decode(cells, dtype, target)
+        write(cells, dtype, target)
         return
     for index, row in enumerate(rows):
         lo, hi = max(begin, index * per_row), min(end, (index + 1) * per_row)
@@ -308,14 +324,14 @@ def _decode_part(
             # (setting ``shape`` raises rather than copy).
             target = out[:, lo - begin : hi - begin].view()
             target.shape = (*cells.shape[:-1], out.shape[-1])
-            decode(cells, dtype, target)
+            write(cells, dtype, target)
             continue
         # A row cut short (the batch's first or last): its kernel blocks one by one.
         for block in range(kernel_blocks):
             first = index * per_row + block * tokens
             a, b = max(lo, first), min(hi, first + tokens)
             if a < b:
-                decode(cells[:, block, a - first : b - first], dtype, out[:, a - begin : b - begin])
+                write(cells[:, block, a - first : b - first], dtype, out[:, a - begin : b - begin])
 
 
 def block_unit(sides: Sequence[list[SideWorker]]) -> int:

@@ -41,7 +41,7 @@ LAYERS: list[list[str]] = [
     ["integrations", "live"],
     ["sources"],
     ["locate.cells", "locate.slices"],
-    ["compare", "locate", "value_reads", "element_errors", "numeric", "trace"],
+    ["compare", "locate", "value_reads", "element_errors", "native_errors", "numeric", "trace"],
     ["corrupt", "pairing", "diffing.sides"],
     ["diffing.diff", "diffing.received", "diffing.stored", "diffing.numeric"],
     ["diffing"],

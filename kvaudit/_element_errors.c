@@ -1,0 +1,459 @@
+/* kvaudit._element_errors: the errors between two sides' values of one layer's batch in
+ * one pass (docs/numeric.md), the fused form of kvaudit/element_errors.py's numpy path.
+ *
+ * Each side is given as the raw bits of its elements, [heads, tokens, elements] in its
+ * layer's dtype; every (head, token) row is decoded into a small buffer (exactly, times the
+ * side's K and V scales, in the type the numpy path decodes into), then reduced in one
+ * loop: per row the largest |c - p| and |p|, per head the largest relative error, the
+ * elements over tolerance, the NaN and Inf on one side only and the sum of squared errors
+ * (in double), per token the largest scaled error over heads. Rows of finite errors take a
+ * vectorized loop; a row with a NaN or Inf takes an element-by-element one.
+ *
+ * Plain C and the CPython API only (buffers through the buffer protocol: no numpy
+ * headers); the GIL is released around the loops, so layers run on several threads. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+#error "the elements' bits are read as little-endian"
+#endif
+
+#if defined(__GNUC__)
+#define INLINE static inline __attribute__((always_inline))
+#else
+#define INLINE static inline
+#endif
+
+/* AVX2 where the CPU has it, chosen at load time; portable code everywhere else. */
+#if defined(__x86_64__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define CLONES __attribute__((target_clones("avx2", "default")))
+#endif
+#endif
+#ifndef CLONES
+#define CLONES
+#endif
+
+/* The vector helpers are always inlined: how a vector would be passed between functions
+ * compiled for other instruction sets does not matter. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
+#define LANES 8 /* the widest vector's elements: rows are padded to a multiple */
+
+/* The dtypes read here, in the order of KINDS (their kvaudit names). */
+enum Kind { BF16, F16, F32, F64, E4M3FN, E5M2, KIND_COUNT };
+static const char *const KIND_NAMES[KIND_COUNT] = {
+    "bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2",
+};
+static const Py_ssize_t KIND_SIZES[KIND_COUNT] = {2, 2, 4, 8, 1, 1};
+
+/* Narrow kinds are decoded into float (every value exact), wide ones into double. */
+static int is_wide(int kind) { return kind == F32 || kind == F64; }
+
+/* Vectors of 32 bytes (GNU C: an AVX2 register; the compiler splits them for SSE). */
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef double f64x4 __attribute__((vector_size(32)));
+typedef int64_t i64x4 __attribute__((vector_size(32)));
+
+/* Per lane, yes where take (all ones) and no where not (zero): integer vectors. */
+#define SELECT(take, yes, no) (((take) & (yes)) | (~(take) & (no)))
+
+static float FP8_VALUES[2][256]; /* e4m3fn, e5m2: each code's value */
+
+INLINE float f32_from_bits(uint32_t u)
+{
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+INLINE uint32_t f32_bits(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return u;
+}
+
+/* An fp8 code's value with IEEE-like subnormals; has_inf: the all-ones exponent holds
+ * Inf and NaN (e5m2), else only the all-ones code of each sign is NaN (e4m3fn). */
+static float fp8_value(unsigned code, int exponent_bits, int mantissa_bits, int has_inf)
+{
+    unsigned top = (1u << exponent_bits) - 1, ones = (1u << mantissa_bits) - 1;
+    unsigned exponent = (code >> mantissa_bits) & top, mantissa = code & ones;
+    int bias = (1 << (exponent_bits - 1)) - 1;
+    float value;
+    if (exponent == top && (has_inf || mantissa == ones))
+        value = (has_inf && mantissa == 0) ? INFINITY : NAN;
+    else if (exponent == 0)
+        value = ldexpf((float)mantissa, 1 - bias - mantissa_bits);
+    else
+        value = ldexpf((float)(mantissa | (ones + 1)), (int)exponent - bias - mantissa_bits);
+    return (code & 0x80) ? -value : value;
+}
+
+/* An fp16's value, branch-free so that the loop vectorizes. */
+INLINE float f16_value(uint16_t half)
+{
+    uint32_t sign = (uint32_t)(half & 0x8000u) << 16, rest = half & 0x7fffu;
+    uint32_t normal = (rest << 13) + ((127u - 15u) << 23); /* the exponent rebiased */
+    uint32_t special = (rest << 13) | 0x7f800000u;         /* Inf, NaN with its payload */
+    float subnormal = (float)(int32_t)rest * 0x1p-24f;      /* exact: rest < 2^10 */
+    uint32_t bits = rest >= 0x7c00u ? special : rest >= 0x0400u ? normal : f32_bits(subnormal);
+    return f32_from_bits(sign | bits);
+}
+
+/* Eight fp16s' values at once: f16_value's steps on vectors. */
+INLINE f32x8 f16_values(const uint8_t *raw)
+{
+    u16x8 halves;
+    memcpy(&halves, raw, sizeof halves);
+    u32x8 wide = __builtin_convertvector(halves, u32x8);
+    u32x8 sign = (wide & 0x8000u) << 16, rest = wide & 0x7fffu;
+    u32x8 normal = (rest << 13) + ((127u - 15u) << 23);
+    u32x8 special = (rest << 13) | 0x7f800000u;
+    f32x8 subnormal = __builtin_convertvector((i32x8)rest, f32x8) * 0x1p-24f;
+    u32x8 is_special = (u32x8)((i32x8)rest >= 0x7c00), is_normal = (u32x8)((i32x8)rest >= 0x0400);
+    u32x8 finite = SELECT(is_normal, normal, (u32x8)subnormal);
+    return (f32x8)(sign | SELECT(is_special, special, finite));
+}
+
+INLINE uint16_t load16(const uint8_t *at)
+{
+    uint16_t u;
+    memcpy(&u, at, sizeof u);
+    return u;
+}
+
+/* One side of a batch: its elements' bits, kind, and the scales of its K elements (the
+ * first head_size of a row) and V elements (1 where none). */
+typedef struct {
+    const uint8_t *bits;
+    int kind;
+    Py_ssize_t head_size;
+    double scales[2];
+} Side;
+
+#define WORST 5 /* worst token positions kept per head */
+
+/* One layer's batch from request position lo: both sides, which rows both hold, the
+ * shape, the tolerance; the layer's figures it is added to, and its token row. */
+typedef struct {
+    Side sides[2];
+    const uint8_t *held; /* [heads, tokens] */
+    Py_ssize_t heads, tokens, elements, lo;
+    double atol, rtol;
+    double *figures;          /* [4, heads]: max |c - p|, max rel, max |p|, sum of squares */
+    int64_t *counts;          /* [3, heads]: tokens held, over tolerance, one-sided */
+    double *worst_error;      /* [heads, WORST]: largest |c - p| first (0: none) */
+    int64_t *worst_position;  /* [heads, WORST]: their request positions (-1: none) */
+    double *token_row;        /* [tokens]: largest scaled error (NaN where none held) */
+} Batch;
+
+/* Keep a head's WORST positions of largest error, largest first, earliest on ties:
+ * positions come in increasing order, so a later one enters only when strictly larger. */
+static inline void keep_worst(double *error, int64_t *position, double value, int64_t at)
+{
+    if (!(value > error[WORST - 1]))
+        return;
+    int k = WORST - 1;
+    for (; k > 0 && value > error[k - 1]; k--) {
+        error[k] = error[k - 1];
+        position[k] = position[k - 1];
+    }
+    error[k] = value;
+    position[k] = at;
+}
+
+/* Add a head's figures of the batch to the layer's: maxima and the sum of squares. */
+static inline void add_head(const Batch *b, Py_ssize_t h, double abs, double rel,
+                            double scale, double squares)
+{
+    double *figures = b->figures + h;
+    Py_ssize_t heads = b->heads;
+    figures[0] = abs > figures[0] ? abs : figures[0];
+    figures[heads] = rel > figures[heads] ? rel : figures[heads];
+    figures[2 * heads] = scale > figures[2 * heads] ? scale : figures[2 * heads];
+    figures[3 * heads] += squares;
+}
+
+/* A narrow side's row as float, times the side's scales in float (as numpy scales a
+ * float32 buffer). */
+INLINE void decode_narrow(const Side *side, Py_ssize_t row, Py_ssize_t n, float *out)
+{
+    const uint8_t *raw = side->bits + row * n * KIND_SIZES[side->kind];
+    switch (side->kind) {
+    case BF16: /* the high half of a float32 */
+        for (Py_ssize_t i = 0; i < n; i++)
+            out[i] = f32_from_bits((uint32_t)load16(raw + 2 * i) << 16);
+        break;
+    case F16: {
+        Py_ssize_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+            f32x8 values = f16_values(raw + 2 * i);
+            memcpy(out + i, &values, sizeof values);
+        }
+        for (; i < n; i++)
+            out[i] = f16_value(load16(raw + 2 * i));
+        break;
+    }
+    default: {
+        const float *table = FP8_VALUES[side->kind == E5M2];
+        for (Py_ssize_t i = 0; i < n; i++)
+            out[i] = table[raw[i]];
+    }
+    }
+    float k_scale = (float)side->scales[0], v_scale = (float)side->scales[1];
+    if (side->scales[0] != 1.0)
+        for (Py_ssize_t i = 0; i < side->head_size; i++)
+            out[i] *= k_scale;
+    if (side->scales[1] != 1.0)
+        for (Py_ssize_t i = side->head_size; i < n; i++)
+            out[i] *= v_scale;
+}
+
+/* A side's row as float: only narrow sides are compared in float. */
+INLINE void decode_row_f32(const Side *side, Py_ssize_t row, const Batch *b, float *out,
+                           float *scratch)
+{
+    (void)scratch;
+    decode_narrow(side, row, b->elements, out);
+}
+
+/* A side's row as double: a narrow side decoded and scaled as float first, then widened
+ * (numpy widens the float32 buffer); a wide side read and scaled in double. */
+INLINE void decode_row_f64(const Side *side, Py_ssize_t row, const Batch *b, double *out,
+                           float *scratch)
+{
+    Py_ssize_t n = b->elements;
+    if (!is_wide(side->kind)) {
+        decode_narrow(side, row, n, scratch);
+        for (Py_ssize_t i = 0; i < n; i++)
+            out[i] = (double)scratch[i];
+        return;
+    }
+    const uint8_t *raw = side->bits + row * n * KIND_SIZES[side->kind];
+    if (side->kind == F32) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            float value;
+            memcpy(&value, raw + 4 * i, sizeof value);
+            out[i] = (double)value;
+        }
+    } else {
+        memcpy(out, raw, (size_t)n * sizeof(double));
+    }
+    if (side->scales[0] != 1.0)
+        for (Py_ssize_t i = 0; i < side->head_size; i++)
+            out[i] *= side->scales[0];
+    if (side->scales[1] != 1.0)
+        for (Py_ssize_t i = side->head_size; i < n; i++)
+            out[i] *= side->scales[1];
+}
+
+/* The row errors and the batch loop, once per float type. */
+#define REAL float
+#define UINT uint32_t
+#define ABS fabsf
+#define WIDTH 8
+#define VREAL f32x8
+#define VBITS i32x8
+#define PART f32x4
+#define PARTS 2
+#define MAGNITUDE 0x7fffffff
+#define NAME(x) x##_f32
+#include "_element_errors_row.h"
+#undef REAL
+#undef UINT
+#undef ABS
+#undef WIDTH
+#undef VREAL
+#undef VBITS
+#undef PART
+#undef PARTS
+#undef MAGNITUDE
+#undef NAME
+
+#define REAL double
+#define UINT uint64_t
+#define ABS fabs
+#define WIDTH 4
+#define VREAL f64x4
+#define VBITS i64x4
+#define PART f64x4
+#define PARTS 1
+#define MAGNITUDE 0x7fffffffffffffff
+#define NAME(x) x##_f64
+#include "_element_errors_row.h"
+#undef REAL
+#undef UINT
+#undef ABS
+#undef WIDTH
+#undef VREAL
+#undef VBITS
+#undef PART
+#undef PARTS
+#undef MAGNITUDE
+#undef NAME
+
+/* Which kind a name is; -1 if none. */
+static int kind_of(PyObject *name)
+{
+    for (int kind = 0; kind < KIND_COUNT; kind++)
+        if (PyUnicode_CompareWithASCIIString(name, KIND_NAMES[kind]) == 0)
+            return kind;
+    return -1;
+}
+
+/* Whether every buffer holds what the shape says; sets ValueError if not. */
+static int check_sizes(const Batch *b, const Py_buffer *in, const Py_buffer *out)
+{
+    Py_ssize_t heads = b->heads, tokens = b->tokens, elements = b->elements;
+    for (int s = 0; s < 2; s++) {
+        Py_ssize_t head_size = b->sides[s].head_size;
+        if (heads < 0 || tokens < 0 || head_size < 0 || head_size > elements) {
+            PyErr_SetString(PyExc_ValueError, "bad batch shape");
+            return 0;
+        }
+    }
+    Py_ssize_t rows = heads * tokens;
+    Py_ssize_t want[8] = {
+        rows * elements * KIND_SIZES[b->sides[0].kind],
+        rows * elements * KIND_SIZES[b->sides[1].kind],
+        rows,
+        4 * heads * 8,
+        3 * heads * 8,
+        heads * WORST * 8,
+        heads * WORST * 8,
+        tokens * 8,
+    };
+    for (int i = 0; i < 8; i++) {
+        Py_ssize_t got = i < 3 ? in[i].len : out[i - 3].len;
+        if (got != want[i]) {
+            PyErr_Format(PyExc_ValueError, "buffer %d holds %zd bytes, not %zd", i, got, want[i]);
+            return 0;
+        }
+    }
+    return 1;
+}
+
+PyDoc_STRVAR(compare_doc,
+    "compare(p, c, held, shape, p_side, c_side, tolerance, lo, figures, counts,\n"
+    "        worst_error, worst_position, token_row)\n--\n\n"
+    "Add one layer's batch from request position lo to its figures: p and c the bits of\n"
+    "[heads, tokens, elements] elements, held the uint8 [heads, tokens] rows both sides\n"
+    "hold, shape (heads, tokens, elements), each side (kind: a name in KINDS, head_size,\n"
+    "K scale, V scale; 1.0 for none), tolerance (atol, rtol). Updates the float64 figures\n"
+    "[4, heads] (max abs, max rel, max |p|, sum of squares), the int64 counts [3, heads]\n"
+    "(tokens, over tolerance, one-sided NaN or Inf), the worst 5 errors [heads, 5] (float64)\n"
+    "and positions (int64); fills the float64 token_row [tokens].");
+
+static PyObject *compare(PyObject *self, PyObject *args)
+{
+    (void)self;
+    Py_buffer in[3], out[5];
+    PyObject *kinds[2];
+    Batch b;
+    memset(&b, 0, sizeof b);
+    Side *p = &b.sides[0], *c = &b.sides[1];
+    if (!PyArg_ParseTuple(args, "y*y*y*(nnn)(Undd)(Undd)(dd)nw*w*w*w*w*", &in[0], &in[1],
+                          &in[2], &b.heads, &b.tokens, &b.elements, &kinds[0], &p->head_size,
+                          &p->scales[0], &p->scales[1], &kinds[1], &c->head_size,
+                          &c->scales[0], &c->scales[1], &b.atol, &b.rtol, &b.lo, &out[0],
+                          &out[1], &out[2], &out[3], &out[4]))
+        return NULL;
+    PyObject *result = NULL;
+    float *buffers = NULL;
+    for (int s = 0; s < 2; s++) {
+        b.sides[s].kind = kind_of(kinds[s]);
+        if (b.sides[s].kind < 0) {
+            PyErr_Format(PyExc_ValueError, "cannot compare %U elements", kinds[s]);
+            goto done;
+        }
+        b.sides[s].bits = in[s].buf;
+    }
+    if (!check_sizes(&b, in, out))
+        goto done;
+    b.held = in[2].buf;
+    b.figures = out[0].buf;
+    b.counts = out[1].buf;
+    b.worst_error = out[2].buf;
+    b.worst_position = out[3].buf;
+    b.token_row = out[4].buf;
+    /* Two rows of doubles and one of floats (a narrow side widened to double), padded
+     * with zeros to whole vectors. */
+    size_t padded = ((size_t)b.elements + LANES - 1) / LANES * LANES;
+    buffers = calloc(padded * 5, sizeof(float));
+    if (buffers == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int wide = is_wide(b.sides[0].kind) || is_wide(b.sides[1].kind);
+    Py_BEGIN_ALLOW_THREADS
+    if (wide)
+        compare_batch_f64(&b, (double *)buffers, (double *)buffers + padded, buffers + 4 * padded);
+    else
+        compare_batch_f32(&b, buffers, buffers + padded, NULL);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    free(buffers);
+    for (int i = 0; i < 3; i++)
+        PyBuffer_Release(&in[i]);
+    for (int i = 0; i < 5; i++)
+        PyBuffer_Release(&out[i]);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"compare", compare, METH_VARARGS, compare_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_element_errors",
+    .m_doc = "One layer's batch of two sides' elements compared in one pass (docs/numeric.md).",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__element_errors(void)
+{
+    for (unsigned code = 0; code < 256; code++) {
+        FP8_VALUES[0][code] = fp8_value(code, 4, 3, 0);
+        FP8_VALUES[1][code] = fp8_value(code, 5, 2, 1);
+    }
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    PyObject *names = PyTuple_New(KIND_COUNT);
+    if (names == NULL)
+        goto fail;
+    for (int kind = 0; kind < KIND_COUNT; kind++) {
+        PyObject *name = PyUnicode_FromString(KIND_NAMES[kind]);
+        if (name == NULL) {
+            Py_DECREF(names);
+            goto fail;
+        }
+        PyTuple_SET_ITEM(names, kind, name);
+    }
+    if (PyModule_AddObject(m, "KINDS", names) < 0) {
+        Py_DECREF(names);
+        goto fail;
+    }
+    return m;
+fail:
+    Py_DECREF(m);
+    return NULL;
+}

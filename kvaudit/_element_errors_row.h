@@ -1,0 +1,233 @@
+/* The errors of one (head, token) row of values in one float type: included twice by
+ * _element_errors.c, with REAL float and with REAL double (UINT their bits, ABS fabsf or
+ * fabs, VREAL a vector of WIDTH of them, VBITS of WIDTH signed integers of their size, PART
+ * of four of them, PARTS vectors of four a VREAL, MAGNITUDE all bits but the sign), NAME(x) giving each copy its own names. Every operation is the numpy path's
+ * (kvaudit/element_errors.py) in the same type, so the figures come out bit for bit the
+ * same; only the sum of squares is kept in double. */
+
+/* A non-negative REAL as its bits: such floats order as their bits do, NaN above Inf. */
+INLINE UINT NAME(bits_of)(REAL x)
+{
+    UINT u;
+    memcpy(&u, &x, sizeof u);
+    return u;
+}
+
+INLINE REAL NAME(from_bits)(UINT u)
+{
+    REAL x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+/* Row errors: the largest |c - p| and |p| (NaN where a p is NaN), the largest
+ * |c - p| / |p| (0 / 0 skipped, at least 0), the elements over tolerance and with a NaN or
+ * Inf on one side only, the sum of the squared errors, whether a value was one-sided. */
+typedef struct {
+    REAL abs, scale, rel;
+    int64_t over, nonfinite;
+    double squares;
+    int one_sided;
+} NAME(Row);
+
+/* The tolerance in REAL: numpy rounds the Python floats to the array's type. by_ratio:
+ * with atol 0, "over" is |c - p| / |p| > rtol, as the numpy path tests it. */
+typedef struct {
+    REAL atol, rtol;
+    int by_ratio;
+} NAME(Tolerance);
+
+/* WIDTH accumulators each, in vectors of 32 bytes (GNU C vector extensions: one AVX2
+ * register, two SSE ones). Every lane takes the same elements whatever the instruction
+ * set, so the results do not depend on which clone runs. Magnitudes' bits are compared as
+ * signed integers: with the sign bit clear, they order as the floats do, NaN above Inf. */
+typedef struct {
+    VBITS abs, scale, over; /* over: minus the count (a true comparison is -1) */
+    VREAL rel;
+    f64x4 squares[PARTS]; /* lanes 0-3, 4-7 */
+} NAME(Lanes);
+
+/* WIDTH elements into the lanes; counted: the lanes that hold elements of the row. */
+INLINE void NAME(lane_step)(NAME(Lanes) *l, const REAL *p_at, const REAL *c_at,
+                            const NAME(Tolerance) *tol, int by_ratio, const VBITS *counted)
+{
+    VREAL p, c;
+    memcpy(&p, p_at, sizeof p);
+    memcpy(&c, c_at, sizeof c);
+    VBITS a_bits = (VBITS)(c - p) & MAGNITUDE, scale_bits = (VBITS)p & MAGNITUDE;
+    VREAL a = (VREAL)a_bits, scale = (VREAL)scale_bits, rel = a / scale;
+    VBITS over;
+    if (by_ratio)
+        over = rel > tol->rtol;
+    else
+        over = a > scale * tol->rtol + tol->atol;
+    l->over += over & *counted;
+    l->abs = SELECT(a_bits > l->abs, a_bits, l->abs);
+    l->scale = SELECT(scale_bits > l->scale, scale_bits, l->scale);
+    /* NaN (0 / 0: both 0) compares false: it never enters. */
+    l->rel = (VREAL)SELECT(rel > l->rel, (VBITS)rel, (VBITS)l->rel);
+    /* Widened four lanes at a time: into a register of four doubles. */
+    for (int at = 0; at < PARTS; at++) {
+        PART part;
+        memcpy(&part, (const char *)&a + at * sizeof part, sizeof part);
+        f64x4 wide = __builtin_convertvector(part, f64x4);
+        l->squares[at] += wide * wide;
+    }
+}
+
+/* The lanes over a row (zero-padded to whole vectors); by_ratio a constant where
+ * inlined, so that the loop holds no branch. */
+INLINE void NAME(lanes_over)(NAME(Lanes) *l, const REAL *p, const REAL *c, Py_ssize_t n,
+                             const NAME(Tolerance) *tol, int by_ratio)
+{
+    VBITS counted = {0}, lane = {0};
+    counted -= 1; /* all lanes */
+    for (int j = 0; j < WIDTH; j++)
+        lane[j] = j;
+    Py_ssize_t i = 0;
+    for (; i + WIDTH <= n; i += WIDTH)
+        NAME(lane_step)(l, p + i, c + i, tol, by_ratio, &counted);
+    if (i < n) { /* padding (0 against 0) adds nothing but could be "over" a negative atol */
+        counted = lane < (int)(n - i);
+        NAME(lane_step)(l, p + i, c + i, tol, by_ratio, &counted);
+    }
+}
+
+/* The row where every error is finite (so both sides are): returns 0, leaving *row
+ * undefined, where one is not (NaN or Inf on a side, or c - p overflowing). */
+INLINE int NAME(row_fast)(const REAL *p, const REAL *c, Py_ssize_t n,
+                          const NAME(Tolerance) *tol, NAME(Row) *row)
+{
+    NAME(Lanes) l;
+    memset(&l, 0, sizeof l);
+    if (tol->by_ratio)
+        NAME(lanes_over)(&l, p, c, n, tol, 1);
+    else
+        NAME(lanes_over)(&l, p, c, n, tol, 0);
+    UINT abs = 0, scale = 0;
+    REAL rel = 0;
+    row->over = 0;
+    row->squares = 0.0;
+    for (int j = 0; j < WIDTH; j++) {
+        abs = (UINT)l.abs[j] > abs ? (UINT)l.abs[j] : abs;
+        scale = (UINT)l.scale[j] > scale ? (UINT)l.scale[j] : scale;
+        rel = l.rel[j] > rel ? l.rel[j] : rel;
+        row->over -= (int64_t)l.over[j];
+        row->squares += l.squares[j / 4][j % 4];
+    }
+    row->abs = NAME(from_bits)(abs);
+    if (!isfinite(row->abs))
+        return 0;
+    row->scale = NAME(from_bits)(scale);
+    row->rel = rel;
+    row->nonfinite = 0;
+    row->one_sided = 0;
+    return 1;
+}
+
+/* The row element by element with NaN and Inf (docs/numeric.md): NaN against NaN and an
+ * Inf against the same Inf agree (error 0); any other non-finite error is infinite, and a
+ * one-sided one (NaN or Inf on one side only) is also counted, over tolerance, out of the
+ * squares, and makes the row's relative error infinite. */
+static void NAME(row_exact)(const REAL *p, const REAL *c, Py_ssize_t n,
+                            const NAME(Tolerance) *tol, NAME(Row) *row)
+{
+    UINT scale = 0;
+    memset(row, 0, sizeof *row);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        REAL a = ABS(c[i] - p[i]), magnitude = ABS(p[i]);
+        int one_sided = 0;
+        if (!isfinite(a)) {
+            int p_nan = isnan(p[i]) != 0, c_nan = isnan(c[i]) != 0;
+            if ((p_nan && c_nan) || p[i] == c[i]) {
+                a = 0;
+            } else {
+                a = (REAL)INFINITY;
+                one_sided = p_nan != c_nan || (isinf(p[i]) != 0) != (isinf(c[i]) != 0);
+            }
+        }
+        REAL rel = a / magnitude;
+        int over = tol->by_ratio ? rel > tol->rtol : a > magnitude * tol->rtol + tol->atol;
+        UINT magnitude_bits = NAME(bits_of)(magnitude);
+        row->abs = a > row->abs ? a : row->abs;
+        scale = magnitude_bits > scale ? magnitude_bits : scale;
+        row->rel = rel > row->rel ? rel : row->rel;
+        row->over += one_sided || over;
+        if (one_sided) {
+            row->nonfinite++;
+            row->one_sided = 1;
+        } else {
+            row->squares += (double)a * (double)a;
+        }
+    }
+    row->scale = NAME(from_bits)(scale);
+    if (row->one_sided)
+        row->rel = (REAL)INFINITY;
+}
+
+/* Per-head figures of one batch, filled row by row. */
+typedef struct {
+    REAL abs, rel;
+    UINT scale;
+    int64_t tokens, over, nonfinite;
+    double squares;
+} NAME(Head);
+
+/* Add one held row to its head and return its largest |c - p| and, through *scaled, its
+ * scaled error max |c - p| / max |p| in REAL (0 / 0 is 0; infinite where one-sided), for
+ * the layers x tokens picture. */
+INLINE REAL NAME(add_row)(NAME(Head) *head, const REAL *p, const REAL *c, Py_ssize_t n,
+                          const NAME(Tolerance) *tol, double *scaled)
+{
+    NAME(Row) row;
+    if (!NAME(row_fast)(p, c, n, tol, &row))
+        NAME(row_exact)(p, c, n, tol, &row);
+    UINT scale_bits = NAME(bits_of)(row.scale);
+    head->abs = row.abs > head->abs ? row.abs : head->abs;
+    head->rel = row.rel > head->rel ? row.rel : head->rel;
+    head->scale = scale_bits > head->scale ? scale_bits : head->scale;
+    head->tokens++;
+    head->over += row.over;
+    head->nonfinite += row.nonfinite;
+    head->squares += row.squares;
+    REAL ratio = row.abs / row.scale;
+    *scaled = row.one_sided ? INFINITY : isnan(ratio) ? 0.0 : (double)ratio;
+    return row.abs;
+}
+
+/* One layer's batch: every held row decoded into p_row and c_row (scratch: a narrow side
+ * on its way to double), added to its head, each head added to the layer's figures. */
+CLONES static void NAME(compare_batch)(const Batch *b, REAL *p_row, REAL *c_row,
+                                       float *scratch)
+{
+    NAME(Tolerance) tol = {(REAL)b->atol, (REAL)b->rtol, b->atol == 0};
+    Py_ssize_t heads = b->heads, tokens = b->tokens, n = b->elements;
+    for (Py_ssize_t t = 0; t < tokens; t++)
+        b->token_row[t] = -1.0; /* below any scaled error: no head held yet */
+    for (Py_ssize_t h = 0; h < heads; h++) {
+        NAME(Head) head;
+        memset(&head, 0, sizeof head);
+        for (Py_ssize_t t = 0; t < tokens; t++) {
+            Py_ssize_t row = h * tokens + t;
+            if (!b->held[row])
+                continue;
+            NAME(decode_row)(&b->sides[0], row, b, p_row, scratch);
+            NAME(decode_row)(&b->sides[1], row, b, c_row, scratch);
+            double scaled;
+            REAL abs = NAME(add_row)(&head, p_row, c_row, n, &tol, &scaled);
+            if (scaled > b->token_row[t])
+                b->token_row[t] = scaled;
+            keep_worst(b->worst_error + h * WORST, b->worst_position + h * WORST, (double)abs,
+                       b->lo + t);
+        }
+        REAL scale = NAME(from_bits)(head.scale);
+        add_head(b, h, (double)head.abs, (double)head.rel, isnan(scale) ? 0.0 : (double)scale,
+                 head.squares);
+        b->counts[h] += head.tokens;
+        b->counts[heads + h] += head.over;
+        b->counts[2 * heads + h] += head.nonfinite;
+    }
+    for (Py_ssize_t t = 0; t < tokens; t++)
+        if (b->token_row[t] < 0)
+            b->token_row[t] = NAN;
+}

@@ -1,0 +1,81 @@
+"""One layer's batch compared by the C extension ``kvaudit._element_errors``: both sides'
+raw element bits decoded, scaled and reduced in one pass (docs/numeric.md), then added to
+the layer's ``LayerErrors``. The figures are those of ``kvaudit.element_errors``'s numpy
+path (the sums of squares in float64 throughout), which runs instead where the extension
+is not built, a dtype is not one it reads, or ``KVAUDIT_NATIVE=0``."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import numpy as np
+
+from .dtypes import DType, dtype_name
+from .element_errors import LayerErrors
+
+NATIVE_VARIABLE = "KVAUDIT_NATIVE"
+"""``KVAUDIT_NATIVE=0`` runs the numpy code paths even where the C extensions are built."""
+SCALES = tuple[float | None, float | None]
+
+
+def native_module() -> ModuleType | None:
+    """The C extension, or None where it is not built or ``KVAUDIT_NATIVE=0``."""
+    if os.environ.get(NATIVE_VARIABLE, "").strip() == "0":
+        return None
+    try:
+        # By name: the import checks (tests/test_imports.py) see only Python modules.
+        return importlib.import_module(f"{__package__}._element_errors")
+    except ImportError:
+        return None
+
+
+def reads(module: ModuleType, *dtypes: DType) -> bool:
+    """Whether the extension reads elements of every one of these dtypes."""
+    return all(dtype_name(dtype) in module.KINDS for dtype in dtypes)
+
+
+def raw_dtype(dtype: DType) -> type[np.unsignedinteger]:
+    """The unsigned integer type a dtype's elements are carried in, bits unchanged."""
+    return {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.itemsize]
+
+
+def add_raw_batch(
+    module: ModuleType,
+    errors: LayerErrors,
+    lo: int,
+    bits: tuple[np.ndarray, np.ndarray],
+    held: np.ndarray,
+    sides: tuple[tuple[DType, int, SCALES], tuple[DType, int, SCALES]],
+    tolerance: tuple[float, float],
+) -> np.ndarray:
+    """Add one layer's batch (the producer's and consumer's element bits ``[heads, tokens,
+    elements]`` from request position ``lo``, compared where ``held``; each side's
+    ``(dtype, head_size, (k_scale, v_scale))``) to its errors, as ``element_errors.add_batch``
+    does; returns per token the largest over heads of ``max |c - p| / max |p|`` (NaN where
+    no head compared it)."""
+    heads, tokens, elements = bits[0].shape
+    token_row = np.empty(tokens)
+    module.compare(
+        bits[0],
+        bits[1],
+        held.view(np.uint8),
+        (heads, tokens, elements),
+        *(_side(*side) for side in sides),
+        tolerance,
+        lo,
+        errors.figures,
+        errors.counts,
+        errors.worst_error,
+        errors.worst_position,
+        token_row,
+    )
+    return token_row
+
+
+def _side(dtype: DType, head_size: int, scales: SCALES) -> tuple[str, int, float, float]:
+    """A side as the extension takes it: its dtype's name, head size and both scales (1.0
+    for none: multiplying by 1 changes no value)."""
+    k_scale, v_scale = (1.0 if scale is None else float(scale) for scale in scales)
+    return dtype_name(dtype), head_size, k_scale, v_scale
