@@ -30,14 +30,15 @@
 #define INLINE static inline
 #endif
 
-/* AVX2 where the CPU has it, chosen at load time; portable code everywhere else. */
-#if defined(__x86_64__) && defined(__has_attribute)
-#if __has_attribute(target_clones)
-#define CLONES __attribute__((target_clones("avx2", "default")))
-#endif
-#endif
-#ifndef CLONES
-#define CLONES
+/* The loops are compiled twice where the compiler targets x86-64: for AVX2 (vectors of
+ * 32 bytes), chosen at load time where the CPU has it, and portable (vectors of 16 bytes:
+ * SSE2, NEON) for every CPU. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define WITH_AVX2 1
+#define AVX2 __attribute__((target("avx2")))
+static int use_avx2;
+#else
+#define WITH_AVX2 0
 #endif
 
 /* The vector helpers are always inlined: how a vector would be passed between functions
@@ -58,13 +59,18 @@ static const Py_ssize_t KIND_SIZES[KIND_COUNT] = {2, 2, 4, 8, 1, 1};
 /* Narrow kinds are decoded into float (every value exact), wide ones into double. */
 static int is_wide(int kind) { return kind == F32 || kind == F64; }
 
-/* Vectors of 32 bytes (GNU C: an AVX2 register; the compiler splits them for SSE). */
-typedef float f32x8 __attribute__((vector_size(32)));
+/* GNU C vectors: of 16 bytes (an SSE2 or NEON register), of 32 (an AVX2 one), and of 8
+ * (the floats widened into 16 bytes of doubles). */
+typedef float f32x2 __attribute__((vector_size(8)));
 typedef float f32x4 __attribute__((vector_size(16)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x4 __attribute__((vector_size(16)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x4 __attribute__((vector_size(16)));
+typedef uint16_t u16x4 __attribute__((vector_size(8)));
+typedef double f64x2 __attribute__((vector_size(16)));
 typedef double f64x4 __attribute__((vector_size(32)));
+typedef int64_t i64x2 __attribute__((vector_size(16)));
 typedef int64_t i64x4 __attribute__((vector_size(32)));
 
 /* Per lane, yes where take (all ones) and no where not (zero): integer vectors. */
@@ -114,19 +120,19 @@ INLINE float f16_value(uint16_t half)
     return f32_from_bits(sign | bits);
 }
 
-/* Eight fp16s' values at once: f16_value's steps on vectors. */
-INLINE f32x8 f16_values(const uint8_t *raw)
+/* Four fp16s' values at once: f16_value's steps on vectors. */
+INLINE f32x4 f16_values(const uint8_t *raw)
 {
-    u16x8 halves;
+    u16x4 halves;
     memcpy(&halves, raw, sizeof halves);
-    u32x8 wide = __builtin_convertvector(halves, u32x8);
-    u32x8 sign = (wide & 0x8000u) << 16, rest = wide & 0x7fffu;
-    u32x8 normal = (rest << 13) + ((127u - 15u) << 23);
-    u32x8 special = (rest << 13) | 0x7f800000u;
-    f32x8 subnormal = __builtin_convertvector((i32x8)rest, f32x8) * 0x1p-24f;
-    u32x8 is_special = (u32x8)((i32x8)rest >= 0x7c00), is_normal = (u32x8)((i32x8)rest >= 0x0400);
-    u32x8 finite = SELECT(is_normal, normal, (u32x8)subnormal);
-    return (f32x8)(sign | SELECT(is_special, special, finite));
+    u32x4 wide = __builtin_convertvector(halves, u32x4);
+    u32x4 sign = (wide & 0x8000u) << 16, rest = wide & 0x7fffu;
+    u32x4 normal = (rest << 13) + ((127u - 15u) << 23);
+    u32x4 special = (rest << 13) | 0x7f800000u;
+    f32x4 subnormal = __builtin_convertvector((i32x4)rest, f32x4) * 0x1p-24f;
+    u32x4 is_special = (u32x4)((i32x4)rest >= 0x7c00), is_normal = (u32x4)((i32x4)rest >= 0x0400);
+    u32x4 finite = SELECT(is_normal, normal, (u32x4)subnormal);
+    return (f32x4)(sign | SELECT(is_special, special, finite));
 }
 
 INLINE uint16_t load16(const uint8_t *at)
@@ -200,8 +206,8 @@ INLINE void decode_narrow(const Side *side, Py_ssize_t row, Py_ssize_t n, float 
         break;
     case F16: {
         Py_ssize_t i = 0;
-        for (; i + 8 <= n; i += 8) {
-            f32x8 values = f16_values(raw + 2 * i);
+        for (; i + 4 <= n; i += 4) {
+            f32x4 values = f16_values(raw + 2 * i);
             memcpy(out + i, &values, sizeof values);
         }
         for (; i < n; i++)
@@ -261,50 +267,61 @@ INLINE void decode_row_f64(const Side *side, Py_ssize_t row, const Batch *b, dou
             out[i] *= side->scales[1];
 }
 
-/* The row errors and the batch loop, once per float type. */
+/* The row errors and the batch loop, once per float type and vector width (the header
+ * undefines its parameters). */
 #define REAL float
 #define UINT uint32_t
 #define ABS fabsf
-#define WIDTH 8
-#define VREAL f32x8
-#define VBITS i32x8
-#define PART f32x4
-#define PARTS 2
 #define MAGNITUDE 0x7fffffff
+#define DECODE_ROW decode_row_f32
+#define VREAL f32x4
+#define VBITS i32x4
+#define PART f32x2
+#define VSQUARES f64x2
+#define TARGET
 #define NAME(x) x##_f32
 #include "_element_errors_row.h"
-#undef REAL
-#undef UINT
-#undef ABS
-#undef WIDTH
-#undef VREAL
-#undef VBITS
-#undef PART
-#undef PARTS
-#undef MAGNITUDE
-#undef NAME
 
 #define REAL double
 #define UINT uint64_t
 #define ABS fabs
-#define WIDTH 4
+#define MAGNITUDE 0x7fffffffffffffff
+#define DECODE_ROW decode_row_f64
+#define VREAL f64x2
+#define VBITS i64x2
+#define PART f64x2
+#define VSQUARES f64x2
+#define TARGET
+#define NAME(x) x##_f64
+#include "_element_errors_row.h"
+
+#if WITH_AVX2
+#define REAL float
+#define UINT uint32_t
+#define ABS fabsf
+#define MAGNITUDE 0x7fffffff
+#define DECODE_ROW decode_row_f32
+#define VREAL f32x8
+#define VBITS i32x8
+#define PART f32x4
+#define VSQUARES f64x4
+#define TARGET AVX2
+#define NAME(x) x##_f32_avx2
+#include "_element_errors_row.h"
+
+#define REAL double
+#define UINT uint64_t
+#define ABS fabs
+#define MAGNITUDE 0x7fffffffffffffff
+#define DECODE_ROW decode_row_f64
 #define VREAL f64x4
 #define VBITS i64x4
 #define PART f64x4
-#define PARTS 1
-#define MAGNITUDE 0x7fffffffffffffff
-#define NAME(x) x##_f64
+#define VSQUARES f64x4
+#define TARGET AVX2
+#define NAME(x) x##_f64_avx2
 #include "_element_errors_row.h"
-#undef REAL
-#undef UINT
-#undef ABS
-#undef WIDTH
-#undef VREAL
-#undef VBITS
-#undef PART
-#undef PARTS
-#undef MAGNITUDE
-#undef NAME
+#endif
 
 /* Which kind a name is; -1 if none. */
 static int kind_of(PyObject *name)
@@ -345,6 +362,25 @@ static int check_sizes(const Batch *b, const Py_buffer *in, const Py_buffer *out
         }
     }
     return 1;
+}
+
+/* The batch through the loop of its float type, AVX2 where the CPU has it; the rows
+ * are buffers of doubles (or of twice as many floats), scratch one of floats. */
+static void run_batch(const Batch *b, int wide, double *p_row, double *c_row, float *scratch)
+{
+#if WITH_AVX2
+    if (use_avx2) {
+        if (wide)
+            compare_batch_f64_avx2(b, p_row, c_row, scratch);
+        else
+            compare_batch_f32_avx2(b, (float *)p_row, (float *)c_row, scratch);
+        return;
+    }
+#endif
+    if (wide)
+        compare_batch_f64(b, p_row, c_row, scratch);
+    else
+        compare_batch_f32(b, (float *)p_row, (float *)c_row, scratch);
 }
 
 PyDoc_STRVAR(compare_doc,
@@ -399,11 +435,9 @@ static PyObject *compare(PyObject *self, PyObject *args)
         goto done;
     }
     int wide = is_wide(b.sides[0].kind) || is_wide(b.sides[1].kind);
+    double *p_row = (double *)buffers, *c_row = p_row + padded;
     Py_BEGIN_ALLOW_THREADS
-    if (wide)
-        compare_batch_f64(&b, (double *)buffers, (double *)buffers + padded, buffers + 4 * padded);
-    else
-        compare_batch_f32(&b, buffers, buffers + padded, NULL);
+    run_batch(&b, wide, p_row, c_row, buffers + 4 * padded);
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
@@ -430,6 +464,10 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__element_errors(void)
 {
+#if WITH_AVX2
+    __builtin_cpu_init();
+    use_avx2 = __builtin_cpu_supports("avx2");
+#endif
     for (unsigned code = 0; code < 256; code++) {
         FP8_VALUES[0][code] = fp8_value(code, 4, 3, 0);
         FP8_VALUES[1][code] = fp8_value(code, 5, 2, 1);

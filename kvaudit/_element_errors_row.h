@@ -1,9 +1,17 @@
-/* The errors of one (head, token) row of values in one float type: included twice by
- * _element_errors.c, with REAL float and with REAL double (UINT their bits, ABS fabsf or
- * fabs, VREAL a vector of WIDTH of them, VBITS of WIDTH signed integers of their size, PART
- * of four of them, PARTS vectors of four a VREAL, MAGNITUDE all bits but the sign), NAME(x) giving each copy its own names. Every operation is the numpy path's
- * (kvaudit/element_errors.py) in the same type, so the figures come out bit for bit the
- * same; only the sum of squares is kept in double. */
+/* The errors of one (head, token) row of values in one float type, and the batch loop:
+ * included by _element_errors.c once per float type and vector width, with parameters
+ * REAL (float or double), UINT (its bits), ABS (fabsf or fabs), MAGNITUDE (all bits but
+ * the sign), DECODE_ROW (a side's row into REALs), VREAL and VBITS (vectors of REALs and of
+ * signed integers of their size), PART and VSQUARES (vectors of as many REALs and doubles,
+ * the squares widened), TARGET (the loop's instruction set attribute) and NAME(x) (each
+ * copy's own names); they are undefined at the end.
+ *
+ * Every operation is the numpy path's (kvaudit/element_errors.py) in the same type, so the
+ * figures come out bit for bit the same; only the sums of squares are kept in double. */
+
+#define WIDTH ((int)(sizeof(VREAL) / sizeof(REAL)))
+#define SQUARES_WIDTH ((int)(sizeof(VSQUARES) / sizeof(double)))
+#define PARTS (WIDTH / SQUARES_WIDTH)
 
 /* A non-negative REAL as its bits: such floats order as their bits do, NaN above Inf. */
 INLINE UINT NAME(bits_of)(REAL x)
@@ -37,14 +45,14 @@ typedef struct {
     int by_ratio;
 } NAME(Tolerance);
 
-/* WIDTH accumulators each, in vectors of 32 bytes (GNU C vector extensions: one AVX2
- * register, two SSE ones). Every lane takes the same elements whatever the instruction
- * set, so the results do not depend on which clone runs. Magnitudes' bits are compared as
+/* WIDTH accumulators each, in vectors. Lane j takes elements j, j + WIDTH, ... of a row,
+ * and the lanes are summed in order: the results do not depend on the vectors' width
+ * beyond the sums of squares' rounding. Magnitudes' bits are compared as
  * signed integers: with the sign bit clear, they order as the floats do, NaN above Inf. */
 typedef struct {
     VBITS abs, scale, over; /* over: minus the count (a true comparison is -1) */
     VREAL rel;
-    f64x4 squares[PARTS]; /* lanes 0-3, 4-7 */
+    VSQUARES squares[PARTS]; /* lanes in order */
 } NAME(Lanes);
 
 /* WIDTH elements into the lanes; counted: the lanes that hold elements of the row. */
@@ -66,11 +74,11 @@ INLINE void NAME(lane_step)(NAME(Lanes) *l, const REAL *p_at, const REAL *c_at,
     l->scale = SELECT(scale_bits > l->scale, scale_bits, l->scale);
     /* NaN (0 / 0: both 0) compares false: it never enters. */
     l->rel = (VREAL)SELECT(rel > l->rel, (VBITS)rel, (VBITS)l->rel);
-    /* Widened four lanes at a time: into a register of four doubles. */
+    /* Widened part by part: as many doubles as a register holds. */
     for (int at = 0; at < PARTS; at++) {
         PART part;
         memcpy(&part, (const char *)&a + at * sizeof part, sizeof part);
-        f64x4 wide = __builtin_convertvector(part, f64x4);
+        VSQUARES wide = __builtin_convertvector(part, VSQUARES);
         l->squares[at] += wide * wide;
     }
 }
@@ -113,7 +121,7 @@ INLINE int NAME(row_fast)(const REAL *p, const REAL *c, Py_ssize_t n,
         scale = (UINT)l.scale[j] > scale ? (UINT)l.scale[j] : scale;
         rel = l.rel[j] > rel ? l.rel[j] : rel;
         row->over -= (int64_t)l.over[j];
-        row->squares += l.squares[j / 4][j % 4];
+        row->squares += l.squares[j / SQUARES_WIDTH][j % SQUARES_WIDTH];
     }
     row->abs = NAME(from_bits)(abs);
     if (!isfinite(row->abs))
@@ -197,7 +205,7 @@ INLINE REAL NAME(add_row)(NAME(Head) *head, const REAL *p, const REAL *c, Py_ssi
 
 /* One layer's batch: every held row decoded into p_row and c_row (scratch: a narrow side
  * on its way to double), added to its head, each head added to the layer's figures. */
-CLONES static void NAME(compare_batch)(const Batch *b, REAL *p_row, REAL *c_row,
+TARGET static void NAME(compare_batch)(const Batch *b, REAL *p_row, REAL *c_row,
                                        float *scratch)
 {
     NAME(Tolerance) tol = {(REAL)b->atol, (REAL)b->rtol, b->atol == 0};
@@ -211,8 +219,8 @@ CLONES static void NAME(compare_batch)(const Batch *b, REAL *p_row, REAL *c_row,
             Py_ssize_t row = h * tokens + t;
             if (!b->held[row])
                 continue;
-            NAME(decode_row)(&b->sides[0], row, b, p_row, scratch);
-            NAME(decode_row)(&b->sides[1], row, b, c_row, scratch);
+            DECODE_ROW(&b->sides[0], row, b, p_row, scratch);
+            DECODE_ROW(&b->sides[1], row, b, c_row, scratch);
             double scaled;
             REAL abs = NAME(add_row)(&head, p_row, c_row, n, &tol, &scaled);
             if (scaled > b->token_row[t])
@@ -231,3 +239,18 @@ CLONES static void NAME(compare_batch)(const Batch *b, REAL *p_row, REAL *c_row,
         if (b->token_row[t] < 0)
             b->token_row[t] = NAN;
 }
+
+#undef WIDTH
+#undef SQUARES_WIDTH
+#undef PARTS
+#undef REAL
+#undef UINT
+#undef ABS
+#undef MAGNITUDE
+#undef DECODE_ROW
+#undef VREAL
+#undef VBITS
+#undef PART
+#undef VSQUARES
+#undef TARGET
+#undef NAME

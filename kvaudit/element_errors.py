@@ -45,7 +45,7 @@ def counts(flags: np.ndarray) -> np.ndarray:
     heads = flags.shape[0]
     if flags.size % (8 * heads) or not flags.flags.c_contiguous:
         return np.count_nonzero(flags.reshape(heads, -1), axis=1)
-    words = flags.view(np.uint64).reshape(heads, -1)
+    words = flags.reshape(heads, -1).view(np.uint64)  # rows of whole words (not so the last axis)
     byte_sums = np.multiply(words, np.uint64(0x0101010101010101))
     byte_sums >>= np.uint64(56)
     return byte_sums.sum(axis=1, dtype=np.int64)
@@ -152,7 +152,9 @@ def exact_errors(p: np.ndarray, c: np.ndarray, atol: float, rtol: float) -> Chun
         if one_sided is not None:
             token_rel[one_sided] = np.inf
         if head_abs.max() > atol:
-            if atol == 0 and mismatch is None:
+            if atol == 0:
+                # As in fast_errors (and the C extension): the same test rounds the same
+                # way whichever path a chunk takes.
                 exceed = ratio > rtol
             else:
                 np.multiply(p, rtol, out=ratio)
@@ -262,7 +264,8 @@ def add_batch(
     errors.tokens += mask.sum(axis=1)
     np.maximum(errors.max_abs, head_abs, out=errors.max_abs)
     np.maximum(errors.max_rel, _joined(chunks, "head_rel"), out=errors.max_rel)
-    head_scale = np.fmax(token_scale.max(axis=1), 0.0)
+    # NaN (any payload: np.fmax keeps a signalling NaN) is no scale.
+    head_scale = np.nan_to_num(token_scale.max(axis=1), nan=0.0, posinf=np.inf)
     np.maximum(errors.max_producer, head_scale, out=errors.max_producer)
     errors.sum_squares += _joined(chunks, "squares")
     errors.over += _joined(chunks, "over")

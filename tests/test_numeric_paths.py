@@ -126,6 +126,7 @@ def test_one_head_at_a_time_in_small_pieces_agrees(
     whole = compare(left, right, rtol=0.01)
     monkeypatch.setattr(kvaudit.element_errors, "CHUNK_ELEMENTS", 1)
     monkeypatch.setattr(kvaudit.numeric, "PIECE_ELEMENTS", 1)
+    monkeypatch.setattr(kvaudit.numeric, "NATIVE_PIECE_ELEMENTS", 1)
     chunked = compare(left, right, rtol=0.01)
     assert by_slice(chunked, "req-a")[ATTN.format(1), 2].nonfinite_mismatches == 1
     for rid in TOKENS:
@@ -235,7 +236,7 @@ def test_a_file_that_shrinks_while_read_is_an_error(tmp_path: Path) -> None:
     assert str(victim) in str(caught.value)
 
 
-@pytest.mark.parametrize("shape", [(4, 8, 16), (3, 5, 7), (1, 1, 1), (2, 3, 8)])
+@pytest.mark.parametrize("shape", [(4, 8, 16), (3, 5, 7), (1, 1, 1), (2, 3, 8), (1, 2, 4), (3, 2, 4)])
 def test_flag_counts_per_head(shape: tuple[int, ...]) -> None:
     flags = np.random.default_rng(sum(shape)).random(shape) > 0.3
     np.testing.assert_array_equal(counts(flags), flags.reshape(shape[0], -1).sum(axis=1))
