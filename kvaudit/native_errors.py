@@ -6,8 +6,6 @@ is not built, a dtype is not one it reads, or ``KVAUDIT_NATIVE=0``."""
 
 from __future__ import annotations
 
-import importlib
-import os
 from types import ModuleType
 
 import numpy as np
@@ -15,20 +13,15 @@ import numpy as np
 from .dtypes import DType, dtype_name
 from .element_errors import LayerErrors
 
-NATIVE_VARIABLE = "KVAUDIT_NATIVE"
-"""``KVAUDIT_NATIVE=0`` runs the numpy code paths even where the C extensions are built."""
 SCALES = tuple[float | None, float | None]
+"""A side's K and V scales (None: none)."""
 
 
 def native_module() -> ModuleType | None:
     """The C extension, or None where it is not built or ``KVAUDIT_NATIVE=0``."""
-    if os.environ.get(NATIVE_VARIABLE, "").strip() == "0":
-        return None
-    try:
-        # By name: the import checks (tests/test_imports.py) see only Python modules.
-        return importlib.import_module(f"{__package__}._element_errors")
-    except ImportError:
-        return None
+    from . import native  # only when comparing by value: other commands load no extension
+
+    return native.extension(f"{__package__}._element_errors")
 
 
 def reads(module: ModuleType, *dtypes: DType) -> bool:

@@ -236,7 +236,11 @@ def test_a_file_that_shrinks_while_read_is_an_error(tmp_path: Path) -> None:
     assert str(victim) in str(caught.value)
 
 
-@pytest.mark.parametrize("shape", [(4, 8, 16), (3, 5, 7), (1, 1, 1), (2, 3, 8), (1, 2, 4), (3, 2, 4)])
+@pytest.mark.parametrize(
+    "shape",
+    # (1, 2, 4), (3, 2, 4): each head's flags are whole words, its last axis is not
+    [(4, 8, 16), (3, 5, 7), (1, 1, 1), (2, 3, 8), (1, 2, 4), (3, 2, 4)],
+)
 def test_flag_counts_per_head(shape: tuple[int, ...]) -> None:
     flags = np.random.default_rng(sum(shape)).random(shape) > 0.3
     np.testing.assert_array_equal(counts(flags), flags.reshape(shape[0], -1).sum(axis=1))
