@@ -35,6 +35,7 @@ EXTENSIONS = [
         # No fused multiply-adds: the tolerance test rounds as numpy's does (bit for bit).
         flags=("-ffp-contract=off",),
     ),
+    extension("kvaudit._value_reads", "kvaudit/_value_reads.c"),
 ]
 
 setup(ext_modules=EXTENSIONS)

@@ -9,6 +9,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -262,6 +263,7 @@ def decode_layer(
     read."""
     values, held = out
     write = copy_bits if raw else decode
+    reader = _reader() if raw and files is not None else None
     read = 0
     for item in plan:
         view = item.views.get(name)
@@ -275,8 +277,11 @@ def decode_layer(
             read += len(item.rows) * kernel_blocks * view.heads * tokens * pieces * size
             start = part.piece_offset * size // view.dtype.itemsize
             width = pieces * size // view.dtype.itemsize
+            into = target[..., start : start + width]
+            if reader and files and _scattered(reader, item, part.pieces, files, (values, into)):
+                continue
             source = _row_source(item.worker, part.pieces, item.rows, files)
-            _decode_part(source, item, (view.dtype, write), target[..., start : start + width])
+            _decode_part(source, item, (view.dtype, write), into)
         held[heads, item.target] = True
         if raw:
             continue
@@ -286,6 +291,49 @@ def decode_layer(
         if v_scale is not None:
             target[..., layer.head_size :] *= v_scale
     return read
+
+
+def _reader() -> ModuleType | None:
+    """The C extension that reads rows into place, or None (not built, or
+    ``KVAUDIT_NATIVE=0``)."""
+    from . import native  # only when comparing by value: other commands load no extension
+
+    return native.extension(f"{__package__}._value_reads")
+
+
+def _scattered(
+    reader: ModuleType,
+    item: WorkerRows,
+    pieces: np.ndarray | torch.Tensor,
+    files: RowFiles,
+    out: tuple[np.ndarray, np.ndarray],
+) -> bool:
+    """Read a dump's whole rows of ``pieces`` at ``item`` from its file straight into
+    ``out = (values, target)`` (``target`` a view of ``values``: ``[heads, count, part
+    elements]`` bits) with the C extension; False, nothing read, where it does not apply (no
+    file, rows cut short, cells apart).
+
+    Raises:
+        KvauditError: The file shrank while reading.
+
+    """
+    values, target = out
+    if not is_numpy(pieces) or item.skip or pieces.strides[-1] != pieces.dtype.itemsize:
+        return False
+    _, blocks, heads, tokens, count = pieces.shape
+    if item.count != len(item.rows) * blocks * tokens or target.strides[-1] != target.itemsize:
+        return False
+    found = files.layout(item.worker, pieces)
+    if found is None:
+        return False
+    descriptor, path, offset, span = found
+    offsets = offset + np.asarray(item.rows, dtype=np.int64) * pieces.strides[0]
+    base = target.__array_interface__["data"][0] - values.__array_interface__["data"][0]
+    row = (span, blocks, heads, tokens, *pieces.strides[1:4], count * pieces.dtype.itemsize)
+    done = reader.scatter_rows(descriptor, offsets, row, values, (base, *target.strides[:2]))
+    if done != len(item.rows):
+        raise KvauditError(f"{CHANGED}: it is shorter than when opened", path)
+    return True
 
 
 Writer = Callable[[np.ndarray, DType, np.ndarray], None]
