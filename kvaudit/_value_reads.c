@@ -25,17 +25,17 @@ typedef struct {
     Py_ssize_t span, count[3], stride[3], cell;
 } RowLayout;
 
-/* Where they go: cell (k, h, t) of row r at byte base + h * head + ((r * count[0] + k) *
- * count[2] + t) * token of the output. */
+/* Where they go: the rows' tokens in order, position (r * count[0] + k) * count[2] + t,
+ * from `first` on, `count` of them (the rows at a batch's ends are cut short), to byte
+ * base + h * head + (position - first) * token of the output. */
 typedef struct {
-    Py_ssize_t base, head, token;
+    Py_ssize_t base, head, token, first, count;
 } Target;
 
-/* The output's byte of cell (r, k, h, t). */
-static Py_ssize_t target_at(const RowLayout *row, const Target *to, Py_ssize_t r, Py_ssize_t k,
-                            Py_ssize_t h, Py_ssize_t t)
+/* The output's byte of head h at the rows' token position `position`. */
+static Py_ssize_t target_at(const Target *to, Py_ssize_t h, Py_ssize_t position)
 {
-    return to->base + h * to->head + ((r * row->count[0] + k) * row->count[2] + t) * to->token;
+    return to->base + h * to->head + (position - to->first) * to->token;
 }
 
 /* Whether every cell read and written lies inside the row and the output; ValueError if
@@ -50,13 +50,14 @@ static int check_layout(const RowLayout *row, const Target *to, Py_ssize_t rows,
         }
         last += (row->count[i] - 1) * row->stride[i];
     }
-    if (row->cell < 1 || last > row->span || to->base < 0 || to->head < 0 || to->token < 0) {
+    if (row->cell < 1 || last > row->span || to->base < 0 || to->head < 0 || to->token < 0 ||
+        to->first < 0 || to->count < 0 ||
+        to->first + to->count > rows * row->count[0] * row->count[2]) {
         PyErr_SetString(PyExc_ValueError, "bad row layout");
         return 0;
     }
-    if (rows > 0) {
-        Py_ssize_t end = target_at(row, to, rows - 1, row->count[0] - 1, row->count[1] - 1,
-                                   row->count[2] - 1) + row->cell;
+    if (to->count > 0) {
+        Py_ssize_t end = target_at(to, row->count[1] - 1, to->first + to->count - 1) + row->cell;
         if (end > out) {
             PyErr_Format(PyExc_ValueError, "the output holds %zd bytes, not %zd", out, end);
             return 0;
@@ -88,12 +89,16 @@ static Py_ssize_t scatter(int fd, const int64_t *offsets, Py_ssize_t rows, const
         if (got != row->span)
             return r;
         for (Py_ssize_t k = 0; k < row->count[0]; k++)
-            for (Py_ssize_t h = 0; h < row->count[1]; h++)
-                for (Py_ssize_t t = 0; t < row->count[2]; t++)
-                    memcpy(out + target_at(row, to, r, k, h, t),
+            for (Py_ssize_t t = 0; t < row->count[2]; t++) {
+                Py_ssize_t position = (r * row->count[0] + k) * row->count[2] + t;
+                if (position < to->first || position >= to->first + to->count)
+                    continue;
+                for (Py_ssize_t h = 0; h < row->count[1]; h++)
+                    memcpy(out + target_at(to, h, position),
                            row_buffer + k * row->stride[0] + h * row->stride[1] +
                                t * row->stride[2],
                            (size_t)row->cell);
+            }
     }
     return rows;
 }
@@ -102,9 +107,10 @@ PyDoc_STRVAR(scatter_rows_doc,
     "scatter_rows(fd, offsets, row, out, target) -> int\n--\n\n"
     "Read rows of an open file into out: offsets the int64 file offset of each row, row\n"
     "(span, kernel blocks, heads, tokens, their three byte strides, cell bytes), target\n"
-    "(base, head stride, token stride) in bytes: cell (k, h, t) of row r goes to byte\n"
-    "base + h * head + ((r * blocks + k) * tokens + t) * token of out. Returns how many rows\n"
-    "were read whole (fewer: the file ended); OSError where a read fails.");
+    "(base, head stride, token stride in bytes, first, count): cell (k, h, t) of row r, at\n"
+    "position p = (r * blocks + k) * tokens + t of the rows, goes to byte base + h * head +\n"
+    "(p - first) * token of out if first <= p < first + count. Returns how many rows were\n"
+    "read whole (fewer: the file ended); OSError where a read fails.");
 
 static PyObject *scatter_rows(PyObject *self, PyObject *args)
 {
@@ -113,9 +119,10 @@ static PyObject *scatter_rows(PyObject *self, PyObject *args)
     Py_buffer offsets, out;
     RowLayout row;
     Target to;
-    if (!PyArg_ParseTuple(args, "iy*(nnnnnnnn)w*(nnn)", &fd, &offsets, &row.span, &row.count[0],
-                          &row.count[1], &row.count[2], &row.stride[0], &row.stride[1],
-                          &row.stride[2], &row.cell, &out, &to.base, &to.head, &to.token))
+    if (!PyArg_ParseTuple(args, "iy*(nnnnnnnn)w*(nnnnn)", &fd, &offsets, &row.span,
+                          &row.count[0], &row.count[1], &row.count[2], &row.stride[0],
+                          &row.stride[1], &row.stride[2], &row.cell, &out, &to.base, &to.head,
+                          &to.token, &to.first, &to.count))
         return NULL;
     PyObject *result = NULL;
     uint8_t *row_buffer = NULL;

@@ -15,6 +15,7 @@ relative error.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -81,6 +82,37 @@ def _layer_plan(
     return common, reasons
 
 
+class ThreadFiles:
+    """Each pool thread's ``RowFiles`` for a whole comparison (a dump's files opened and
+    its rows' layout found once, not per layer batch), all closed at its end (``with``)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._opened: list[RowFiles] = []
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> ThreadFiles:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for files in self._opened:
+            files.__exit__()
+        self._opened.clear()
+
+    def mine(self) -> RowFiles:
+        """This thread's ``RowFiles``."""
+        files: RowFiles | None = getattr(self._local, "files", None)
+        if files is None:
+            files = self._local.files = RowFiles()
+            with self._lock:
+                self._opened.append(files)
+        return files
+
+
+Threads = tuple["ThreadPoolExecutor", ThreadFiles]
+"""The pool that compares layers, and its threads' dump files."""
+
+
 Piece = tuple[int, int, tuple[list[WorkerRows], list[WorkerRows]]]
 """Request positions ``lo .. hi - 1`` and the rows of each side that hold them."""
 
@@ -92,6 +124,7 @@ def _compare_layer(
     layers: tuple[LayerValues, LayerValues],
     tolerance: tuple[float, float],
     layer_tokens: tuple[np.ndarray, int],
+    thread_files: ThreadFiles,
 ) -> int:
     """One layer's batch, piece by piece: both sides decoded into this thread's buffers
     (small enough to stay in the cache while compared) and added to its errors and its
@@ -102,20 +135,18 @@ def _compare_layer(
     native = native_module()
     if native is not None and not reads(native, *(layer.dtype for layer in layers)):
         native = None
-    with RowFiles() as files:
-        for lo, hi, plans in pieces:
-            values = []
-            for key, plan, layer in zip("pc", plans, layers):
-                shape = (layer.heads, hi - lo, layer.elements)
-                kind = work_dtype(layer.dtype) if native is None else raw_dtype(layer.dtype)
-                buffer = scratch(key, kind, shape)
-                held = np.zeros(shape[:2], dtype=bool)
-                read += decode_layer(
-                    plan, name, layer, (buffer, held), files, raw=native is not None
-                )
-                values.append((buffer, held))
-            token_row = _add_piece(native, errors, lo, values, layers, tolerance)
-            np.fmax.at(row, np.arange(lo, hi) // width, token_row)
+    files = thread_files.mine()
+    for lo, hi, plans in pieces:
+        values = []
+        for key, plan, layer in zip("pc", plans, layers):
+            shape = (layer.heads, hi - lo, layer.elements)
+            kind = work_dtype(layer.dtype) if native is None else raw_dtype(layer.dtype)
+            buffer = scratch(key, kind, shape)
+            held = np.zeros(shape[:2], dtype=bool)
+            read += decode_layer(plan, name, layer, (buffer, held), files, raw=native is not None)
+            values.append((buffer, held))
+        token_row = _add_piece(native, errors, lo, values, layers, tolerance)
+        np.fmax.at(row, np.arange(lo, hi) // width, token_row)
     # Rows far apart map a large folio of file pages each: dropped at once (another
     # thread's rows of the same files are read again from the page cache if needed).
     workers = {
@@ -163,7 +194,7 @@ def _compare_group(
     tolerance: tuple[float, float],
     progress: Callable[[int], None] | None,
     batch_bytes: int,
-    pool: ThreadPoolExecutor,
+    threads: Threads,
 ) -> tuple[GroupNumeric | None, list[str]]:
     """One request's group compared by value, and why parts of it are not compared: the
     layers of each batch read and compared on the pool's threads (numpy releases the GIL),
@@ -197,7 +228,7 @@ def _compare_group(
             for start in range(lo, hi, piece)
         ]
         jobs = [
-            pool.submit(
+            threads[0].submit(
                 _compare_layer,
                 errors[name],
                 pieces,
@@ -205,6 +236,7 @@ def _compare_group(
                 (layers[0][name], layers[1][name]),
                 tolerance,
                 (layer_tokens[index], width),
+                threads[1],
             )
             for index, name in enumerate(common)
         ]
@@ -246,9 +278,16 @@ def numeric_diff(
     from concurrent.futures import ThreadPoolExecutor  # only when comparing (start-up)
 
     report = NumericReport(atol, rtol)
-    with ThreadPoolExecutor(min(THREADS, os.cpu_count() or 1)) as pool:
+    with ThreadPoolExecutor(min(THREADS, os.cpu_count() or 1)) as pool, ThreadFiles() as files:
         _compare_requests(
-            report, producer, consumer, num_tokens, request_ids, progress, batch_bytes, pool
+            report,
+            producer,
+            consumer,
+            num_tokens,
+            request_ids,
+            progress,
+            batch_bytes,
+            (pool, files),
         )
     return report
 
@@ -261,7 +300,7 @@ def _compare_requests(
     request_ids: Sequence[str] | None,
     progress: Callable[[int], None] | None,
     batch_bytes: int,
-    pool: ThreadPoolExecutor,
+    threads: Threads,
 ) -> None:
     """Fill the report request by request."""
     atol, rtol = report.atol, report.rtol
@@ -282,7 +321,7 @@ def _compare_requests(
         for gid in group_ids:
             sides = (side_workers(producer, rid, gid), side_workers(consumer, rid, gid))
             group, reasons = _compare_group(
-                sides, rid, gid, count, (atol, rtol), progress, batch_bytes, pool
+                sides, rid, gid, count, (atol, rtol), progress, batch_bytes, threads
             )
             report.not_compared.extend((rid, gid, reason) for reason in reasons)
             if group is not None:

@@ -308,21 +308,21 @@ def _scattered(
     files: RowFiles,
     out: tuple[np.ndarray, np.ndarray],
 ) -> bool:
-    """Read a dump's whole rows of ``pieces`` at ``item`` from its file straight into
-    ``out = (values, target)`` (``target`` a view of ``values``: ``[heads, count, part
-    elements]`` bits) with the C extension; False, nothing read, where it does not apply (no
-    file, rows cut short, cells apart).
+    """Read a dump's rows of ``pieces`` at ``item`` from its file into ``out = (values,
+    target)`` (``target`` a view of ``values``: ``[heads, count, part elements]`` bits) with
+    the C extension; False, nothing read, where it does not apply (no file, a cell's
+    elements apart).
 
     Raises:
         KvauditError: The file shrank while reading.
 
     """
     values, target = out
-    if not is_numpy(pieces) or item.skip or pieces.strides[-1] != pieces.dtype.itemsize:
+    if not is_numpy(pieces) or pieces.strides[-1] != pieces.dtype.itemsize:
+        return False
+    if target.strides[-1] != target.itemsize:
         return False
     _, blocks, heads, tokens, count = pieces.shape
-    if item.count != len(item.rows) * blocks * tokens or target.strides[-1] != target.itemsize:
-        return False
     found = files.layout(item.worker, pieces)
     if found is None:
         return False
@@ -330,7 +330,8 @@ def _scattered(
     offsets = offset + np.asarray(item.rows, dtype=np.int64) * pieces.strides[0]
     base = target.__array_interface__["data"][0] - values.__array_interface__["data"][0]
     row = (span, blocks, heads, tokens, *pieces.strides[1:4], count * pieces.dtype.itemsize)
-    done = reader.scatter_rows(descriptor, offsets, row, values, (base, *target.strides[:2]))
+    kept = (base, *target.strides[:2], item.skip, item.count)
+    done = reader.scatter_rows(descriptor, offsets, row, values, kept)
     if done != len(item.rows):
         raise KvauditError(f"{CHANGED}: it is shorter than when opened", path)
     return True

@@ -1,8 +1,8 @@
-"""The C extension that reads a dump's rows for ``diff --numeric`` (``kvaudit/_value_reads.c``):
-rows of any cell strides scattered into ``[heads, tokens, elements]`` order as numpy would
-gather them, a file that ends early, layouts and outputs out of bounds refused, a failed
-read an OSError. Skipped where the extension did not build, unless
-``KVAUDIT_REQUIRE_NATIVE=1``."""
+"""The C extension that reads a dump's rows for ``diff --numeric``
+(``kvaudit/_value_reads.c``): rows of any cell strides scattered into ``[heads, tokens,
+elements]`` order as numpy would gather them, whole or cut short; a file that ends early;
+layouts and outputs out of bounds refused; a failed read an OSError. Skipped where the
+extension did not build, unless ``KVAUDIT_REQUIRE_NATIVE=1``."""
 
 from __future__ import annotations
 
@@ -45,10 +45,17 @@ def rows_file(path: Path, shape: tuple[int, ...], seed: int) -> np.ndarray:
 
 
 def scatter(
-    path: Path, pieces: np.ndarray, rows: list[int], out: np.ndarray, target: np.ndarray
+    path: Path,
+    pieces: np.ndarray,
+    rows: list[int],
+    out: tuple[np.ndarray, np.ndarray],
+    kept: tuple[int, int] | None = None,
 ) -> int:
     """Read ``rows`` of ``pieces`` (a view of the file's contents, as a dump maps them:
-    ``[rows, kernel blocks, heads, tokens, elements]``) into ``target``, a view of ``out``."""
+    ``[rows, kernel blocks, heads, tokens, elements]``), their token positions
+    ``kept = (first, count)`` (all by default), into ``out = (array, target)``, ``target``
+    a view of ``array``."""
+    out, target = out
     base = pieces.__array_interface__["data"][0]
     whole = pieces.base if pieces.base is not None else pieces
     start = base - whole.__array_interface__["data"][0]
@@ -57,9 +64,11 @@ def scatter(
     span = sum((n - 1) * s for n, s in zip(pieces.shape[1:], pieces.strides[1:])) + 2
     row = (span, blocks, heads, tokens, *pieces.strides[1:4], elements * 2)
     offset = target.__array_interface__["data"][0] - out.__array_interface__["data"][0]
+    first, count = (0, len(rows) * blocks * tokens) if kept is None else kept
     descriptor = os.open(path, os.O_RDONLY)
     try:
-        return NATIVE.scatter_rows(descriptor, offsets, row, out, (offset, *target.strides[:2]))
+        where = (offset, *target.strides[:2], first, count)
+        return NATIVE.scatter_rows(descriptor, offsets, row, out, where)
     finally:
         os.close(descriptor)
 
@@ -89,18 +98,27 @@ def test_rows_land_where_numpy_puts_them(layout: str, part: slice, tmp_path: Pat
     want = gathered(pieces, rows)
     out = np.zeros((heads + 2, len(rows) * blocks * tokens + 3, pieces.shape[-1] + 5), np.uint16)
     target = out[1 : 1 + heads, 2 : 2 + want.shape[1], 5:]
-    assert scatter(tmp_path / "f", pieces, rows, out, target) == len(rows)
+    assert scatter(tmp_path / "f", pieces, rows, (out, target)) == len(rows)
     np.testing.assert_array_equal(target, want)
     outside = np.ones(out.shape, bool)
     outside[1 : 1 + heads, 2 : 2 + want.shape[1], 5:] = False
     assert not out[outside].any()  # nothing written elsewhere
+    # Rows cut short: the tokens from the third of the first row to the second of the last.
+    out[...] = 0
+    first, count = 2, want.shape[1] - 2 - (tokens - 2)
+    short = out[1 : 1 + heads, 2 : 2 + count, 5:]
+    assert scatter(tmp_path / "f", pieces, rows, (out, short), (first, count)) == len(rows)
+    np.testing.assert_array_equal(short, want[:, first : first + count])
+    outside[...] = True
+    outside[1 : 1 + heads, 2 : 2 + count, 5:] = False
+    assert not out[outside].any()
 
 
 def test_a_file_that_ends_early_reads_fewer_rows(tmp_path: Path) -> None:
     data = rows_file(tmp_path / "f", (4, 1, 2, 3, 8), seed=1)
     os.truncate(tmp_path / "f", data.nbytes - 10)
     out = np.zeros((2, 12, 8), np.uint16)
-    assert scatter(tmp_path / "f", data, [0, 3, 1], out, out) == 1
+    assert scatter(tmp_path / "f", data, [0, 3, 1], (out, out)) == 1
 
 
 def test_layouts_and_outputs_out_of_bounds_are_refused(tmp_path: Path) -> None:
@@ -110,15 +128,18 @@ def test_layouts_and_outputs_out_of_bounds_are_refused(tmp_path: Path) -> None:
     descriptor = os.open(tmp_path / "f", os.O_RDONLY)
     try:
         good = (96, 1, 2, 3, 96, 48, 16, 16)
-        assert NATIVE.scatter_rows(descriptor, offsets, good, out, (0, 48, 16)) == 1
+        assert NATIVE.scatter_rows(descriptor, offsets, good, out, (0, 48, 16, 0, 3)) == 1
         beyond_span = (95, 1, 2, 3, 96, 48, 16, 16)
         with pytest.raises(ValueError, match="row layout"):
-            NATIVE.scatter_rows(descriptor, offsets, beyond_span, out, (0, 48, 16))
+            NATIVE.scatter_rows(descriptor, offsets, beyond_span, out, (0, 48, 16, 0, 3))
+        with pytest.raises(ValueError, match="row layout"):  # more tokens than the rows hold
+            NATIVE.scatter_rows(descriptor, offsets, good, out, (0, 48, 16, 1, 3))
         with pytest.raises(ValueError, match="output holds 96 bytes"):
-            NATIVE.scatter_rows(descriptor, offsets, good, out, (2, 48, 16))
+            NATIVE.scatter_rows(descriptor, offsets, good, out, (2, 48, 16, 0, 3))
         with pytest.raises(ValueError, match="int64"):
-            NATIVE.scatter_rows(descriptor, np.zeros(1, np.int32), good, out, (0, 48, 16))
+            where = (0, 48, 16, 0, 3)
+            NATIVE.scatter_rows(descriptor, np.zeros(1, np.int32), good, out, where)
     finally:
         os.close(descriptor)
     with pytest.raises(OSError):
-        NATIVE.scatter_rows(descriptor, offsets, good, out, (0, 48, 16))  # closed
+        NATIVE.scatter_rows(descriptor, offsets, good, out, (0, 48, 16, 0, 3))  # closed
