@@ -31,7 +31,7 @@ EXTENSIONS = [
     extension(
         "kvaudit._element_errors",
         "kvaudit/_element_errors.c",
-        depends=("kvaudit/_element_errors_row.h",),
+        depends=("kvaudit/_element_errors_row.h", "kvaudit/_element_values.h"),
         # No fused multiply-adds: the tolerance test rounds as numpy's does (bit for bit).
         flags=("-ffp-contract=off",),
     ),
