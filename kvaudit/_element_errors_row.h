@@ -151,7 +151,9 @@ static void NAME(row_exact)(const REAL *p, const REAL *c, Py_ssize_t n,
                 a = 0;
             } else {
                 a = (REAL)INFINITY;
-                one_sided = p_nan != c_nan || (isinf(p[i]) != 0) != (isinf(c[i]) != 0);
+                /* An Inf agrees only with the same Inf: against a number, a NaN or the
+                 * opposite Inf it is an Inf on one side only. */
+                one_sided = p_nan != c_nan || isinf(p[i]) || isinf(c[i]);
             }
         }
         REAL rel = a / magnitude;

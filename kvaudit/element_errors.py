@@ -122,8 +122,9 @@ def fast_errors(p: np.ndarray, c: np.ndarray, atol: float, rtol: float) -> Chunk
 
 def exact_errors(p: np.ndarray, c: np.ndarray, atol: float, rtol: float) -> Chunk:
     """The errors of ``[heads, tokens, elements]`` values, NaN and Inf included (NaN
-    against NaN and an Inf against the same Inf agree; on one side only they count as
-    infinite errors); ``p`` and ``c`` are overwritten."""
+    against NaN and an Inf against the same Inf agree; on one side only, an Inf against
+    the opposite Inf included, they count as infinite errors); ``p`` and ``c`` are
+    overwritten."""
     heads, tokens, elements = p.shape
     with np.errstate(invalid="ignore", over="ignore"):  # told apart below
         a = np.subtract(c, p)
@@ -134,7 +135,8 @@ def exact_errors(p: np.ndarray, c: np.ndarray, atol: float, rtol: float) -> Chun
         bad = ~np.isfinite(a)
         pb, cb = p[bad], c[bad]
         same = (np.isnan(pb) & np.isnan(cb)) | (pb == cb)
-        one_side = (np.isnan(pb) != np.isnan(cb)) | (np.isinf(pb) != np.isinf(cb))
+        # An Inf agrees only with the same Inf (the opposite Inf is one-sided too).
+        one_side = ~same & ((np.isnan(pb) != np.isnan(cb)) | np.isinf(pb) | np.isinf(cb))
         a[bad] = np.where(same, 0.0, np.inf)
         mismatch = np.zeros(a.shape, dtype=bool)
         mismatch[bad] = one_side

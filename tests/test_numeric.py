@@ -199,6 +199,27 @@ def test_nan_on_one_side_only_fails(tmp_path: Path) -> None:
     assert item["worst_tokens"][0] == {"position": 7, "abs_error": "inf"}
 
 
+def test_opposite_infinities_fail(tmp_path: Path) -> None:
+    """+Inf where the producer holds -Inf: an Inf on one side only, whatever the
+    tolerance (docs/numeric.md), not an agreement of two infinities."""
+    the_model = model("bfloat16")
+    values = draw(6, the_model)
+    producer = {rid: {n: v.copy() for n, v in layers.items()} for rid, layers in values.items()}
+    producer["req-a"][ATTN.format(1)][4, 2, 3] = -np.inf
+    consumer = {rid: {n: v.copy() for n, v in layers.items()} for rid, layers in producer.items()}
+    consumer["req-a"][ATTN.format(1)][4, 2, 3] = np.inf
+    left = dump(tmp_path / "p", the_model, producer, PRODUCER, "producer")
+    right = dump(tmp_path / "c", the_model, consumer, CONSUMER, "consumer")
+    assert (
+        run_numeric(left, dump(tmp_path / "s", the_model, producer, CONSUMER, "consumer"))[0] == 0
+    )
+    status, data = run_numeric(left, right, "--rtol", "1")
+    assert status == 1
+    item = slices_of(data, "req-a")[ATTN.format(1), 2]
+    assert item["nonfinite_mismatches"] == 1 and item["over_tolerance"] == 1
+    assert item["worst_tokens"][0] == {"position": 4, "abs_error": "inf"}
+
+
 def test_numeric_needs_raw_kv_on_both_sides(tmp_path: Path) -> None:
     the_model = model("bfloat16")
     values = draw(7, the_model)
