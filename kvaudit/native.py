@@ -11,6 +11,13 @@ from types import ModuleType
 ENVIRONMENT = "KVAUDIT_NATIVE"
 """Set to ``0`` to run the numpy code instead of every C extension."""
 
+EXTENSIONS = {
+    "kvaudit.kernels._native": "checksum",
+    "kvaudit._element_errors": "numeric errors",
+    "kvaudit._value_reads": "numeric reads",
+}
+"""Each C extension (the ``EXTENSIONS`` of setup.py) and what it computes."""
+
 _LOADED: dict[str, ModuleType | None] = {}
 
 
@@ -30,3 +37,15 @@ def extension(name: str) -> ModuleType | None:
         except ImportError:
             _LOADED[name] = None
     return _LOADED[name]
+
+
+def summary() -> str:
+    """One line for ``kvaudit --version``: which C loops run, or why the numpy code does."""
+    if not enabled():
+        return f"C loops: off ({ENVIRONMENT}=0), the numpy code runs"
+    built = [what for name, what in EXTENSIONS.items() if extension(name) is not None]
+    missing = [what for name, what in EXTENSIONS.items() if extension(name) is None]
+    if not missing:
+        return f"C loops: {', '.join(built)}"
+    fallback = f"not built (no C compiler at install?), numpy runs: {', '.join(missing)}"
+    return f"C loops: {', '.join(built)}; {fallback}" if built else f"C loops: {fallback}"

@@ -88,9 +88,11 @@ def _version() -> str:
 
 
 def _print_version(ctx: click.Context) -> None:
-    """``kvaudit, version X``, looked up only when asked for (importlib.metadata is slow
-    to import)."""
-    click.echo(f"kvaudit, version {_version()}")
+    """``kvaudit, version X`` and which C loops run, looked up only when asked for
+    (importlib.metadata is slow to import)."""
+    from ..native import summary
+
+    click.echo(f"kvaudit, version {_version()}\n{summary()}")
     ctx.exit()
 
 
