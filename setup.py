@@ -31,7 +31,11 @@ EXTENSIONS = [
     extension(
         "kvaudit._element_errors",
         "kvaudit/_element_errors.c",
-        depends=("kvaudit/_element_errors_row.h", "kvaudit/_element_values.h"),
+        depends=(
+            "kvaudit/_element_errors_row.h",
+            "kvaudit/_element_values.h",
+            "kvaudit/_mapped_rows.h",
+        ),
         # No fused multiply-adds: the tolerance test rounds as numpy's does (bit for bit).
         flags=("-ffp-contract=off",),
     ),

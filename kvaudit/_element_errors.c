@@ -19,6 +19,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__unix__) || defined(__APPLE__)
+#include <sys/mman.h> /* madvise: releasing the mapped pages of rows read in place */
+#endif
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
 #error "the elements' bits are read as little-endian"
@@ -70,16 +73,35 @@ typedef int64_t i64x4 __attribute__((vector_size(32)));
 /* Per lane, yes where take (all ones) and no where not (zero): integer vectors. */
 #define SELECT(take, yes, no) (((take) & (yes)) | (~(take) & (no)))
 
+#define MAX_PARTS 4 /* a row's parts read in place: a cell, or its K and V rows */
+
+/* The dumps' file mappings rows are read from in place, held as buffers for the call (so
+ * that none is unmapped meanwhile), and their first bytes. */
+typedef struct {
+    Py_ssize_t count;
+    Py_buffer *views;
+    const uint8_t **bases;
+    int64_t *spans; /* room for each mapping's span of regions to release */
+} Maps;
+
 /* One side of a batch: its elements' bits, kind, and the scales of its K elements (the
- * first head_size of a row) and V elements (1 where none). */
+ * first head_size of a row) and V elements (1 where none). The bits are either staged,
+ * [heads, tokens, elements] in `bits`, or read in place from the mappings (`bits` NULL):
+ * each row in `parts` pieces, part e holding the row's elements part_start[e] ..
+ * part_start[e] + part_width[e] - 1 at byte where[(e * rows + row) * 2 + 1] of mapping
+ * where[(e * rows + row) * 2] (rows = heads * tokens). */
 typedef struct {
     const uint8_t *bits;
     int kind;
     Py_ssize_t head_size;
     double scales[2];
+    int parts;
+    Py_ssize_t part_start[MAX_PARTS], part_width[MAX_PARTS];
+    const int64_t *where;
 } Side;
 
 #define WORST 5 /* worst token positions kept per head */
+#define HEAD_BYTES 64 /* room for one head's figures of a batch, in either float type */
 
 /* One layer's batch from request position lo: both sides, which rows both hold, the
  * shape, the tolerance; the layer's figures it is added to, and its token row. */
@@ -93,7 +115,13 @@ typedef struct {
     double *worst_error;      /* [heads, WORST]: largest |c - p| first (0: none) */
     int64_t *worst_position;  /* [heads, WORST]: their request positions (-1: none) */
     double *token_row;        /* [tokens]: largest scaled error (NaN where none held) */
+    const Maps *maps;         /* rows read in place: their mappings */
+    Py_ssize_t chunk;         /* tokens compared head by head at a time (the rest: all) */
+    int release;              /* release the mapped pages of each chunk's rows after it */
+    int heads_inner;          /* within a chunk, token by token (else head by head) */
 } Batch;
+
+static void release_rows(const Batch *b, Py_ssize_t first, Py_ssize_t end);
 
 #include "_element_values.h"
 
@@ -189,55 +217,90 @@ static int kind_of(PyObject *name)
     return -1;
 }
 
-/* Whether every buffer holds what the shape says; sets ValueError if not. */
-static int check_sizes(const Batch *b, const Py_buffer *in, const Py_buffer *out)
+/* Whether the shape fits the sides; sets ValueError if not. */
+static int check_shape(const Batch *b)
 {
-    Py_ssize_t heads = b->heads, tokens = b->tokens, elements = b->elements;
     for (int s = 0; s < 2; s++) {
         Py_ssize_t head_size = b->sides[s].head_size;
-        if (heads < 0 || tokens < 0 || head_size < 0 || head_size > elements) {
+        if (b->heads < 0 || b->tokens < 0 || head_size < 0 || head_size > b->elements) {
             PyErr_SetString(PyExc_ValueError, "bad batch shape");
-            return 0;
-        }
-    }
-    Py_ssize_t rows = heads * tokens;
-    Py_ssize_t want[8] = {
-        rows * elements * KIND_SIZES[b->sides[0].kind],
-        rows * elements * KIND_SIZES[b->sides[1].kind],
-        rows,
-        4 * heads * 8,
-        3 * heads * 8,
-        heads * WORST * 8,
-        heads * WORST * 8,
-        tokens * 8,
-    };
-    for (int i = 0; i < 8; i++) {
-        Py_ssize_t got = i < 3 ? in[i].len : out[i - 3].len;
-        if (got != want[i]) {
-            PyErr_Format(PyExc_ValueError, "buffer %d holds %zd bytes, not %zd", i, got, want[i]);
             return 0;
         }
     }
     return 1;
 }
 
-/* The batch through the loop of its float type, AVX2 where the CPU has it; the rows
- * are buffers of doubles (or of twice as many floats), scratch one of floats. */
-static void run_batch(const Batch *b, int wide, double *p_row, double *c_row, float *scratch)
+/* Whether each buffer holds `want` bytes; sets ValueError if not (`first`: the number of
+ * the first buffer, in messages). */
+static int check_lengths(const Py_buffer *buffers, const Py_ssize_t *want, int count, int first)
 {
+    for (int i = 0; i < count; i++)
+        if (buffers[i].len != want[i]) {
+            PyErr_Format(PyExc_ValueError, "buffer %d holds %zd bytes, not %zd", first + i,
+                         buffers[i].len, want[i]);
+            return 0;
+        }
+    return 1;
+}
+
+/* The outputs (figures, counts, worst errors and positions, token row) checked for their
+ * sizes and set in the batch. */
+static int take_outputs(Batch *b, Py_buffer *out)
+{
+    Py_ssize_t heads = b->heads;
+    Py_ssize_t want[5] = {4 * heads * 8, 3 * heads * 8, heads * WORST * 8, heads * WORST * 8,
+                          b->tokens * 8};
+    if (!check_lengths(out, want, 5, 3))
+        return 0;
+    b->figures = out[0].buf;
+    b->counts = out[1].buf;
+    b->worst_error = out[2].buf;
+    b->worst_position = out[3].buf;
+    b->token_row = out[4].buf;
+    return 1;
+}
+
+/* The batch through the loop of its float type, AVX2 where the CPU has it, the GIL
+ * released: the heads' figures, two rows of doubles and one of floats (a narrow side
+ * widened to double), padded with zeros to whole vectors. None, or NULL with
+ * MemoryError. */
+static PyObject *run_batch(const Batch *b)
+{
+    size_t padded = ((size_t)b->elements + LANES - 1) / LANES * LANES;
+    size_t head_floats = (size_t)b->heads * HEAD_BYTES / sizeof(float);
+    float *buffers = calloc(head_floats + padded * 5, sizeof(float));
+    if (buffers == NULL)
+        return PyErr_NoMemory();
+    int wide = is_wide(b->sides[0].kind) || is_wide(b->sides[1].kind);
+    void *heads = buffers;
+    double *p_row = (double *)(buffers + head_floats), *c_row = p_row + padded;
+    float *scratch = (float *)(c_row + padded);
+    Py_BEGIN_ALLOW_THREADS
 #if WITH_AVX2
-    if (use_avx2) {
-        if (wide)
-            compare_batch_f64_avx2(b, p_row, c_row, scratch);
-        else
-            compare_batch_f32_avx2(b, (float *)p_row, (float *)c_row, scratch);
-        return;
-    }
+    if (use_avx2 && wide)
+        compare_batch_f64_avx2(b, heads, p_row, c_row, scratch);
+    else if (use_avx2)
+        compare_batch_f32_avx2(b, heads, (float *)p_row, (float *)c_row, scratch);
+    else
 #endif
     if (wide)
-        compare_batch_f64(b, p_row, c_row, scratch);
+        compare_batch_f64(b, heads, p_row, c_row, scratch);
     else
-        compare_batch_f32(b, (float *)p_row, (float *)c_row, scratch);
+        compare_batch_f32(b, heads, (float *)p_row, (float *)c_row, scratch);
+    Py_END_ALLOW_THREADS
+    free(buffers);
+    return Py_NewRef(Py_None);
+}
+
+/* A side's kind from its name; ValueError if not one read here. */
+static int take_kind(Side *side, PyObject *name)
+{
+    side->kind = kind_of(name);
+    if (side->kind < 0) {
+        PyErr_Format(PyExc_ValueError, "cannot compare %U elements", name);
+        return 0;
+    }
+    return 1;
 }
 
 PyDoc_STRVAR(compare_doc,
@@ -266,39 +329,18 @@ static PyObject *compare(PyObject *self, PyObject *args)
                           &out[1], &out[2], &out[3], &out[4]))
         return NULL;
     PyObject *result = NULL;
-    float *buffers = NULL;
-    for (int s = 0; s < 2; s++) {
-        b.sides[s].kind = kind_of(kinds[s]);
-        if (b.sides[s].kind < 0) {
-            PyErr_Format(PyExc_ValueError, "cannot compare %U elements", kinds[s]);
-            goto done;
-        }
-        b.sides[s].bits = in[s].buf;
-    }
-    if (!check_sizes(&b, in, out))
+    if (!take_kind(p, kinds[0]) || !take_kind(c, kinds[1]) || !check_shape(&b))
         goto done;
+    Py_ssize_t rows = b.heads * b.tokens;
+    Py_ssize_t want[3] = {rows * b.elements * KIND_SIZES[p->kind],
+                          rows * b.elements * KIND_SIZES[c->kind], rows};
+    if (!check_lengths(in, want, 3, 0) || !take_outputs(&b, out))
+        goto done;
+    p->bits = in[0].buf;
+    c->bits = in[1].buf;
     b.held = in[2].buf;
-    b.figures = out[0].buf;
-    b.counts = out[1].buf;
-    b.worst_error = out[2].buf;
-    b.worst_position = out[3].buf;
-    b.token_row = out[4].buf;
-    /* Two rows of doubles and one of floats (a narrow side widened to double), padded
-     * with zeros to whole vectors. */
-    size_t padded = ((size_t)b.elements + LANES - 1) / LANES * LANES;
-    buffers = calloc(padded * 5, sizeof(float));
-    if (buffers == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    int wide = is_wide(b.sides[0].kind) || is_wide(b.sides[1].kind);
-    double *p_row = (double *)buffers, *c_row = p_row + padded;
-    Py_BEGIN_ALLOW_THREADS
-    run_batch(&b, wide, p_row, c_row, buffers + 4 * padded);
-    Py_END_ALLOW_THREADS
-    result = Py_NewRef(Py_None);
+    result = run_batch(&b);
 done:
-    free(buffers);
     for (int i = 0; i < 3; i++)
         PyBuffer_Release(&in[i]);
     for (int i = 0; i < 5; i++)
@@ -306,8 +348,11 @@ done:
     return result;
 }
 
+#include "_mapped_rows.h"
+
 static PyMethodDef methods[] = {
     {"compare", compare, METH_VARARGS, compare_doc},
+    {"compare_mapped", compare_mapped, METH_VARARGS, compare_mapped_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -205,42 +205,69 @@ INLINE REAL NAME(add_row)(NAME(Head) *head, const REAL *p, const REAL *c, Py_ssi
     return row.abs;
 }
 
-/* One layer's batch: every held row decoded into p_row and c_row (scratch: a narrow side
- * on its way to double), added to its head, each head added to the layer's figures. */
-TARGET static void NAME(compare_batch)(const Batch *b, REAL *p_row, REAL *c_row,
-                                       float *scratch)
+/* One held row (h, t) decoded into p_row and c_row (scratch: a narrow side on its way to
+ * double) and added to its head's figures, its token's scaled error and its head's worst
+ * positions. */
+INLINE void NAME(add_held)(const Batch *b, NAME(Head) *head, Py_ssize_t h, Py_ssize_t t,
+                           REAL *p_row, REAL *c_row, float *scratch,
+                           const NAME(Tolerance) *tol)
+{
+    Py_ssize_t row = h * b->tokens + t;
+    DECODE_ROW(&b->sides[0], row, b, p_row, scratch);
+    DECODE_ROW(&b->sides[1], row, b, c_row, scratch);
+    double scaled;
+    REAL abs = NAME(add_row)(head, p_row, c_row, b->elements, tol, &scaled);
+    if (scaled > b->token_row[t])
+        b->token_row[t] = scaled;
+    keep_worst(b->worst_error + h * WORST, b->worst_position + h * WORST, (double)abs, b->lo + t);
+}
+
+/* One layer's batch: every held row added to its head (heads_at: zeroed room for the
+ * heads' figures), each head then added to the layer's. The rows go chunk by chunk of
+ * tokens, head by head within a chunk: staged rows in one chunk ([heads, tokens] is their
+ * order in memory), rows read in place a block of tokens at a time (its rows stay in the
+ * core's cache while every head is read from them, and their pages are released after it
+ * where asked). Either way each head sees its tokens in increasing order: the figures
+ * are the same bits. */
+TARGET static void NAME(compare_batch)(const Batch *b, NAME(Head) *heads_at, REAL *p_row,
+                                       REAL *c_row, float *scratch)
 {
     NAME(Tolerance) tol = {(REAL)b->atol, (REAL)b->rtol, b->atol == 0};
-    Py_ssize_t heads = b->heads, tokens = b->tokens, n = b->elements;
+    Py_ssize_t heads = b->heads, tokens = b->tokens;
+    Py_ssize_t chunk = b->chunk > 0 ? b->chunk : tokens;
     for (Py_ssize_t t = 0; t < tokens; t++)
         b->token_row[t] = -1.0; /* below any scaled error: no head held yet */
-    for (Py_ssize_t h = 0; h < heads; h++) {
-        NAME(Head) head;
-        memset(&head, 0, sizeof head);
-        for (Py_ssize_t t = 0; t < tokens; t++) {
-            Py_ssize_t row = h * tokens + t;
-            if (!b->held[row])
-                continue;
-            DECODE_ROW(&b->sides[0], row, b, p_row, scratch);
-            DECODE_ROW(&b->sides[1], row, b, c_row, scratch);
-            double scaled;
-            REAL abs = NAME(add_row)(&head, p_row, c_row, n, &tol, &scaled);
-            if (scaled > b->token_row[t])
-                b->token_row[t] = scaled;
-            keep_worst(b->worst_error + h * WORST, b->worst_position + h * WORST, (double)abs,
-                       b->lo + t);
+    for (Py_ssize_t first = 0; first < tokens; first += chunk) {
+        Py_ssize_t end = first + chunk < tokens ? first + chunk : tokens;
+        if (b->heads_inner) {
+            for (Py_ssize_t t = first; t < end; t++)
+                for (Py_ssize_t h = 0; h < heads; h++)
+                    if (b->held[h * tokens + t])
+                        NAME(add_held)(b, &heads_at[h], h, t, p_row, c_row, scratch, &tol);
+        } else {
+            for (Py_ssize_t h = 0; h < heads; h++)
+                for (Py_ssize_t t = first; t < end; t++)
+                    if (b->held[h * tokens + t])
+                        NAME(add_held)(b, &heads_at[h], h, t, p_row, c_row, scratch, &tol);
         }
-        REAL scale = NAME(from_bits)(head.scale);
-        add_head(b, h, (double)head.abs, (double)head.rel, isnan(scale) ? 0.0 : (double)scale,
-                 head.squares);
-        b->counts[h] += head.tokens;
-        b->counts[heads + h] += head.over;
-        b->counts[2 * heads + h] += head.nonfinite;
+        if (b->release)
+            release_rows(b, first, end);
+    }
+    for (Py_ssize_t h = 0; h < heads; h++) {
+        const NAME(Head) *head = &heads_at[h];
+        REAL scale = NAME(from_bits)(head->scale);
+        add_head(b, h, (double)head->abs, (double)head->rel, isnan(scale) ? 0.0 : (double)scale,
+                 head->squares);
+        b->counts[h] += head->tokens;
+        b->counts[heads + h] += head->over;
+        b->counts[2 * heads + h] += head->nonfinite;
     }
     for (Py_ssize_t t = 0; t < tokens; t++)
         if (b->token_row[t] < 0)
             b->token_row[t] = NAN;
 }
+
+_Static_assert(sizeof(NAME(Head)) <= HEAD_BYTES, "HEAD_BYTES holds a head's figures");
 
 #undef WIDTH
 #undef SQUARES_WIDTH

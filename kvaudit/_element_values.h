@@ -1,8 +1,8 @@
-/* The values of a row's elements from their bits, for _element_errors.c (included once,
- * after Side and Batch): bf16 shifted into a float32, fp16 converted (four at a time), fp8
- * through a table of the 256 codes' exact values; each side times its K and V scales in
- * the type the numpy path scales in (float32 for 16-bit and 8-bit dtypes, float64 for
- * 32-bit and wider). */
+/* The values of a row's elements from their bits, staged or where they lie in a mapping,
+ * for _element_errors.c (included once, after Side and Batch): bf16 shifted into a
+ * float32, fp16 converted (four at a time), fp8 through a table of the 256 codes' exact
+ * values; each side times its K and V scales in the type the numpy path scales in
+ * (float32 for 16-bit and 8-bit dtypes, float64 for 32-bit and wider). */
 
 static float FP8_VALUES[2][256]; /* e4m3fn, e5m2: each code's value */
 
@@ -70,12 +70,29 @@ INLINE uint16_t load16(const uint8_t *at)
     return u;
 }
 
-/* A narrow side's row as float, times the side's scales in float (as numpy scales a
- * float32 buffer). */
-INLINE void decode_narrow(const Side *side, Py_ssize_t row, Py_ssize_t n, float *out)
+/* A part of a side's row: the bits of its elements (staged, or where they lie in a
+ * mapping), and through *start and *count which elements of the row they are. */
+INLINE const uint8_t *row_part(const Side *side, Py_ssize_t row, const Batch *b, int part,
+                               Py_ssize_t *start, Py_ssize_t *count)
 {
-    const uint8_t *raw = side->bits + row * n * KIND_SIZES[side->kind];
-    switch (side->kind) {
+    if (side->bits != NULL) {
+        *start = 0;
+        *count = b->elements;
+        return side->bits + row * b->elements * KIND_SIZES[side->kind];
+    }
+    const int64_t *at = side->where + 2 * (part * b->heads * b->tokens + row);
+    *start = side->part_start[part];
+    *count = side->part_width[part];
+    return b->maps->bases[at[0]] + at[1];
+}
+
+/* How many parts each of a side's rows is read in. */
+INLINE int row_parts(const Side *side) { return side->bits != NULL ? 1 : side->parts; }
+
+/* n elements of a narrow kind as float. */
+INLINE void decode_narrow_span(int kind, const uint8_t *raw, Py_ssize_t n, float *out)
+{
+    switch (kind) {
     case BF16: /* the high half of a float32 */
         for (Py_ssize_t i = 0; i < n; i++)
             out[i] = f32_from_bits((uint32_t)load16(raw + 2 * i) << 16);
@@ -91,10 +108,22 @@ INLINE void decode_narrow(const Side *side, Py_ssize_t row, Py_ssize_t n, float 
         break;
     }
     default: {
-        const float *table = FP8_VALUES[side->kind == E5M2];
+        const float *table = FP8_VALUES[kind == E5M2];
         for (Py_ssize_t i = 0; i < n; i++)
             out[i] = table[raw[i]];
     }
+    }
+}
+
+/* A narrow side's row as float, times the side's scales in float (as numpy scales a
+ * float32 buffer). */
+INLINE void decode_narrow(const Side *side, Py_ssize_t row, const Batch *b, float *out)
+{
+    Py_ssize_t n = b->elements;
+    for (int part = 0; part < row_parts(side); part++) {
+        Py_ssize_t start, count;
+        const uint8_t *raw = row_part(side, row, b, part, &start, &count);
+        decode_narrow_span(side->kind, raw, count, out + start);
     }
     float k_scale = (float)side->scales[0], v_scale = (float)side->scales[1];
     if (side->scales[0] != 1.0)
@@ -110,7 +139,7 @@ INLINE void decode_row_f32(const Side *side, Py_ssize_t row, const Batch *b, flo
                            float *scratch)
 {
     (void)scratch;
-    decode_narrow(side, row, b->elements, out);
+    decode_narrow(side, row, b, out);
 }
 
 /* A side's row as double: a narrow side decoded and scaled as float first, then widened
@@ -120,20 +149,23 @@ INLINE void decode_row_f64(const Side *side, Py_ssize_t row, const Batch *b, dou
 {
     Py_ssize_t n = b->elements;
     if (!is_wide(side->kind)) {
-        decode_narrow(side, row, n, scratch);
+        decode_narrow(side, row, b, scratch);
         for (Py_ssize_t i = 0; i < n; i++)
             out[i] = (double)scratch[i];
         return;
     }
-    const uint8_t *raw = side->bits + row * n * KIND_SIZES[side->kind];
-    if (side->kind == F32) {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            float value;
-            memcpy(&value, raw + 4 * i, sizeof value);
-            out[i] = (double)value;
+    for (int part = 0; part < row_parts(side); part++) {
+        Py_ssize_t start, count;
+        const uint8_t *raw = row_part(side, row, b, part, &start, &count);
+        if (side->kind == F32) {
+            for (Py_ssize_t i = 0; i < count; i++) {
+                float value;
+                memcpy(&value, raw + 4 * i, sizeof value);
+                out[start + i] = (double)value;
+            }
+        } else {
+            memcpy(out + start, raw, (size_t)count * sizeof(double));
         }
-    } else {
-        memcpy(out, raw, (size_t)n * sizeof(double));
     }
     if (side->scales[0] != 1.0)
         for (Py_ssize_t i = 0; i < side->head_size; i++)

@@ -15,6 +15,8 @@ from .element_errors import LayerErrors
 
 SCALES = tuple[float | None, float | None]
 """A side's K and V scales (None: none)."""
+PARTS = tuple[tuple[int, int], ...]
+"""The parts a side's rows are read in: each one's first element and element count."""
 
 
 def native_module() -> ModuleType | None:
@@ -72,3 +74,48 @@ def _side(dtype: DType, head_size: int, scales: SCALES) -> tuple[str, int, float
     for none: multiplying by 1 changes no value)."""
     k_scale, v_scale = (1.0 if scale is None else float(scale) for scale in scales)
     return dtype_name(dtype), head_size, k_scale, v_scale
+
+
+def add_mapped_batch(
+    module: ModuleType,
+    errors: LayerErrors,
+    lo: int,
+    maps: list[object],
+    located: tuple[tuple[np.ndarray, PARTS], tuple[np.ndarray, PARTS]],
+    held: np.ndarray,
+    sides: tuple[tuple[DType, int, SCALES], tuple[DType, int, SCALES]],
+    tolerance: tuple[float, float],
+    order: tuple[int, bool, bool] = (0, False, False),
+) -> np.ndarray:
+    """``add_raw_batch`` with both sides' rows read where they lie in the dumps' mappings
+    ``maps`` (their buffers): each side's ``(where, parts)`` as ``kvaudit.mapped_rows``
+    locates them, ``held`` ``[heads, tokens]`` the rows both hold. ``order = (chunk,
+    release, heads_inner)``: the rows go ``chunk`` tokens at a time (0: all at once),
+    token by token within a chunk where ``heads_inner`` (else head by head), and the
+    mapped pages around a chunk's rows are released after it where ``release`` (``maps``
+    must then be file mappings).
+
+    Raises:
+        ValueError: A held row's part lies outside its mapping (a wrong layout).
+
+    """
+    heads, tokens = held.shape
+    elements = sum(width for _, width in located[0][1])
+    token_row = np.empty(tokens)
+    module.compare_mapped(
+        maps,
+        located[0][0],
+        located[1][0],
+        held.view(np.uint8),
+        (heads, tokens, elements),
+        *((*_side(*side), parts) for side, (_, parts) in zip(sides, located)),
+        tolerance,
+        lo,
+        order,
+        errors.figures,
+        errors.counts,
+        errors.worst_error,
+        errors.worst_position,
+        token_row,
+    )
+    return token_row

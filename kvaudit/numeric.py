@@ -25,6 +25,7 @@ import numpy as np
 from .compare.numeric import GroupNumeric, NumericReport, RequestNumeric
 from .element_errors import LayerErrors, add_batch, scratch
 from .elements import work_dtype
+from .mapped_rows import MappedRows
 from .native_errors import add_raw_batch, native_module, raw_dtype, reads
 from .sources.raw import RawWorker
 from .value_reads import (
@@ -56,6 +57,12 @@ chunks of heads: ``kvaudit.element_errors.CHUNK_ELEMENTS``)."""
 NATIVE_PIECE_ELEMENTS = 1 << 20
 """The same where the C extension compares (one pass over a piece: larger pieces, fewer
 steps in Python; 2 MiB of bf16 bits a side)."""
+MAPPED_PIECE_ELEMENTS = 1 << 22
+"""The same where it reads both sides' dumps in place (nothing staged: only 16 bytes of
+location per row and side are held; a piece is then usually a whole batch)."""
+CHUNK_TOKENS = 256
+"""Rows read in place go a block of tokens (at most this many) at a time, the mapped pages
+around them released after it (kvaudit/_mapped_rows.h)."""
 
 
 def _layer_plan(
@@ -90,6 +97,8 @@ class ThreadFiles:
         self._local = threading.local()
         self._opened: list[RowFiles] = []
         self._lock = threading.Lock()
+        self.places = MappedRows()
+        """Where dumps' rows lie in their mappings (shared: one dict, set once a part)."""
 
     def __enter__(self) -> ThreadFiles:
         return self
@@ -125,11 +134,14 @@ def _compare_layer(
     tolerance: tuple[float, float],
     layer_tokens: tuple[np.ndarray, int],
     thread_files: ThreadFiles,
+    chunk: int,
 ) -> int:
-    """One layer's batch, piece by piece: both sides decoded into this thread's buffers
-    (small enough to stay in the cache while compared) and added to its errors and its
-    row of token bins ``layer_tokens = (values, positions per bin)``; returns the bytes
-    read. The rows' mapped pages are dropped after."""
+    """One layer's batch, piece by piece: both sides' rows read where they lie in the
+    dumps' mappings (``chunk`` tokens at a time, their pages released after each), else
+    decoded into this thread's buffers (small enough to stay in the cache while
+    compared), and added to its errors and its row of token bins ``layer_tokens =
+    (values, positions per bin)``; returns the bytes read. The rows' mapped pages are
+    dropped after."""
     read = 0
     row, width = layer_tokens
     native = native_module()
@@ -137,6 +149,15 @@ def _compare_layer(
         native = None
     files = thread_files.mine()
     for lo, hi, plans in pieces:
+        if native is not None:
+            found = thread_files.places.add(
+                native, errors, (lo, hi, plans), name, layers, (tolerance, chunk)
+            )
+            if found is not None:
+                token_row, spanned = found
+                read += spanned
+                np.fmax.at(row, np.arange(lo, hi) // width, token_row)
+                continue
         values = []
         for key, plan, layer in zip("pc", plans, layers):
             shape = (layer.heads, hi - lo, layer.elements)
@@ -178,11 +199,16 @@ def _add_piece(
     return add_batch(errors, lo, p, c, held, tolerance)
 
 
-def _piece_tokens(unit: int, layers: Mapping[str, LayerValues], common: Sequence[str]) -> int:
+def _piece_tokens(
+    unit: int, layers: Mapping[str, LayerValues], common: Sequence[str], mapped: bool
+) -> int:
     """Tokens per piece: a multiple of ``unit``, about ``PIECE_ELEMENTS`` per side
-    (``NATIVE_PIECE_ELEMENTS`` where the C extension is there)."""
+    (``NATIVE_PIECE_ELEMENTS`` where the C extension is there, ``MAPPED_PIECE_ELEMENTS``
+    where it reads both sides' rows in place: ``mapped``)."""
     per_token = max((layers[name].heads * layers[name].elements for name in common), default=1)
     elements = PIECE_ELEMENTS if native_module() is None else NATIVE_PIECE_ELEMENTS
+    if mapped and native_module() is not None:
+        elements = MAPPED_PIECE_ELEMENTS
     return max(unit, elements // max(per_token, 1) // unit * unit)
 
 
@@ -210,7 +236,9 @@ def _compare_group(
     width = max(1, -(-num_tokens // MAX_BINS))
     layer_tokens = np.full((len(common), -(-num_tokens // width)), np.nan)
     errors = {name: LayerErrors(info[name].heads) for name in common}
-    piece = _piece_tokens(block_unit(sides), info, common)
+    unit = block_unit(sides)
+    mapped = all(getattr(worker, "maps", None) for side in sides for worker, _, _ in side)
+    piece = _piece_tokens(unit, info, common, mapped)
     step = max(piece, batch_tokens(sides, batch_bytes) // piece * piece)
     chosen = (attention_views(producer), attention_views(consumer))
     request = (request_id, group_id)
@@ -237,6 +265,7 @@ def _compare_group(
                 tolerance,
                 (layer_tokens[index], width),
                 threads[1],
+                min(unit, CHUNK_TOKENS),
             )
             for index, name in enumerate(common)
         ]

@@ -1,8 +1,8 @@
 """``diff --numeric``'s shortcuts give the same errors as the independent numpy
 computation: sides equal bit for bit (the errors skipped), a single differing element,
 NaN and Inf on both sides beside a difference, many small batches, tokens one side lacks,
-dumps' rows read from their files, through their mappings or as torch tensors, a file
-that shrinks while read."""
+dumps' rows read in place, from their files, through their mappings or as torch
+tensors, a file that shrinks while read."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from valued_sets import (
 )
 
 import kvaudit.element_errors
+import kvaudit.mapped_rows
 import kvaudit.numeric
 import kvaudit.value_reads
 from kvaudit.compare.numeric import NumericReport, SliceErrors
@@ -127,6 +128,7 @@ def test_one_head_at_a_time_in_small_pieces_agrees(
     monkeypatch.setattr(kvaudit.element_errors, "CHUNK_ELEMENTS", 1)
     monkeypatch.setattr(kvaudit.numeric, "PIECE_ELEMENTS", 1)
     monkeypatch.setattr(kvaudit.numeric, "NATIVE_PIECE_ELEMENTS", 1)
+    monkeypatch.setattr(kvaudit.numeric, "MAPPED_PIECE_ELEMENTS", 1)
     chunked = compare(left, right, rtol=0.01)
     assert by_slice(chunked, "req-a")[ATTN.format(1), 2].nonfinite_mismatches == 1
     for rid in TOKENS:
@@ -205,6 +207,9 @@ def test_rows_read_from_files_mappings_or_tensors_agree(
     }
     left = dump(tmp_path / "p", the_model, produced, PRODUCER, "producer")
     right = dump(tmp_path / "c", the_model, consumed, CONSUMER, "consumer")
+    in_place = compare(left, right, rtol=0.05)
+    # Staged: rows read with pread (the C extension's, else numpy's), or from the mappings.
+    monkeypatch.setattr(kvaudit.mapped_rows.MappedRows, "add", lambda *_: None)
     from_files = compare(left, right, rtol=0.05)
     # Torch tensors over the same mappings (as live workers hold them): rows gathered.
     raw = [open_source([str(path)], None).raw_kv() for path in (left, right)]
@@ -214,7 +219,7 @@ def test_rows_read_from_files_mappings_or_tensors_agree(
     monkeypatch.setattr(kvaudit.value_reads.RowFiles, "layout", lambda *_: None)
     mapped = compare(left, right, rtol=0.05)
     assert not from_files.ok
-    for other in (mapped, gathered):
+    for other in (mapped, gathered, in_place):
         for rid in TOKENS:
             ours, theirs = from_files.requests[rid].groups[0], other.requests[rid].groups[0]
             assert ours.slices == theirs.slices

@@ -1,0 +1,246 @@
+"""The C comparison reading rows where they lie (``compare_mapped``,
+``kvaudit/_mapped_rows.h``): rows scattered over several buffers in one or two parts give
+the same figures, bit for bit, as the same rows staged in ``[heads, tokens, elements]``
+order (``compare``), whatever the dtypes, scales, chunks and visiting order; rows not held
+are never read; locations outside their mapping, parts that do not tile a row and
+wrongly sized locations are refused with a ValueError before anything is read; a file
+mapping's pages around the rows are released after a chunk (its RSS falls) and read
+again after. Skipped where the extension did not build, unless
+``KVAUDIT_REQUIRE_NATIVE=1``."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+import torch
+
+from kvaudit.dtypes import parse_dtype, torch_dtype
+from kvaudit.element_errors import LayerErrors
+from kvaudit.mapping import FileMap
+from kvaudit.native_errors import PARTS, SCALES, add_mapped_batch, add_raw_batch
+
+
+def _built() -> ModuleType | None:
+    try:
+        return importlib.import_module("kvaudit._element_errors")
+    except ImportError:
+        return None
+
+
+NATIVE = _built()
+pytestmark = pytest.mark.skipif(
+    NATIVE is None and os.environ.get("KVAUDIT_REQUIRE_NATIVE") != "1",
+    reason="kvaudit._element_errors did not build (no C compiler at install): diff "
+    "--numeric reads rows in Python instead",
+)
+HEADS, TOKENS, ELEMENTS, HEAD_SIZE = 3, 11, 12, 5
+
+
+def to_bits(values: np.ndarray, dtype: str) -> np.ndarray:
+    """Float values as the raw bits of ``dtype`` (an unsigned integer array), by torch."""
+    tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+    raw = tensor.to(torch_dtype(parse_dtype(dtype))).view(torch.uint8).numpy()
+    size = parse_dtype(dtype).itemsize
+    kind = {1: np.uint8, 2: np.uint16, 4: np.uint32}[size]
+    return raw.view(kind).reshape(values.shape)
+
+
+def scattered(
+    bits: np.ndarray, parts: PARTS, maps: int, rng: np.random.Generator
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """Every row's parts copied to a slot of its own, in random order, in one of ``maps``
+    buffers (with a byte of padding between slots); returns the buffers and the
+    locations ``[parts, heads, tokens, 2]``."""
+    heads, tokens, _ = bits.shape
+    size = bits.itemsize
+    slot = max(width for _, width in parts) * size + 1
+    count = len(parts) * heads * tokens
+    per_map = -(-count // maps)
+    buffers = [np.zeros(per_map * slot + 3, dtype=np.uint8) for _ in range(maps)]
+    where = np.zeros((len(parts), heads, tokens, 2), dtype=np.int64)
+    order = rng.permutation(count)
+    raw = bits.view(np.uint8).reshape(heads, tokens, -1)
+    for index, (e, h, t) in enumerate(np.ndindex(len(parts), heads, tokens)):
+        start, width = parts[e]
+        place = int(order[index])
+        buffer, offset = place % maps, place // maps * slot + 1
+        buffers[buffer][offset : offset + width * size] = raw[
+            h, t, start * size : (start + width) * size
+        ]
+        where[e, h, t] = (buffer, offset)
+    return buffers, where
+
+
+def both_ways(
+    values: tuple[np.ndarray, np.ndarray],
+    dtypes: tuple[str, str],
+    scales: tuple[SCALES, SCALES],
+    parts: tuple[PARTS, PARTS],
+    order: tuple[int, bool, bool],
+    seed: int,
+) -> None:
+    """The batch staged and scattered: every figure the same bits."""
+    rng = np.random.default_rng(seed)
+    bits = tuple(to_bits(v, d) for v, d in zip(values, dtypes))
+    held = rng.random((HEADS, TOKENS)) > 0.2
+    sides = tuple((parse_dtype(d), HEAD_SIZE, s) for d, s in zip(dtypes, scales))
+    staged, mapped = LayerErrors(HEADS), LayerErrors(HEADS)
+    want = add_raw_batch(NATIVE, staged, 7, bits, held, sides, (0.01, 0.05))  # type: ignore[arg-type]
+    p_maps, p_where = scattered(bits[0], parts[0], 2, rng)
+    c_maps, c_where = scattered(bits[1], parts[1], 3, rng)
+    c_where[..., 0] += len(p_maps)
+    located = ((p_where, parts[0]), (c_where, parts[1]))
+    got = add_mapped_batch(
+        NATIVE,
+        mapped,
+        7,
+        [*p_maps, *c_maps],
+        located,
+        held,
+        sides,
+        (0.01, 0.05),
+        order,  # type: ignore[arg-type]
+    )
+    np.testing.assert_array_equal(got, want)
+    for name in ("figures", "counts", "worst_error", "worst_position"):
+        np.testing.assert_array_equal(getattr(mapped, name), getattr(staged, name))
+    assert staged.counts[0].sum() == held.sum()
+
+
+WHOLE: PARTS = ((0, ELEMENTS),)
+K_AND_V: PARTS = ((0, HEAD_SIZE), (HEAD_SIZE, ELEMENTS - HEAD_SIZE))
+
+
+@pytest.mark.parametrize(
+    "dtype", ["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"]
+)
+@pytest.mark.parametrize("parts", [(WHOLE, WHOLE), (K_AND_V, WHOLE), (K_AND_V, K_AND_V)])
+@pytest.mark.parametrize(
+    "order", [(0, False, False), (4, False, True), (1, False, False), (3, False, True)]
+)
+def test_rows_in_place_equal_rows_staged(
+    dtype: str, parts: tuple[PARTS, PARTS], order: tuple[int, bool, bool]
+) -> None:
+    rng = np.random.default_rng(len(dtype) + order[0])
+    p = rng.normal(0, 2, (HEADS, TOKENS, ELEMENTS))
+    c = p * (1 + rng.normal(0, 0.03, p.shape))
+    c[1, 4, 2] = np.nan  # one side only: the element-by-element way
+    both_ways((p, c), (dtype, dtype), ((None, None), (None, None)), parts, order, seed=3)
+
+
+def test_fp8_with_scales_against_bf16_in_place() -> None:
+    rng = np.random.default_rng(9)
+    p = rng.normal(0, 2, (HEADS, TOKENS, ELEMENTS))
+    c = p / 0.5
+    scales: tuple[SCALES, SCALES] = ((None, None), (0.5, 0.25))
+    for dtypes in (("bfloat16", "float8_e4m3fn"), ("float8_e5m2", "float32")):
+        both_ways((p, c), dtypes, scales, (WHOLE, K_AND_V), (2, False, True), seed=4)
+
+
+def located_call(
+    maps: list[np.ndarray],
+    where: np.ndarray,
+    held: np.ndarray,
+    parts: PARTS = WHOLE,
+    c_parts: PARTS | None = None,
+) -> None:
+    """compare_mapped of bf16 rows, both sides at ``where`` (the consumer's rows in
+    ``c_parts`` where given, else in ``parts`` too)."""
+    errors = LayerErrors(HEADS)
+    side = (parse_dtype("bfloat16"), HEAD_SIZE, (None, None))
+    located = ((where, parts), (where, parts if c_parts is None else c_parts))
+    sides = (side, side)
+    add_mapped_batch(NATIVE, errors, 0, maps, located, held, sides, (0.0, 0.0))  # type: ignore[arg-type]
+
+
+def test_locations_outside_their_mapping_are_refused() -> None:
+    maps = [np.zeros(4096, dtype=np.uint8), np.zeros(100, dtype=np.uint8)]
+    held = np.ones((HEADS, TOKENS), dtype=bool)
+    where = np.zeros((1, HEADS, TOKENS, 2), dtype=np.int64)
+    located_call(maps, where, held)  # every row at the start of the first map: fine
+    bad = {
+        "past the end": (0, 4096 - 2 * ELEMENTS + 1),
+        "negative": (0, -1),
+        "a short map": (1, 100 - 2 * ELEMENTS + 2),
+        "no such map": (2, 0),
+        "a negative map": (-1, 0),
+    }
+    for where_to in bad.values():
+        wrong = where.copy()
+        wrong[0, 2, 7] = where_to
+        with pytest.raises(ValueError, match=r"head 2 token 7: part 0 .* lies outside"):
+            located_call(maps, wrong, held)
+        not_held = held.copy()
+        not_held[2, 7] = False
+        located_call(maps, wrong, not_held)  # a row not held is never read
+
+
+def test_bad_parts_and_locations_are_refused() -> None:
+    maps = [np.zeros(4096, dtype=np.uint8)]
+    held = np.ones((HEADS, TOKENS), dtype=bool)
+    where = np.zeros((2, HEADS, TOKENS, 2), dtype=np.int64)
+    for parts in (
+        ((0, 4), (5, ELEMENTS - 5)),
+        ((4, 8), (0, 4)),
+        ((0, 0), (0, 12)),
+    ):
+        with pytest.raises(ValueError, match="tile"):
+            located_call(maps, where, held, parts)
+    with pytest.raises(ValueError, match="tile"):
+        located_call(maps, where, held, K_AND_V, ((0, 4), (4, 4)))  # 8 elements, not 12
+    with pytest.raises(ValueError, match="holds"):
+        located_call(maps, where, held, WHOLE)  # two parts' locations for one
+    with pytest.raises(ValueError, match="holds"):
+        located_call(maps, where[:, :, :-1].copy(), held, K_AND_V)
+
+
+def mapping_rss(address: int) -> int:
+    """The resident kB of this process's mapping that starts at ``address``."""
+    with open("/proc/self/smaps", encoding="ascii") as smaps:
+        lines = smaps.read().splitlines()
+    start = f"{address:x}-"
+    for index, line in enumerate(lines):
+        if line.startswith(start):
+            rss = next(entry for entry in lines[index + 1 :] if entry.startswith("Rss:"))
+            return int(rss.split()[1])
+    raise AssertionError("no such mapping")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="no /proc/self/smaps")
+def test_a_file_mappings_pages_are_released_after_each_chunk(tmp_path: Path) -> None:
+    rng = np.random.default_rng(2)
+    values = rng.normal(0, 1, (HEADS, TOKENS, ELEMENTS))
+    bits = to_bits(values, "bfloat16")
+    # The rows far apart in an 8 MiB file (several 2 MiB regions), in one mapping.
+    path = tmp_path / "rows.bin"
+    data = np.zeros(8 << 20, dtype=np.uint8)
+    where = np.zeros((1, HEADS, TOKENS, 2), dtype=np.int64)
+    step = (len(data) - 64) // (HEADS * TOKENS)
+    for index, (h, t) in enumerate(np.ndindex(HEADS, TOKENS)):
+        offset = index * step
+        data[offset : offset + 2 * ELEMENTS] = bits[h, t].view(np.uint8)
+        where[0, h, t] = (0, offset)
+    path.write_bytes(data.tobytes())
+    mapped = FileMap(str(path))
+    assert int(np.frombuffer(mapped.buffer, np.uint8).sum(dtype=np.int64)) == int(
+        data.sum(dtype=np.int64)
+    )  # every page touched
+    assert mapping_rss(mapped.address) >= 4096
+    held = np.ones((HEADS, TOKENS), dtype=bool)
+    side = (parse_dtype("bfloat16"), HEAD_SIZE, (None, None))
+    staged, released = LayerErrors(HEADS), LayerErrors(HEADS)
+    want = add_raw_batch(NATIVE, staged, 0, (bits, bits), held, (side, side), (0.0, 0.0))  # type: ignore[arg-type]
+    for _ in range(2):  # the second time the released pages are read again
+        got = add_mapped_batch(
+            NATIVE, released, 0, [mapped.buffer], ((where, WHOLE), (where, WHOLE)), held,
+            (side, side), (0.0, 0.0), (4, True, True),  # type: ignore[arg-type]
+        )  # fmt: skip
+        np.testing.assert_array_equal(got, want)
+        assert mapping_rss(mapped.address) == 0
+    np.testing.assert_array_equal(released.figures, staged.figures)
+    np.testing.assert_array_equal(released.counts, 2 * staged.counts)

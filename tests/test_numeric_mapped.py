@@ -1,0 +1,197 @@
+"""``diff --numeric`` reading both sides' dumps in place (``kvaudit.mapped_rows`` and the C
+extension's ``compare_mapped``): the same report, bit for bit, as rows read with
+``pread`` and staged, and the same as the numpy path (but the sums of squares' last
+digits) and the independent reference, over dumps of several layouts (NHTC with kernel
+blocks, HNTC, K and V planes, K and V apart), TP sizes, block sizes and block ids on the
+two sides, requests ending inside a block, fp8 with scales against bf16, pieces and
+chunks of any size. Skipped where the extension did not build, unless
+``KVAUDIT_REQUIRE_NATIVE=1``."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+
+import kvbuild as kb
+import numpy as np
+import pytest
+from valued_sets import (
+    CONSUMER,
+    HEADS,
+    PRODUCER,
+    TOKENS,
+    cell_values,
+    draw,
+    dump,
+    errors_reference,
+    model,
+    to_cells,
+)
+
+import kvaudit.mapped_rows
+import kvaudit.numeric
+from kvaudit.compare.numeric import NumericReport
+from kvaudit.numeric import numeric_diff
+from kvaudit.sources import open_source
+
+try:
+    importlib.import_module("kvaudit._element_errors")
+    BUILT = True
+except ImportError:
+    BUILT = False
+pytestmark = pytest.mark.skipif(
+    not BUILT and os.environ.get("KVAUDIT_REQUIRE_NATIVE") != "1",
+    reason="kvaudit._element_errors did not build: diff --numeric reads rows in numpy",
+)
+
+ENGINES = {
+    "NHTC kernel blocks, TP 2 / KNTHD, TP 4": (PRODUCER, CONSUMER),
+    "HNTC, TP 1 / NTHD (K and V apart), TP 2": (
+        kb.Engine(tp_size=1, block_sizes={0: 8}, layouts={0: "HNTC"}, seed=5),
+        kb.Engine(tp_size=2, block_sizes={0: 16}, layouts={0: "NTHD"}, seed=6),
+    ),
+    "NKTHD, TP 4 / NTHC kernel blocks, TP 1": (
+        kb.Engine(tp_size=4, block_sizes={0: 4}, layouts={0: "NKTHD"}, seed=7),
+        kb.Engine(
+            tp_size=1, block_sizes={0: 32}, kernel_block_sizes={0: 16}, layouts={0: "NTHC"}, seed=8
+        ),
+    ),
+    "KNHTD, TP 2 / HNTD (K and V apart), TP 4": (
+        kb.Engine(tp_size=2, block_sizes={0: 12}, layouts={0: "KNHTD"}, seed=9),
+        kb.Engine(tp_size=4, block_sizes={0: 8}, layouts={0: "HNTD"}, seed=10),
+    ),
+}
+
+
+def compare(left: Path, right: Path, rtol: float) -> NumericReport:
+    sources = [open_source([str(path)], None) for path in (left, right)]
+    return numeric_diff(sources[0].raw_kv(), sources[1].raw_kv(), TOKENS, rtol=rtol)
+
+
+def three_ways(
+    left: Path, right: Path, monkeypatch: pytest.MonkeyPatch, rtol: float
+) -> tuple[NumericReport, NumericReport, NumericReport]:
+    """The report with rows read in place (checked to be the only path taken), read with
+    pread and staged, and by the numpy path."""
+    calls = []
+    in_place = kvaudit.mapped_rows.add_mapped_batch
+
+    def counted(*args: object) -> np.ndarray:
+        calls.append(args)
+        return in_place(*args)  # type: ignore[arg-type]
+
+    def staged_read(*_: object) -> int:
+        raise AssertionError("a row was staged")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(kvaudit.mapped_rows, "add_mapped_batch", counted)
+        patch.setattr(kvaudit.numeric, "decode_layer", staged_read)
+        mapped = compare(left, right, rtol)
+    assert calls, "the rows were not read in place"
+    with monkeypatch.context() as patch:
+        patch.setattr(kvaudit.mapped_rows.MappedRows, "add", lambda *_: None)
+        staged = compare(left, right, rtol)
+    with monkeypatch.context() as patch:
+        patch.setenv("KVAUDIT_NATIVE", "0")
+        numpy = compare(left, right, rtol)
+    return mapped, staged, numpy
+
+
+def assert_same(ours: NumericReport, theirs: NumericReport, *, exact: bool) -> None:
+    """Every slice and token bin the same; ``exact``: the sums of squares too (else to
+    float32's precision, as the numpy path sums them)."""
+    for rid in TOKENS:
+        mine, other = ours.requests[rid].groups[0], theirs.requests[rid].groups[0]
+        np.testing.assert_array_equal(mine.layer_tokens, other.layer_tokens)
+        assert len(mine.slices) == len(other.slices) == 3 * HEADS
+        for item, that in zip(mine.slices, other.slices):
+            if not exact:
+                assert item.rms_error == pytest.approx(that.rms_error, rel=1e-6)
+                that.sum_squares = item.sum_squares
+            assert item == that
+
+
+def assert_reference(
+    report: NumericReport, produced: dict, consumed: dict, dtypes: tuple[str, str], scale: float
+) -> None:
+    """Every (layer, head) against the float64 reference (the consumer's values times
+    ``scale``)."""
+    for rid, n in TOKENS.items():
+        got = {(s.layer, s.head): s for s in report.requests[rid].groups[0].slices}
+        for name in produced[rid]:
+            p = cell_values(to_cells(produced[rid][name], dtypes[0]), dtypes[0])
+            c = cell_values(to_cells(consumed[rid][name][:n], dtypes[1]), dtypes[1]) * scale
+            for head in range(HEADS):
+                want = errors_reference(p[:, head], c[:, head], 0.0, 0.05)
+                item = got[name, head]
+                assert item.max_abs_error == pytest.approx(want["max_abs_error"], rel=1e-6)
+                assert item.rms_error == pytest.approx(want["rms_error"], rel=1e-6)
+                assert item.over_tolerance == want["over_tolerance"]
+                assert [position for position, _ in item.worst] == want["worst"]
+
+
+@pytest.mark.parametrize("engines", list(ENGINES))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_in_place_equals_staged_and_numpy(
+    engines: str, dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    producer, consumer = ENGINES[engines]
+    the_model = model(dtype)
+    produced = draw(21, the_model)
+    rng = np.random.default_rng(22)
+    consumed = {
+        rid: {n: v * (1 + rng.normal(0, 0.02, v.shape)) for n, v in layers.items()}
+        for rid, layers in produced.items()
+    }
+    left = dump(tmp_path / "p", the_model, produced, producer, "producer")
+    right = dump(tmp_path / "c", the_model, consumed, consumer, "consumer")
+    mapped, staged, numpy = three_ways(left, right, monkeypatch, 0.05)
+    assert_same(mapped, staged, exact=True)
+    assert_same(mapped, numpy, exact=False)
+    assert_reference(mapped, produced, consumed, (dtype, dtype), 1.0)
+
+
+def test_fp8_with_scales_against_bf16_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    produced = draw(23, model("bfloat16"))
+    consumed = {rid: {n: v / 0.5 for n, v in layers.items()} for rid, layers in produced.items()}
+    consumed["req-a"]["model.layers.1.self_attn.attn"][9, 1, 3] += 40.0  # one corrupted element
+    left = dump(tmp_path / "p", model("bfloat16"), produced, PRODUCER, "producer")
+    right = dump(tmp_path / "c", model("float8_e4m3fn"), consumed, CONSUMER, "consumer", 0.5)
+    mapped, staged, numpy = three_ways(left, right, monkeypatch, 0.05)
+    assert_same(mapped, staged, exact=True)
+    assert_same(mapped, numpy, exact=False)
+    assert_reference(mapped, produced, consumed, ("bfloat16", "float8_e4m3fn"), 0.5)
+    slices = {(s.layer, s.head): s for s in mapped.requests["req-a"].groups[0].slices}
+    assert slices["model.layers.1.self_attn.attn", 1].worst[0][0] == 9
+
+
+def test_pieces_and_chunks_of_any_size_agree(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    the_model = model("float16")
+    produced = draw(24, the_model)
+    rng = np.random.default_rng(25)
+    consumed = {
+        rid: {n: v + rng.normal(0, 0.05, v.shape) for n, v in layers.items()}
+        for rid, layers in produced.items()
+    }
+    consumed["req-b"]["model.layers.2.self_attn.attn"][3, 0, 1] = np.inf  # one side only
+    producer, consumer = ENGINES["HNTC, TP 1 / NTHD (K and V apart), TP 2"]
+    left = dump(tmp_path / "p", the_model, produced, producer, "producer")
+    right = dump(tmp_path / "c", the_model, consumed, consumer, "consumer")
+    whole = compare(left, right, 0.05)
+    monkeypatch.setattr(kvaudit.numeric, "MAPPED_PIECE_ELEMENTS", 1)
+    monkeypatch.setattr(kvaudit.numeric, "CHUNK_TOKENS", 1)
+    small = compare(left, right, 0.05)
+    assert whole.requests["req-b"].groups[0].slices[8].nonfinite_mismatches == 1
+    for rid in TOKENS:
+        for item, that in zip(
+            whole.requests[rid].groups[0].slices, small.requests[rid].groups[0].slices
+        ):
+            # Pieces add their sums of squares in another order.
+            assert item.rms_error == pytest.approx(that.rms_error, rel=1e-12)
+            that.sum_squares = item.sum_squares
+            assert item == that
