@@ -3,8 +3,10 @@
  * REAL (float or double), UINT (its bits), ABS (fabsf or fabs), MAGNITUDE (all bits but
  * the sign), DECODE_ROW (a side's row into REALs), VREAL and VBITS (vectors of REALs and of
  * signed integers of their size), PART and VSQUARES (vectors of as many REALs and doubles,
- * the squares widened), TARGET (the loop's instruction set attribute) and NAME(x) (each
- * copy's own names); they are undefined at the end.
+ * the squares widened), MAX_BITS(x, y) and MAX_REAL(x, y) (per lane x > y ? x : y),
+ * WIDEN(a, at) (part `at` of a as VSQUARES), FUSED (1: narrow rows decoded inside the
+ * loop, BF16_VALUES(raw) giving a vector of bf16 values), TARGET (the loop's instruction
+ * set attribute) and NAME(x) (each copy's own names); they are undefined at the end.
  *
  * Every operation is the numpy path's (kvaudit/element_errors.py) in the same type, so the
  * figures come out bit for bit the same; only the sums of squares are kept in double. */
@@ -14,14 +16,14 @@
 #define PARTS (WIDTH / SQUARES_WIDTH)
 
 /* A non-negative REAL as its bits: such floats order as their bits do, NaN above Inf. */
-INLINE UINT NAME(bits_of)(REAL x)
+TARGET INLINE UINT NAME(bits_of)(REAL x)
 {
     UINT u;
     memcpy(&u, &x, sizeof u);
     return u;
 }
 
-INLINE REAL NAME(from_bits)(UINT u)
+TARGET INLINE REAL NAME(from_bits)(UINT u)
 {
     REAL x;
     memcpy(&x, &u, sizeof x);
@@ -55,13 +57,10 @@ typedef struct {
     VSQUARES squares[PARTS]; /* lanes in order */
 } NAME(Lanes);
 
-/* WIDTH elements into the lanes; counted: the lanes that hold elements of the row. */
-INLINE void NAME(lane_step)(NAME(Lanes) *l, const REAL *p_at, const REAL *c_at,
-                            const NAME(Tolerance) *tol, int by_ratio, const VBITS *counted)
+/* WIDTH elements (p, c) into the lanes; counted: the lanes that hold elements of the row. */
+TARGET INLINE void NAME(lane_step)(NAME(Lanes) *l, VREAL p, VREAL c,
+                                   const NAME(Tolerance) *tol, int by_ratio, VBITS counted)
 {
-    VREAL p, c;
-    memcpy(&p, p_at, sizeof p);
-    memcpy(&c, c_at, sizeof c);
     VBITS a_bits = (VBITS)(c - p) & MAGNITUDE, scale_bits = (VBITS)p & MAGNITUDE;
     VREAL a = (VREAL)a_bits, scale = (VREAL)scale_bits, rel = a / scale;
     VBITS over;
@@ -69,23 +68,21 @@ INLINE void NAME(lane_step)(NAME(Lanes) *l, const REAL *p_at, const REAL *c_at,
         over = rel > tol->rtol;
     else
         over = a > scale * tol->rtol + tol->atol;
-    l->over += over & *counted;
-    l->abs = SELECT(a_bits > l->abs, a_bits, l->abs);
-    l->scale = SELECT(scale_bits > l->scale, scale_bits, l->scale);
+    l->over += over & counted;
+    l->abs = MAX_BITS(a_bits, l->abs);
+    l->scale = MAX_BITS(scale_bits, l->scale);
     /* NaN (0 / 0: both 0) compares false: it never enters. */
-    l->rel = (VREAL)SELECT(rel > l->rel, (VBITS)rel, (VBITS)l->rel);
+    l->rel = MAX_REAL(rel, l->rel);
     /* Widened part by part: as many doubles as a register holds. */
     for (int at = 0; at < PARTS; at++) {
-        PART part;
-        memcpy(&part, (const char *)&a + at * sizeof part, sizeof part);
-        VSQUARES wide = __builtin_convertvector(part, VSQUARES);
+        VSQUARES wide = WIDEN(a, at);
         l->squares[at] += wide * wide;
     }
 }
 
 /* The lanes over a row (zero-padded to whole vectors); by_ratio a constant where
  * inlined, so that the loop holds no branch. */
-INLINE void NAME(lanes_over)(NAME(Lanes) *l, const REAL *p, const REAL *c, Py_ssize_t n,
+TARGET INLINE void NAME(lanes_over)(NAME(Lanes) *l, const REAL *p, const REAL *c, Py_ssize_t n,
                              const NAME(Tolerance) *tol, int by_ratio)
 {
     VBITS counted = {0}, lane = {0};
@@ -93,35 +90,33 @@ INLINE void NAME(lanes_over)(NAME(Lanes) *l, const REAL *p, const REAL *c, Py_ss
     for (int j = 0; j < WIDTH; j++)
         lane[j] = j;
     Py_ssize_t i = 0;
-    for (; i + WIDTH <= n; i += WIDTH)
-        NAME(lane_step)(l, p + i, c + i, tol, by_ratio, &counted);
+    VREAL p_at, c_at;
+    for (; i + WIDTH <= n; i += WIDTH) {
+        memcpy(&p_at, p + i, sizeof p_at);
+        memcpy(&c_at, c + i, sizeof c_at);
+        NAME(lane_step)(l, p_at, c_at, tol, by_ratio, counted);
+    }
     if (i < n) { /* padding (0 against 0) adds nothing but could be "over" a negative atol */
-        counted = lane < (int)(n - i);
-        NAME(lane_step)(l, p + i, c + i, tol, by_ratio, &counted);
+        memcpy(&p_at, p + i, sizeof p_at);
+        memcpy(&c_at, c + i, sizeof c_at);
+        NAME(lane_step)(l, p_at, c_at, tol, by_ratio, lane < (int)(n - i));
     }
 }
 
-/* The row where every error is finite (so both sides are): returns 0, leaving *row
- * undefined, where one is not (NaN or Inf on a side, or c - p overflowing). */
-INLINE int NAME(row_fast)(const REAL *p, const REAL *c, Py_ssize_t n,
-                          const NAME(Tolerance) *tol, NAME(Row) *row)
+/* The row's errors from its lanes, summed in lane order: 0 (and *row undefined) where
+ * they are not all finite (NaN or Inf on a side, or c - p overflowing). */
+TARGET INLINE int NAME(row_of_lanes)(const NAME(Lanes) *l, NAME(Row) *row)
 {
-    NAME(Lanes) l;
-    memset(&l, 0, sizeof l);
-    if (tol->by_ratio)
-        NAME(lanes_over)(&l, p, c, n, tol, 1);
-    else
-        NAME(lanes_over)(&l, p, c, n, tol, 0);
     UINT abs = 0, scale = 0;
     REAL rel = 0;
     row->over = 0;
     row->squares = 0.0;
     for (int j = 0; j < WIDTH; j++) {
-        abs = (UINT)l.abs[j] > abs ? (UINT)l.abs[j] : abs;
-        scale = (UINT)l.scale[j] > scale ? (UINT)l.scale[j] : scale;
-        rel = l.rel[j] > rel ? l.rel[j] : rel;
-        row->over -= (int64_t)l.over[j];
-        row->squares += l.squares[j / SQUARES_WIDTH][j % SQUARES_WIDTH];
+        abs = (UINT)l->abs[j] > abs ? (UINT)l->abs[j] : abs;
+        scale = (UINT)l->scale[j] > scale ? (UINT)l->scale[j] : scale;
+        rel = l->rel[j] > rel ? l->rel[j] : rel;
+        row->over -= (int64_t)l->over[j];
+        row->squares += l->squares[j / SQUARES_WIDTH][j % SQUARES_WIDTH];
     }
     row->abs = NAME(from_bits)(abs);
     if (!isfinite(row->abs))
@@ -133,11 +128,25 @@ INLINE int NAME(row_fast)(const REAL *p, const REAL *c, Py_ssize_t n,
     return 1;
 }
 
+/* The row where every error is finite (so both sides are): returns 0, leaving *row
+ * undefined, where one is not (NaN or Inf on a side, or c - p overflowing). */
+TARGET INLINE int NAME(row_fast)(const REAL *p, const REAL *c, Py_ssize_t n,
+                          const NAME(Tolerance) *tol, NAME(Row) *row)
+{
+    NAME(Lanes) l;
+    memset(&l, 0, sizeof l);
+    if (tol->by_ratio)
+        NAME(lanes_over)(&l, p, c, n, tol, 1);
+    else
+        NAME(lanes_over)(&l, p, c, n, tol, 0);
+    return NAME(row_of_lanes)(&l, row);
+}
+
 /* The row element by element with NaN and Inf (docs/numeric.md): NaN against NaN and an
  * Inf against the same Inf agree (error 0); any other non-finite error is infinite, and a
  * one-sided one (NaN or Inf on one side only) is also counted, over tolerance, out of the
  * squares, and makes the row's relative error infinite. */
-static void NAME(row_exact)(const REAL *p, const REAL *c, Py_ssize_t n,
+TARGET static void NAME(row_exact)(const REAL *p, const REAL *c, Py_ssize_t n,
                             const NAME(Tolerance) *tol, NAME(Row) *row)
 {
     UINT scale = 0;
@@ -183,43 +192,130 @@ typedef struct {
     double squares;
 } NAME(Head);
 
-/* Add one held row to its head and return its largest |c - p| and, through *scaled, its
- * scaled error max |c - p| / max |p| in REAL (0 / 0 is 0; infinite where one-sided), for
- * the layers x tokens picture. */
-INLINE REAL NAME(add_row)(NAME(Head) *head, const REAL *p, const REAL *c, Py_ssize_t n,
-                          const NAME(Tolerance) *tol, double *scaled)
+/* Add one row's errors to its head, its token's scaled error max |c - p| / max |p| in
+ * REAL (0 / 0 is 0; infinite where one-sided; the layers x tokens picture) and its
+ * head's worst positions. */
+TARGET INLINE void NAME(add_errors)(const Batch *b, NAME(Head) *head, Py_ssize_t h, Py_ssize_t t,
+                             const NAME(Row) *row)
 {
-    NAME(Row) row;
-    if (!NAME(row_fast)(p, c, n, tol, &row))
-        NAME(row_exact)(p, c, n, tol, &row);
-    UINT scale_bits = NAME(bits_of)(row.scale);
-    head->abs = row.abs > head->abs ? row.abs : head->abs;
-    head->rel = row.rel > head->rel ? row.rel : head->rel;
+    UINT scale_bits = NAME(bits_of)(row->scale);
+    head->abs = row->abs > head->abs ? row->abs : head->abs;
+    head->rel = row->rel > head->rel ? row->rel : head->rel;
     head->scale = scale_bits > head->scale ? scale_bits : head->scale;
     head->tokens++;
-    head->over += row.over;
-    head->nonfinite += row.nonfinite;
-    head->squares += row.squares;
-    REAL ratio = row.abs / row.scale;
-    *scaled = row.one_sided ? INFINITY : isnan(ratio) ? 0.0 : (double)ratio;
-    return row.abs;
+    head->over += row->over;
+    head->nonfinite += row->nonfinite;
+    head->squares += row->squares;
+    REAL ratio = row->abs / row->scale;
+    double scaled = row->one_sided ? INFINITY : isnan(ratio) ? 0.0 : (double)ratio;
+    if (scaled > b->token_row[t])
+        b->token_row[t] = scaled;
+    keep_worst(b->worst_error + h * WORST, b->worst_position + h * WORST, (double)row->abs,
+               b->lo + t);
 }
 
 /* One held row (h, t) decoded into p_row and c_row (scratch: a narrow side on its way to
- * double) and added to its head's figures, its token's scaled error and its head's worst
- * positions. */
-INLINE void NAME(add_held)(const Batch *b, NAME(Head) *head, Py_ssize_t h, Py_ssize_t t,
+ * double), its errors added. */
+TARGET INLINE void NAME(add_held)(const Batch *b, NAME(Head) *head, Py_ssize_t h, Py_ssize_t t,
                            REAL *p_row, REAL *c_row, float *scratch,
                            const NAME(Tolerance) *tol)
 {
-    Py_ssize_t row = h * b->tokens + t;
-    DECODE_ROW(&b->sides[0], row, b, p_row, scratch);
-    DECODE_ROW(&b->sides[1], row, b, c_row, scratch);
-    double scaled;
-    REAL abs = NAME(add_row)(head, p_row, c_row, b->elements, tol, &scaled);
-    if (scaled > b->token_row[t])
-        b->token_row[t] = scaled;
-    keep_worst(b->worst_error + h * WORST, b->worst_position + h * WORST, (double)abs, b->lo + t);
+    Py_ssize_t at = h * b->tokens + t;
+    DECODE_ROW(&b->sides[0], at, b, p_row, scratch);
+    DECODE_ROW(&b->sides[1], at, b, c_row, scratch);
+    NAME(Row) row;
+    if (!NAME(row_fast)(p_row, c_row, b->elements, tol, &row))
+        NAME(row_exact)(p_row, c_row, b->elements, tol, &row);
+    NAME(add_errors)(b, head, h, t, &row);
+}
+
+#if FUSED
+/* WIDTH elements of a narrow kind from their bits (a constant where inlined). */
+TARGET INLINE VREAL NAME(values)(int kind, const uint8_t *raw)
+{
+    VREAL out;
+    if (kind == BF16) { /* the high half of a float32 */
+        out = BF16_VALUES(raw);
+    } else if (kind == F16) {
+        for (int q = 0; q < WIDTH / 4; q++) {
+            f32x4 four = f16_values(raw + 8 * q);
+            memcpy((char *)&out + sizeof four * q, &four, sizeof four);
+        }
+    } else {
+        const float *table = FP8_VALUES[kind == E5M2];
+        for (int j = 0; j < WIDTH; j++)
+            out[j] = table[raw[j]];
+    }
+    return out;
+}
+
+/* Row `at` decoded inside the loop, span by span (both sides of one narrow kind): as
+ * row_fast, 0 where an error is not finite. kind and by_ratio: constants where inlined. */
+TARGET INLINE int NAME(row_in_loop)(const Batch *b, Py_ssize_t at, const Span *spans, int count,
+                             int kind, const NAME(Tolerance) *tol, int by_ratio,
+                             NAME(Row) *row)
+{
+    const uint8_t *parts[2][MAX_PARTS];
+    for (int s = 0; s < 2; s++)
+        for (int e = 0; e < row_parts(&b->sides[s]); e++) {
+            Py_ssize_t start, width;
+            parts[s][e] = row_part(&b->sides[s], at, b, e, &start, &width);
+        }
+    NAME(Lanes) l;
+    memset(&l, 0, sizeof l);
+    VBITS counted = {0};
+    counted -= 1; /* all lanes: spans are whole vectors */
+    Py_ssize_t size = KIND_SIZES[kind];
+    for (int k = 0; k < count; k++) {
+        const Span *span = &spans[k];
+        const uint8_t *p = parts[0][span->part[0]] + span->offset[0];
+        const uint8_t *c = parts[1][span->part[1]] + span->offset[1];
+        REAL p_scale = span->scale[0], c_scale = span->scale[1];
+        for (Py_ssize_t i = 0; i < span->count; i += WIDTH)
+            NAME(lane_step)(&l, NAME(values)(kind, p + i * size) * p_scale,
+                            NAME(values)(kind, c + i * size) * c_scale, tol, by_ratio, counted);
+    }
+    return NAME(row_of_lanes)(&l, row);
+}
+#endif
+
+/* The batch's held rows, chunk by chunk (compare_batch); spans: where count > 0, each
+ * row decoded inside the loop (kind and by_ratio: constants where inlined), else into
+ * p_row and c_row first. */
+TARGET INLINE void NAME(batch_rows)(const Batch *b, NAME(Head) *heads_at, REAL *p_row, REAL *c_row,
+                             float *scratch, const NAME(Tolerance) *tol, const Span *spans,
+                             int count, int kind, int by_ratio)
+{
+    Py_ssize_t heads = b->heads, tokens = b->tokens;
+    Py_ssize_t chunk = b->chunk > 0 ? b->chunk : tokens;
+    for (Py_ssize_t first = 0; first < tokens; first += chunk) {
+        Py_ssize_t end = first + chunk < tokens ? first + chunk : tokens;
+        int heads_inner = b->heads_inner;
+        Py_ssize_t outer = heads_inner ? end - first : heads;
+        Py_ssize_t inner = heads_inner ? heads : end - first;
+        for (Py_ssize_t o = 0; o < outer; o++)
+            for (Py_ssize_t i = 0; i < inner; i++) {
+                Py_ssize_t h = heads_inner ? i : o, t = first + (heads_inner ? o : i);
+                if (!b->held[h * tokens + t])
+                    continue;
+#if FUSED
+                NAME(Row) row;
+                if (count > 0) {
+                    if (!NAME(row_in_loop)(b, h * tokens + t, spans, count, kind, tol, by_ratio,
+                                           &row)) {
+                        DECODE_ROW(&b->sides[0], h * tokens + t, b, p_row, scratch);
+                        DECODE_ROW(&b->sides[1], h * tokens + t, b, c_row, scratch);
+                        NAME(row_exact)(p_row, c_row, b->elements, tol, &row);
+                    }
+                    NAME(add_errors)(b, &heads_at[h], h, t, &row);
+                    continue;
+                }
+#endif
+                NAME(add_held)(b, &heads_at[h], h, t, p_row, c_row, scratch, tol);
+            }
+        if (b->release)
+            release_rows(b, first, end);
+    }
 }
 
 /* One layer's batch: every held row added to its head (heads_at: zeroed room for the
@@ -228,31 +324,32 @@ INLINE void NAME(add_held)(const Batch *b, NAME(Head) *head, Py_ssize_t h, Py_ss
  * order in memory), rows read in place a block of tokens at a time (its rows stay in the
  * core's cache while every head is read from them, and their pages are released after it
  * where asked). Either way each head sees its tokens in increasing order: the figures
- * are the same bits. */
+ * are the same bits. Rows of whole vectors of one narrow kind are decoded inside the
+ * reducing loop. */
 TARGET static void NAME(compare_batch)(const Batch *b, NAME(Head) *heads_at, REAL *p_row,
                                        REAL *c_row, float *scratch)
 {
     NAME(Tolerance) tol = {(REAL)b->atol, (REAL)b->rtol, b->atol == 0};
     Py_ssize_t heads = b->heads, tokens = b->tokens;
-    Py_ssize_t chunk = b->chunk > 0 ? b->chunk : tokens;
     for (Py_ssize_t t = 0; t < tokens; t++)
         b->token_row[t] = -1.0; /* below any scaled error: no head held yet */
-    for (Py_ssize_t first = 0; first < tokens; first += chunk) {
-        Py_ssize_t end = first + chunk < tokens ? first + chunk : tokens;
-        if (b->heads_inner) {
-            for (Py_ssize_t t = first; t < end; t++)
-                for (Py_ssize_t h = 0; h < heads; h++)
-                    if (b->held[h * tokens + t])
-                        NAME(add_held)(b, &heads_at[h], h, t, p_row, c_row, scratch, &tol);
-        } else {
-            for (Py_ssize_t h = 0; h < heads; h++)
-                for (Py_ssize_t t = first; t < end; t++)
-                    if (b->held[h * tokens + t])
-                        NAME(add_held)(b, &heads_at[h], h, t, p_row, c_row, scratch, &tol);
-        }
-        if (b->release)
-            release_rows(b, first, end);
-    }
+    Span spans[MAX_SPANS];
+    int count = FUSED ? row_spans(b, spans) : 0;
+    int kind = b->sides[0].kind;
+    if (count == 0)
+        NAME(batch_rows)(b, heads_at, p_row, c_row, scratch, &tol, spans, 0, 0, 0);
+    else if (kind == BF16 && tol.by_ratio)
+        NAME(batch_rows)(b, heads_at, p_row, c_row, scratch, &tol, spans, count, BF16, 1);
+    else if (kind == BF16)
+        NAME(batch_rows)(b, heads_at, p_row, c_row, scratch, &tol, spans, count, BF16, 0);
+    else if (kind == F16 && tol.by_ratio)
+        NAME(batch_rows)(b, heads_at, p_row, c_row, scratch, &tol, spans, count, F16, 1);
+    else if (kind == F16)
+        NAME(batch_rows)(b, heads_at, p_row, c_row, scratch, &tol, spans, count, F16, 0);
+    else if (tol.by_ratio) /* fp8: the kind picks a table of values */
+        NAME(batch_rows)(b, heads_at, p_row, c_row, scratch, &tol, spans, count, kind, 1);
+    else
+        NAME(batch_rows)(b, heads_at, p_row, c_row, scratch, &tol, spans, count, kind, 0);
     for (Py_ssize_t h = 0; h < heads; h++) {
         const NAME(Head) *head = &heads_at[h];
         REAL scale = NAME(from_bits)(head->scale);
@@ -282,4 +379,10 @@ _Static_assert(sizeof(NAME(Head)) <= HEAD_BYTES, "HEAD_BYTES holds a head's figu
 #undef PART
 #undef VSQUARES
 #undef TARGET
+#undef FUSED
+#undef MAX_BITS
+#undef MAX_REAL
+#undef WIDEN
+#undef PART_OF
+#undef BF16_VALUES
 #undef NAME

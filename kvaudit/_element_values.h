@@ -70,6 +70,14 @@ INLINE uint16_t load16(const uint8_t *at)
     return u;
 }
 
+/* Four bf16s' or fp16s' bits. */
+INLINE u16x4 load_u16x4(const uint8_t *at)
+{
+    u16x4 u;
+    memcpy(&u, at, sizeof u);
+    return u;
+}
+
 /* A part of a side's row: the bits of its elements (staged, or where they lie in a
  * mapping), and through *start and *count which elements of the row they are. */
 INLINE const uint8_t *row_part(const Side *side, Py_ssize_t row, const Batch *b, int part,
@@ -173,4 +181,72 @@ INLINE void decode_row_f64(const Side *side, Py_ssize_t row, const Batch *b, dou
     if (side->scales[1] != 1.0)
         for (Py_ssize_t i = side->head_size; i < n; i++)
             out[i] *= side->scales[1];
+}
+
+/* A stretch of a row's elements that lies in one part of each side and under one scale
+ * of each: rows whose stretches are whole vectors are decoded inside the reducing loop
+ * (no row buffer). offset: its first element's byte in each side's part. */
+typedef struct {
+    Py_ssize_t start, count;
+    int part[2];
+    Py_ssize_t offset[2];
+    float scale[2];
+} Span;
+
+#define MAX_SPANS (2 * MAX_PARTS + 4)
+
+/* The first part of a side holding element i. */
+static int part_of(const Side *side, Py_ssize_t i)
+{
+    int part = 0;
+    while (part + 1 < row_parts(side) && side->part_start[part + 1] <= i)
+        part++;
+    return part;
+}
+
+/* A row's spans, in order, into spans; their count, or 0 where the row cannot be decoded
+ * in the loop: the sides of different or wide kinds, or a span not whole vectors of LANES
+ * (every span then starts at a multiple of LANES, so each element keeps its lane). */
+static int row_spans(const Batch *b, Span *spans)
+{
+    const Side *sides = b->sides;
+    Py_ssize_t n = b->elements, cuts[MAX_SPANS + 1];
+    int count = 0;
+    if (sides[0].kind != sides[1].kind || is_wide(sides[0].kind) || n <= 0)
+        return 0;
+    cuts[count++] = 0;
+    for (int s = 0; s < 2; s++) {
+        for (int e = 1; e < row_parts(&sides[s]); e++)
+            cuts[count++] = sides[s].part_start[e];
+        if (sides[s].head_size > 0 && sides[s].head_size < n)
+            cuts[count++] = sides[s].head_size;
+    }
+    cuts[count++] = n;
+    for (int i = 1; i < count; i++) /* insertion sort: a dozen cuts at most */
+        for (int j = i; j > 0 && cuts[j - 1] > cuts[j]; j--) {
+            Py_ssize_t cut = cuts[j];
+            cuts[j] = cuts[j - 1];
+            cuts[j - 1] = cut;
+        }
+    int made = 0;
+    for (int i = 0; i + 1 < count; i++) {
+        Py_ssize_t start = cuts[i], length = cuts[i + 1] - start;
+        if (length == 0)
+            continue;
+        if (start % LANES != 0 || length % LANES != 0)
+            return 0;
+        Span *span = &spans[made++];
+        span->start = start;
+        span->count = length;
+        for (int s = 0; s < 2; s++) {
+            const Side *side = &sides[s];
+            int part = part_of(side, start);
+            Py_ssize_t first = side->bits != NULL ? 0 : side->part_start[part];
+            span->part[s] = part;
+            span->offset[s] = (start - first) * KIND_SIZES[side->kind];
+            /* Times 1 changes no finite value: rows with a NaN or Inf are decoded again. */
+            span->scale[s] = (float)side->scales[start >= side->head_size];
+        }
+    }
+    return made;
 }
