@@ -4,7 +4,8 @@
  * the sign), DECODE_ROW (a side's row into REALs), VREAL and VBITS (vectors of REALs and of
  * signed integers of their size), PART and VSQUARES (vectors of as many REALs and doubles,
  * the squares widened), MAX_BITS(x, y) and MAX_REAL(x, y) (per lane x > y ? x : y),
- * WIDEN(a, at) (part `at` of a as VSQUARES), FUSED (1: narrow rows decoded inside the
+ * WIDEN(a, at) (part `at` of a as VSQUARES), MAX_OF_BITS, MAX_OF_REAL and SUM_OF_BITS (of
+ * a vector's lanes: non-negative bits, non-negative REALs, counts), FUSED (1: narrow rows decoded inside the
  * loop, BF16_VALUES(raw) giving a vector of bf16 values), TARGET (the loop's instruction
  * set attribute) and NAME(x) (each copy's own names); they are undefined at the end.
  *
@@ -103,26 +104,58 @@ TARGET INLINE void NAME(lanes_over)(NAME(Lanes) *l, const REAL *p, const REAL *c
     }
 }
 
-/* The row's errors from its lanes, summed in lane order: 0 (and *row undefined) where
+/* Lanes all zero. */
+TARGET INLINE void NAME(lanes_clear)(NAME(Lanes) *l)
+{
+    VBITS none = {0};
+    VREAL zero = {0};
+    VSQUARES zeros = {0};
+    l->abs = l->scale = l->over = none;
+    l->rel = zero;
+    for (int at = 0; at < PARTS; at++)
+        l->squares[at] = zeros;
+}
+
+/* The largest of a vector's lanes, and the sum of its lanes: portable forms. */
+TARGET INLINE UINT NAME(max_of_bits)(VBITS v)
+{
+    UINT most = 0;
+    for (int j = 0; j < WIDTH; j++)
+        most = (UINT)v[j] > most ? (UINT)v[j] : most;
+    return most;
+}
+
+TARGET INLINE REAL NAME(max_of_real)(VREAL v)
+{
+    REAL most = 0;
+    for (int j = 0; j < WIDTH; j++)
+        most = v[j] > most ? v[j] : most;
+    return most;
+}
+
+TARGET INLINE int64_t NAME(sum_of_bits)(VBITS v)
+{
+    int64_t sum = 0;
+    for (int j = 0; j < WIDTH; j++)
+        sum += (int64_t)v[j];
+    return sum;
+}
+
+/* The row's errors from its lanes (maxima and counts in any order, the squares summed in
+ * lane order): 0 (and *row undefined) where
  * they are not all finite (NaN or Inf on a side, or c - p overflowing). */
 TARGET INLINE int NAME(row_of_lanes)(const NAME(Lanes) *l, NAME(Row) *row)
 {
-    UINT abs = 0, scale = 0;
-    REAL rel = 0;
-    row->over = 0;
-    row->squares = 0.0;
-    for (int j = 0; j < WIDTH; j++) {
-        abs = (UINT)l->abs[j] > abs ? (UINT)l->abs[j] : abs;
-        scale = (UINT)l->scale[j] > scale ? (UINT)l->scale[j] : scale;
-        rel = l->rel[j] > rel ? l->rel[j] : rel;
-        row->over -= (int64_t)l->over[j];
-        row->squares += l->squares[j / SQUARES_WIDTH][j % SQUARES_WIDTH];
-    }
-    row->abs = NAME(from_bits)(abs);
+    row->abs = NAME(from_bits)((UINT)MAX_OF_BITS(l->abs));
     if (!isfinite(row->abs))
         return 0;
-    row->scale = NAME(from_bits)(scale);
-    row->rel = rel;
+    row->scale = NAME(from_bits)((UINT)MAX_OF_BITS(l->scale));
+    row->rel = MAX_OF_REAL(l->rel);
+    row->over = -(int64_t)SUM_OF_BITS(l->over);
+    /* The squares in lane order (0 + x is x: they are not negative). */
+    row->squares = l->squares[0][0];
+    for (int j = 1; j < WIDTH; j++)
+        row->squares += l->squares[j / SQUARES_WIDTH][j % SQUARES_WIDTH];
     row->nonfinite = 0;
     row->one_sided = 0;
     return 1;
@@ -134,7 +167,7 @@ TARGET INLINE int NAME(row_fast)(const REAL *p, const REAL *c, Py_ssize_t n,
                           const NAME(Tolerance) *tol, NAME(Row) *row)
 {
     NAME(Lanes) l;
-    memset(&l, 0, sizeof l);
+    NAME(lanes_clear)(&l);
     if (tol->by_ratio)
         NAME(lanes_over)(&l, p, c, n, tol, 1);
     else
@@ -262,7 +295,7 @@ TARGET INLINE int NAME(row_in_loop)(const Batch *b, Py_ssize_t at, const Span *s
             parts[s][e] = row_part(&b->sides[s], at, b, e, &start, &width);
         }
     NAME(Lanes) l;
-    memset(&l, 0, sizeof l);
+    NAME(lanes_clear)(&l);
     VBITS counted = {0};
     counted -= 1; /* all lanes: spans are whole vectors */
     Py_ssize_t size = KIND_SIZES[kind];
@@ -383,6 +416,9 @@ _Static_assert(sizeof(NAME(Head)) <= HEAD_BYTES, "HEAD_BYTES holds a head's figu
 #undef MAX_BITS
 #undef MAX_REAL
 #undef WIDEN
+#undef MAX_OF_BITS
+#undef MAX_OF_REAL
+#undef SUM_OF_BITS
 #undef PART_OF
 #undef BF16_VALUES
 #undef NAME
