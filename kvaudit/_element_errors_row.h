@@ -285,7 +285,7 @@ TARGET INLINE VREAL NAME(values)(int kind, const uint8_t *raw)
 /* Row `at` decoded inside the loop, span by span (both sides of one narrow kind): as
  * row_fast, 0 where an error is not finite. kind and by_ratio: constants where inlined. */
 TARGET INLINE int NAME(row_in_loop)(const Batch *b, Py_ssize_t at, const Span *spans, int count,
-                             int kind, const NAME(Tolerance) *tol, int by_ratio,
+                             int kind, const NAME(Tolerance) *tol, int by_ratio, int scaled,
                              NAME(Row) *row)
 {
     const uint8_t *parts[2][MAX_PARTS];
@@ -304,9 +304,16 @@ TARGET INLINE int NAME(row_in_loop)(const Batch *b, Py_ssize_t at, const Span *s
         const uint8_t *p = parts[0][span->part[0]] + span->offset[0];
         const uint8_t *c = parts[1][span->part[1]] + span->offset[1];
         REAL p_scale = span->scale[0], c_scale = span->scale[1];
-        for (Py_ssize_t i = 0; i < span->count; i += WIDTH)
-            NAME(lane_step)(&l, NAME(values)(kind, p + i * size) * p_scale,
-                            NAME(values)(kind, c + i * size) * c_scale, tol, by_ratio, counted);
+#pragma GCC unroll 2
+        for (Py_ssize_t i = 0; i < span->count; i += WIDTH) {
+            VREAL p_values = NAME(values)(kind, p + i * size);
+            VREAL c_values = NAME(values)(kind, c + i * size);
+            if (scaled) {
+                p_values *= p_scale;
+                c_values *= c_scale;
+            }
+            NAME(lane_step)(&l, p_values, c_values, tol, by_ratio, counted);
+        }
     }
     return NAME(row_of_lanes)(&l, row);
 }
@@ -317,7 +324,7 @@ TARGET INLINE int NAME(row_in_loop)(const Batch *b, Py_ssize_t at, const Span *s
  * p_row and c_row first. */
 TARGET INLINE void NAME(batch_rows)(const Batch *b, NAME(Head) *heads_at, REAL *p_row, REAL *c_row,
                              float *scratch, const NAME(Tolerance) *tol, const Span *spans,
-                             int count, int kind, int by_ratio)
+                             int count, int kind, int by_ratio, int scaled)
 {
     Py_ssize_t heads = b->heads, tokens = b->tokens;
     Py_ssize_t chunk = b->chunk > 0 ? b->chunk : tokens;
@@ -335,7 +342,7 @@ TARGET INLINE void NAME(batch_rows)(const Batch *b, NAME(Head) *heads_at, REAL *
                 NAME(Row) row;
                 if (count > 0) {
                     if (!NAME(row_in_loop)(b, h * tokens + t, spans, count, kind, tol, by_ratio,
-                                           &row)) {
+                                           scaled, &row)) {
                         DECODE_ROW(&b->sides[0], h * tokens + t, b, p_row, scratch);
                         DECODE_ROW(&b->sides[1], h * tokens + t, b, c_row, scratch);
                         NAME(row_exact)(p_row, c_row, b->elements, tol, &row);
@@ -349,6 +356,21 @@ TARGET INLINE void NAME(batch_rows)(const Batch *b, NAME(Head) *heads_at, REAL *
         if (b->release)
             release_rows(b, first, end);
     }
+}
+
+/* batch_rows with rows decoded in the loop, by_ratio and scaled made constants. */
+TARGET INLINE void NAME(rows_of_kind)(const Batch *b, NAME(Head) *heads_at, REAL *p_row,
+                                      REAL *c_row, float *scratch, const NAME(Tolerance) *tol,
+                                      const Span *spans, int count, int kind, int scaled)
+{
+    if (tol->by_ratio && scaled)
+        NAME(batch_rows)(b, heads_at, p_row, c_row, scratch, tol, spans, count, kind, 1, 1);
+    else if (tol->by_ratio)
+        NAME(batch_rows)(b, heads_at, p_row, c_row, scratch, tol, spans, count, kind, 1, 0);
+    else if (scaled)
+        NAME(batch_rows)(b, heads_at, p_row, c_row, scratch, tol, spans, count, kind, 0, 1);
+    else
+        NAME(batch_rows)(b, heads_at, p_row, c_row, scratch, tol, spans, count, kind, 0, 0);
 }
 
 /* One layer's batch: every held row added to its head (heads_at: zeroed room for the
@@ -368,21 +390,15 @@ TARGET static void NAME(compare_batch)(const Batch *b, NAME(Head) *heads_at, REA
         b->token_row[t] = -1.0; /* below any scaled error: no head held yet */
     Span spans[MAX_SPANS];
     int count = FUSED ? row_spans(b, spans) : 0;
-    int kind = b->sides[0].kind;
+    int kind = b->sides[0].kind, scaled = count > 0 && spans_scaled(spans, count);
     if (count == 0)
-        NAME(batch_rows)(b, heads_at, p_row, c_row, scratch, &tol, spans, 0, 0, 0);
-    else if (kind == BF16 && tol.by_ratio)
-        NAME(batch_rows)(b, heads_at, p_row, c_row, scratch, &tol, spans, count, BF16, 1);
+        NAME(batch_rows)(b, heads_at, p_row, c_row, scratch, &tol, spans, 0, 0, 0, 0);
     else if (kind == BF16)
-        NAME(batch_rows)(b, heads_at, p_row, c_row, scratch, &tol, spans, count, BF16, 0);
-    else if (kind == F16 && tol.by_ratio)
-        NAME(batch_rows)(b, heads_at, p_row, c_row, scratch, &tol, spans, count, F16, 1);
+        NAME(rows_of_kind)(b, heads_at, p_row, c_row, scratch, &tol, spans, count, BF16, scaled);
     else if (kind == F16)
-        NAME(batch_rows)(b, heads_at, p_row, c_row, scratch, &tol, spans, count, F16, 0);
-    else if (tol.by_ratio) /* fp8: the kind picks a table of values */
-        NAME(batch_rows)(b, heads_at, p_row, c_row, scratch, &tol, spans, count, kind, 1);
-    else
-        NAME(batch_rows)(b, heads_at, p_row, c_row, scratch, &tol, spans, count, kind, 0);
+        NAME(rows_of_kind)(b, heads_at, p_row, c_row, scratch, &tol, spans, count, F16, scaled);
+    else /* fp8: the kind picks a table of values; mostly scaled */
+        NAME(rows_of_kind)(b, heads_at, p_row, c_row, scratch, &tol, spans, count, kind, 1);
     for (Py_ssize_t h = 0; h < heads; h++) {
         const NAME(Head) *head = &heads_at[h];
         REAL scale = NAME(from_bits)(head->scale);

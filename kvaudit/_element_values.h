@@ -250,3 +250,12 @@ static int row_spans(const Batch *b, Span *spans)
     }
     return made;
 }
+
+/* Whether a span scales a side (by other than 1). */
+static int spans_scaled(const Span *spans, int count)
+{
+    for (int k = 0; k < count; k++)
+        if (spans[k].scale[0] != 1.0f || spans[k].scale[1] != 1.0f)
+            return 1;
+    return 0;
+}
