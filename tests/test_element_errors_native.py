@@ -363,12 +363,17 @@ NARROW = ["bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"]
 
 
 @st.composite
-def batches(draw: st.DrawFn) -> tuple:
+def batches(draw: st.DrawFn, whole_vectors: bool = False) -> tuple:
     """Both sides' bits (random bit patterns, or values and values close to them), dtypes,
-    head sizes, scales, tolerance, rows held, in two batches."""
-    kinds = (draw(st.sampled_from([*NARROW, "float32"])), draw(st.sampled_from(DTYPES)))
+    head sizes, scales, tolerance, rows held, in two batches. whole_vectors: both sides of
+    one narrow dtype, rows and head sizes in whole vectors of 8 elements (the rows the C
+    loop decodes in place of a row buffer)."""
+    if whole_vectors:
+        kinds = (draw(st.sampled_from(NARROW)),) * 2
+    else:
+        kinds = (draw(st.sampled_from([*NARROW, "float32"])), draw(st.sampled_from(DTYPES)))
     heads, tokens = draw(st.integers(1, 3)), draw(st.integers(1, 12))
-    elements = draw(st.integers(1, 20))
+    elements = 8 * draw(st.integers(1, 5)) if whole_vectors else draw(st.integers(1, 20))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     shape = (heads, 2 * tokens, elements)
     if draw(st.booleans()) and all(kind in NARROW for kind in kinds):
@@ -383,17 +388,20 @@ def batches(draw: st.DrawFn) -> tuple:
         c[specials] = rng.choice(SPECIALS, specials.sum())
         bits = (to_bits(p, kinds[0]), to_bits(c, kinds[1]))
     scales = st.sampled_from([None, 0.5, 0.1, 3.0])
-    sides = tuple(
-        plain(kind, draw(st.integers(0, elements)), (draw(scales), draw(scales))) for kind in kinds
-    )
+    if whole_vectors:
+        head_sizes = st.integers(0, elements // 8).map(lambda n: 8 * n)
+    else:
+        head_sizes = st.integers(0, elements)
+    sides = tuple(plain(kind, draw(head_sizes), (draw(scales), draw(scales))) for kind in kinds)
     tolerance = (draw(st.sampled_from([0.0, 1e-3, 0.5])), draw(st.sampled_from([0.0, 0.01, 1.0])))
     held = rng.random(shape[:2]) > draw(st.sampled_from([0.0, 0.3]))
     return bits, sides, tolerance, held, tokens
 
 
 @settings(max_examples=150, deadline=None)
-@given(batches())
+@given(st.one_of(batches(), batches(whole_vectors=True)))
 def test_equal_to_the_numpy_path(batch: tuple) -> None:
+    """Random batches, and rows of whole vectors (decoded inside the C loop)."""
     bits, sides, tolerance, held, tokens = batch
     ours, theirs = LayerErrors(bits[0].shape[0]), LayerErrors(bits[0].shape[0])
     for lo in (0, tokens):  # two batches: maxima, sums and worst tokens carried over
