@@ -2,8 +2,9 @@
  * one pass (docs/numeric.md), the fused form of kvaudit/element_errors.py's numpy path.
  *
  * Each side is given as the raw bits of its elements, [heads, tokens, elements] in its
- * layer's dtype; every (head, token) row is decoded into a small buffer (exactly, times the
- * side's K and V scales, in the type the numpy path decodes into), then reduced in one
+ * layer's dtype; every (head, token) row is decoded (exactly, times the side's K and V
+ * scales, in the type the numpy path decodes into: inside the loop where both sides are of
+ * one narrow kind in whole vectors, else into a small buffer first), then reduced in one
  * loop: per row the largest |c - p| and |p|, per head the largest relative error, the
  * elements over tolerance, the NaN and Inf on one side only and the sum of squared errors
  * (in double), per token the largest scaled error over heads. Rows of finite errors take a
