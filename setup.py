@@ -32,6 +32,8 @@ EXTENSIONS = [
         "kvaudit._element_errors",
         "kvaudit/_element_errors.c",
         depends=(
+            "kvaudit/_element_errors_copies.h",
+            "kvaudit/_element_errors_fused.h",
             "kvaudit/_element_errors_row.h",
             "kvaudit/_element_values.h",
             "kvaudit/_mapped_rows.h",
