@@ -18,6 +18,8 @@ import pytest
 import yaml
 from example_module import example
 
+from kvaudit import native
+
 ROOT = Path(__file__).resolve().parent.parent
 CI = ROOT / "examples" / "ci"
 WORKFLOW = yaml.safe_load((CI / "kv-transfer.yml").read_text())
@@ -144,12 +146,12 @@ def test_install_takes_kvaudit_from_its_source(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_the_repository_builds_as_a_package(tmp_path: Path) -> None:
     """What ``pip install <path or git URL>`` builds from this repository: a wheel with the
-    package and its ``kvaudit`` command."""
+    package, its ``kvaudit`` command and, where a C compiler is at hand, its C loops."""
     source = tmp_path / "kvaudit"  # a copy: building writes build/ and egg-info beside it
     shutil.copytree(
-        ROOT / "kvaudit", source / "kvaudit", ignore=shutil.ignore_patterns("__pycache__")
+        ROOT / "kvaudit", source / "kvaudit", ignore=shutil.ignore_patterns("__pycache__", "*.so")
     )
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(ROOT / name, source / name)
     result = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
@@ -162,3 +164,6 @@ def test_the_repository_builds_as_a_package(tmp_path: Path) -> None:
     assert "kvaudit/cli/__init__.py" in names and "kvaudit/cli/checksum_command.py" in names
     entry_points = next(name for name in names if name.endswith("entry_points.txt"))
     assert "kvaudit = kvaudit.__main__:run" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    if os.environ.get("KVAUDIT_REQUIRE_NATIVE") == "1":  # CI: a compiler is there
+        built = {name.split(".")[0].replace("/", ".") for name in names if name.endswith(".so")}
+        assert built == set(native.EXTENSIONS)
