@@ -43,8 +43,9 @@ def summary() -> str:
     """One line for ``kvaudit --version``: which C loops run, or why the numpy code does."""
     if not enabled():
         return f"C loops: off ({ENVIRONMENT}=0), the numpy code runs"
-    built = [what for name, what in EXTENSIONS.items() if extension(name) is not None]
-    missing = [what for name, what in EXTENSIONS.items() if extension(name) is None]
+    loaded = {what: extension(name) is not None for name, what in EXTENSIONS.items()}
+    built = [what for what, ok in loaded.items() if ok]
+    missing = [what for what, ok in loaded.items() if not ok]
     if not missing:
         return f"C loops: {', '.join(built)}"
     fallback = f"not built (no C compiler at install?), numpy runs: {', '.join(missing)}"

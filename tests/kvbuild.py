@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import reference
@@ -645,3 +646,22 @@ def replace_layers(model: Model, group_id: int, layers: tuple[LayerModel, ...]) 
         dataclasses.replace(g, layers=layers) if g.id == group_id else g for g in model.groups
     )
     return dataclasses.replace(model, groups=groups)
+
+
+def write_workers(workers: list[Worker], folder: Path, role: str) -> Path:
+    """Each worker's dump in ``folder`` (``pp{P}-tp{T}.safetensors``) with its own
+    description and every request's blocks; the folder."""
+    from kvaudit.checksummer import RequestBlocks
+    from kvaudit.description import parse_description
+    from kvaudit.dumps import write_dump
+    from kvaudit.records import WorkerInfo
+
+    folder.mkdir(parents=True)
+    for w in workers:
+        path = folder / f"pp{w.pp_rank}-tp{w.tp_rank}.safetensors"
+        blocks = {rid: RequestBlocks(n, dict(groups)) for rid, (n, groups) in w.requests.items()}
+        info = WorkerInfo(w.tp_rank, w.tp_size, w.pp_rank, w.pp_size, role, "test")
+        write_dump(
+            path, parse_description(w.description, str(path)), w.tensors, blocks, worker=info
+        )
+    return folder

@@ -17,11 +17,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner, Result
 
-from kvaudit.checksummer import RequestBlocks
 from kvaudit.cli import main
-from kvaudit.description import parse_description
-from kvaudit.dumps import write_dump
-from kvaudit.records import WorkerInfo
 
 LAYERS = tuple(f"model.layers.{i}.self_attn.attn" for i in range(2))
 BLOCK = 16
@@ -36,18 +32,6 @@ PARTIAL = "traced by checksums only"
 
 def run(*args: object) -> Result:
     return CliRunner().invoke(main, [str(arg) for arg in args])
-
-
-def write(workers: list[kb.Worker], folder: Path, role: str) -> Path:
-    folder.mkdir(parents=True)
-    for w in workers:
-        path = folder / f"tp{w.tp_rank}.safetensors"
-        blocks = {rid: RequestBlocks(n, dict(table)) for rid, (n, table) in w.requests.items()}
-        info = WorkerInfo(w.tp_rank, w.tp_size, w.pp_rank, w.pp_size, role, "test")
-        write_dump(
-            path, parse_description(w.description, str(path)), w.tensors, blocks, worker=info
-        )
-    return folder
 
 
 def engine(tp_size: int, seed: int) -> list[kb.Worker]:
@@ -89,7 +73,7 @@ def holders(source: tuple[str, int], at: int | None = None) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def producer(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write(engine(2, 1), tmp_path_factory.mktemp("trace") / "p", "producer")
+    return kb.write_workers(engine(2, 1), tmp_path_factory.mktemp("trace") / "p", "producer")
 
 
 def record(producer: Path, folder: Path, positions: str) -> Path:
@@ -113,7 +97,7 @@ def test_block_numbered_record_traces_any_position(producer: Path, tmp_path: Pat
     """req-b position 1 holds req-a position 3: found through a block-numbered record."""
     workers = engine(4, 2)
     overwrite(workers, ("req-b", 1), ("req-a", 3))
-    consumer = write(workers, tmp_path / "c", "consumer")
+    consumer = kb.write_workers(workers, tmp_path / "c", "consumer")
     expected = holders(("req-a", 3))
     assert expected == [{"request": "req-a", "group": 0, "position": 3}]
     saved = record(producer, tmp_path, "block")
@@ -138,7 +122,7 @@ def test_request_numbering_traces_the_same_position(
     position): found under request numbering, by a record or by dumps with --no-locate."""
     workers = engine(4, 2)
     overwrite(workers, ("req-b", 1), ("req-a", 1))
-    consumer = write(workers, tmp_path / "c", "consumer")
+    consumer = kb.write_workers(workers, tmp_path / "c", "consumer")
     expected = holders(("req-a", 1), at=1)
     assert expected == [{"request": "req-a", "group": 0, "position": 1}]
     side = record(producer, tmp_path, "request") if how == "record" else producer
@@ -154,7 +138,7 @@ def test_request_numbering_says_what_it_cannot_see(producer: Path, tmp_path: Pat
     another position, so the source list is empty and the report says why."""
     workers = engine(4, 2)
     overwrite(workers, ("req-b", 1), ("req-a", 3))
-    consumer = write(workers, tmp_path / "c", "consumer")
+    consumer = kb.write_workers(workers, tmp_path / "c", "consumer")
     assert holders(("req-a", 3), at=1) == []
     saved = record(producer, tmp_path, "request")
     data, group, table = diff(saved, consumer)
@@ -176,7 +160,7 @@ def test_a_block_stale_on_one_rank_only_has_no_whole_source(producer: Path, tmp_
     the consumer block's whole content, which a block-numbered trace reports as none."""
     workers = engine(4, 2)
     overwrite(workers[2:3], ("req-b", 1), ("req-a", 3))
-    consumer = write(workers, tmp_path / "c", "consumer")
+    consumer = kb.write_workers(workers, tmp_path / "c", "consumer")
     data, group, table = diff(record(producer, tmp_path, "block"), consumer)
     assert group["mismatched_positions"] == [1]
     assert group["stale_sources"] == {"1": []}

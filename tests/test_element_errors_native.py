@@ -8,16 +8,14 @@ batch after batch; the GIL released. Where the extension did not build these tes
 
 from __future__ import annotations
 
-import importlib
-import os
 import threading
-from types import ModuleType
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from native_builds import assert_built_where_required, built, skip_unless_built
 from valued_sets import errors_reference
 
 from kvaudit.dtypes import DType, parse_dtype, torch_dtype
@@ -25,29 +23,15 @@ from kvaudit.element_errors import LayerErrors, add_batch
 from kvaudit.elements import decode, work_dtype
 from kvaudit.native_errors import SCALES, add_raw_batch, native_module, raw_dtype, reads
 
-
-def _built() -> ModuleType | None:
-    try:
-        return importlib.import_module("kvaudit._element_errors")
-    except ImportError:
-        return None
-
-
-NATIVE = _built()
-pytestmark = pytest.mark.skipif(
-    NATIVE is None and os.environ.get("KVAUDIT_REQUIRE_NATIVE") != "1",
-    reason="kvaudit._element_errors did not build (no C compiler at install): the numpy "
-    "path of diff --numeric runs instead",
-)
+NAME = "kvaudit._element_errors"
+NATIVE = built(NAME)
+pytestmark = skip_unless_built(NATIVE, NAME, "the numpy path of diff --numeric runs instead")
 DTYPES = ["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"]
 Side = tuple[DType, int, SCALES]
 
 
 def test_the_extension_built_where_required() -> None:
-    """CI (scripts/test.sh) sets KVAUDIT_REQUIRE_NATIVE=1: there a missing build fails."""
-    if os.environ.get("KVAUDIT_REQUIRE_NATIVE") != "1":
-        pytest.skip("KVAUDIT_REQUIRE_NATIVE=1 is not set")
-    assert NATIVE is not None, "kvaudit._element_errors did not build (see setup.py)"
+    assert_built_where_required(NATIVE, NAME)
 
 
 def test_kvaudit_native_0_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,34 +10,22 @@ again after. Skipped where the extension did not build, unless
 
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
 import torch
+from native_builds import built, skip_unless_built
 
 from kvaudit.dtypes import parse_dtype, torch_dtype
 from kvaudit.element_errors import LayerErrors
 from kvaudit.mapping import FileMap
 from kvaudit.native_errors import PARTS, SCALES, add_mapped_batch, add_raw_batch
 
-
-def _built() -> ModuleType | None:
-    try:
-        return importlib.import_module("kvaudit._element_errors")
-    except ImportError:
-        return None
-
-
-NATIVE = _built()
-pytestmark = pytest.mark.skipif(
-    NATIVE is None and os.environ.get("KVAUDIT_REQUIRE_NATIVE") != "1",
-    reason="kvaudit._element_errors did not build (no C compiler at install): diff "
-    "--numeric reads rows in Python instead",
-)
+NAME = "kvaudit._element_errors"
+NATIVE = built(NAME)
+pytestmark = skip_unless_built(NATIVE, NAME, "diff --numeric reads rows in Python instead")
 HEADS, TOKENS, ELEMENTS, HEAD_SIZE = 3, 11, 12, 5
 
 

@@ -7,10 +7,8 @@ tests skip (the numpy code then runs everywhere), unless ``KVAUDIT_REQUIRE_NATIV
 
 from __future__ import annotations
 
-import importlib
 import os
 import threading
-from types import ModuleType
 
 import numpy as np
 import pytest
@@ -19,31 +17,17 @@ from cpu_launch import cpu_launch, in_order, numpy_launch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_cases import CASES, Case, Entry, random_rows, reference
+from native_builds import assert_built_where_required, built, skip_unless_built
 
 from kvaudit import native
 from kvaudit.kernels import LaunchPart, numpy_cpu
 
-
-def _built() -> ModuleType | None:
-    try:
-        return importlib.import_module(numpy_cpu.NATIVE)
-    except ImportError:
-        return None
-
-
-NATIVE = _built()
-needs_native = pytest.mark.skipif(
-    NATIVE is None,
-    reason="kvaudit.kernels._native did not build (no C compiler at install): "
-    "the numpy code runs instead",
-)
+NATIVE = built(numpy_cpu.NATIVE)
+needs_native = skip_unless_built(NATIVE, numpy_cpu.NATIVE, "the numpy code runs instead")
 
 
 def test_the_extension_built_where_required() -> None:
-    """CI (scripts/test.sh) sets KVAUDIT_REQUIRE_NATIVE=1: there a missing build fails."""
-    if os.environ.get("KVAUDIT_REQUIRE_NATIVE") != "1":
-        pytest.skip("KVAUDIT_REQUIRE_NATIVE=1 is not set")
-    assert NATIVE is not None, "kvaudit.kernels._native did not build (see setup.py)"
+    assert_built_where_required(NATIVE, numpy_cpu.NATIVE)
 
 
 @needs_native

@@ -9,13 +9,12 @@ chunks of any size. Skipped where the extension did not build, unless
 
 from __future__ import annotations
 
-import importlib
-import os
 from pathlib import Path
 
 import kvbuild as kb
 import numpy as np
 import pytest
+from native_builds import built, skip_unless_built
 from valued_sets import (
     CONSUMER,
     HEADS,
@@ -35,15 +34,8 @@ from kvaudit.compare.numeric import NumericReport
 from kvaudit.numeric import numeric_diff
 from kvaudit.sources import open_source
 
-try:
-    importlib.import_module("kvaudit._element_errors")
-    BUILT = True
-except ImportError:
-    BUILT = False
-pytestmark = pytest.mark.skipif(
-    not BUILT and os.environ.get("KVAUDIT_REQUIRE_NATIVE") != "1",
-    reason="kvaudit._element_errors did not build: diff --numeric reads rows in numpy",
-)
+NAME = "kvaudit._element_errors"
+pytestmark = skip_unless_built(built(NAME), NAME, "diff --numeric reads rows in numpy")
 
 ENGINES = {
     "NHTC kernel blocks, TP 2 / KNTHD, TP 4": (PRODUCER, CONSUMER),

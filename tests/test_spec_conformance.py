@@ -34,12 +34,8 @@ import reference as ref
 from click.testing import CliRunner, Result
 from safetensors.numpy import save_file
 
-from kvaudit.checksummer import RequestBlocks
 from kvaudit.cli import main
-from kvaudit.description import parse_description
-from kvaudit.dumps import write_dump
 from kvaudit.errors import UnsupportedGroupError
-from kvaudit.records import WorkerInfo
 from kvaudit.scheme import layer_module
 
 GOOD = tuple(f"model.layers.{i}.self_attn.attn" for i in range(2))
@@ -59,24 +55,11 @@ def two_group_model(**odd_group: bool) -> kb.Model:
     return kb.Model((good, odd), model_kv_heads=4)
 
 
-def write(workers: list[kb.Worker], folder: Path, role: str) -> Path:
-    """Each worker's dump in ``folder`` with its own description, every request's blocks."""
-    folder.mkdir(parents=True)
-    for w in workers:
-        path = folder / f"pp{w.pp_rank}-tp{w.tp_rank}.safetensors"
-        blocks = {rid: RequestBlocks(n, dict(groups)) for rid, (n, groups) in w.requests.items()}
-        info = WorkerInfo(w.tp_rank, w.tp_size, w.pp_rank, w.pp_size, role, "test")
-        write_dump(
-            path, parse_description(w.description, str(path)), w.tensors, blocks, worker=info
-        )
-    return folder
-
-
 def engines(model: kb.Model, folder: Path) -> tuple[Path, Path]:
     requests = {rid: kb.make_request(model, n, seed=i) for i, (rid, n) in enumerate(TOKENS.items())}
     producer = kb.build_engine(model, requests, kb.Engine(tp_size=2, seed=1))
     consumer = kb.build_engine(model, requests, kb.Engine(tp_size=4, seed=2))
-    return write(producer, folder / "producer", "producer"), write(
+    return kb.write_workers(producer, folder / "producer", "producer"), kb.write_workers(
         consumer, folder / "consumer", "consumer"
     )
 

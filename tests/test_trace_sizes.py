@@ -16,11 +16,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner, Result
 
-from kvaudit.checksummer import RequestBlocks
 from kvaudit.cli import main
-from kvaudit.description import parse_description
-from kvaudit.dumps import write_dump
-from kvaudit.records import WorkerInfo
 
 LAYERS = tuple(f"model.layers.{i}.self_attn.attn" for i in range(2))
 TOKENS = {"req-a": 150, "req-b": 70}
@@ -36,18 +32,6 @@ REQUESTS = {
 
 def run(*args: object) -> Result:
     return CliRunner().invoke(main, [str(arg) for arg in args])
-
-
-def write(workers: list[kb.Worker], folder: Path, role: str) -> Path:
-    folder.mkdir(parents=True)
-    for w in workers:
-        path = folder / f"tp{w.tp_rank}.safetensors"
-        blocks = {rid: RequestBlocks(n, dict(table)) for rid, (n, table) in w.requests.items()}
-        info = WorkerInfo(w.tp_rank, w.tp_size, w.pp_rank, w.pp_size, role, "test")
-        write_dump(
-            path, parse_description(w.description, str(path)), w.tensors, blocks, worker=info
-        )
-    return folder
 
 
 def engine(block_size: int, tp_size: int, seed: int) -> list[kb.Worker]:
@@ -106,10 +90,10 @@ def test_one_stale_fine_block_is_traced(
     tmp_path: Path, producer_size: int, consumer_size: int
 ) -> None:
     """req-b's tokens 16..31 hold req-a's tokens 32..47: req-a position 2 at 16 tokens."""
-    producer = write(engine(producer_size, 2, 1), tmp_path / "p", "producer")
+    producer = kb.write_workers(engine(producer_size, 2, 1), tmp_path / "p", "producer")
     workers = engine(consumer_size, 4, 2)
     overwrite(workers[RANK], consumer_size, ("req-b", 16), ("req-a", 32))
-    consumer = write(workers, tmp_path / "c", "consumer")
+    consumer = kb.write_workers(workers, tmp_path / "c", "consumer")
     group, table = stale_sources(producer, consumer, "req-b")
     assert group["mismatched_positions"] == [0]
     expected = holders(("req-a", 32), 16)
@@ -122,11 +106,11 @@ def test_one_stale_fine_block_is_traced(
 def test_a_whole_stale_block_is_traced_at_the_compared_size(tmp_path: Path) -> None:
     """req-b's tokens 0..63 (four 16-token blocks) hold req-a's tokens 64..127: req-a
     position 1 at 64 tokens, named whole."""
-    producer = write(engine(64, 2, 1), tmp_path / "p", "producer")
+    producer = kb.write_workers(engine(64, 2, 1), tmp_path / "p", "producer")
     workers = engine(16, 4, 2)
     for k in range(4):
         overwrite(workers[RANK], 16, ("req-b", 16 * k), ("req-a", 64 + 16 * k))
-    consumer = write(workers, tmp_path / "c", "consumer")
+    consumer = kb.write_workers(workers, tmp_path / "c", "consumer")
     group, table = stale_sources(producer, consumer, "req-b")
     assert group["mismatched_positions"] == [0]
     expected = holders(("req-a", 64), 64)

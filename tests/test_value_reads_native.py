@@ -6,35 +6,20 @@ extension did not build, unless ``KVAUDIT_REQUIRE_NATIVE=1``."""
 
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
+from native_builds import assert_built_where_required, built, skip_unless_built
 
-
-def _built() -> ModuleType | None:
-    try:
-        return importlib.import_module("kvaudit._value_reads")
-    except ImportError:
-        return None
-
-
-NATIVE = _built()
-pytestmark = pytest.mark.skipif(
-    NATIVE is None and os.environ.get("KVAUDIT_REQUIRE_NATIVE") != "1",
-    reason="kvaudit._value_reads did not build (no C compiler at install): diff --numeric "
-    "reads rows in Python instead",
-)
+NAME = "kvaudit._value_reads"
+NATIVE = built(NAME)
+pytestmark = skip_unless_built(NATIVE, NAME, "diff --numeric reads rows in Python instead")
 
 
 def test_the_extension_built_where_required() -> None:
-    """CI (scripts/test.sh) sets KVAUDIT_REQUIRE_NATIVE=1: there a missing build fails."""
-    if os.environ.get("KVAUDIT_REQUIRE_NATIVE") != "1":
-        pytest.skip("KVAUDIT_REQUIRE_NATIVE=1 is not set")
-    assert NATIVE is not None, "kvaudit._value_reads did not build (see setup.py)"
+    assert_built_where_required(NATIVE, NAME)
 
 
 def rows_file(path: Path, shape: tuple[int, ...], seed: int) -> np.ndarray:
