@@ -88,7 +88,9 @@ typedef struct {
     Py_ssize_t count;
     Py_buffer *views;
     const uint8_t **bases;
-    int64_t *spans; /* room for each mapping's span of regions to release */
+    int64_t *first_region; /* [count + 1]: each mapping's first entry in touched */
+    uint8_t *touched;      /* per 2 MiB region of each mapping: read since last released */
+    int64_t touched_count; /* how many are */
 } Maps;
 
 /* One side of a batch: its elements' bits, kind, and the scales of its K elements (the
@@ -122,9 +124,10 @@ typedef struct {
     double *worst_error;      /* [heads, WORST]: largest |c - p| first (0: none) */
     int64_t *worst_position;  /* [heads, WORST]: their request positions (-1: none) */
     double *token_row;        /* [tokens]: largest scaled error (NaN where none held) */
-    const Maps *maps;         /* rows read in place: their mappings */
+    Maps *maps;               /* rows read in place: their mappings */
     Py_ssize_t chunk;         /* tokens compared head by head at a time (the rest: all) */
-    int release;              /* release the mapped pages of each chunk's rows after it */
+    Py_ssize_t release;       /* release the mapped regions read once they reach these
+                                 bytes (checked after each chunk; 0: never) */
     int heads_inner;          /* within a chunk, token by token (else head by head) */
 } Batch;
 

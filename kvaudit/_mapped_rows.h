@@ -5,18 +5,31 @@
  * before the loop, so that a wrong location raises ValueError instead of reading outside.
  * No copy of the rows is made: the loop decodes them from the page cache. */
 
+/* Rows read in place map the large folio of page cache around them (up to 2 MiB, a PMD,
+ * on x86-64 and arm64 with transparent huge pages), counted in the process's RSS until
+ * released. The regions of that size holding rows read are marked as touched; once the
+ * touched regions reach the call's release budget (checked after each chunk of tokens),
+ * and at the end of the call, they are released (MADV_DONTNEED), each run of adjacent
+ * ones in one call. Releasing after every chunk instead kept less resident but cost
+ * about as much CPU as the comparison: a request's blocks lie in random regions, so each
+ * chunk faulted most of a layer's regions in again (and each release is a TLB flush on
+ * every core the process runs on). Pages released are read again from the page cache if
+ * touched again. */
+#define REGION ((int64_t)2 << 20)
+
 static void release_maps(Maps *maps)
 {
     for (Py_ssize_t i = 0; i < maps->count; i++)
         PyBuffer_Release(&maps->views[i]);
     PyMem_Free(maps->views);
     PyMem_Free(maps->bases);
-    PyMem_Free(maps->spans);
+    PyMem_Free(maps->first_region);
+    PyMem_Free(maps->touched);
     maps->count = 0;
 }
 
 /* The buffers of a sequence of mappings (mmap objects, ctypes arrays: any object with a
- * contiguous buffer). */
+ * contiguous buffer), and room to mark their touched regions. */
 static int take_maps(PyObject *sequence, Maps *maps)
 {
     PyObject *items = PySequence_Fast(sequence, "maps must be a sequence of buffers");
@@ -25,21 +38,29 @@ static int take_maps(PyObject *sequence, Maps *maps)
     Py_ssize_t count = PySequence_Fast_GET_SIZE(items);
     maps->views = PyMem_Calloc((size_t)count + 1, sizeof(Py_buffer));
     maps->bases = PyMem_Calloc((size_t)count + 1, sizeof(uint8_t *));
-    maps->spans = PyMem_Calloc((size_t)count + 1, 2 * sizeof(int64_t));
-    if (maps->views == NULL || maps->bases == NULL || maps->spans == NULL) {
+    maps->first_region = PyMem_Calloc((size_t)count + 1, sizeof(int64_t));
+    if (maps->views == NULL || maps->bases == NULL || maps->first_region == NULL) {
         Py_DECREF(items);
         PyErr_NoMemory();
         return 0;
     }
     for (; maps->count < count; maps->count++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(items, maps->count);
-        if (PyObject_GetBuffer(item, &maps->views[maps->count], PyBUF_SIMPLE) < 0) {
+        Py_buffer *view = &maps->views[maps->count];
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(items, maps->count), view,
+                               PyBUF_SIMPLE) < 0) {
             Py_DECREF(items);
             return 0;
         }
-        maps->bases[maps->count] = maps->views[maps->count].buf;
+        maps->bases[maps->count] = view->buf;
+        maps->first_region[maps->count + 1] =
+            maps->first_region[maps->count] + (view->len + REGION - 1) / REGION;
     }
     Py_DECREF(items);
+    maps->touched = PyMem_Calloc((size_t)maps->first_region[count] + 1, 1);
+    if (maps->touched == NULL) {
+        PyErr_NoMemory();
+        return 0;
+    }
     return 1;
 }
 
@@ -97,41 +118,39 @@ static int check_where(const Side *side, const Batch *b, const Maps *maps)
     return 1;
 }
 
-/* Rows read in place map the large folio of page cache around them (up to 2 MiB, a PMD,
- * on x86-64 and arm64 with transparent huge pages), counted in the process's RSS until
- * released. After each chunk of tokens, each mapping's span of regions of that size
- * holding the chunk's rows is released in one call (a call per region would cost about
- * as many system calls and TLB flushes as there are rows' blocks: measured slower). Pages
- * of other rows in the span are read again from the page cache if touched again. */
-#define REGION ((int64_t)2 << 20)
-
-/* Release (MADV_DONTNEED) the mappings' spans of regions spans[m] = (first, last), where
- * first <= last; only page-aligned mappings (a file's, from its start). */
-static void release_spans(const Maps *maps, const int64_t *spans)
+/* Release (MADV_DONTNEED) the touched regions, a call per run of adjacent ones, and mark
+ * them untouched; only page-aligned mappings (a file's, from its start) are released. */
+static void release_touched(Maps *maps)
 {
-#ifdef MADV_DONTNEED
     for (Py_ssize_t m = 0; m < maps->count; m++) {
-        const int64_t *span = spans + 2 * m;
-        int64_t start = span[0] * REGION, length = maps->views[m].len;
-        if (span[0] > span[1] || (uintptr_t)maps->bases[m] % 4096 != 0 || start >= length)
-            continue;
-        int64_t end = (span[1] + 1) * REGION < length ? (span[1] + 1) * REGION : length;
-        madvise((void *)(maps->bases[m] + start), (size_t)(end - start), MADV_DONTNEED);
-    }
+        uint8_t *touched = maps->touched + maps->first_region[m];
+        int64_t regions = maps->first_region[m + 1] - maps->first_region[m];
+        int aligned = (uintptr_t)maps->bases[m] % 4096 == 0;
+        for (int64_t r = 0; r < regions; r++) {
+            if (!touched[r])
+                continue;
+            int64_t run = r;
+            while (run < regions && touched[run])
+                touched[run++] = 0;
+#ifdef MADV_DONTNEED
+            int64_t start = r * REGION, length = maps->views[m].len;
+            int64_t end = run * REGION < length ? run * REGION : length;
+            if (aligned)
+                madvise((void *)(maps->bases[m] + start), (size_t)(end - start), MADV_DONTNEED);
 #else
-    (void)maps;
-    (void)spans;
+            (void)aligned;
 #endif
+            r = run;
+        }
+    }
+    maps->touched_count = 0;
 }
 
-/* Release the regions holding both sides' held rows of tokens first .. end - 1. */
+/* Mark the regions holding both sides' held rows of tokens first .. end - 1 as touched,
+ * and release all touched ones once they reach the batch's budget. */
 static void release_rows(const Batch *b, Py_ssize_t first, Py_ssize_t end)
 {
-    int64_t *spans = b->maps->spans;
-    for (Py_ssize_t m = 0; m < b->maps->count; m++) {
-        spans[2 * m] = INT64_MAX;
-        spans[2 * m + 1] = -1;
-    }
+    Maps *maps = b->maps;
     Py_ssize_t rows = b->heads * b->tokens;
     for (int s = 0; s < 2; s++) {
         const Side *side = &b->sides[s];
@@ -143,14 +162,16 @@ static void release_rows(const Batch *b, Py_ssize_t first, Py_ssize_t end)
                     if (!b->held[row])
                         continue;
                     const int64_t *at = side->where + 2 * (e * rows + row);
-                    int64_t *span = spans + 2 * at[0];
-                    int64_t low = at[1] / REGION, high = (at[1] + bytes - 1) / REGION;
-                    span[0] = low < span[0] ? low : span[0];
-                    span[1] = high > span[1] ? high : span[1];
+                    uint8_t *touched = maps->touched + maps->first_region[at[0]];
+                    for (int64_t r = at[1] / REGION; r <= (at[1] + bytes - 1) / REGION; r++) {
+                        maps->touched_count += !touched[r];
+                        touched[r] = 1;
+                    }
                 }
         }
     }
-    release_spans(b->maps, spans);
+    if (maps->touched_count * REGION >= b->release)
+        release_touched(maps);
 }
 
 PyDoc_STRVAR(compare_mapped_doc,
@@ -163,8 +184,9 @@ PyDoc_STRVAR(compare_mapped_doc,
     "tokens, 2]: the index in maps and the byte offset of each row's part. Every held row's\n"
     "parts are checked to lie inside their mapping first (ValueError if not). The rows go\n"
     "chunk tokens at a time, token by token within a chunk where heads_inner (else head\n"
-    "by head); release: each mapping's span of 2 MiB regions around a chunk's rows is\n"
-    "released (MADV_DONTNEED) after it (only for maps that are file mappings).");
+    "by head); release: bytes, the 2 MiB regions of the maps holding rows read are\n"
+    "released (MADV_DONTNEED) once they reach these bytes (checked after each chunk) and\n"
+    "at the end (0: never; only for maps that are file mappings).");
 
 static PyObject *compare_mapped(PyObject *self, PyObject *args)
 {
@@ -172,10 +194,10 @@ static PyObject *compare_mapped(PyObject *self, PyObject *args)
     PyObject *map_list, *kinds[2], *parts[2];
     Py_buffer in[3], out[5];
     Batch b;
-    Maps maps = {0, NULL, NULL, NULL};
+    Maps maps = {0, NULL, NULL, NULL, NULL, 0};
     memset(&b, 0, sizeof b);
     Side *p = &b.sides[0], *c = &b.sides[1];
-    if (!PyArg_ParseTuple(args, "Oy*y*y*(nnn)(UnddO)(UnddO)(dd)n(npp)w*w*w*w*w*", &map_list,
+    if (!PyArg_ParseTuple(args, "Oy*y*y*(nnn)(UnddO)(UnddO)(dd)n(nnp)w*w*w*w*w*", &map_list,
                           &in[0], &in[1], &in[2], &b.heads, &b.tokens, &b.elements, &kinds[0],
                           &p->head_size, &p->scales[0], &p->scales[1], &parts[0], &kinds[1],
                           &c->head_size, &c->scales[0], &c->scales[1], &parts[1], &b.atol,
@@ -198,7 +220,16 @@ static PyObject *compare_mapped(PyObject *self, PyObject *args)
         if (!check_where(&b.sides[s], &b, &maps))
             goto done;
     }
+    if (b.release < 0) {
+        PyErr_SetString(PyExc_ValueError, "release must be at least 0");
+        goto done;
+    }
     result = run_batch(&b);
+    if (b.release > 0 && maps.touched_count > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        release_touched(&maps);
+        Py_END_ALLOW_THREADS
+    }
 done:
     release_maps(&maps);
     for (int i = 0; i < 3; i++)

@@ -13,7 +13,7 @@ from types import ModuleType
 import numpy as np
 
 from .arrays import is_numpy
-from .element_errors import LayerErrors
+from .element_errors import LayerErrors, scratch
 from .mapping import FileMap
 from .native_errors import add_mapped_batch
 from .sources.raw import RawWorker
@@ -73,10 +73,12 @@ counts them), and whether a token's heads lie closer together than a head's toke
 
 class MappedRows:
     """Each dump layer part's place in its mapping, found once per comparison (keyed by
-    the pieces array, which is held so that its id stays its own)."""
+    the pieces array, which is held so that its id stays its own), and how many bytes of
+    mapped pages a comparison call may hold: ``release`` (a thread's share)."""
 
-    def __init__(self) -> None:
+    def __init__(self, release: int = 64 << 20) -> None:
         self._places: dict[int, tuple[object, list[PartPlace] | None]] = {}
+        self.release = release
 
     def places(self, worker: RawWorker, view: LayerView) -> list[PartPlace] | None:
         """Where a view's parts lie in the worker's mappings; None where they cannot be
@@ -99,12 +101,12 @@ class MappedRows:
         """Add a piece of layer ``name``'s batch (request positions ``lo .. hi - 1`` and
         both sides' rows, ``piece = (lo, hi, plans)``) to its errors with both sides' rows
         read where they lie in the dumps' mappings, ``chunk`` tokens at a time
-        (``tolerance_chunk = ((atol, rtol), chunk)``), the pages around each chunk's rows
-        released after it; within a chunk token by token where both sides' heads of a
-        token lie closer than a head's tokens, else head by head (the rows read in about
-        their order in the files). Returns its token row and the bytes of rows read, or
-        None, nothing done, where a side's rows cannot be read so (live tensors): the
-        staged path reads them.
+        (``tolerance_chunk = ((atol, rtol), chunk)``), the 2 MiB regions of the rows read
+        released once they reach ``release`` bytes, and at the end; within a chunk token
+        by token where both sides' heads of a token lie closer than a head's tokens, else
+        head by head (the rows read in about their order in the files). Returns its token
+        row and the bytes of rows read, or None, nothing done, where a side's rows cannot
+        be read so (live tensors): the staged path reads them.
 
         Raises:
             KvauditError: A dump file shrank since it was mapped.
@@ -114,8 +116,8 @@ class MappedRows:
         lo, hi, plans = piece
         table = MapTable()
         located = []
-        for plan, layer in zip(plans, layers):
-            found = self.locate(plan, name, (layer.heads, hi - lo), table)
+        for side, plan, layer in zip("pc", plans, layers):
+            found = self.locate(plan, name, (layer.heads, hi - lo), table, side)
             if found is None:
                 return None
             located.append(found)
@@ -133,15 +135,21 @@ class MappedRows:
             p_held & c_held,
             sides,  # type: ignore[arg-type]
             tolerance,
-            (chunk, True, p_near and c_near),
+            (chunk, self.release, p_near and c_near),
         )
         return token_row, p_read + c_read
 
     def locate(
-        self, plan: Sequence[WorkerRows], name: str, shape: tuple[int, int], table: MapTable
+        self,
+        plan: Sequence[WorkerRows],
+        name: str,
+        shape: tuple[int, int],
+        table: MapTable,
+        side: str = "p",
     ) -> Located | None:
         """Where layer ``name``'s rows of a piece lie, ``shape = (heads, tokens)``, for one
-        side's ``plan`` (``value_reads.plan_rows``); None where a worker's rows cannot be
+        side's ``plan`` (``value_reads.plan_rows``), in this thread's buffer for ``side``
+        (valid until its next call for that side); None where a worker's rows cannot be
         read in place, or none holds the layer (the staged path reads them instead)."""
         heads, tokens = shape
         where: np.ndarray | None = None
@@ -158,7 +166,10 @@ class MappedRows:
                 return None
             parts = tuple((place.start, place.width) for place in places)
             if where is None:
-                layout, where = parts, np.zeros((len(parts), heads, tokens, 2), dtype=np.int64)
+                # A thread's buffer, reused: allocating and freeing one a piece made the
+                # allocator return its pages to the system and fault them in again.
+                shape4 = (len(parts), heads, tokens, 2)
+                layout, where = parts, scratch(f"where-{side}", np.int64, shape4)
             elif parts != layout:
                 return None
             _, kernel_blocks, _, block_tokens, _ = view.parts[0].pieces.shape

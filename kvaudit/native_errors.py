@@ -85,15 +85,16 @@ def add_mapped_batch(
     held: np.ndarray,
     sides: tuple[tuple[DType, int, SCALES], tuple[DType, int, SCALES]],
     tolerance: tuple[float, float],
-    order: tuple[int, bool, bool] = (0, False, False),
+    order: tuple[int, int, bool] = (0, 0, False),
 ) -> np.ndarray:
     """``add_raw_batch`` with both sides' rows read where they lie in the dumps' mappings
     ``maps`` (their buffers): each side's ``(where, parts)`` as ``kvaudit.mapped_rows``
     locates them, ``held`` ``[heads, tokens]`` the rows both hold. ``order = (chunk,
     release, heads_inner)``: the rows go ``chunk`` tokens at a time (0: all at once),
-    token by token within a chunk where ``heads_inner`` (else head by head), and the
-    mapped pages around a chunk's rows are released after it where ``release`` (``maps``
-    must then be file mappings).
+    token by token within a chunk where ``heads_inner`` (else head by head); the 2 MiB
+    regions of the maps holding rows read are released (``MADV_DONTNEED``) once they
+    reach ``release`` bytes, checked after each chunk, and at the end (0: never; ``maps``
+    must be file mappings where not 0).
 
     Raises:
         ValueError: A held row's part lies outside its mapping (a wrong layout).

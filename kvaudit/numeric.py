@@ -61,8 +61,12 @@ MAPPED_PIECE_ELEMENTS = 1 << 22
 """The same where it reads both sides' dumps in place (nothing staged: only 16 bytes of
 location per row and side are held; a piece is then usually a whole batch)."""
 CHUNK_TOKENS = 256
-"""Rows read in place go a block of tokens (at most this many) at a time, the mapped pages
-around them released after it (kvaudit/_mapped_rows.h)."""
+"""Rows read in place go a block of tokens (at most this many) at a time
+(kvaudit/_mapped_rows.h)."""
+MAPPED_BYTES = 256 << 20
+"""About how many bytes of the dumps' mapped pages the threads reading rows in place hold
+at most, together: each releases the 2 MiB regions it read once they reach its share (a
+chunk's regions more at most), and at the end of each piece."""
 
 
 def _layer_plan(
@@ -93,12 +97,13 @@ class ThreadFiles:
     """Each pool thread's ``RowFiles`` for a whole comparison (a dump's files opened and
     its rows' layout found once, not per layer batch), all closed at its end (``with``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int = 1) -> None:
         self._local = threading.local()
         self._opened: list[RowFiles] = []
         self._lock = threading.Lock()
-        self.places = MappedRows()
-        """Where dumps' rows lie in their mappings (shared: one dict, set once a part)."""
+        self.places = MappedRows(max(1, MAPPED_BYTES // threads))
+        """Where dumps' rows lie in their mappings (shared: one dict, set once a part), and
+        each of the ``threads``' share of mapped pages."""
 
     def __enter__(self) -> ThreadFiles:
         return self
@@ -137,17 +142,18 @@ def _compare_layer(
     chunk: int,
 ) -> int:
     """One layer's batch, piece by piece: both sides' rows read where they lie in the
-    dumps' mappings (``chunk`` tokens at a time, their pages released after each), else
+    dumps' mappings (``chunk`` tokens at a time, their pages released on a budget), else
     decoded into this thread's buffers (small enough to stay in the cache while
     compared), and added to its errors and its row of token bins ``layer_tokens =
-    (values, positions per bin)``; returns the bytes read. The rows' mapped pages are
-    dropped after."""
+    (values, positions per bin)``; returns the bytes read. Where rows were staged, the
+    workers' mapped pages are dropped after."""
     read = 0
     row, width = layer_tokens
     native = native_module()
     if native is not None and not reads(native, *(layer.dtype for layer in layers)):
         native = None
     files = thread_files.mine()
+    staged = False
     for lo, hi, plans in pieces:
         if native is not None:
             found = thread_files.places.add(
@@ -158,6 +164,7 @@ def _compare_layer(
                 read += spanned
                 np.fmax.at(row, np.arange(lo, hi) // width, token_row)
                 continue
+        staged = True
         values = []
         for key, plan, layer in zip("pc", plans, layers):
             shape = (layer.heads, hi - lo, layer.elements)
@@ -168,6 +175,8 @@ def _compare_layer(
             values.append((buffer, held))
         token_row = _add_piece(native, errors, lo, values, layers, tolerance)
         np.fmax.at(row, np.arange(lo, hi) // width, token_row)
+    if not staged:
+        return read  # the C extension released the mapped pages it read
     # Rows far apart map a large folio of file pages each: dropped at once (another
     # thread's rows of the same files are read again from the page cache if needed).
     workers = {
@@ -307,7 +316,8 @@ def numeric_diff(
     from concurrent.futures import ThreadPoolExecutor  # only when comparing (start-up)
 
     report = NumericReport(atol, rtol)
-    with ThreadPoolExecutor(min(THREADS, os.cpu_count() or 1)) as pool, ThreadFiles() as files:
+    threads = min(THREADS, os.cpu_count() or 1)
+    with ThreadPoolExecutor(threads) as pool, ThreadFiles(threads) as files:
         _compare_requests(
             report,
             producer,

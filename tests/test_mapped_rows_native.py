@@ -4,13 +4,14 @@ the same figures, bit for bit, as the same rows staged in ``[heads, tokens, elem
 order (``compare``), whatever the dtypes, scales, chunks and visiting order; rows not held
 are never read; locations outside their mapping, parts that do not tile a row and
 wrongly sized locations are refused with a ValueError before anything is read; a file
-mapping's pages around the rows are released after a chunk (its RSS falls) and read
-again after. Skipped where the extension did not build, unless
-``KVAUDIT_REQUIRE_NATIVE=1``."""
+mapping's pages read are released by the end of a call (its RSS falls) and read again
+after, and during a call once they reach the release budget (the peak RSS says so).
+Skipped where the extension did not build, unless ``KVAUDIT_REQUIRE_NATIVE=1``."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -69,7 +70,7 @@ def both_ways(
     dtypes: tuple[str, str],
     scales: tuple[SCALES, SCALES],
     parts: tuple[PARTS, PARTS],
-    order: tuple[int, bool, bool],
+    order: tuple[int, int, bool],
     seed: int,
 ) -> None:
     """The batch staged and scattered: every figure the same bits."""
@@ -108,11 +109,9 @@ K_AND_V: PARTS = ((0, HEAD_SIZE), (HEAD_SIZE, ELEMENTS - HEAD_SIZE))
     "dtype", ["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"]
 )
 @pytest.mark.parametrize("parts", [(WHOLE, WHOLE), (K_AND_V, WHOLE), (K_AND_V, K_AND_V)])
-@pytest.mark.parametrize(
-    "order", [(0, False, False), (4, False, True), (1, False, False), (3, False, True)]
-)
+@pytest.mark.parametrize("order", [(0, 0, False), (4, 0, True), (1, 0, False), (3, 0, True)])
 def test_rows_in_place_equal_rows_staged(
-    dtype: str, parts: tuple[PARTS, PARTS], order: tuple[int, bool, bool]
+    dtype: str, parts: tuple[PARTS, PARTS], order: tuple[int, int, bool]
 ) -> None:
     rng = np.random.default_rng(len(dtype) + order[0])
     p = rng.normal(0, 2, (HEADS, TOKENS, ELEMENTS))
@@ -127,7 +126,7 @@ def test_fp8_with_scales_against_bf16_in_place() -> None:
     c = p / 0.5
     scales: tuple[SCALES, SCALES] = ((None, None), (0.5, 0.25))
     for dtypes in (("bfloat16", "float8_e4m3fn"), ("float8_e5m2", "float32")):
-        both_ways((p, c), dtypes, scales, (WHOLE, K_AND_V), (2, False, True), seed=4)
+        both_ways((p, c), dtypes, scales, (WHOLE, K_AND_V), (2, 0, True), seed=4)
 
 
 def located_call(
@@ -199,36 +198,95 @@ def mapping_rss(address: int) -> int:
     raise AssertionError("no such mapping")
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="no /proc/self/smaps")
-def test_a_file_mappings_pages_are_released_after_each_chunk(tmp_path: Path) -> None:
-    rng = np.random.default_rng(2)
-    values = rng.normal(0, 1, (HEADS, TOKENS, ELEMENTS))
-    bits = to_bits(values, "bfloat16")
-    # The rows far apart in an 8 MiB file (several 2 MiB regions), in one mapping.
+def spread_rows(
+    tmp_path: Path, rows: int, row_bytes: int, spacing: int
+) -> tuple[FileMap, np.ndarray, np.ndarray]:
+    """A file of one head's ``rows`` bf16 rows of ``row_bytes``, row t at byte
+    ``t * spacing`` (the rest a hole, holding no page cache), mapped; the rows' bits and
+    their locations ``[1, 1, rows, 2]``."""
+    rng = np.random.default_rng(rows)
+    bits = to_bits(rng.normal(0, 1, (1, rows, row_bytes // 2)), "bfloat16")
     path = tmp_path / "rows.bin"
-    data = np.zeros(8 << 20, dtype=np.uint8)
-    where = np.zeros((1, HEADS, TOKENS, 2), dtype=np.int64)
-    step = (len(data) - 64) // (HEADS * TOKENS)
-    for index, (h, t) in enumerate(np.ndindex(HEADS, TOKENS)):
-        offset = index * step
-        data[offset : offset + 2 * ELEMENTS] = bits[h, t].view(np.uint8)
-        where[0, h, t] = (0, offset)
-    path.write_bytes(data.tobytes())
-    mapped = FileMap(str(path))
-    assert int(np.frombuffer(mapped.buffer, np.uint8).sum(dtype=np.int64)) == int(
-        data.sum(dtype=np.int64)
-    )  # every page touched
-    assert mapping_rss(mapped.address) >= 4096
-    held = np.ones((HEADS, TOKENS), dtype=bool)
-    side = (parse_dtype("bfloat16"), HEAD_SIZE, (None, None))
-    staged, released = LayerErrors(HEADS), LayerErrors(HEADS)
-    want = add_raw_batch(NATIVE, staged, 0, (bits, bits), held, (side, side), (0.0, 0.0))  # type: ignore[arg-type]
-    for _ in range(2):  # the second time the released pages are read again
-        got = add_mapped_batch(
-            NATIVE, released, 0, [mapped.buffer], ((where, WHOLE), (where, WHOLE)), held,
-            (side, side), (0.0, 0.0), (4, True, True),  # type: ignore[arg-type]
-        )  # fmt: skip
-        np.testing.assert_array_equal(got, want)
+    where = np.zeros((1, 1, rows, 2), dtype=np.int64)
+    with open(path, "wb") as file:
+        for t in range(rows):
+            file.seek(t * spacing)
+            file.write(bits[0, t].tobytes())
+            where[0, 0, t] = (0, t * spacing)
+        file.truncate(rows * spacing)
+    return FileMap(str(path)), bits, where
+
+
+def compare_spread(
+    mapped: FileMap, bits: np.ndarray, where: np.ndarray, release: int
+) -> LayerErrors:
+    """One call comparing the spread rows with themselves, a token per chunk."""
+    _, rows, elements = bits.shape
+    errors = LayerErrors(1)
+    side = (parse_dtype("bfloat16"), elements // 2, (None, None))
+    got = add_mapped_batch(
+        NATIVE, errors, 0, [mapped.buffer], ((where, ((0, elements),)), (where, ((0, elements),))),
+        np.ones((1, rows), dtype=bool), (side, side), (0.0, 0.0), (1, release, False),  # type: ignore[arg-type]
+    )  # fmt: skip
+    np.testing.assert_array_equal(got, np.zeros(rows))
+    return errors
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="no /proc/self/smaps")
+@pytest.mark.parametrize("release", [1, 3 << 20, 1 << 40])
+def test_a_file_mappings_pages_are_released_by_the_end_of_a_call(
+    tmp_path: Path, release: int
+) -> None:
+    """Whatever the budget, no page of the rows read is left resident after the call,
+    and the pages released are read again by the next call, to the same figures."""
+    mapped, bits, where = spread_rows(tmp_path, 6, 64 << 10, 2 << 20)
+    staged = LayerErrors(1)
+    side = (parse_dtype("bfloat16"), bits.shape[2] // 2, (None, None))
+    held = np.ones((1, bits.shape[1]), dtype=bool)
+    add_raw_batch(NATIVE, staged, 0, (bits, bits), held, (side, side), (0.0, 0.0))  # type: ignore[arg-type]
+    for _ in range(2):
+        errors = compare_spread(mapped, bits, where, release)
         assert mapping_rss(mapped.address) == 0
-    np.testing.assert_array_equal(released.figures, staged.figures)
-    np.testing.assert_array_equal(released.counts, 2 * staged.counts)
+        for name in ("figures", "counts", "worst_error", "worst_position"):
+            np.testing.assert_array_equal(getattr(errors, name), getattr(staged, name))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="no /proc/self/smaps")
+def test_without_a_budget_the_pages_read_stay_resident(tmp_path: Path) -> None:
+    mapped, bits, where = spread_rows(tmp_path, 6, 64 << 10, 2 << 20)
+    compare_spread(mapped, bits, where, 0)
+    assert mapping_rss(mapped.address) >= 6 * 64
+
+
+def peak_growth_kib(call: Callable[[], object]) -> int:
+    """How far this process's peak RSS rose above its RSS during ``call`` (kB): the peak
+    is reset first (``/proc/self/clear_refs``)."""
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as clear:
+        clear.write("5")
+    before = status_kib("VmRSS")
+    call()
+    return status_kib("VmHWM") - before
+
+
+def status_kib(field: str) -> int:
+    """A ``/proc/self/status`` figure in kB."""
+    with open("/proc/self/status", encoding="ascii") as status:
+        line = next(line for line in status if line.startswith(field + ":"))
+    return int(line.split()[1])
+
+
+@pytest.mark.skipif(
+    not os.access("/proc/self/clear_refs", os.W_OK), reason="no peak RSS reset (clear_refs)"
+)
+def test_the_budget_bounds_the_pages_a_call_holds(tmp_path: Path) -> None:
+    """32 rows of 256 KiB, each in a 2 MiB region of its own: with a budget of one region
+    the call holds about one row's pages at a time, without a budget all 8 MiB (the peak
+    RSS during the call says so)."""
+    mapped, bits, where = spread_rows(tmp_path, 32, 256 << 10, 2 << 20)
+    compare_spread(mapped, bits, where, 1)  # the rows in the page cache, the code warm
+    bounded = min(
+        peak_growth_kib(lambda: compare_spread(mapped, bits, where, 2 << 20)) for _ in range(3)
+    )
+    unbounded = peak_growth_kib(lambda: compare_spread(mapped, bits, where, 1 << 40))
+    assert unbounded >= 28 * 256  # about 32 rows (VmRSS before is less exact)
+    assert bounded <= 4 * 256, (bounded, unbounded)

@@ -177,6 +177,7 @@ def test_pieces_and_chunks_of_any_size_agree(
     whole = compare(left, right, 0.05)
     monkeypatch.setattr(kvaudit.numeric, "MAPPED_PIECE_ELEMENTS", 1)
     monkeypatch.setattr(kvaudit.numeric, "CHUNK_TOKENS", 1)
+    monkeypatch.setattr(kvaudit.numeric, "MAPPED_BYTES", 1)  # released after each chunk
     small = compare(left, right, 0.05)
     assert whole.requests["req-b"].groups[0].slices[8].nonfinite_mismatches == 1
     for rid in TOKENS:
