@@ -264,6 +264,8 @@ def peak_growth_kib(call: Callable[[], object]) -> int:
     with open("/proc/self/clear_refs", "w", encoding="ascii") as clear:
         clear.write("5")
     before = status_kib("VmRSS")
+    if status_kib("VmHWM") > before + 1024:
+        pytest.skip("this kernel does not reset the peak RSS (clear_refs 5)")
     call()
     return status_kib("VmHWM") - before
 
