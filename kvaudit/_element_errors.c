@@ -131,7 +131,7 @@ typedef struct {
     int heads_inner;          /* within a chunk, token by token (else head by head) */
 } Batch;
 
-static void release_rows(const Batch *b, Py_ssize_t first, Py_ssize_t end);
+static void mark_rows_read(const Batch *b, Py_ssize_t first, Py_ssize_t end);
 
 #include "_element_values.h"
 

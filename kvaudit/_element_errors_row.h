@@ -301,7 +301,7 @@ TARGET INLINE void NAME(batch_rows)(const Batch *b, NAME(Head) *heads_at, REAL *
                 NAME(add_held)(b, &heads_at[h], h, t, p_row, c_row, scratch, tol);
             }
         if (b->release)
-            release_rows(b, first, end);
+            mark_rows_read(b, first, end);
     }
 }
 
@@ -324,8 +324,8 @@ TARGET INLINE void NAME(rows_of_kind)(const Batch *b, NAME(Head) *heads_at, REAL
  * heads' figures), each head then added to the layer's. The rows go chunk by chunk of
  * tokens, head by head within a chunk: staged rows in one chunk ([heads, tokens] is their
  * order in memory), rows read in place a block of tokens at a time (its rows stay in the
- * core's cache while every head is read from them, and their pages are released after it
- * where asked). Either way each head sees its tokens in increasing order: the figures
+ * core's cache while every head is read from them; their regions are marked read after
+ * it, and released on the budget where asked). Either way each head sees its tokens in increasing order: the figures
  * are the same bits. Rows of whole vectors of one narrow kind are decoded inside the
  * reducing loop. */
 TARGET static void NAME(compare_batch)(const Batch *b, NAME(Head) *heads_at, REAL *p_row,

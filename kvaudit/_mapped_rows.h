@@ -148,7 +148,7 @@ static void release_touched(Maps *maps)
 
 /* Mark the regions holding both sides' held rows of tokens first .. end - 1 as touched,
  * and release all touched ones once they reach the batch's budget. */
-static void release_rows(const Batch *b, Py_ssize_t first, Py_ssize_t end)
+static void mark_rows_read(const Batch *b, Py_ssize_t first, Py_ssize_t end)
 {
     Maps *maps = b->maps;
     Py_ssize_t rows = b->heads * b->tokens;
