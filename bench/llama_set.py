@@ -37,10 +37,12 @@ def write_llama_set(
     role: str = "producer",
     seed: int = 0,
     values: Literal["bits", "normal"] = "bits",
+    requests: int = REQUESTS,
 ) -> int:
     """Write the set's ``rank{r}.safetensors`` into ``folder``; returns its bytes.
     ``values="bits"`` fills the buffer with random bit patterns, ``"normal"`` with normal
-    values (no NaN or Inf, as a comparison by value wants)."""
+    values (no NaN or Inf, as a comparison by value wants); ``requests`` requests share
+    the blocks."""
     import torch
 
     from kvaudit.checksummer import RequestBlocks
@@ -60,12 +62,12 @@ def write_llama_set(
             -(2**15), 2**15, (elements,), dtype=torch.int16, generator=generator
         ).view(torch.bfloat16)
     order = torch.randperm(num_blocks, generator=generator).tolist()
-    per_request = num_blocks // REQUESTS
-    requests = {
+    per_request = max(1, num_blocks // requests)
+    held = {
         f"req-{i}": RequestBlocks(
             per_request * BLOCK_SIZE - 5, {0: (0, order[i * per_request : (i + 1) * per_request])}
         )
-        for i in range(REQUESTS)
+        for i in range(min(requests, num_blocks))
     }
     for rank in range(workers):
         tensors = {
@@ -78,7 +80,7 @@ def write_llama_set(
             os.path.join(folder, f"rank{rank}.safetensors"),
             desc,
             tensors,
-            requests,
+            held,
             worker=WorkerInfo(rank, workers, 0, 1, role, "bench"),
         )
     return workers * layers * layer_bytes

@@ -1,11 +1,13 @@
 """The cost of ``diff --numeric`` against checksumming both sides, in the same run.
 
-    python bench/numeric.py [--size-gib 1.5] [--workers 2] [--dir DIR] [--repeats 3]
+    python bench/numeric.py [--size-gib 1.5] [--workers 2] [--requests 8] [--dir DIR]
+                            [--repeats 3]
 
 Writes a producer and a consumer dump set of SIZE GiB each (WORKERS TP ranks, Llama-shaped
 layers: 16-token blocks, 8 KV heads x 128, bf16, NTHC; the consumer with other block ids
-and other values, so every element differs: the comparison's slowest path), then, each in
-a fresh process, checksums both sets and compares them by value (``numeric_sources``, what
+and other values, so every element differs: the comparison's slowest path; REQUESTS
+requests share the blocks, in a random order), then, each in a fresh process, checksums
+both sets and compares them by value (``numeric_sources``, what
 ``kvaudit diff --numeric`` runs). Prints both times, the ratio (target: at most 3), each
 child's CPU time and peak RSS (VmHWM) and the ratio of CPU times (other jobs on the machine
 sway it less). The best of ``--repeats`` runs counts (shared machines are noisy). The
@@ -75,6 +77,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-gib", type=float, default=1.5)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=8, help="requests sharing the blocks")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each; the best counts")
     parser.add_argument("--child", nargs=3, default=None, help=argparse.SUPPRESS)
@@ -89,7 +92,13 @@ def main() -> None:
         for seed, (role, side) in enumerate(sides):
             os.makedirs(side)
             nbytes = write_llama_set(
-                side, args.size_gib, args.workers, role=role, seed=seed, values="normal"
+                side,
+                args.size_gib,
+                args.workers,
+                role=role,
+                seed=seed,
+                values="normal",
+                requests=args.requests,
             )
         print(f"two dump sets of {nbytes / (1 << 30):.2f} GiB each in {folder}")
         best: dict[str, dict] = {}

@@ -207,30 +207,32 @@ class LayerErrors:
 
     def slices(self, layer: str, number: int, elements: int) -> list[SliceErrors]:
         """The layer's heads as ``SliceErrors``."""
-        result = []
-        for h in range(len(self.tokens)):
-            worst = [
-                (int(position), float(error))
-                for position, error in zip(self.worst_position[h], self.worst_error[h])
-                if error > 0
-            ]
-            result.append(
-                SliceErrors(
-                    layer,
-                    number,
-                    h,
-                    tokens=int(self.tokens[h]),
-                    elements=int(self.tokens[h]) * elements,
-                    max_abs_error=float(self.max_abs[h]),
-                    max_rel_error=float(self.max_rel[h]),
-                    max_producer=float(self.max_producer[h]),
-                    sum_squares=float(self.sum_squares[h]),
-                    over_tolerance=int(self.over[h]),
-                    nonfinite_mismatches=int(self.nonfinite[h]),
-                    worst=worst,
-                )
+        # Python numbers taken out of the arrays at once (one head at a time through
+        # numpy scalars cost more than the comparison with many short requests).
+        tokens, over, nonfinite = self.counts.tolist()
+        max_abs, max_rel, max_producer, sum_squares = self.figures.tolist()
+        worst_positions, worst_errors = self.worst_position.tolist(), self.worst_error.tolist()
+        return [
+            SliceErrors(
+                layer,
+                number,
+                h,
+                tokens=tokens[h],
+                elements=tokens[h] * elements,
+                max_abs_error=max_abs[h],
+                max_rel_error=max_rel[h],
+                max_producer=max_producer[h],
+                sum_squares=sum_squares[h],
+                over_tolerance=over[h],
+                nonfinite_mismatches=nonfinite[h],
+                worst=[
+                    (position, error)
+                    for position, error in zip(worst_positions[h], worst_errors[h])
+                    if error > 0
+                ],
             )
-        return result
+            for h in range(len(tokens))
+        ]
 
 
 def add_batch(

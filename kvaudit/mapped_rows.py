@@ -173,12 +173,7 @@ class MappedRows:
             elif parts != layout:
                 return None
             _, kernel_blocks, _, block_tokens, _ = view.parts[0].pieces.shape
-            positions = np.arange(item.skip, item.skip + item.count)
-            rows = np.asarray(item.rows, dtype=np.int64)[
-                positions // (kernel_blocks * block_tokens)
-            ]
-            kernel_block = positions // block_tokens % kernel_blocks
-            token = positions % block_tokens
+            rows, kernel_block, token = item.token_places(kernel_blocks, block_tokens)
             heads_at = slice(view.first_head, view.first_head + view.heads)
             for number, place in enumerate(places):
                 row_stride, block_stride, head_stride, token_stride = place.strides

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -203,6 +203,29 @@ class WorkerRows:
     skip: int
     count: int
     target: slice
+    _places: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def token_places(
+        self, kernel_blocks: int, block_tokens: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per position, its block row, kernel block in the row and token in the kernel
+        block, for rows of ``kernel_blocks`` blocks of ``block_tokens``: the same for every
+        layer of a group, so found once (int64 arrays, not to be written)."""
+        key = (kernel_blocks, block_tokens)
+        found = self._places.get(key)
+        if found is None:
+            positions = np.arange(self.skip, self.skip + self.count)
+            rows = np.asarray(self.rows, dtype=np.int64)[
+                positions // (kernel_blocks * block_tokens)
+            ]
+            found = self._places[key] = (
+                rows,
+                positions // block_tokens % kernel_blocks,
+                positions % block_tokens,
+            )
+        return found
 
 
 def attention_views(side: list[SideWorker]) -> list[dict[str, LayerView]]:
