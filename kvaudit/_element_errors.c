@@ -123,7 +123,9 @@ typedef struct {
     int64_t *counts;          /* [3, heads]: tokens held, over tolerance, one-sided */
     double *worst_error;      /* [heads, WORST]: largest |c - p| first (0: none) */
     int64_t *worst_position;  /* [heads, WORST]: their request positions (-1: none) */
-    double *token_row;        /* [tokens]: largest scaled error (NaN where none held) */
+    double *token_row;        /* [tokens], or [heads, tokens] where by_head: largest
+                                 scaled error (NaN where none held) */
+    int by_head;              /* token_row per head (else the largest over heads) */
     Maps *maps;               /* rows read in place: their mappings */
     Py_ssize_t chunk;         /* tokens compared head by head at a time (the rest: all) */
     Py_ssize_t release;       /* release the mapped regions read once they reach these
@@ -131,7 +133,8 @@ typedef struct {
     int heads_inner;          /* within a chunk, token by token (else head by head) */
 } Batch;
 
-static void mark_rows_read(const Batch *b, Py_ssize_t first, Py_ssize_t end);
+static void mark_rows_read(const Batch *b, Py_ssize_t h0, Py_ssize_t h1, Py_ssize_t first,
+                           Py_ssize_t end);
 
 #include "_element_values.h"
 
@@ -204,8 +207,10 @@ static int check_lengths(const Py_buffer *buffers, const Py_ssize_t *want, int c
 static int take_outputs(Batch *b, Py_buffer *out)
 {
     Py_ssize_t heads = b->heads;
+    /* The token row may be one per head (heads of several requests compared at once). */
+    b->by_head = heads > 1 && out[4].len == heads * b->tokens * 8;
     Py_ssize_t want[5] = {4 * heads * 8, 3 * heads * 8, heads * WORST * 8, heads * WORST * 8,
-                          b->tokens * 8};
+                          (b->by_head ? heads : 1) * b->tokens * 8};
     if (!check_lengths(out, want, 5, 3))
         return 0;
     b->figures = out[0].buf;
@@ -268,7 +273,8 @@ PyDoc_STRVAR(compare_doc,
     "K scale, V scale; 1.0 for none), tolerance (atol, rtol). Updates the float64 figures\n"
     "[4, heads] (max abs, max rel, max |p|, sum of squares), the int64 counts [3, heads]\n"
     "(tokens, over tolerance, one-sided NaN or Inf), the worst 5 errors [heads, 5] (float64)\n"
-    "and positions (int64); fills the float64 token_row [tokens].");
+    "and positions (int64); fills the float64 token_row [tokens] (or [heads, tokens]: one\n"
+    "row per head).");
 
 static PyObject *compare(PyObject *self, PyObject *args)
 {

@@ -241,8 +241,9 @@ TARGET INLINE void NAME(add_errors)(const Batch *b, NAME(Head) *head, Py_ssize_t
     head->squares += row->squares;
     REAL ratio = row->abs / row->scale;
     double scaled = row->one_sided ? INFINITY : isnan(ratio) ? 0.0 : (double)ratio;
-    if (scaled > b->token_row[t])
-        b->token_row[t] = scaled;
+    double *slot = b->token_row + (b->by_head ? h * b->tokens + t : t);
+    if (scaled > *slot)
+        *slot = scaled;
     keep_worst(b->worst_error + h * WORST, b->worst_position + h * WORST, (double)row->abs,
                b->lo + t);
 }
@@ -280,7 +281,13 @@ TARGET INLINE void NAME(batch_rows)(const Batch *b, NAME(Head) *heads_at, REAL *
         int heads_inner = b->heads_inner;
         Py_ssize_t outer = heads_inner ? end - first : heads;
         Py_ssize_t inner = heads_inner ? heads : end - first;
-        for (Py_ssize_t o = 0; o < outer; o++)
+        /* Several requests' heads (by_head), head by head: their rows lie in as many
+         * places as requests, so each head's are marked read (and the budget checked)
+         * after it, not the whole chunk's at once. */
+        int mark_heads = b->release && b->by_head && !heads_inner;
+        for (Py_ssize_t o = 0; o < outer; o++) {
+            if (mark_heads && o > 0)
+                mark_rows_read(b, o - 1, o, first, end);
             for (Py_ssize_t i = 0; i < inner; i++) {
                 Py_ssize_t h = heads_inner ? i : o, t = first + (heads_inner ? o : i);
                 if (!b->held[h * tokens + t])
@@ -300,8 +307,11 @@ TARGET INLINE void NAME(batch_rows)(const Batch *b, NAME(Head) *heads_at, REAL *
 #endif
                 NAME(add_held)(b, &heads_at[h], h, t, p_row, c_row, scratch, tol);
             }
-        if (b->release)
-            mark_rows_read(b, first, end);
+        }
+        if (mark_heads)
+            mark_rows_read(b, outer - 1, outer, first, end);
+        else if (b->release)
+            mark_rows_read(b, 0, heads, first, end);
     }
 }
 
@@ -333,7 +343,8 @@ TARGET static void NAME(compare_batch)(const Batch *b, NAME(Head) *heads_at, REA
 {
     NAME(Tolerance) tol = {(REAL)b->atol, (REAL)b->rtol, b->atol == 0};
     Py_ssize_t heads = b->heads, tokens = b->tokens;
-    for (Py_ssize_t t = 0; t < tokens; t++)
+    Py_ssize_t cells = (b->by_head ? heads : 1) * tokens;
+    for (Py_ssize_t t = 0; t < cells; t++)
         b->token_row[t] = -1.0; /* below any scaled error: no head held yet */
     Span spans[MAX_SPANS];
     int count = FUSED ? row_spans(b, spans) : 0;
@@ -355,7 +366,7 @@ TARGET static void NAME(compare_batch)(const Batch *b, NAME(Head) *heads_at, REA
         b->counts[heads + h] += head->over;
         b->counts[2 * heads + h] += head->nonfinite;
     }
-    for (Py_ssize_t t = 0; t < tokens; t++)
+    for (Py_ssize_t t = 0; t < cells; t++)
         if (b->token_row[t] < 0)
             b->token_row[t] = NAN;
 }

@@ -146,9 +146,11 @@ static void release_touched(Maps *maps)
     maps->touched_count = 0;
 }
 
-/* Mark the regions holding both sides' held rows of tokens first .. end - 1 as touched,
- * and release all touched ones once they reach the batch's budget. */
-static void mark_rows_read(const Batch *b, Py_ssize_t first, Py_ssize_t end)
+/* Mark the regions holding both sides' held rows of heads h0 .. h1 - 1 and tokens
+ * first .. end - 1 as touched, and release all touched ones once they reach the batch's
+ * budget. */
+static void mark_rows_read(const Batch *b, Py_ssize_t h0, Py_ssize_t h1, Py_ssize_t first,
+                           Py_ssize_t end)
 {
     Maps *maps = b->maps;
     Py_ssize_t rows = b->heads * b->tokens;
@@ -156,7 +158,7 @@ static void mark_rows_read(const Batch *b, Py_ssize_t first, Py_ssize_t end)
         const Side *side = &b->sides[s];
         for (int e = 0; side->bits == NULL && e < side->parts; e++) {
             int64_t bytes = side->part_width[e] * KIND_SIZES[side->kind];
-            for (Py_ssize_t h = 0; h < b->heads; h++)
+            for (Py_ssize_t h = h0; h < h1; h++)
                 for (Py_ssize_t t = first; t < end; t++) {
                     Py_ssize_t row = h * b->tokens + t;
                     if (!b->held[row])

@@ -191,6 +191,16 @@ class LayerErrors:
         self.worst_error = np.zeros((heads, WORST_TOKENS))
         self.worst_position = np.full((heads, WORST_TOKENS), -1, dtype=np.int64)
 
+    def part(self, start: int, stop: int) -> LayerErrors:
+        """A copy of heads ``start .. stop - 1`` (one request's, where several requests'
+        heads were compared together)."""
+        part = LayerErrors(stop - start)
+        part.figures[...] = self.figures[:, start:stop]
+        part.counts[...] = self.counts[:, start:stop]
+        part.worst_error[...] = self.worst_error[start:stop]
+        part.worst_position[...] = self.worst_position[start:stop]
+        return part
+
     def merge_worst(self, lo: int, errors: np.ndarray) -> None:
         """Keep each head's ``WORST_TOKENS`` positions of largest error (earliest on ties);
         ``errors[h, t]`` is the largest error of head ``h`` at request position ``lo + t``."""

@@ -71,6 +71,11 @@ elements, the bytes of the block rows it reads from (as ``value_reads.decode_lay
 counts them), and whether a token's heads lie closer together than a head's tokens."""
 
 
+Stack = tuple[Sequence[Sequence[WorkerRows]], Sequence[Sequence[WorkerRows]]]
+"""Both sides' rows of a piece: one plan (``value_reads.plan_rows``) per request compared
+at once, in the same order on both sides."""
+
+
 class MappedRows:
     """Each dump layer part's place in its mapping, found once per comparison (keyed by
     the pieces array, which is held so that its id stays its own), and how many bytes of
@@ -93,31 +98,33 @@ class MappedRows:
         self,
         native: ModuleType,
         errors: LayerErrors,
-        piece: tuple[int, int, tuple[Sequence[WorkerRows], Sequence[WorkerRows]]],
+        piece: tuple[int, int, Stack],
         name: str,
         layers: tuple[LayerValues, LayerValues],
         tolerance_chunk: tuple[tuple[float, float], int],
     ) -> tuple[np.ndarray, int] | None:
         """Add a piece of layer ``name``'s batch (request positions ``lo .. hi - 1`` and
-        both sides' rows, ``piece = (lo, hi, plans)``) to its errors with both sides' rows
+        both sides' rows, ``piece = (lo, hi, stack)``) to its errors with both sides' rows
         read where they lie in the dumps' mappings, ``chunk`` tokens at a time
         (``tolerance_chunk = ((atol, rtol), chunk)``), the 2 MiB regions of the rows read
         released once they reach ``release`` bytes, and at the end; within a chunk token
         by token where both sides' heads of a token lie closer than a head's tokens, else
-        head by head (the rows read in about their order in the files). Returns its token
-        row and the bytes of rows read, or None, nothing done, where a side's rows cannot
-        be read so (live tensors): the staged path reads them.
+        head by head (the rows read in about their order in the files). With several
+        requests stacked, ``errors`` holds each request's heads after the previous one's.
+        Returns its token row (one per head, ``[heads, tokens]``, where several requests
+        are stacked) and the bytes of rows read, or None, nothing done, where a side's rows
+        cannot be read so (live tensors): the staged path reads them.
 
         Raises:
             KvauditError: A dump file shrank since it was mapped.
 
         """
         tolerance, chunk = tolerance_chunk
-        lo, hi, plans = piece
+        lo, hi, stack = piece
         table = MapTable()
         located = []
-        for side, plan, layer in zip("pc", plans, layers):
-            found = self.locate(plan, name, (layer.heads, hi - lo), table, side)
+        for side, plans, layer in zip("pc", stack, layers):
+            found = self.locate(plans, name, (layer.heads, hi - lo), table, side)
             if found is None:
                 return None
             located.append(found)
@@ -135,29 +142,33 @@ class MappedRows:
             p_held & c_held,
             sides,  # type: ignore[arg-type]
             tolerance,
-            (chunk, self.release, p_near and c_near),
+            # Several requests: head by head (a token's rows lie in as many blocks).
+            (chunk, self.release, p_near and c_near and len(stack[0]) == 1),
+            by_head=len(stack[0]) > 1,
         )
         return token_row, p_read + c_read
 
     def locate(
         self,
-        plan: Sequence[WorkerRows],
+        plans: Sequence[Sequence[WorkerRows]],
         name: str,
         shape: tuple[int, int],
         table: MapTable,
         side: str = "p",
     ) -> Located | None:
         """Where layer ``name``'s rows of a piece lie, ``shape = (heads, tokens)``, for one
-        side's ``plan`` (``value_reads.plan_rows``), in this thread's buffer for ``side``
+        side's ``plans`` (``value_reads.plan_rows``: one per request stacked, each
+        request's heads after the previous one's), in this thread's buffer for ``side``
         (valid until its next call for that side); None where a worker's rows cannot be
         read in place, or none holds the layer (the staged path reads them instead)."""
         heads, tokens = shape
+        stacked = (len(plans) * heads, tokens)
         where: np.ndarray | None = None
         layout: tuple[tuple[int, int], ...] = ()
-        held = np.zeros(shape, dtype=bool)
+        held = np.zeros(stacked, dtype=bool)
         spanned = 0
         heads_near = True
-        for item in plan:
+        for first, item in ((r * heads, item) for r, plan in enumerate(plans) for item in plan):
             view = item.views.get(name)
             if view is None:
                 continue
@@ -168,13 +179,13 @@ class MappedRows:
             if where is None:
                 # A thread's buffer, reused: allocating and freeing one a piece made the
                 # allocator return its pages to the system and fault them in again.
-                shape4 = (len(parts), heads, tokens, 2)
+                shape4 = (len(parts), *stacked, 2)
                 layout, where = parts, scratch(f"where-{side}", np.int64, shape4)
             elif parts != layout:
                 return None
             _, kernel_blocks, _, block_tokens, _ = view.parts[0].pieces.shape
             rows, kernel_block, token = item.token_places(kernel_blocks, block_tokens)
-            heads_at = slice(view.first_head, view.first_head + view.heads)
+            heads_at = slice(first + view.first_head, first + view.first_head + view.heads)
             for number, place in enumerate(places):
                 row_stride, block_stride, head_stride, token_stride = place.strides
                 along = place.base + rows * row_stride + kernel_block * block_stride

@@ -86,6 +86,7 @@ def add_mapped_batch(
     sides: tuple[tuple[DType, int, SCALES], tuple[DType, int, SCALES]],
     tolerance: tuple[float, float],
     order: tuple[int, int, bool] = (0, 0, False),
+    by_head: bool = False,
 ) -> np.ndarray:
     """``add_raw_batch`` with both sides' rows read where they lie in the dumps' mappings
     ``maps`` (their buffers): each side's ``(where, parts)`` as ``kvaudit.mapped_rows``
@@ -94,7 +95,8 @@ def add_mapped_batch(
     token by token within a chunk where ``heads_inner`` (else head by head); the 2 MiB
     regions of the maps holding rows read are released (``MADV_DONTNEED``) once they
     reach ``release`` bytes, checked after each chunk, and at the end (0: never; ``maps``
-    must be file mappings where not 0).
+    must be file mappings where not 0). ``by_head``: the token row is one per head,
+    ``[heads, tokens]`` (for heads of several requests compared at once).
 
     Raises:
         ValueError: A held row's part lies outside its mapping (a wrong layout).
@@ -102,7 +104,7 @@ def add_mapped_batch(
     """
     heads, tokens = held.shape
     elements = sum(width for _, width in located[0][1])
-    token_row = np.empty(tokens)
+    token_row = np.empty((heads, tokens) if by_head else tokens)  # 1 head: the same bytes
     module.compare_mapped(
         maps,
         located[0][0],

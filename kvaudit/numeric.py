@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -25,7 +26,7 @@ import numpy as np
 from .compare.numeric import GroupNumeric, NumericReport, RequestNumeric
 from .element_errors import LayerErrors, add_batch, scratch
 from .elements import work_dtype
-from .mapped_rows import MappedRows
+from .mapped_rows import MappedRows, Stack
 from .native_errors import add_raw_batch, native_module, raw_dtype, reads
 from .sources.raw import RawWorker
 from .value_reads import (
@@ -44,6 +45,8 @@ from .value_reads import (
 
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
+
+    from .views import LayerView
 
 MAX_BINS = 256
 """At most this many token bins per layer in the layers x tokens picture."""
@@ -156,8 +159,9 @@ def _compare_layer(
     staged = False
     for lo, hi, plans in pieces:
         if native is not None:
+            stack = ([plans[0]], [plans[1]])
             found = thread_files.places.add(
-                native, errors, (lo, hi, plans), name, layers, (tolerance, chunk)
+                native, errors, (lo, hi, stack), name, layers, (tolerance, chunk)
             )
             if found is not None:
                 token_row, spanned = found
@@ -185,6 +189,36 @@ def _compare_layer(
     for worker in workers.values():
         worker.drop_pages()
     return read
+
+
+class _NotStacked(Exception):
+    """A stack of requests' rows could not be read in place: compared one by one."""
+
+
+def _compare_stacked_layer(
+    errors: LayerErrors,
+    piece: tuple[int, int, Stack],
+    name: str,
+    layers: tuple[LayerValues, LayerValues],
+    tolerance: tuple[float, float],
+    thread_files: ThreadFiles,
+    chunk: int,
+) -> tuple[np.ndarray, int]:
+    """One layer of several short requests at once (``piece = (0, tokens, stack)``, each
+    request's heads after the previous one's in ``errors``), read in place by the C
+    extension; returns the token rows per head and the bytes read.
+
+    Raises:
+        _NotStacked: The rows cannot be read in place (nothing was added).
+
+    """
+    native = native_module()
+    if native is None:
+        raise _NotStacked
+    found = thread_files.places.add(native, errors, piece, name, layers, (tolerance, chunk))
+    if found is None:
+        raise _NotStacked
+    return found
 
 
 def _add_piece(
@@ -221,36 +255,80 @@ def _piece_tokens(
     return max(unit, elements // max(per_token, 1) // unit * unit)
 
 
+@dataclass(frozen=True)
+class _GroupPlan:
+    """How a group is compared for one set of workers on each side: the layers both hold
+    alike (``common``, their ``layers`` on each side), why the others are not compared,
+    the block unit and the tokens per piece, and whether both sides are dumps."""
+
+    layers: tuple[dict[str, LayerValues], dict[str, LayerValues]]
+    common: list[str]
+    reasons: list[str]
+    unit: int
+    piece: int
+    mapped: bool
+    chosen: tuple[list[dict[str, LayerView]], list[dict[str, LayerView]]]
+
+    @classmethod
+    def of(cls, sides: tuple[list[SideWorker], list[SideWorker]]) -> _GroupPlan:
+        layers = (side_layers(sides[0]), side_layers(sides[1]))
+        common, reasons = _layer_plan(*layers)
+        unit = block_unit(sides)
+        mapped = all(getattr(worker, "maps", None) for side in sides for worker, _, _ in side)
+        piece = _piece_tokens(unit, layers[0], common, mapped)
+        chosen = (attention_views(sides[0]), attention_views(sides[1]))
+        return cls(layers, common, reasons, unit, piece, mapped, chosen)
+
+    def stackable(self, num_tokens: int) -> bool:
+        """Whether a request of ``num_tokens`` can be compared together with others: one
+        piece, both sides dumps read in place by the C extension."""
+        native = native_module()
+        return (
+            native is not None
+            and self.mapped
+            and bool(self.common)
+            and 0 < num_tokens <= self.piece
+            and all(reads(native, side[name].dtype) for side in self.layers for name in self.common)
+        )
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One request's group to compare: its id, group, tokens, both sides' workers, and
+    the request's result it goes into."""
+
+    request_id: str
+    group_id: int
+    num_tokens: int
+    sides: tuple[list[SideWorker], list[SideWorker]]
+    result: RequestNumeric
+
+    def key(self) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+        """Units of equal keys have the same workers, so the same ``_GroupPlan``."""
+        producer, consumer = (tuple(id(worker) for worker, _, _ in side) for side in self.sides)
+        return (self.group_id, producer, consumer)
+
+
 def _compare_group(
-    sides: tuple[list[SideWorker], list[SideWorker]],
-    request_id: str,
-    group_id: int,
-    num_tokens: int,
+    unit: _Unit,
+    plan: _GroupPlan,
     tolerance: tuple[float, float],
     progress: Callable[[int], None] | None,
     batch_bytes: int,
     threads: Threads,
-) -> tuple[GroupNumeric | None, list[str]]:
+) -> tuple[GroupNumeric, list[str]]:
     """One request's group compared by value, and why parts of it are not compared: the
     layers of each batch read and compared on the pool's threads (numpy releases the GIL),
     the sides' mapped pages dropped after each."""
-    producer, consumer = sides
-    for side, label in ((producer, "producer"), (consumer, "consumer")):
-        if not side:
-            return None, [f"no {label} worker holds this group and covers it"]
-    layers = (side_layers(producer), side_layers(consumer))
-    common, reasons = _layer_plan(*layers)
-    info = layers[0]
-    heads = max((info[name].heads for name in common), default=0)
+    producer, consumer = unit.sides
+    num_tokens = unit.num_tokens
+    info, common = plan.layers[0], plan.common
     width = max(1, -(-num_tokens // MAX_BINS))
     layer_tokens = np.full((len(common), -(-num_tokens // width)), np.nan)
     errors = {name: LayerErrors(info[name].heads) for name in common}
-    unit = block_unit(sides)
-    mapped = all(getattr(worker, "maps", None) for side in sides for worker, _, _ in side)
-    piece = _piece_tokens(unit, info, common, mapped)
-    step = max(piece, batch_tokens(sides, batch_bytes) // piece * piece)
-    chosen = (attention_views(producer), attention_views(consumer))
-    request = (request_id, group_id)
+    piece = plan.piece
+    step = max(piece, batch_tokens(unit.sides, batch_bytes) // piece * piece)
+    request = (unit.request_id, unit.group_id)
     for lo in range(0, num_tokens, step):
         hi = min(num_tokens, lo + step)
         pieces = [
@@ -258,8 +336,8 @@ def _compare_group(
                 start,
                 min(hi, start + piece),
                 (
-                    plan_rows(producer, chosen[0], request, start, min(hi, start + piece)),
-                    plan_rows(consumer, chosen[1], request, start, min(hi, start + piece)),
+                    plan_rows(producer, plan.chosen[0], request, start, min(hi, start + piece)),
+                    plan_rows(consumer, plan.chosen[1], request, start, min(hi, start + piece)),
                 ),
             )
             for start in range(lo, hi, piece)
@@ -270,28 +348,98 @@ def _compare_group(
                 errors[name],
                 pieces,
                 name,
-                (layers[0][name], layers[1][name]),
+                (plan.layers[0][name], plan.layers[1][name]),
                 tolerance,
                 (layer_tokens[index], width),
                 threads[1],
-                min(unit, CHUNK_TOKENS),
+                min(plan.unit, CHUNK_TOKENS),
             )
             for index, name in enumerate(common)
         ]
         read = sum(job.result() for job in jobs)
         if progress is not None:
             progress(read)
+    return _group_result(unit, plan, errors, (layer_tokens, width))
+
+
+def _group_result(
+    unit: _Unit,
+    plan: _GroupPlan,
+    errors: Mapping[str, LayerErrors],
+    layer_tokens: tuple[np.ndarray, int],
+) -> tuple[GroupNumeric, list[str]]:
+    """A group's figures from its layers' errors, and why parts of it were not compared."""
+    info = plan.layers[0]
+    heads = max((info[name].heads for name in plan.common), default=0)
     flat = [
         item
-        for name in common
+        for name in plan.common
         for item in errors[name].slices(name, info[name].number, info[name].elements)
     ]
-    reasons += [
+    reasons = plan.reasons + [
         f"layer {item.layer} head {item.head}: no token held on both sides"
         for item in flat
-        if not item.tokens and num_tokens
+        if not item.tokens and unit.num_tokens
     ]
-    return GroupNumeric(group_id, common, heads, flat, width, layer_tokens), reasons
+    values, width = layer_tokens
+    return GroupNumeric(unit.group_id, plan.common, heads, flat, width, values), reasons
+
+
+def _compare_stack(
+    units: Sequence[_Unit],
+    plan: _GroupPlan,
+    tolerance: tuple[float, float],
+    progress: Callable[[int], None] | None,
+    threads: Threads,
+) -> list[tuple[GroupNumeric, list[str]]] | None:
+    """Several short requests' groups (same workers, one piece each) compared at once:
+    each layer in one call of the C extension, the requests' heads one after another
+    (each head's figures the same bits as alone); None where their rows cannot be read
+    so (compare them one by one)."""
+    info, common = plan.layers[0], plan.common
+    tokens = max(unit.num_tokens for unit in units)
+    stack = tuple(
+        [
+            plan_rows(
+                unit.sides[s], plan.chosen[s], (unit.request_id, unit.group_id), 0, unit.num_tokens
+            )
+            for unit in units
+        ]
+        for s in (0, 1)
+    )
+    stacked = {name: LayerErrors(len(units) * info[name].heads) for name in common}
+    jobs = [
+        threads[0].submit(
+            _compare_stacked_layer,
+            stacked[name],
+            (0, tokens, stack),
+            name,
+            (plan.layers[0][name], plan.layers[1][name]),
+            tolerance,
+            threads[1],
+            min(plan.unit, CHUNK_TOKENS),
+        )
+        for name in common
+    ]
+    try:
+        found = [job.result() for job in jobs]
+    except _NotStacked:
+        return None
+    if progress is not None:
+        progress(sum(read for _, read in found))
+    results = []
+    for r, unit in enumerate(units):
+        width = max(1, -(-unit.num_tokens // MAX_BINS))
+        layer_tokens = np.full((len(common), -(-unit.num_tokens // width)), np.nan)
+        errors = {}
+        for index, name in enumerate(common):
+            heads = info[name].heads
+            errors[name] = stacked[name].part(r * heads, (r + 1) * heads)
+            rows = found[index][0].reshape(-1, tokens)[r * heads : (r + 1) * heads]
+            token_row = np.fmax.reduce(rows[:, : unit.num_tokens], axis=0)
+            np.fmax.at(layer_tokens[index], np.arange(unit.num_tokens) // width, token_row)
+        results.append(_group_result(unit, plan, errors, (layer_tokens, width)))
+    return results
 
 
 def numeric_diff(
@@ -341,10 +489,35 @@ def _compare_requests(
     batch_bytes: int,
     threads: Threads,
 ) -> None:
-    """Fill the report request by request."""
-    atol, rtol = report.atol, report.rtol
+    """Fill the report request by request: consecutive short requests of the same
+    workers (one piece each, read in place) are compared together, in stacks of about a
+    piece's rows (a call of the C extension per layer, not per request and layer)."""
+    tolerance = (report.atol, report.rtol)
     held = [{rid for worker in side for rid in worker.requests} for side in (producer, consumer)]
     ids = sorted(held[0] | held[1]) if request_ids is None else list(request_ids)
+    plans: dict[tuple[int, tuple[int, ...], tuple[int, ...]], _GroupPlan] = {}
+    stack: list[_Unit] = []
+
+    def done(unit: _Unit, group: GroupNumeric, reasons: list[str]) -> None:
+        report.not_compared.extend((unit.request_id, unit.group_id, why) for why in reasons)
+        unit.result.groups[unit.group_id] = group
+
+    def compare_stack() -> None:
+        if not stack:
+            return
+        plan = plans[stack[0].key()]
+        found = (
+            _compare_stack(stack, plan, tolerance, progress, threads) if len(stack) > 1 else None
+        )
+        if found is None:
+            found = [
+                _compare_group(unit, plan, tolerance, progress, batch_bytes, threads)
+                for unit in stack
+            ]
+        for unit, (group, reasons) in zip(stack, found):
+            done(unit, group, reasons)
+        stack.clear()
+
     for rid in ids:
         if rid not in held[1]:
             report.only_producer.append(rid)
@@ -353,19 +526,38 @@ def _compare_requests(
             report.only_consumer.append(rid)
             continue
         count = num_tokens.get(rid, 0)
-        result = RequestNumeric(rid, count)
+        result = report.requests[rid] = RequestNumeric(rid, count)
         group_ids = sorted(
             {gid for side in (producer, consumer) for w in side for gid in _groups(w, rid)}
         )
         for gid in group_ids:
-            sides = (side_workers(producer, rid, gid), side_workers(consumer, rid, gid))
-            group, reasons = _compare_group(
-                sides, rid, gid, count, (atol, rtol), progress, batch_bytes, threads
+            unit = _Unit(
+                rid,
+                gid,
+                count,
+                (side_workers(producer, rid, gid), side_workers(consumer, rid, gid)),
+                result,
             )
-            report.not_compared.extend((rid, gid, reason) for reason in reasons)
-            if group is not None:
-                result.groups[gid] = group
-        report.requests[rid] = result
+            missing = [label for side, label in zip(unit.sides, SIDES) if not side]
+            if missing:
+                compare_stack()  # the report keeps the requests' order
+                why = f"no {missing[0]} worker holds this group and covers it"
+                report.not_compared.append((rid, gid, why))
+                continue
+            key = unit.key()
+            plan = plans.get(key) or plans.setdefault(key, _GroupPlan.of(unit.sides))
+            if plan.stackable(count):
+                tokens = max([count, *(other.num_tokens for other in stack)])
+                if stack and (stack[0].key() != key or (len(stack) + 1) * tokens > plan.piece):
+                    compare_stack()
+                stack.append(unit)
+                continue
+            compare_stack()
+            done(unit, *_compare_group(unit, plan, tolerance, progress, batch_bytes, threads))
+    compare_stack()
+
+
+SIDES = ("producer", "consumer")
 
 
 def _groups(worker: RawWorker, request_id: str) -> list[int]:

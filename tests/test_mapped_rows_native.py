@@ -292,3 +292,64 @@ def test_the_budget_bounds_the_pages_a_call_holds(tmp_path: Path) -> None:
     unbounded = peak_growth_kib(lambda: compare_spread(mapped, bits, where, 1 << 40))
     assert unbounded >= 28 * 256  # about 32 rows (VmRSS before is less exact)
     assert bounded <= 4 * 256, (bounded, unbounded)
+
+
+def compare_heads(
+    mapped: FileMap, bits: np.ndarray, where: np.ndarray, release: int, by_head: bool
+) -> None:
+    """One call comparing the spread rows with themselves as one token of as many heads
+    (as several requests' heads are compared at once), head by head."""
+    _, rows, elements = bits.shape
+    heads_where = np.ascontiguousarray(where.transpose(0, 2, 1, 3))  # [1, rows, 1, 2]
+    side = (parse_dtype("bfloat16"), elements // 2, (None, None))
+    whole = ((0, elements),)
+    got = add_mapped_batch(
+        NATIVE, LayerErrors(rows), 0, [mapped.buffer], ((heads_where, whole), (heads_where, whole)),
+        np.ones((rows, 1), dtype=bool), (side, side), (0.0, 0.0), (1, release, False),  # type: ignore[arg-type]
+        by_head=by_head,
+    )  # fmt: skip
+    np.testing.assert_array_equal(got, np.zeros((rows, 1) if by_head else 1))
+
+
+@pytest.mark.skipif(
+    not os.access("/proc/self/clear_refs", os.W_OK), reason="no peak RSS reset (clear_refs)"
+)
+def test_heads_of_several_requests_are_released_head_by_head(tmp_path: Path) -> None:
+    """32 heads of one token, each row in a 2 MiB region of its own (as 32 requests'
+    rows lie): with token rows per head the budget is checked after each head, so the
+    call holds about one row at a time; with one token row, after the whole chunk."""
+    mapped, bits, where = spread_rows(tmp_path, 32, 256 << 10, 2 << 20)
+    compare_heads(mapped, bits, where, 1, True)  # the rows in the page cache, the code warm
+    by_head = min(
+        peak_growth_kib(lambda: compare_heads(mapped, bits, where, 2 << 20, True)) for _ in range(3)
+    )
+    by_chunk = peak_growth_kib(lambda: compare_heads(mapped, bits, where, 2 << 20, False))
+    assert by_chunk >= 28 * 256
+    assert by_head <= 4 * 256, (by_head, by_chunk)
+
+
+def test_token_rows_per_head(tmp_path: Path) -> None:
+    """With ``by_head`` each head's token row is the one a call holding only that head
+    gives (NaN where it holds no row), and their largest is the one token row."""
+    rng = np.random.default_rng(8)
+    p = rng.normal(0, 1, (HEADS, TOKENS, ELEMENTS))
+    c = p + rng.normal(0, 0.1, p.shape)
+    bits = (to_bits(p, "bfloat16"), to_bits(c, "bfloat16"))
+    maps_p, where_p = scattered(bits[0], WHOLE, 1, rng)
+    maps_c, where_c = scattered(bits[1], WHOLE, 1, rng)
+    where_c[..., 0] += 1
+    held = rng.random((HEADS, TOKENS)) > 0.3
+    side = (parse_dtype("bfloat16"), HEAD_SIZE, (None, None))
+
+    def call(mask: np.ndarray, by_head: bool) -> np.ndarray:
+        return add_mapped_batch(
+            NATIVE, LayerErrors(HEADS), 0, [*maps_p, *maps_c], ((where_p, WHOLE), (where_c, WHOLE)),
+            mask, (side, side), (0.0, 0.05), (4, 0, False), by_head=by_head,  # type: ignore[arg-type]
+        )  # fmt: skip
+
+    rows = call(held, True)
+    assert rows.shape == (HEADS, TOKENS)
+    for head in range(HEADS):
+        alone = held & (np.arange(HEADS) == head)[:, None]
+        np.testing.assert_array_equal(rows[head], call(alone, False))
+    np.testing.assert_array_equal(np.fmax.reduce(rows, axis=0), call(held, False))

@@ -64,14 +64,15 @@ def compare(left: Path, right: Path, rtol: float) -> NumericReport:
 def three_ways(
     left: Path, right: Path, monkeypatch: pytest.MonkeyPatch, rtol: float
 ) -> tuple[NumericReport, NumericReport, NumericReport]:
-    """The report with rows read in place (checked to be the only path taken), read with
-    pread and staged, and by the numpy path."""
+    """The report with rows read in place (checked to be the only path taken, the short
+    requests compared together: a call per layer), read with pread and staged, and by
+    the numpy path."""
     calls = []
     in_place = kvaudit.mapped_rows.add_mapped_batch
 
-    def counted(*args: object) -> np.ndarray:
-        calls.append(args)
-        return in_place(*args)  # type: ignore[arg-type]
+    def counted(*args: object, **kwargs: object) -> np.ndarray:
+        calls.append(kwargs.get("by_head", False))
+        return in_place(*args, **kwargs)  # type: ignore[arg-type]
 
     def staged_read(*_: object) -> int:
         raise AssertionError("a row was staged")
@@ -81,6 +82,7 @@ def three_ways(
         patch.setattr(kvaudit.numeric, "decode_layer", staged_read)
         mapped = compare(left, right, rtol)
     assert calls, "the rows were not read in place"
+    assert calls == [True] * len(calls), "the requests were compared one by one"
     with monkeypatch.context() as patch:
         patch.setattr(kvaudit.mapped_rows.MappedRows, "add", lambda *_: None)
         staged = compare(left, right, rtol)
@@ -188,3 +190,26 @@ def test_pieces_and_chunks_of_any_size_agree(
             assert item.rms_error == pytest.approx(that.rms_error, rel=1e-12)
             that.sum_squares = item.sum_squares
             assert item == that
+
+
+def test_requests_compared_together_or_one_by_one_agree(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Short requests compared together (a call per layer) give the very report that
+    comparing them one by one gives: every figure, token bin and note in order."""
+    the_model = model("bfloat16")
+    produced = draw(26, the_model)
+    rng = np.random.default_rng(27)
+    consumed = {
+        rid: {n: v + rng.normal(0, 0.05, v.shape) for n, v in layers.items()}
+        for rid, layers in produced.items()
+    }
+    producer, consumer = ENGINES["KNHTD, TP 2 / HNTD (K and V apart), TP 4"]
+    left = dump(tmp_path / "p", the_model, produced, producer, "producer")
+    right = dump(tmp_path / "c", the_model, consumed, consumer, "consumer")
+    together = compare(left, right, 0.05)
+    monkeypatch.setattr(kvaudit.numeric._GroupPlan, "stackable", lambda *_: False)
+    alone = compare(left, right, 0.05)
+    assert together.not_compared == alone.not_compared
+    assert list(together.requests) == list(alone.requests) == sorted(TOKENS)
+    assert_same(together, alone, exact=True)
