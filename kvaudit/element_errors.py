@@ -191,16 +191,6 @@ class LayerErrors:
         self.worst_error = np.zeros((heads, WORST_TOKENS))
         self.worst_position = np.full((heads, WORST_TOKENS), -1, dtype=np.int64)
 
-    def part(self, start: int, stop: int) -> LayerErrors:
-        """A copy of heads ``start .. stop - 1`` (one request's, where several requests'
-        heads were compared together)."""
-        part = LayerErrors(stop - start)
-        part.figures[...] = self.figures[:, start:stop]
-        part.counts[...] = self.counts[:, start:stop]
-        part.worst_error[...] = self.worst_error[start:stop]
-        part.worst_position[...] = self.worst_position[start:stop]
-        return part
-
     def merge_worst(self, lo: int, errors: np.ndarray) -> None:
         """Keep each head's ``WORST_TOKENS`` positions of largest error (earliest on ties);
         ``errors[h, t]`` is the largest error of head ``h`` at request position ``lo + t``."""
@@ -217,31 +207,42 @@ class LayerErrors:
 
     def slices(self, layer: str, number: int, elements: int) -> list[SliceErrors]:
         """The layer's heads as ``SliceErrors``."""
+        return self.runs_of_slices(layer, number, elements, 1)[0]
+
+    def runs_of_slices(
+        self, layer: str, number: int, elements: int, runs: int
+    ) -> list[list[SliceErrors]]:
+        """The layer's heads as ``SliceErrors`` in ``runs`` equal runs, each head numbered
+        within its run (several requests' heads compared together, one run each)."""
         # Python numbers taken out of the arrays at once (one head at a time through
         # numpy scalars cost more than the comparison with many short requests).
         tokens, over, nonfinite = self.counts.tolist()
         max_abs, max_rel, max_producer, sum_squares = self.figures.tolist()
         worst_positions, worst_errors = self.worst_position.tolist(), self.worst_error.tolist()
+        heads = len(tokens) // runs
         return [
-            SliceErrors(
-                layer,
-                number,
-                h,
-                tokens=tokens[h],
-                elements=tokens[h] * elements,
-                max_abs_error=max_abs[h],
-                max_rel_error=max_rel[h],
-                max_producer=max_producer[h],
-                sum_squares=sum_squares[h],
-                over_tolerance=over[h],
-                nonfinite_mismatches=nonfinite[h],
-                worst=[
-                    (position, error)
-                    for position, error in zip(worst_positions[h], worst_errors[h])
-                    if error > 0
-                ],
-            )
-            for h in range(len(tokens))
+            [
+                SliceErrors(
+                    layer,
+                    number,
+                    h - first,
+                    tokens=tokens[h],
+                    elements=tokens[h] * elements,
+                    max_abs_error=max_abs[h],
+                    max_rel_error=max_rel[h],
+                    max_producer=max_producer[h],
+                    sum_squares=sum_squares[h],
+                    over_tolerance=over[h],
+                    nonfinite_mismatches=nonfinite[h],
+                    worst=[
+                        (position, error)
+                        for position, error in zip(worst_positions[h], worst_errors[h])
+                        if error > 0
+                    ],
+                )
+                for h in range(first, first + heads)
+            ]
+            for first in range(0, heads * runs, heads)
         ]
 
 

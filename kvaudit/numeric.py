@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .compare.numeric import GroupNumeric, NumericReport, RequestNumeric
+from .compare.numeric import GroupNumeric, NumericReport, RequestNumeric, SliceErrors
 from .element_errors import LayerErrors, add_batch, scratch
 from .elements import work_dtype
 from .mapped_rows import MappedRows, Stack
@@ -44,7 +44,7 @@ from .value_reads import (
 )
 
 if TYPE_CHECKING:
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import Future, ThreadPoolExecutor
 
     from .views import LayerView
 
@@ -359,23 +359,23 @@ def _compare_group(
         read = sum(job.result() for job in jobs)
         if progress is not None:
             progress(read)
-    return _group_result(unit, plan, errors, (layer_tokens, width))
+    flat = [
+        item
+        for name in common
+        for item in errors[name].slices(name, info[name].number, info[name].elements)
+    ]
+    return _group_result(unit, plan, flat, (layer_tokens, width))
 
 
 def _group_result(
     unit: _Unit,
     plan: _GroupPlan,
-    errors: Mapping[str, LayerErrors],
+    flat: list[SliceErrors],
     layer_tokens: tuple[np.ndarray, int],
 ) -> tuple[GroupNumeric, list[str]]:
-    """A group's figures from its layers' errors, and why parts of it were not compared."""
+    """A group's figures from its layers' heads, and why parts of it were not compared."""
     info = plan.layers[0]
     heads = max((info[name].heads for name in plan.common), default=0)
-    flat = [
-        item
-        for name in plan.common
-        for item in errors[name].slices(name, info[name].number, info[name].elements)
-    ]
     reasons = plan.reasons + [
         f"layer {item.layer} head {item.head}: no token held on both sides"
         for item in flat
@@ -385,61 +385,89 @@ def _group_result(
     return GroupNumeric(unit.group_id, plan.common, heads, flat, width, values), reasons
 
 
-def _compare_stack(
-    units: Sequence[_Unit],
-    plan: _GroupPlan,
-    tolerance: tuple[float, float],
-    progress: Callable[[int], None] | None,
-    threads: Threads,
-) -> list[tuple[GroupNumeric, list[str]]] | None:
-    """Several short requests' groups (same workers, one piece each) compared at once:
-    each layer in one call of the C extension, the requests' heads one after another
-    (each head's figures the same bits as alone); None where their rows cannot be read
-    so (compare them one by one)."""
-    info, common = plan.layers[0], plan.common
-    tokens = max(unit.num_tokens for unit in units)
-    stack = tuple(
-        [
-            plan_rows(
-                unit.sides[s], plan.chosen[s], (unit.request_id, unit.group_id), 0, unit.num_tokens
-            )
-            for unit in units
-        ]
-        for s in (0, 1)
-    )
-    stacked = {name: LayerErrors(len(units) * info[name].heads) for name in common}
-    jobs = [
-        threads[0].submit(
-            _compare_stacked_layer,
-            stacked[name],
-            (0, tokens, stack),
-            name,
-            (plan.layers[0][name], plan.layers[1][name]),
-            tolerance,
-            threads[1],
-            min(plan.unit, CHUNK_TOKENS),
+@dataclass
+class _Stack:
+    """Several short requests' groups (same workers, one piece each) being compared at
+    once: each layer in one call of the C extension, the requests' heads one after another
+    (each head's figures the same bits as alone), on the pool's threads."""
+
+    units: list[_Unit]
+    plan: _GroupPlan
+    tokens: int
+    stacked: dict[str, LayerErrors]
+    jobs: list[Future[tuple[np.ndarray, int]]]
+
+    @classmethod
+    def start(
+        cls, units: list[_Unit], plan: _GroupPlan, tolerance: tuple[float, float], threads: Threads
+    ) -> _Stack:
+        """Submit the units' layers to the pool."""
+        info, common = plan.layers[0], plan.common
+        tokens = max(unit.num_tokens for unit in units)
+        stack = tuple(
+            [
+                plan_rows(
+                    unit.sides[s],
+                    plan.chosen[s],
+                    (unit.request_id, unit.group_id),
+                    0,
+                    unit.num_tokens,
+                )
+                for unit in units
+            ]
+            for s in (0, 1)
         )
-        for name in common
-    ]
-    try:
-        found = [job.result() for job in jobs]
-    except _NotStacked:
-        return None
-    if progress is not None:
-        progress(sum(read for _, read in found))
-    results = []
-    for r, unit in enumerate(units):
-        width = max(1, -(-unit.num_tokens // MAX_BINS))
-        layer_tokens = np.full((len(common), -(-unit.num_tokens // width)), np.nan)
-        errors = {}
-        for index, name in enumerate(common):
-            heads = info[name].heads
-            errors[name] = stacked[name].part(r * heads, (r + 1) * heads)
-            rows = found[index][0].reshape(-1, tokens)[r * heads : (r + 1) * heads]
-            token_row = np.fmax.reduce(rows[:, : unit.num_tokens], axis=0)
-            np.fmax.at(layer_tokens[index], np.arange(unit.num_tokens) // width, token_row)
-        results.append(_group_result(unit, plan, errors, (layer_tokens, width)))
-    return results
+        stacked = {name: LayerErrors(len(units) * info[name].heads) for name in common}
+        jobs = [
+            threads[0].submit(
+                _compare_stacked_layer,
+                stacked[name],
+                (0, tokens, stack),
+                name,
+                (plan.layers[0][name], plan.layers[1][name]),
+                tolerance,
+                threads[1],
+                min(plan.unit, CHUNK_TOKENS),
+            )
+            for name in common
+        ]
+        return cls(units, plan, tokens, stacked, jobs)
+
+    def finish(
+        self, progress: Callable[[int], None] | None
+    ) -> list[tuple[GroupNumeric, list[str]]] | None:
+        """Each unit's figures and notes, once every layer is done; None where their rows
+        cannot be read so (compare them one by one)."""
+        found, stacked = [], True
+        for job in self.jobs:  # every job waited for, even after one could not stack
+            try:
+                found.append(job.result())
+            except _NotStacked:
+                stacked = False
+        if not stacked:
+            return None
+        if progress is not None:
+            progress(sum(read for _, read in found))
+        info, common, count = self.plan.layers[0], self.plan.common, len(self.units)
+        # Split again per request: each layer's heads as runs of slices, its token rows'
+        # largest over each request's heads.
+        runs = [
+            self.stacked[name].runs_of_slices(name, info[name].number, info[name].elements, count)
+            for name in common
+        ]
+        token_rows = [
+            np.fmax.reduce(rows.reshape(count, -1, self.tokens), axis=1) for rows, _ in found
+        ]
+        results = []
+        for r, unit in enumerate(self.units):
+            width = max(1, -(-unit.num_tokens // MAX_BINS))
+            layer_tokens = np.full((len(common), -(-unit.num_tokens // width)), np.nan)
+            positions = np.arange(unit.num_tokens) // width
+            for index, rows in enumerate(token_rows):
+                np.fmax.at(layer_tokens[index], positions, rows[r, : unit.num_tokens])
+            flat = [item for layer in runs for item in layer[r]]
+            results.append(_group_result(unit, self.plan, flat, (layer_tokens, width)))
+        return results
 
 
 def numeric_diff(
@@ -496,27 +524,46 @@ def _compare_requests(
     held = [{rid for worker in side for rid in worker.requests} for side in (producer, consumer)]
     ids = sorted(held[0] | held[1]) if request_ids is None else list(request_ids)
     plans: dict[tuple[int, tuple[int, ...], tuple[int, ...]], _GroupPlan] = {}
-    stack: list[_Unit] = []
+    stack: list[_Unit] = []  # short requests' groups gathered
+    running: list[_Stack] = []  # the last stack started, at most one
 
     def done(unit: _Unit, group: GroupNumeric, reasons: list[str]) -> None:
         report.not_compared.extend((unit.request_id, unit.group_id, why) for why in reasons)
         unit.result.groups[unit.group_id] = group
 
-    def compare_stack() -> None:
-        if not stack:
-            return
-        plan = plans[stack[0].key()]
-        found = (
-            _compare_stack(stack, plan, tolerance, progress, threads) if len(stack) > 1 else None
-        )
-        if found is None:
-            found = [
-                _compare_group(unit, plan, tolerance, progress, batch_bytes, threads)
-                for unit in stack
-            ]
-        for unit, (group, reasons) in zip(stack, found):
-            done(unit, group, reasons)
+    def compare_alone(unit: _Unit) -> None:
+        plan = plans[unit.key()]
+        done(unit, *_compare_group(unit, plan, tolerance, progress, batch_bytes, threads))
+
+    def finish_running() -> None:
+        for started in running:
+            found = started.finish(progress)
+            if found is None:
+                for unit in started.units:
+                    compare_alone(unit)
+            else:
+                for unit, (group, reasons) in zip(started.units, found):
+                    done(unit, group, reasons)
+        running.clear()
+
+    def close_stack(keep_running: bool) -> None:
+        """Start comparing the gathered stack, and finish the one before meanwhile: the
+        report keeps the requests' order; ``keep_running``: leave this one running."""
+        units = stack[:]
         stack.clear()
+        started = (
+            _Stack.start(units, plans[units[0].key()], tolerance, threads)
+            if len(units) > 1
+            else None
+        )
+        finish_running()
+        if started is not None:
+            running.append(started)
+            if not keep_running:
+                finish_running()
+        if started is None:
+            for unit in units:  # one, or none
+                compare_alone(unit)
 
     for rid in ids:
         if rid not in held[1]:
@@ -540,7 +587,7 @@ def _compare_requests(
             )
             missing = [label for side, label in zip(unit.sides, SIDES) if not side]
             if missing:
-                compare_stack()  # the report keeps the requests' order
+                close_stack(keep_running=False)
                 why = f"no {missing[0]} worker holds this group and covers it"
                 report.not_compared.append((rid, gid, why))
                 continue
@@ -549,12 +596,12 @@ def _compare_requests(
             if plan.stackable(count):
                 tokens = max([count, *(other.num_tokens for other in stack)])
                 if stack and (stack[0].key() != key or (len(stack) + 1) * tokens > plan.piece):
-                    compare_stack()
+                    close_stack(keep_running=True)
                 stack.append(unit)
                 continue
-            compare_stack()
-            done(unit, *_compare_group(unit, plan, tolerance, progress, batch_bytes, threads))
-    compare_stack()
+            close_stack(keep_running=False)
+            compare_alone(unit)
+    close_stack(keep_running=False)
 
 
 SIDES = ("producer", "consumer")

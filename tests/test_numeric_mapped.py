@@ -192,13 +192,22 @@ def test_pieces_and_chunks_of_any_size_agree(
             assert item == that
 
 
+MANY = {f"req-{i:02}": n for i, n in enumerate([10, 12, 9, 20, 15, 8, 11, 70, 5, 6])}
+"""Requests that a piece of 72 tokens stacks as 3, 3, 1, 1 and 2: stacks left running while
+the next one is gathered, and requests alone between them."""
+
+
+@pytest.mark.parametrize("tokens", ["two", "many, small pieces"])
 def test_requests_compared_together_or_one_by_one_agree(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tokens: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Short requests compared together (a call per layer) give the very report that
     comparing them one by one gives: every figure, token bin and note in order."""
+    counts = TOKENS if tokens == "two" else MANY
+    if tokens != "two":
+        monkeypatch.setattr(kvaudit.numeric, "MAPPED_PIECE_ELEMENTS", 72 * HEADS * 16)
     the_model = model("bfloat16")
-    produced = draw(26, the_model)
+    produced = draw(26, the_model, counts)
     rng = np.random.default_rng(27)
     consumed = {
         rid: {n: v + rng.normal(0, 0.05, v.shape) for n, v in layers.items()}
@@ -207,9 +216,24 @@ def test_requests_compared_together_or_one_by_one_agree(
     producer, consumer = ENGINES["KNHTD, TP 2 / HNTD (K and V apart), TP 4"]
     left = dump(tmp_path / "p", the_model, produced, producer, "producer")
     right = dump(tmp_path / "c", the_model, consumed, consumer, "consumer")
-    together = compare(left, right, 0.05)
+    sources = [open_source([str(path)], None) for path in (left, right)]
+    calls: list[int] = []
+    in_place = kvaudit.mapped_rows.add_mapped_batch
+
+    def counted(*args: object, **kwargs: object) -> np.ndarray:
+        calls.append(args[5].shape[0])  # type: ignore[attr-defined]
+        return in_place(*args, **kwargs)  # type: ignore[arg-type]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(kvaudit.mapped_rows, "add_mapped_batch", counted)
+        together = numeric_diff(sources[0].raw_kv(), sources[1].raw_kv(), counts, rtol=0.05)
+    stacks = [3, 3, 1, 1, 2] if tokens != "two" else [2]
+    assert calls == [HEADS * size for size in stacks for _ in range(3)]  # 3 layers
     monkeypatch.setattr(kvaudit.numeric._GroupPlan, "stackable", lambda *_: False)
-    alone = compare(left, right, 0.05)
+    alone = numeric_diff(sources[0].raw_kv(), sources[1].raw_kv(), counts, rtol=0.05)
     assert together.not_compared == alone.not_compared
-    assert list(together.requests) == list(alone.requests) == sorted(TOKENS)
-    assert_same(together, alone, exact=True)
+    assert list(together.requests) == list(alone.requests) == sorted(counts)
+    for rid in counts:
+        mine, other = together.requests[rid].groups[0], alone.requests[rid].groups[0]
+        np.testing.assert_array_equal(mine.layer_tokens, other.layer_tokens)
+        assert mine.slices == other.slices
