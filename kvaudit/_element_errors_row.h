@@ -286,8 +286,6 @@ TARGET INLINE void NAME(batch_rows)(const Batch *b, NAME(Head) *heads_at, REAL *
          * after it, not the whole chunk's at once. */
         int mark_heads = b->release && b->by_head && !heads_inner;
         for (Py_ssize_t o = 0; o < outer; o++) {
-            if (mark_heads && o > 0)
-                mark_rows_read(b, o - 1, o, first, end);
             for (Py_ssize_t i = 0; i < inner; i++) {
                 Py_ssize_t h = heads_inner ? i : o, t = first + (heads_inner ? o : i);
                 if (!b->held[h * tokens + t])
@@ -307,10 +305,10 @@ TARGET INLINE void NAME(batch_rows)(const Batch *b, NAME(Head) *heads_at, REAL *
 #endif
                 NAME(add_held)(b, &heads_at[h], h, t, p_row, c_row, scratch, tol);
             }
+            if (mark_heads)
+                mark_rows_read(b, o, o + 1, first, end);
         }
-        if (mark_heads)
-            mark_rows_read(b, outer - 1, outer, first, end);
-        else if (b->release)
+        if (b->release && !mark_heads)
             mark_rows_read(b, 0, heads, first, end);
     }
 }

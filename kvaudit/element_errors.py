@@ -205,6 +205,11 @@ class LayerErrors:
         self.worst_error[...] = error[heads, order]
         self.worst_position[...] = position[heads, order]
 
+    def outputs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The arrays the C extension updates in place: figures, counts, worst errors and
+        their positions."""
+        return self.figures, self.counts, self.worst_error, self.worst_position
+
     def slices(self, layer: str, number: int, elements: int) -> list[SliceErrors]:
         """The layer's heads as ``SliceErrors``."""
         return self.runs_of_slices(layer, number, elements, 1)[0]

@@ -71,7 +71,7 @@ elements, the bytes of the block rows it reads from (as ``value_reads.decode_lay
 counts them), and whether a token's heads lie closer together than a head's tokens."""
 
 
-Stack = tuple[Sequence[Sequence[WorkerRows]], Sequence[Sequence[WorkerRows]]]
+StackedPlans = tuple[Sequence[Sequence[WorkerRows]], Sequence[Sequence[WorkerRows]]]
 """Both sides' rows of a piece: one plan (``value_reads.plan_rows``) per request compared
 at once, in the same order on both sides."""
 
@@ -81,7 +81,7 @@ class MappedRows:
     the pieces array, which is held so that its id stays its own), and how many bytes of
     mapped pages a comparison call may hold: ``release`` (a thread's share)."""
 
-    def __init__(self, release: int = 64 << 20) -> None:
+    def __init__(self, release: int) -> None:
         self._places: dict[int, tuple[object, list[PartPlace] | None]] = {}
         self.release = release
 
@@ -98,7 +98,7 @@ class MappedRows:
         self,
         native: ModuleType,
         errors: LayerErrors,
-        piece: tuple[int, int, Stack],
+        piece: tuple[int, int, StackedPlans],
         name: str,
         layers: tuple[LayerValues, LayerValues],
         tolerance_chunk: tuple[tuple[float, float], int],

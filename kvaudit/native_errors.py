@@ -60,10 +60,7 @@ def add_raw_batch(
         *(_side(*side) for side in sides),
         tolerance,
         lo,
-        errors.figures,
-        errors.counts,
-        errors.worst_error,
-        errors.worst_position,
+        *errors.outputs(),
         token_row,
     )
     return token_row
@@ -115,10 +112,7 @@ def add_mapped_batch(
         tolerance,
         lo,
         order,
-        errors.figures,
-        errors.counts,
-        errors.worst_error,
-        errors.worst_position,
+        *errors.outputs(),
         token_row,
     )
     return token_row

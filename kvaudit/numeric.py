@@ -26,7 +26,7 @@ import numpy as np
 from .compare.numeric import GroupNumeric, NumericReport, RequestNumeric, SliceErrors
 from .element_errors import LayerErrors, add_batch, scratch
 from .elements import work_dtype
-from .mapped_rows import MappedRows, Stack
+from .mapped_rows import MappedRows
 from .native_errors import add_raw_batch, native_module, raw_dtype, reads
 from .sources.raw import RawWorker
 from .value_reads import (
@@ -191,36 +191,6 @@ def _compare_layer(
     return read
 
 
-class _NotStacked(Exception):
-    """A stack of requests' rows could not be read in place: compared one by one."""
-
-
-def _compare_stacked_layer(
-    errors: LayerErrors,
-    piece: tuple[int, int, Stack],
-    name: str,
-    layers: tuple[LayerValues, LayerValues],
-    tolerance: tuple[float, float],
-    thread_files: ThreadFiles,
-    chunk: int,
-) -> tuple[np.ndarray, int]:
-    """One layer of several short requests at once (``piece = (0, tokens, stack)``, each
-    request's heads after the previous one's in ``errors``), read in place by the C
-    extension; returns the token rows per head and the bytes read.
-
-    Raises:
-        _NotStacked: The rows cannot be read in place (nothing was added).
-
-    """
-    native = native_module()
-    if native is None:
-        raise _NotStacked
-    found = thread_files.places.add(native, errors, piece, name, layers, (tolerance, chunk))
-    if found is None:
-        raise _NotStacked
-    return found
-
-
 def _add_piece(
     native: ModuleType | None,
     errors: LayerErrors,
@@ -259,15 +229,16 @@ def _piece_tokens(
 class _GroupPlan:
     """How a group is compared for one set of workers on each side: the layers both hold
     alike (``common``, their ``layers`` on each side), why the others are not compared,
-    the block unit and the tokens per piece, and whether both sides are dumps."""
+    the block unit and the tokens per piece, the views read, and whether requests can be
+    compared together (``stacks``: both sides dumps, read in place by the C extension)."""
 
     layers: tuple[dict[str, LayerValues], dict[str, LayerValues]]
     common: list[str]
     reasons: list[str]
     unit: int
     piece: int
-    mapped: bool
     chosen: tuple[list[dict[str, LayerView]], list[dict[str, LayerView]]]
+    stacks: bool
 
     @classmethod
     def of(cls, sides: tuple[list[SideWorker], list[SideWorker]]) -> _GroupPlan:
@@ -277,41 +248,36 @@ class _GroupPlan:
         mapped = all(getattr(worker, "maps", None) for side in sides for worker, _, _ in side)
         piece = _piece_tokens(unit, layers[0], common, mapped)
         chosen = (attention_views(sides[0]), attention_views(sides[1]))
-        return cls(layers, common, reasons, unit, piece, mapped, chosen)
+        native = native_module()
+        stacks = (
+            native is not None
+            and mapped
+            and bool(common)
+            and all(reads(native, side[name].dtype) for side in layers for name in common)
+        )
+        return cls(layers, common, reasons, unit, piece, chosen, stacks)
 
     def stackable(self, num_tokens: int) -> bool:
         """Whether a request of ``num_tokens`` can be compared together with others: one
-        piece, both sides dumps read in place by the C extension."""
-        native = native_module()
-        return (
-            native is not None
-            and self.mapped
-            and bool(self.common)
-            and 0 < num_tokens <= self.piece
-            and all(reads(native, side[name].dtype) for side in self.layers for name in self.common)
-        )
+        piece, where requests of this plan stack at all."""
+        return self.stacks and 0 < num_tokens <= self.piece
 
 
 @dataclass(frozen=True)
 class _Unit:
-    """One request's group to compare: its id, group, tokens, both sides' workers, and
-    the request's result it goes into."""
+    """One request's group to compare: its id, group, tokens, both sides' workers, the
+    request's result it goes into and the plan of its workers."""
 
     request_id: str
     group_id: int
     num_tokens: int
     sides: tuple[list[SideWorker], list[SideWorker]]
     result: RequestNumeric
-
-    def key(self) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
-        """Units of equal keys have the same workers, so the same ``_GroupPlan``."""
-        producer, consumer = (tuple(id(worker) for worker, _, _ in side) for side in self.sides)
-        return (self.group_id, producer, consumer)
+    plan: _GroupPlan
 
 
 def _compare_group(
     unit: _Unit,
-    plan: _GroupPlan,
     tolerance: tuple[float, float],
     progress: Callable[[int], None] | None,
     batch_bytes: int,
@@ -321,7 +287,7 @@ def _compare_group(
     layers of each batch read and compared on the pool's threads (numpy releases the GIL),
     the sides' mapped pages dropped after each."""
     producer, consumer = unit.sides
-    num_tokens = unit.num_tokens
+    num_tokens, plan = unit.num_tokens, unit.plan
     info, common = plan.layers[0], plan.common
     width = max(1, -(-num_tokens // MAX_BINS))
     layer_tokens = np.full((len(common), -(-num_tokens // width)), np.nan)
@@ -364,16 +330,14 @@ def _compare_group(
         for name in common
         for item in errors[name].slices(name, info[name].number, info[name].elements)
     ]
-    return _group_result(unit, plan, flat, (layer_tokens, width))
+    return _group_result(unit, flat, (layer_tokens, width))
 
 
 def _group_result(
-    unit: _Unit,
-    plan: _GroupPlan,
-    flat: list[SliceErrors],
-    layer_tokens: tuple[np.ndarray, int],
+    unit: _Unit, flat: list[SliceErrors], layer_tokens: tuple[np.ndarray, int]
 ) -> tuple[GroupNumeric, list[str]]:
     """A group's figures from its layers' heads, and why parts of it were not compared."""
+    plan = unit.plan
     info = plan.layers[0]
     heads = max((info[name].heads for name in plan.common), default=0)
     reasons = plan.reasons + [
@@ -392,16 +356,16 @@ class _Stack:
     (each head's figures the same bits as alone), on the pool's threads."""
 
     units: list[_Unit]
-    plan: _GroupPlan
     tokens: int
     stacked: dict[str, LayerErrors]
-    jobs: list[Future[tuple[np.ndarray, int]]]
+    jobs: list[Future[tuple[np.ndarray, int] | None]]
 
     @classmethod
-    def start(
-        cls, units: list[_Unit], plan: _GroupPlan, tolerance: tuple[float, float], threads: Threads
-    ) -> _Stack:
-        """Submit the units' layers to the pool."""
+    def start(cls, units: list[_Unit], tolerance: tuple[float, float], threads: Threads) -> _Stack:
+        """Submit the units' layers to the pool (their plan ``stacks``)."""
+        plan = units[0].plan
+        native = native_module()
+        assert native is not None  # the plan stacks: the C extension is there
         info, common = plan.layers[0], plan.common
         tokens = max(unit.num_tokens for unit in units)
         stack = tuple(
@@ -418,37 +382,34 @@ class _Stack:
             for s in (0, 1)
         )
         stacked = {name: LayerErrors(len(units) * info[name].heads) for name in common}
+        chunk = min(plan.unit, CHUNK_TOKENS)
         jobs = [
             threads[0].submit(
-                _compare_stacked_layer,
+                threads[1].places.add,
+                native,
                 stacked[name],
                 (0, tokens, stack),
                 name,
                 (plan.layers[0][name], plan.layers[1][name]),
-                tolerance,
-                threads[1],
-                min(plan.unit, CHUNK_TOKENS),
+                (tolerance, chunk),
             )
             for name in common
         ]
-        return cls(units, plan, tokens, stacked, jobs)
+        return cls(units, tokens, stacked, jobs)
 
     def finish(
         self, progress: Callable[[int], None] | None
     ) -> list[tuple[GroupNumeric, list[str]]] | None:
         """Each unit's figures and notes, once every layer is done; None where their rows
         cannot be read so (compare them one by one)."""
-        found, stacked = [], True
-        for job in self.jobs:  # every job waited for, even after one could not stack
-            try:
-                found.append(job.result())
-            except _NotStacked:
-                stacked = False
-        if not stacked:
+        results = [job.result() for job in self.jobs]
+        found = [item for item in results if item is not None]
+        if len(found) < len(results):
             return None
         if progress is not None:
             progress(sum(read for _, read in found))
-        info, common, count = self.plan.layers[0], self.plan.common, len(self.units)
+        plan, count = self.units[0].plan, len(self.units)
+        info, common = plan.layers[0], plan.common
         # Split again per request: each layer's heads as runs of slices, its token rows'
         # largest over each request's heads.
         runs = [
@@ -458,7 +419,7 @@ class _Stack:
         token_rows = [
             np.fmax.reduce(rows.reshape(count, -1, self.tokens), axis=1) for rows, _ in found
         ]
-        results = []
+        groups = []
         for r, unit in enumerate(self.units):
             width = max(1, -(-unit.num_tokens // MAX_BINS))
             layer_tokens = np.full((len(common), -(-unit.num_tokens // width)), np.nan)
@@ -466,8 +427,8 @@ class _Stack:
             for index, rows in enumerate(token_rows):
                 np.fmax.at(layer_tokens[index], positions, rows[r, : unit.num_tokens])
             flat = [item for layer in runs for item in layer[r]]
-            results.append(_group_result(unit, self.plan, flat, (layer_tokens, width)))
-        return results
+            groups.append(_group_result(unit, flat, (layer_tokens, width)))
+        return groups
 
 
 def numeric_diff(
@@ -525,45 +486,42 @@ def _compare_requests(
     ids = sorted(held[0] | held[1]) if request_ids is None else list(request_ids)
     plans: dict[tuple[int, tuple[int, ...], tuple[int, ...]], _GroupPlan] = {}
     stack: list[_Unit] = []  # short requests' groups gathered
-    running: list[_Stack] = []  # the last stack started, at most one
+    running: _Stack | None = None  # the last stack started
 
     def done(unit: _Unit, group: GroupNumeric, reasons: list[str]) -> None:
         report.not_compared.extend((unit.request_id, unit.group_id, why) for why in reasons)
         unit.result.groups[unit.group_id] = group
 
     def compare_alone(unit: _Unit) -> None:
-        plan = plans[unit.key()]
-        done(unit, *_compare_group(unit, plan, tolerance, progress, batch_bytes, threads))
+        done(unit, *_compare_group(unit, tolerance, progress, batch_bytes, threads))
 
     def finish_running() -> None:
-        for started in running:
-            found = started.finish(progress)
+        nonlocal running
+        if running is not None:
+            found = running.finish(progress)
             if found is None:
-                for unit in started.units:
+                for unit in running.units:
                     compare_alone(unit)
             else:
-                for unit, (group, reasons) in zip(started.units, found):
+                for unit, (group, reasons) in zip(running.units, found):
                     done(unit, group, reasons)
-        running.clear()
+        running = None
 
     def close_stack(keep_running: bool) -> None:
         """Start comparing the gathered stack, and finish the one before meanwhile: the
         report keeps the requests' order; ``keep_running``: leave this one running."""
+        nonlocal running
         units = stack[:]
         stack.clear()
-        started = (
-            _Stack.start(units, plans[units[0].key()], tolerance, threads)
-            if len(units) > 1
-            else None
-        )
+        started = _Stack.start(units, tolerance, threads) if len(units) > 1 else None
         finish_running()
-        if started is not None:
-            running.append(started)
-            if not keep_running:
-                finish_running()
         if started is None:
             for unit in units:  # one, or none
                 compare_alone(unit)
+            return
+        running = started
+        if not keep_running:
+            finish_running()
 
     for rid in ids:
         if rid not in held[1]:
@@ -578,24 +536,22 @@ def _compare_requests(
             {gid for side in (producer, consumer) for w in side for gid in _groups(w, rid)}
         )
         for gid in group_ids:
-            unit = _Unit(
-                rid,
-                gid,
-                count,
-                (side_workers(producer, rid, gid), side_workers(consumer, rid, gid)),
-                result,
-            )
-            missing = [label for side, label in zip(unit.sides, SIDES) if not side]
+            sides = (side_workers(producer, rid, gid), side_workers(consumer, rid, gid))
+            missing = [label for side, label in zip(sides, SIDES) if not side]
             if missing:
                 close_stack(keep_running=False)
                 why = f"no {missing[0]} worker holds this group and covers it"
                 report.not_compared.append((rid, gid, why))
                 continue
-            key = unit.key()
-            plan = plans.get(key) or plans.setdefault(key, _GroupPlan.of(unit.sides))
+            # Groups of the same workers share a plan.
+            ids_p, ids_c = (tuple(id(worker) for worker, _, _ in side) for side in sides)
+            plan = plans.get((gid, ids_p, ids_c))
+            if plan is None:
+                plan = plans[gid, ids_p, ids_c] = _GroupPlan.of(sides)
+            unit = _Unit(rid, gid, count, sides, result, plan)
             if plan.stackable(count):
                 tokens = max([count, *(other.num_tokens for other in stack)])
-                if stack and (stack[0].key() != key or (len(stack) + 1) * tokens > plan.piece):
+                if stack and (stack[0].plan is not plan or (len(stack) + 1) * tokens > plan.piece):
                     close_stack(keep_running=True)
                 stack.append(unit)
                 continue

@@ -648,9 +648,10 @@ def replace_layers(model: Model, group_id: int, layers: tuple[LayerModel, ...]) 
     return dataclasses.replace(model, groups=groups)
 
 
-def write_workers(workers: list[Worker], folder: Path, role: str) -> Path:
+def write_workers(workers: list[Worker], folder: Path, role: str, source: str = "test") -> Path:
     """Each worker's dump in ``folder`` (``pp{P}-tp{T}.safetensors``) with its own
-    description and every request's blocks; the folder."""
+    description and every request's blocks, ``role`` and ``source`` in its worker info;
+    the folder."""
     from kvaudit.checksummer import RequestBlocks
     from kvaudit.description import parse_description
     from kvaudit.dumps import write_dump
@@ -660,7 +661,7 @@ def write_workers(workers: list[Worker], folder: Path, role: str) -> Path:
     for w in workers:
         path = folder / f"pp{w.pp_rank}-tp{w.tp_rank}.safetensors"
         blocks = {rid: RequestBlocks(n, dict(groups)) for rid, (n, groups) in w.requests.items()}
-        info = WorkerInfo(w.tp_rank, w.tp_size, w.pp_rank, w.pp_size, role, "test")
+        info = WorkerInfo(w.tp_rank, w.tp_size, w.pp_rank, w.pp_size, role, source)
         write_dump(
             path, parse_description(w.description, str(path)), w.tensors, blocks, worker=info
         )

@@ -37,9 +37,7 @@ from safetensors import safe_open
 from kvaudit.checksummer import Checksummer, RequestBlocks
 from kvaudit.cli import main
 from kvaudit.description import parse_description
-from kvaudit.dumps import write_dump
 from kvaudit.formats import diff_to_json
-from kvaudit.records import WorkerInfo
 from kvaudit.testing import LiveSide, diff_kv
 
 ATTN = "model.layers.{}.self_attn.attn"
@@ -476,18 +474,6 @@ def live_side(workers: list[kb.Worker], role: str) -> LiveSide:
     return LiveSide(summers, requests, [w.tensors for w in workers], name=role)
 
 
-def dump_side(workers: list[kb.Worker], role: str, folder: Path) -> Path:
-    folder.mkdir(parents=True)
-    for w in workers:
-        path = folder / f"pp{w.pp_rank}-tp{w.tp_rank}.safetensors"
-        blocks = {rid: RequestBlocks(n, dict(tables)) for rid, (n, tables) in w.requests.items()}
-        info = WorkerInfo(w.tp_rank, w.tp_size, w.pp_rank, w.pp_size, role, "corpus")
-        write_dump(
-            path, parse_description(w.description, str(path)), w.tensors, blocks, worker=info
-        )
-    return folder
-
-
 @dataclass
 class Outcome:
     """A case's report (JSON form, errors as given) and, for dumps, the exit status."""
@@ -505,8 +491,8 @@ def run_case(case: Case, folder: Path) -> Outcome:
             live_side(built.consumer_workers, "consumer"),
         )
         return Outcome(built, diff_to_json(report))
-    producer = dump_side(built.producer_workers, "producer", folder / "producer")
-    consumer = dump_side(built.consumer_workers, "consumer", folder / "consumer")
+    producer = kb.write_workers(built.producer_workers, folder / "producer", "producer", "corpus")
+    consumer = kb.write_workers(built.consumer_workers, folder / "consumer", "consumer", "corpus")
     result = CliRunner().invoke(
         main, ["diff", str(producer), str(consumer), "--format", "json", "--device", "cpu"]
     )
