@@ -14,20 +14,22 @@ On one CUDA GPU, in one run of a few minutes (docs/gpu.md):
    (d) a torch gather-multiply-sum of the same blocks (index_select, int64 mul, sum);
    (e) the library end to end (``Checksummer.checksum``, host time included);
    (f) the compiled variants' registers, spills and programs per SM for this GPU
-       (kvaudit/kernels/triton_compile.py, as bench/kernel_resources.py prints them);
-   (g) the vLLM connector's per-step overhead for one ``--request-tokens`` producer
-       request (bench/vllm_overhead.py: side stream and asynchronous host copy, steps
-       with and without the audit back to back).
+       (kvaudit/kernels/triton_compile.py, as bench/kernel_resources.py prints them).
    It checks that (b), (c), (d) and (e) agree and prints GB/s and the ratios.
 3. (g) A ``--dump-gib`` dump (bench/dump_memory.py's Llama-shaped layers) checksummed with
    ``--device cuda`` (rows staged through two pinned buffers, host-to-device copies on
    their own stream overlapping the checksums), the median of 3 runs against a pinned
    host-to-device copy of the same bytes and the CPU path; the GPU's record must equal the
    CPU's (``--skip-dump`` leaves it out).
-4. Live caches (bench/live_gpu.py): toy engines with CUDA tensors behind live agents,
+4. (h) The vLLM connector's per-step overhead for one ``--request-tokens`` producer
+   request (bench/vllm_overhead.py: side stream and asynchronous host copy, steps with
+   and without the audit back to back).
+5. Live caches (bench/live_gpu.py): toy engines with CUDA tensors behind live agents,
    read, dumped and compared through the command line (``--skip-live`` leaves it out).
 
-It stays under 10 minutes on an H200 (the tests are stopped after 300 s).
+It stays under 10 minutes on an H200 (the tests are stopped after 300 s). A part that
+raises is printed with its traceback and counts as a failed check; the parts after it
+still run.
 
 Exits 2 without CUDA, 1 if a test fails or results disagree, else 0.
 """
@@ -42,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -394,6 +397,27 @@ def bench_dump(size_gib: float) -> bool:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def vllm_overhead(request_tokens: int) -> bool:
+    """(h) The vLLM connector's per-step overhead, printed; True (it checks nothing)."""
+    from vllm_overhead import measure_overhead, report
+
+    overhead = measure_overhead(DEVICE, request_tokens)
+    print("\n" + report(overhead, DEVICE, request_tokens), flush=True)
+    return True
+
+
+def stage(name: str, run: Callable[[], bool]) -> bool:
+    """Runs one part of the script; an exception there is printed and counts as a failed
+    check, and the parts after it still run (the script is often run once, on a lent GPU)."""
+    try:
+        return run()
+    except Exception:
+        print(f"\n{name}: FAILED with an exception", flush=True)
+        traceback.print_exc(file=sys.stdout)
+        sys.stdout.flush()
+        return False
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=65536, help="large batch, in tokens")
@@ -419,29 +443,30 @@ def main() -> int:
     started = time.perf_counter()
     ok = True
     if not args.skip_tests:
-        ok = run_tests() and ok
+        ok = stage("tests", run_tests) and ok
 
     generator = torch.Generator().manual_seed(0)
     blocks = args.tokens // BLOCK
     order = torch.randperm(blocks, generator=generator).to(DEVICE)
     flush = torch.empty(1 << 29, dtype=torch.uint8, device=DEVICE)
     for layout in args.layouts.split(","):
-        cache = make_cache(layout, blocks, generator)
-        ok = bench_layout(cache, order, args, flush) and ok
-        del cache
-        torch.cuda.empty_cache()
+
+        def measure_layout(layout: str = layout) -> bool:
+            cache = make_cache(layout, blocks, generator)
+            try:
+                return bench_layout(cache, order, args, flush)
+            finally:
+                del cache
+                torch.cuda.empty_cache()
+
+        ok = stage(layout, measure_layout) and ok
     if not args.skip_dump:
-        ok = bench_dump(args.dump_gib) and ok
-
-    from vllm_overhead import measure_overhead, report
-
-    overhead = measure_overhead(DEVICE, args.request_tokens)
-    print("\n" + report(overhead, DEVICE, args.request_tokens), flush=True)
-
+        ok = stage("dump", lambda: bench_dump(args.dump_gib)) and ok
+    ok = stage("vLLM overhead", lambda: vllm_overhead(args.request_tokens)) and ok
     if not args.skip_live:
         from live_gpu import check_live
 
-        ok = check_live(DEVICE) and ok
+        ok = stage("live", lambda: check_live(DEVICE)) and ok
 
     print(f"\n{time.perf_counter() - started:.0f} s in all")
     print("all checks passed" if ok else "SOME CHECKS FAILED")
