@@ -75,13 +75,15 @@ def measure_overhead(device: str, tokens: int, layers: int = 32, steps: int = 10
     def forward_once() -> None:
         torch.matmul(activations, weights)
 
-    # Size the stand-in forward to about forward_ms.
+    # Size the stand-in forward to about forward_ms, timed after a warm-up: the first
+    # product on a GPU also starts its BLAS library.
+    forward_once()
     sync()
     start = time.perf_counter()
-    for _ in range(5):
+    for _ in range(20):
         forward_once()
     sync()
-    per_matmul = (time.perf_counter() - start) / 5 * 1000
+    per_matmul = (time.perf_counter() - start) / 20 * 1000
     repeats = max(1, round(forward_ms / max(per_matmul, 1e-3)))
 
     host_ms: list[float] = []
