@@ -20,7 +20,8 @@ On one CUDA GPU, in one run of a few minutes (docs/gpu.md):
    ``--device cuda`` (rows staged through two pinned buffers, host-to-device copies on
    their own stream overlapping the checksums), the median of 3 runs against a pinned
    host-to-device copy of the same bytes and the CPU path; the GPU's record must equal the
-   CPU's (``--skip-dump`` leaves it out).
+   CPU's. Then whole ``kvaudit checksum`` processes on that dump, ``--device cuda`` and
+   ``--device cpu`` (``--skip-dump`` leaves all of (g) out).
 4. (h) The vLLM connector's per-step overhead for one ``--request-tokens`` producer
    request (bench/vllm_overhead.py: side stream and asynchronous host copy, steps with
    and without the audit back to back).
@@ -392,9 +393,25 @@ def bench_dump(size_gib: float) -> bool:
             f"records {'agree' if agree else 'DISAGREE'}",
             flush=True,
         )
+        for device in ("cuda", "cpu"):
+            seconds = process_seconds(folder, device)
+            print(f"    one whole process, kvaudit checksum --device {device}: {seconds:.2f} s")
         return agree
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def process_seconds(folder: str, device: str) -> float:
+    """The best of 2 whole ``kvaudit checksum --device DEVICE`` processes on a dump set
+    (after one that fills Triton's cache): what a CI job that calls kvaudit pays."""
+    command = [sys.executable, "-m", "kvaudit", "checksum", folder, "--device", device]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    runs = []
+    for _ in range(3):
+        started = time.perf_counter()
+        subprocess.run([*command, "--format", "json"], capture_output=True, env=env, check=True)
+        runs.append(time.perf_counter() - started)
+    return min(runs[1:])
 
 
 def vllm_overhead(request_tokens: int) -> bool:

@@ -4,6 +4,7 @@ that filling one overlaps the copy to the device and the checksums of the other.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import TYPE_CHECKING
 
@@ -21,12 +22,17 @@ if TYPE_CHECKING:
     from ..views import LayerTensor
 
 
+_ALIGN = 256
+"""Bytes each layer's buffers are aligned to within a slot's one allocation (the kernel's
+aligned variant wants 16)."""
+
+
 class StagedBatches(DumpBatches):
     """The torch path (a GPU, or ``--backend torch``): each batch copied into fixed
     buffers on the device, one checksummer per buffer set. With two sets (on CUDA) they
     take turns: rows are copied into one set's pinned host buffers while a worker thread
-    checksums the other set, and sent to the device on a copy stream that the checksums
-    wait for."""
+    checksums the other set, and sent to the device in one copy, on a copy stream that
+    the checksums wait for."""
 
     def __init__(
         self, dump: Dump, device: str, backend: str, batch_bytes: int, slots: int | None = None
@@ -60,28 +66,32 @@ class StagedBatches(DumpBatches):
             self.executor = ThreadPoolExecutor(1, thread_name_prefix="kvaudit-dump")
 
     def _slot(self, backend: str) -> _Slot:
-        """A set of device buffers of ``rows`` rows, their host buffers (pinned on CUDA;
-        elsewhere the device buffers themselves) and a checksummer over them."""
+        """A set of device buffers of ``rows`` rows, views of one allocation; their host
+        buffers, views of one pinned allocation laid out alike (on CUDA; elsewhere the
+        device buffers themselves); and a checksummer over them."""
         torch = self.torch
-        buffers: dict[str, LayerTensor] = {}
-        hosts: dict[str, tuple[torch.Tensor, ...]] = {}
+        placed: list[tuple[str, int, tuple[int, ...], torch.dtype]] = []
+        size = 0
         for name, tensor in self.dump.tensors.items():
             axis, per_row = self.axes[name]
-            parts = tuple(
-                torch.empty(
-                    (*part.shape[:axis], self.rows * per_row, *part.shape[axis + 1 :]),
-                    dtype=part.dtype,
-                    device=self.device,
-                )
-                for part in layer_parts(tensor)
-            )
-            buffers[name] = parts if isinstance(tensor, tuple) else parts[0]
-            hosts[name] = tuple(
-                torch.empty_like(as_integers(part), device="cpu", pin_memory=True)
-                if self.cuda
-                else as_integers(part)
-                for part in parts
-            )
+            for part in layer_parts(tensor):
+                shape = (*part.shape[:axis], self.rows * per_row, *part.shape[axis + 1 :])
+                placed.append((name, size, shape, part.dtype))
+                size += -(-math.prod(shape) * part.dtype.itemsize // _ALIGN) * _ALIGN
+        device_bytes = torch.empty(size, dtype=torch.uint8, device=self.device)
+        host_bytes = (
+            torch.empty(size, dtype=torch.uint8, pin_memory=True) if self.cuda else device_bytes
+        )
+        device_parts: dict[str, list[torch.Tensor]] = {name: [] for name in self.dump.tensors}
+        hosts: dict[str, tuple[torch.Tensor, ...]] = {}
+        for name, offset, shape, dtype in placed:
+            device_parts[name].append(_part_view(device_bytes, offset, shape, dtype))
+            host = as_integers(_part_view(host_bytes, offset, shape, dtype))
+            hosts[name] = (*hosts.get(name, ()), host)
+        buffers: dict[str, LayerTensor] = {
+            name: tuple(parts) if isinstance(self.dump.tensors[name], tuple) else parts[0]
+            for name, parts in device_parts.items()
+        }
         checksummer = Checksummer.of_worker(
             self.dump.description,
             buffers,
@@ -90,7 +100,7 @@ class StagedBatches(DumpBatches):
             num_blocks=self.rows,
             source=self.dump.path,
         )
-        return _Slot(buffers, hosts, checksummer)
+        return _Slot(device_bytes, host_bytes, hosts, checksummer)
 
     @property
     def plans_of(self) -> Checksummer:
@@ -105,14 +115,15 @@ class StagedBatches(DumpBatches):
         for name, sources in self.sources.items():
             self.dump.check_unchanged()  # a shrunk file would end the read with SIGBUS
             axis, per_row = self.axes[name]
+            start, length = first * per_row, count * per_row
             for source, host in zip(sources, slot.hosts[name], strict=True):
-                host.narrow(axis, 0, count * per_row).copy_(
-                    source.narrow(axis, first * per_row, count * per_row)
-                )
+                if length != host.shape[axis]:
+                    host = host.narrow(axis, 0, length)
+                host.copy_(source.narrow(axis, start, length))
         # Once per batch, not per layer: each drop is a TLB flush on every core, which cost
         # as much as a third of the copies on a 16-core GPU machine (docs/gpu.md).
         self.dump.drop_pages()
-        copied = self._send(slot, count) if self.cuda else None
+        copied = self._send(slot) if self.cuda else None
         # The buffers hold the batch from their first row.
         relative = [(group_id, table - [[first], [0], [0]]) for group_id, table in tables]
 
@@ -134,17 +145,14 @@ class StagedBatches(DumpBatches):
         else:
             slot.pending = self.executor.submit(run)
 
-    def _send(self, slot: _Slot, count: int) -> torch.cuda.Event:
-        """Queue the copies of the slot's first ``count`` rows from its pinned buffers to
-        its device buffers on the copy stream; the event that marks them done."""
+    def _send(self, slot: _Slot) -> torch.cuda.Event:
+        """Queue the copy of the slot's pinned buffers to its device buffers on the copy
+        stream, all layers at once; the event that marks it done."""
         torch = self.torch
         with torch.cuda.stream(self.copy_stream):
-            for name, hosts in slot.hosts.items():
-                axis, per_row = self.axes[name]
-                for host, buffer in zip(hosts, layer_parts(slot.buffers[name]), strict=True):
-                    as_integers(buffer).narrow(axis, 0, count * per_row).copy_(
-                        host.narrow(axis, 0, count * per_row), non_blocking=True
-                    )
+            # Whole buffers, also for a last batch of fewer rows: one copy for all layers
+            # costs less than one per layer (a layer's unused rows are never read).
+            slot.device_bytes.copy_(slot.host_bytes, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(self.copy_stream)
         return copied
@@ -159,16 +167,27 @@ class StagedBatches(DumpBatches):
 
 
 class _Slot:
-    """One set of device buffers, their host staging buffers, the checksummer over them
-    and the batch it is busy with."""
+    """One set of device buffers (views of ``device_bytes``), their host staging buffers
+    (views of ``host_bytes``, at the same offsets), the checksummer over them and the
+    batch it is busy with."""
 
     def __init__(
         self,
-        buffers: dict[str, LayerTensor],
+        device_bytes: torch.Tensor,
+        host_bytes: torch.Tensor,
         hosts: dict[str, tuple[torch.Tensor, ...]],
         checksummer: Checksummer,
     ) -> None:
-        self.buffers = buffers
+        self.device_bytes = device_bytes
+        self.host_bytes = host_bytes
         self.hosts = hosts
         self.checksummer = checksummer
         self.pending: Future[None] | None = None
+
+
+def _part_view(
+    flat: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """The tensor of ``shape`` and ``dtype`` at byte ``offset`` of a flat byte buffer."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    return flat[offset : offset + nbytes].view(dtype).view(shape)
