@@ -121,7 +121,7 @@ class StagedBatches(DumpBatches):
                     host = host.narrow(axis, 0, length)
                 host.copy_(source.narrow(axis, start, length))
         # Once per batch, not per layer: each drop is a TLB flush on every core, which cost
-        # as much as a third of the copies on a 16-core GPU machine (docs/gpu.md).
+        # as much as a third of the copies on a 16-core GPU machine (docs/dump-format.md).
         self.dump.drop_pages()
         copied = self._send(slot) if self.cuda else None
         # The buffers hold the batch from their first row.
