@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..checksummer import Checksummer, launch_torch
@@ -15,10 +16,9 @@ from ..dumps.safetensors_io import as_integers
 from .dump_batches import DumpBatches, Finish, Table, batch_rows, row_axis
 
 if TYPE_CHECKING:
-    from concurrent.futures import Future
-
     import torch
 
+    from ..arrays import Array
     from ..views import LayerTensor
 
 
@@ -30,9 +30,10 @@ aligned variant wants 16)."""
 class StagedBatches(DumpBatches):
     """The torch path (a GPU, or ``--backend torch``): each batch copied into fixed
     buffers on the device, one checksummer per buffer set. With two sets (on CUDA) they
-    take turns: rows are copied into one set's pinned host buffers while a worker thread
-    checksums the other set, and sent to the device in one copy, on a copy stream that
-    the checksums wait for."""
+    take turns: rows are copied into one set's pinned host buffers while the GPU copies
+    and checksums the other set. A batch goes to the device in one copy, on a copy stream
+    that its checksums wait for; all of it is queued from the calling thread, which waits
+    only when a set comes round again."""
 
     def __init__(
         self, dump: Dump, device: str, backend: str, batch_bytes: int, slots: int | None = None
@@ -59,11 +60,6 @@ class StagedBatches(DumpBatches):
         self.slots = [self._slot(backend) for _ in range(count)]
         self.turn = 0
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.executor = None
-        if count > 1:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self.executor = ThreadPoolExecutor(1, thread_name_prefix="kvaudit-dump")
 
     def _slot(self, backend: str) -> _Slot:
         """A set of device buffers of ``rows`` rows, views of one allocation; their host
@@ -109,9 +105,8 @@ class StagedBatches(DumpBatches):
     def submit(self, first: int, count: int, tables: list[Table], done: Finish) -> None:
         slot = self.slots[self.turn % len(self.slots)]
         self.turn += 1
-        if slot.pending is not None:
-            # Its buffers are free once its last batch is checksummed.
-            slot.pending.result()
+        # Its buffers are free once its last batch's checksums are in.
+        self._finish(slot)
         for name, sources in self.sources.items():
             self.dump.check_unchanged()  # a shrunk file would end the read with SIGBUS
             axis, per_row = self.axes[name]
@@ -123,27 +118,33 @@ class StagedBatches(DumpBatches):
         # Once per batch, not per layer: each drop is a TLB flush on every core, which cost
         # as much as a third of the copies on a 16-core GPU machine (docs/dump-format.md).
         self.dump.drop_pages()
-        copied = self._send(slot) if self.cuda else None
         # The buffers hold the batch from their first row.
         relative = [(group_id, table - [[first], [0], [0]]) for group_id, table in tables]
+        plans = slot.checksummer.plans
+        if not self.cuda:
+            outs = [launch_torch(plans[group_id], table) for group_id, table in relative]
+            slot.pending = _Pending(outs, done, None)
+            return
+        torch = self.torch
+        # Everything is queued from this thread and nothing waited for: the checksums wait
+        # for the copy on the GPU, and the host waits only when the slot comes round again.
+        with torch.cuda.device(self.device):
+            copied = self._send(slot)
+            stream = torch.cuda.current_stream()
+            stream.wait_event(copied)
+            outs = [launch_torch(plans[group_id], table) for group_id, table in relative]
+            summed = torch.cuda.Event()
+            summed.record(stream)
+        slot.pending = _Pending(outs, done, summed)
 
-        def run() -> None:
-            plans = slot.checksummer.plans
-            if copied is None:
-                done([launch_torch(plans[group_id], table) for group_id, table in relative])
-                return
-            torch = self.torch
-            # A new thread starts on device 0: work on the buffers' device.
-            with torch.cuda.device(self.device):
-                torch.cuda.current_stream().wait_event(copied)
-                outs = [launch_torch(plans[group_id], table) for group_id, table in relative]
-                torch.cuda.current_stream().synchronize()
-            done(outs)
-
-        if self.executor is None:
-            run()
-        else:
-            slot.pending = self.executor.submit(run)
+    def _finish(self, slot: _Slot) -> None:
+        """Hand the slot's last batch's checksums on, once they are on the host."""
+        pending, slot.pending = slot.pending, None
+        if pending is None:
+            return
+        if pending.summed is not None:
+            pending.summed.synchronize()
+        pending.done(pending.outs)
 
     def _send(self, slot: _Slot) -> torch.cuda.Event:
         """Queue the copy of the slot's pinned buffers to its device buffers on the copy
@@ -158,12 +159,9 @@ class StagedBatches(DumpBatches):
         return copied
 
     def drain(self) -> None:
-        for slot in self.slots:
-            if slot.pending is not None:
-                slot.pending.result()
-                slot.pending = None
-        if self.executor is not None:
-            self.executor.shutdown()
+        # Oldest first: the next slot to take a turn holds the oldest batch.
+        for index in range(len(self.slots)):
+            self._finish(self.slots[(self.turn + index) % len(self.slots)])
 
 
 class _Slot:
@@ -182,7 +180,17 @@ class _Slot:
         self.host_bytes = host_bytes
         self.hosts = hosts
         self.checksummer = checksummer
-        self.pending: Future[None] | None = None
+        self.pending: _Pending | None = None
+
+
+@dataclass
+class _Pending:
+    """A slot's batch whose checksums are queued: their host tensors, what takes them on,
+    and (on CUDA) the event that marks them written."""
+
+    outs: list[Array]
+    done: Finish
+    summed: torch.cuda.Event | None
 
 
 def _part_view(
