@@ -20,8 +20,9 @@ On one CUDA GPU, in one run of a few minutes (docs/gpu.md):
    ``--device cuda`` (rows staged through two pinned buffers, host-to-device copies on
    their own stream overlapping the checksums), the median of 3 runs against a pinned
    host-to-device copy of the same bytes and the CPU path; the GPU's record must equal the
-   CPU's. Then whole ``kvaudit checksum`` processes on that dump, ``--device cuda`` and
-   ``--device cpu`` (``--skip-dump`` leaves all of (g) out).
+   CPU's. Then the rows' movement alone, as that path stages them with no checksums (to
+   the GPU; into host buffers), and whole ``kvaudit checksum`` processes on that dump,
+   ``--device cuda`` and ``--device cpu`` (``--skip-dump`` leaves all of (g) out).
 4. (h) The vLLM connector's per-step overhead for one ``--request-tokens`` producer
    request (bench/vllm_overhead.py: side stream and asynchronous host copy, steps with
    and without the audit back to back).
@@ -49,8 +50,12 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvaudit.dumps import Dump
 
 REPO = Path(__file__).resolve().parents[1]
 LAYERS, HEADS, HEAD_SIZE, BLOCK = 32, 8, 128, 16
@@ -393,12 +398,36 @@ def bench_dump(size_gib: float) -> bool:
             f"records {'agree' if agree else 'DISAGREE'}",
             flush=True,
         )
+        dump = dump_set.dumps[0]
+        moved_s = statistics.median(movement_seconds(dump, "cuda") for _ in range(3))
+        staged_s = statistics.median(movement_seconds(dump, "cpu") for _ in range(3))
+        print(
+            f"    its rows' movement alone (no checksums): to the GPU {moved_s:.3f} s, into "
+            f"host buffers {staged_s:.3f} s"
+        )
         for device in ("cuda", "cpu"):
             seconds = process_seconds(folder, device)
             print(f"    one whole process, kvaudit checksum --device {device}: {seconds:.2f} s")
         return agree
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def movement_seconds(dump: Dump, device: str) -> float:
+    """Seconds to move every row of a dump as ``--device DEVICE`` stages it, batch by
+    batch, with no checksums: on CUDA into pinned buffers and on to the GPU; on the CPU
+    into the staging buffers alone (what the path costs before any kernel runs)."""
+    from kvaudit.sources import BATCH_BYTES
+    from kvaudit.sources.dump_staging import StagedBatches
+
+    backend = "auto" if device == "cuda" else "torch"
+    batches = StagedBatches(dump, device, backend, BATCH_BYTES)
+    started = time.perf_counter()
+    for first in range(0, dump.num_rows, batches.rows):
+        count = min(batches.rows, dump.num_rows - first)
+        batches.submit(first, count, [], lambda _: None)
+    batches.drain()
+    return time.perf_counter() - started
 
 
 def process_seconds(folder: str, device: str) -> float:
