@@ -48,6 +48,7 @@ LAYERS: list[list[str]] = [
         "mapped_rows",
         "element_errors",
         "native_errors",
+        "numeric_layers",
         "numeric",
         "trace",
     ],

@@ -30,6 +30,7 @@ from valued_sets import (
 
 import kvaudit.mapped_rows
 import kvaudit.numeric
+import kvaudit.numeric_layers
 from kvaudit.compare.numeric import NumericReport
 from kvaudit.numeric import numeric_diff
 from kvaudit.sources import open_source
@@ -79,7 +80,7 @@ def three_ways(
 
     with monkeypatch.context() as patch:
         patch.setattr(kvaudit.mapped_rows, "add_mapped_batch", counted)
-        patch.setattr(kvaudit.numeric, "decode_layer", staged_read)
+        patch.setattr(kvaudit.numeric_layers, "decode_layer", staged_read)
         mapped = compare(left, right, rtol)
     assert calls, "the rows were not read in place"
     assert calls == [True] * len(calls), "the requests were compared one by one"
@@ -177,9 +178,9 @@ def test_pieces_and_chunks_of_any_size_agree(
     left = dump(tmp_path / "p", the_model, produced, producer, "producer")
     right = dump(tmp_path / "c", the_model, consumed, consumer, "consumer")
     whole = compare(left, right, 0.05)
-    monkeypatch.setattr(kvaudit.numeric, "MAPPED_PIECE_ELEMENTS", 1)
-    monkeypatch.setattr(kvaudit.numeric, "CHUNK_TOKENS", 1)
-    monkeypatch.setattr(kvaudit.numeric, "MAPPED_BYTES", 1)  # released after each chunk
+    monkeypatch.setattr(kvaudit.numeric_layers, "MAPPED_PIECE_ELEMENTS", 1)
+    monkeypatch.setattr(kvaudit.numeric_layers, "CHUNK_TOKENS", 1)
+    monkeypatch.setattr(kvaudit.numeric_layers, "MAPPED_BYTES", 1)  # released after each chunk
     small = compare(left, right, 0.05)
     assert whole.requests["req-b"].groups[0].slices[8].nonfinite_mismatches == 1
     for rid in TOKENS:
@@ -205,7 +206,7 @@ def test_requests_compared_together_or_one_by_one_agree(
     comparing them one by one gives: every figure, token bin and note in order."""
     counts = TOKENS if tokens == "two" else MANY
     if tokens != "two":
-        monkeypatch.setattr(kvaudit.numeric, "MAPPED_PIECE_ELEMENTS", 72 * HEADS * 16)
+        monkeypatch.setattr(kvaudit.numeric_layers, "MAPPED_PIECE_ELEMENTS", 72 * HEADS * 16)
     the_model = model("bfloat16")
     produced = draw(26, the_model, counts)
     rng = np.random.default_rng(27)

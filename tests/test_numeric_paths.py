@@ -27,7 +27,7 @@ from valued_sets import (
 
 import kvaudit.element_errors
 import kvaudit.mapped_rows
-import kvaudit.numeric
+import kvaudit.numeric_layers
 import kvaudit.value_reads
 from kvaudit.compare.numeric import NumericReport, SliceErrors
 from kvaudit.element_errors import counts
@@ -126,9 +126,9 @@ def test_one_head_at_a_time_in_small_pieces_agrees(
     right = dump(tmp_path / "c", the_model, consumed, CONSUMER, "consumer")
     whole = compare(left, right, rtol=0.01)
     monkeypatch.setattr(kvaudit.element_errors, "CHUNK_ELEMENTS", 1)
-    monkeypatch.setattr(kvaudit.numeric, "PIECE_ELEMENTS", 1)
-    monkeypatch.setattr(kvaudit.numeric, "NATIVE_PIECE_ELEMENTS", 1)
-    monkeypatch.setattr(kvaudit.numeric, "MAPPED_PIECE_ELEMENTS", 1)
+    monkeypatch.setattr(kvaudit.numeric_layers, "PIECE_ELEMENTS", 1)
+    monkeypatch.setattr(kvaudit.numeric_layers, "NATIVE_PIECE_ELEMENTS", 1)
+    monkeypatch.setattr(kvaudit.numeric_layers, "MAPPED_PIECE_ELEMENTS", 1)
     chunked = compare(left, right, rtol=0.01)
     assert by_slice(chunked, "req-a")[ATTN.format(1), 2].nonfinite_mismatches == 1
     for rid in TOKENS:
