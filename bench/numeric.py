@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from llama_set import write_llama_set
+from llama_set import REQUESTS, write_llama_set
 
 MIB = 1 << 20
 
@@ -77,7 +77,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-gib", type=float, default=1.5)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--requests", type=int, default=8, help="requests sharing the blocks")
+    parser.add_argument(
+        "--requests", type=int, default=REQUESTS, help="requests sharing the blocks"
+    )
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each; the best counts")
     parser.add_argument("--child", nargs=3, default=None, help=argparse.SUPPRESS)

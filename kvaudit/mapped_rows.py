@@ -154,7 +154,7 @@ class MappedRows:
         name: str,
         shape: tuple[int, int],
         table: MapTable,
-        side: str = "p",
+        side: str,
     ) -> Located | None:
         """Where layer ``name``'s rows of a piece lie, ``shape = (heads, tokens)``, for one
         side's ``plans`` (``value_reads.plan_rows``: one per request stacked, each

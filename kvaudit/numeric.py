@@ -122,8 +122,7 @@ def _compare_group(
     producer, consumer = unit.sides
     num_tokens, plan = unit.num_tokens, unit.plan
     info, common = plan.layers[0], plan.common
-    width = max(1, -(-num_tokens // MAX_BINS))
-    layer_tokens = np.full((len(common), -(-num_tokens // width)), np.nan)
+    layer_tokens, width = _token_bins(num_tokens, len(common))
     errors = {name: LayerErrors(info[name].heads) for name in common}
     piece = plan.piece
     step = max(piece, batch_tokens(unit.sides, batch_bytes) // piece * piece)
@@ -164,6 +163,13 @@ def _compare_group(
         for item in errors[name].slices(name, info[name].number, info[name].elements)
     ]
     return _group_result(unit, flat, (layer_tokens, width))
+
+
+def _token_bins(num_tokens: int, layers: int) -> tuple[np.ndarray, int]:
+    """The layers x token bins picture of a request's group, all NaN (at most
+    ``MAX_BINS`` bins per layer), and the tokens per bin."""
+    width = max(1, -(-num_tokens // MAX_BINS))
+    return np.full((layers, -(-num_tokens // width)), np.nan), width
 
 
 def _group_result(
@@ -235,9 +241,8 @@ class _Stack:
     ) -> list[tuple[GroupNumeric, list[str]]] | None:
         """Each unit's figures and notes, once every layer is done; None where their rows
         cannot be read so (compare them one by one)."""
-        results = [job.result() for job in self.jobs]
-        found = [item for item in results if item is not None]
-        if len(found) < len(results):
+        found = [job.result() for job in self.jobs]
+        if any(item is None for item in found):
             return None
         if progress is not None:
             progress(sum(read for _, read in found))
@@ -254,8 +259,7 @@ class _Stack:
         ]
         groups = []
         for r, unit in enumerate(self.units):
-            width = max(1, -(-unit.num_tokens // MAX_BINS))
-            layer_tokens = np.full((len(common), -(-unit.num_tokens // width)), np.nan)
+            layer_tokens, width = _token_bins(unit.num_tokens, len(common))
             positions = np.arange(unit.num_tokens) // width
             for index, rows in enumerate(token_rows):
                 np.fmax.at(layer_tokens[index], positions, rows[r, : unit.num_tokens])

@@ -171,7 +171,7 @@ def _errors(stderr: str) -> list[str]:
 # Placement.
 
 
-def test_placeholders_and_assignment() -> None:
+def test_rank_fields_and_assignment() -> None:
     place = Place(rank=5, world=16, local_rank=5, node_rank=0)
     assert fill("/d/n{node_rank}/r{rank}/l{local_rank}/{other}", place) == "/d/n0/r5/l5/{other}"
     shared = [Unit("shared:/a", ("/a",), 100), Unit("shared:/b", ("/b",), 60)]
@@ -266,7 +266,7 @@ def test_diff_against_a_record_is_traced_by_checksums_only(
 
 @pytest.mark.slow
 def test_shared_paths_inspect(split: tuple[Sets, Path, list[str]]) -> None:
-    """Without placeholders both processes see every file and share them; ``inspect``
+    """Without rank fields both processes see every file and share them; ``inspect``
     says what one process says, and only rank 0 writes."""
     sets, _, _ = split
     folder = str(Path(sets.producer.paths[0]).parent)

@@ -3,7 +3,7 @@ records gathered to rank 0, differences located by asking the rank that holds th
 (docs/scale.md).
 
 ``spread()`` reads only the environment, so the single-process path never imports torch;
-``comm`` (the process group and byte collectives), ``placement`` (SOURCE placeholders and
+``comm`` (the process group and byte collectives), ``placement`` (SOURCE rank fields and
 which process reads which file), ``spread_source`` (the dump set spread over processes)
 and ``spread_locate`` (locating across processes) import it.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-PLACEHOLDERS = ("{rank}", "{local_rank}", "{node_rank}")
+RANK_FIELDS = ("{rank}", "{local_rank}", "{node_rank}")
 """What a SOURCE path may contain, filled in by each process."""
 
 
@@ -29,4 +29,4 @@ def is_writer() -> bool:
     return not spread() or os.environ.get("RANK", "0") == "0"
 
 
-__all__ = ["PLACEHOLDERS", "is_writer", "spread"]
+__all__ = ["RANK_FIELDS", "is_writer", "spread"]

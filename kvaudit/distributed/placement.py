@@ -1,7 +1,7 @@
-"""Which process reads which dump file: SOURCE placeholders filled in per process, and
+"""Which process reads which dump file: SOURCE rank fields filled in per process, and
 the files every process sees shared out among them by size.
 
-A SOURCE without placeholders names the same files on every process (a shared file
+A SOURCE without rank fields names the same files on every process (a shared file
 system): they are shared out among all processes. A path with ``{rank}``,
 ``{local_rank}`` or ``{node_rank}`` names each process's own files, on its node's disk:
 a file is then shared only among the processes of one node that name the same path.
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ..dumps.dump_sets import expand_dump_paths
 from ..errors import KvauditError
 from ..files import check_input
-from . import PLACEHOLDERS
+from . import RANK_FIELDS
 from .comm import Place
 
 
@@ -32,7 +32,7 @@ def fill(name: str, place: Place) -> str:
 
 def is_local(name: str) -> bool:
     """Whether a SOURCE argument names each process's (or node's) own files."""
-    return any(marker in name for marker in PLACEHOLDERS)
+    return any(marker in name for marker in RANK_FIELDS)
 
 
 @dataclass(frozen=True)

@@ -79,15 +79,15 @@ class StagedBatches(DumpBatches):
             torch.empty(size, dtype=torch.uint8, pin_memory=True) if self.cuda else device_bytes
         )
         device_parts: dict[str, list[torch.Tensor]] = {name: [] for name in self.dump.tensors}
-        hosts: dict[str, tuple[torch.Tensor, ...]] = {}
+        host_parts: dict[str, list[torch.Tensor]] = {name: [] for name in self.dump.tensors}
         for name, offset, shape, dtype in placed:
             device_parts[name].append(_part_view(device_bytes, offset, shape, dtype))
-            host = as_integers(_part_view(host_bytes, offset, shape, dtype))
-            hosts[name] = (*hosts.get(name, ()), host)
+            host_parts[name].append(as_integers(_part_view(host_bytes, offset, shape, dtype)))
         buffers: dict[str, LayerTensor] = {
             name: tuple(parts) if isinstance(self.dump.tensors[name], tuple) else parts[0]
             for name, parts in device_parts.items()
         }
+        hosts = {name: tuple(parts) for name, parts in host_parts.items()}
         checksummer = Checksummer.of_worker(
             self.dump.description,
             buffers,
