@@ -1,6 +1,6 @@
 """``python -m kvaudit`` and the ``kvaudit`` script: the command, with Ctrl-C, SIGTERM and
 SIGHUP during start-up (while the command line is imported) exiting 130 without a
-traceback."""
+traceback, and the process ended without tearing the interpreter down (``end_process``)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,10 @@ def run() -> None:
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
-    main(prog_name="kvaudit")
+    status = main(prog_name="kvaudit", standalone_mode=False)
+    from .exits import end_process
+
+    end_process(status if isinstance(status, int) else 0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,93 @@
+"""How a ``kvaudit`` process ends (kvaudit.exits.end_process): with the command's status,
+all its output written, every exit handler run, and any thread that is not a daemon
+waited for, though the interpreter's teardown of its modules is skipped."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from dumped_sets import Sets
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PROBE = textwrap.dedent(
+    """
+    import atexit, sys, threading, time, weakref
+    marker = sys.argv[1]
+    mode = sys.argv[2]
+
+    def mark(text):
+        with open(marker, "a") as file:
+            file.write(text + "\\n")
+
+    class Held:
+        pass
+
+    held = Held()
+    atexit.register(mark, "atexit")
+    weakref.finalize(held, mark, "finalize")
+    if mode == "thread":
+        def late():
+            time.sleep(0.5)
+            mark("thread")
+        threading.Thread(target=late, daemon=False).start()
+    sys.argv = ["kvaudit", *sys.argv[3:]]
+    from kvaudit.__main__ import run
+    run()
+    """
+)
+
+
+def probe(tmp_path: Path, mode: str, *args: object) -> tuple[subprocess.CompletedProcess, list]:
+    """A ``kvaudit`` process with an exit handler, a finalizer and (mode ``thread``) a
+    late thread that is not a daemon, each of which writes a line to a marker file."""
+    marker = tmp_path / f"marker-{mode}"
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, str(marker), mode, *[str(a) for a in args]],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    lines = marker.read_text().split() if marker.exists() else []
+    return done, lines
+
+
+def test_output_is_whole_and_exit_handlers_run(sets: Sets, tmp_path: Path) -> None:
+    done, lines = probe(tmp_path, "plain", "checksum", *sets.producer.paths, "--format", "json")
+    assert done.returncode == 0, done.stderr
+    record = json.loads(done.stdout)
+    assert record["format"] == "kvaudit.record/1" and record["requests"]
+    assert sorted(lines) == ["atexit", "finalize"]
+
+
+def test_statuses_and_error_lines_stay(tmp_path: Path) -> None:
+    done, lines = probe(tmp_path, "plain", "checksum", tmp_path / "missing.safetensors")
+    assert done.returncode == 2
+    assert done.stderr.strip().startswith("kvaudit: error:") and "missing" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert sorted(lines) == ["atexit", "finalize"]
+    done, _ = probe(tmp_path, "plain", "--help")
+    assert done.returncode == 0 and "Usage: kvaudit" in done.stdout
+
+
+def test_a_thread_that_is_not_a_daemon_is_waited_for(tmp_path: Path) -> None:
+    done, lines = probe(tmp_path, "thread", "--help")
+    assert done.returncode == 0, done.stderr
+    assert "thread" in lines and "atexit" in lines
+
+
+def test_a_reader_gone_before_the_end_keeps_the_status(sets: Sets, tmp_path: Path) -> None:
+    command = (
+        f"{sys.executable} -m kvaudit checksum {' '.join(map(str, sets.producer.paths))} "
+        "--format json | true; exit ${PIPESTATUS[0]}"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr
