@@ -16,24 +16,23 @@ def _interrupted(signum: int, frame: FrameType | None) -> None:
 
 
 def run() -> None:
-    """Import the command line and run it; an interruption while importing exits 130."""
-    hangup = getattr(signal, "SIGHUP", None)
-    previous = {
-        number: signal.signal(number, _interrupted)
-        for number in (signal.SIGTERM, hangup)
-        if number is not None
-    }
+    """Import the command line and run it, then end the process (``end_process``); an
+    interruption while importing, or outside the command's own handling, exits 130."""
+    for number in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if number is not None:
+            signal.signal(number, _interrupted)
     try:
         from .cli import main
     except KeyboardInterrupt:
         sys.stderr.write("kvaudit: interrupted\n")
         sys.exit(EXIT_INTERRUPTED)
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
-    status = main(prog_name="kvaudit", standalone_mode=False)
     from .exits import end_process
 
+    try:
+        status = main(prog_name="kvaudit", standalone_mode=False)
+    except KeyboardInterrupt:
+        sys.stderr.write("kvaudit: interrupted\n")
+        status = EXIT_INTERRUPTED
     end_process(status if isinstance(status, int) else 0)
 
 

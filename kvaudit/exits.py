@@ -35,27 +35,51 @@ def tolerant_streams() -> None:
                 continue
 
 
+_received: list[str] = []
+"""The interrupting signals received by this process's command so far."""
+
+
+def interrupt_received() -> bool:
+    """Whether an interrupting signal (Ctrl-C, SIGTERM, SIGHUP) reached the command: an
+    error raised after one is its consequence (a library that turned the interruption of
+    its import into an ImportError), not a bug."""
+    return bool(_received)
+
+
 def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
+    _received.append(signal.Signals(signum).name)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     raise Interrupted(signal.Signals(signum).name)
 
 
 @contextmanager
 def interrupt_signals() -> Iterator[None]:
     """SIGTERM and SIGHUP raise ``Interrupted`` (a ``KeyboardInterrupt``) as Ctrl-C does,
-    so that an interrupted write removes its temporary file; the handlers before are
-    restored after. Only the main thread can set handlers: elsewhere nothing changes."""
+    so that an interrupted write removes its temporary file, and each is recorded
+    (``interrupt_received``); the handlers before are restored after. A Ctrl-C that the
+    process ignores (a background job's) stays ignored. Only the main thread can set
+    handlers: elsewhere nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = {}
-    for number in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
-        if number is not None:
-            previous[number] = signal.signal(number, _raise_interrupted)
+    for number in _INTERRUPTING:
+        if number == signal.SIGINT and signal.getsignal(number) is not signal.default_int_handler:
+            continue
+        previous[number] = signal.signal(number, _raise_interrupted)
     try:
         yield
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
+
+
+_INTERRUPTING = tuple(
+    number
+    for number in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None))
+    if number is not None
+)
 
 
 def _raising_frame(trace: TracebackType | None) -> str:
@@ -101,8 +125,9 @@ def internal_error(error: Exception, debug: bool) -> int:
 def end_process(status: int) -> NoReturn:
     """End the command's process with ``status``: flush stdout and stderr, run the exit
     handlers, then leave without the interpreter tearing its modules down (numpy's teardown
-    alone is about a tenth of a small command's run). Where a thread that is not a daemon
-    still runs, exit as usual instead, which waits for it."""
+    alone is about a tenth of a small command's run). An interruption meanwhile ends it
+    with the interrupted status at once, never by the signal itself. Where a thread that
+    is not a daemon still runs, exit as usual instead, which waits for it."""
     run_handlers = getattr(atexit, "_run_exitfuncs", None)
     others = [
         thread
@@ -111,10 +136,18 @@ def end_process(status: int) -> NoReturn:
     ]
     if run_handlers is None or others:
         sys.exit(status)
+    if threading.current_thread() is threading.main_thread():
+        for number in _INTERRUPTING:
+            if signal.getsignal(number) is not signal.SIG_IGN:
+                signal.signal(number, _exit_interrupted)
     _flush_streams()
     run_handlers()
     _flush_streams()
     os._exit(status)
+
+
+def _exit_interrupted(signum: int, frame: FrameType | None) -> None:
+    os._exit(EXIT_INTERRUPTED)
 
 
 def _flush_streams() -> None:

@@ -1,6 +1,7 @@
 """How a ``kvaudit`` process ends (kvaudit.exits.end_process): with the command's status,
 all its output written, every exit handler run, and any thread that is not a daemon
-waited for, though the interpreter's teardown of its modules is skipped."""
+waited for, though the interpreter's teardown of its modules is skipped; an interruption
+near the end, or one a library turns into another error, still ends it with status 130."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 PROBE = textwrap.dedent(
     """
-    import atexit, sys, threading, time, weakref
+    import atexit, os, signal, sys, threading, time, weakref
     marker = sys.argv[1]
     mode = sys.argv[2]
 
@@ -36,6 +37,24 @@ PROBE = textwrap.dedent(
             time.sleep(0.5)
             mark("thread")
         threading.Thread(target=late, daemon=False).start()
+    if mode == "interrupted at exit":
+        def interrupt_then_wait():
+            mark("handler")
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+            mark("not interrupted")
+        atexit.register(interrupt_then_wait)
+    if mode == "interrupted import":
+        from kvaudit.cli import main
+
+        @main.command("probe")
+        def probe():
+            # What numpy does when Ctrl-C lands in its C import: an ImportError.
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)
+            except KeyboardInterrupt:
+                raise ImportError("numpy._core.multiarray failed to import") from None
     sys.argv = ["kvaudit", *sys.argv[3:]]
     from kvaudit.__main__ import run
     run()
@@ -91,3 +110,16 @@ def test_a_reader_gone_before_the_end_keeps_the_status(sets: Sets, tmp_path: Pat
     done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr
+
+
+def test_an_interruption_at_the_end_exits_130(tmp_path: Path) -> None:
+    done, lines = probe(tmp_path, "interrupted at exit", "--help")
+    assert done.returncode == 130, (done.returncode, done.stderr)
+    assert "handler" in lines and "not interrupted" not in lines
+    assert "Traceback" not in done.stderr and "Usage: kvaudit" in done.stdout
+
+
+def test_an_error_raised_by_an_interruption_is_no_bug(tmp_path: Path) -> None:
+    done, _ = probe(tmp_path, "interrupted import", "probe")
+    assert done.returncode == 130, (done.returncode, done.stderr)
+    assert done.stderr.strip() == "kvaudit: interrupted"

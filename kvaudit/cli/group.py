@@ -13,7 +13,13 @@ import click
 
 from ..distributed import spread
 from ..errors import KvauditError, one_line
-from ..exits import EXIT_INTERRUPTED, internal_error, interrupt_signals, tolerant_streams
+from ..exits import (
+    EXIT_INTERRUPTED,
+    internal_error,
+    interrupt_received,
+    interrupt_signals,
+    tolerant_streams,
+)
 
 EXIT_OK = 0
 EXIT_INCOMPLETE = 1
@@ -64,7 +70,11 @@ class KvauditGroup(click.Group):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             status = EXIT_INCOMPLETE
         except Exception as error:  # any bug that escapes: status 3, not a traceback
-            status = internal_error(error, self.debug)
+            if interrupt_received():
+                click.echo("kvaudit: interrupted", err=True)
+                status = EXIT_INTERRUPTED
+            else:
+                status = internal_error(error, self.debug)
         finally:
             if spread():
                 from ..distributed.commands import finish
