@@ -36,7 +36,7 @@ def tolerant_streams() -> None:
 
 
 _received: list[str] = []
-"""The interrupting signals received by this process's command so far."""
+"""The interrupting signals received by the command running (cleared when one starts)."""
 
 
 def interrupt_received() -> bool:
@@ -63,6 +63,7 @@ def interrupt_signals() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    _received.clear()
     previous = {}
     for number in _INTERRUPTING:
         if number == signal.SIGINT and signal.getsignal(number) is not signal.default_int_handler:
