@@ -5,6 +5,8 @@
   ``diff`` and ``verify`` exit 1 instead of passing the KV it moved unchecked; a group
   its description leaves out (``transfer: false``, ``host_resident: true``) is expected by
   neither side. ``verify --stored`` says the same of a group a worker cannot checksum.
+- checksum.md, "Piece": K and V rows of 12 bytes make a group unsupported in every layout,
+  K and V packed into one row of 24 bytes (``C``) as well as stored apart (``D``).
 - checksum.md, "Layer number", and the group ids of dumps and records: only ASCII decimal
   digits make a number; a name or key with other Unicode digits is no layer number or bad
   input (exit 2), not an internal error.
@@ -55,6 +57,16 @@ def two_group_model(**odd_group: bool) -> kb.Model:
     return kb.Model((good, odd), model_kv_heads=4)
 
 
+MODEL_ODD = kb.Model(
+    (
+        kb.GroupModel(0, tuple(kb.Attn(name, 4, 8) for name in GOOD)),
+        kb.GroupModel(1, (kb.Attn(ODD, 4, head_size=3, dtype="float32"),)),
+    ),
+    model_kv_heads=4,
+)
+"""Group 1: float32 heads of 3 elements, K and V rows of 12 bytes, cells of 24 (3 words)."""
+
+
 def engines(model: kb.Model, folder: Path) -> tuple[Path, Path]:
     requests = {rid: kb.make_request(model, n, seed=i) for i, (rid, n) in enumerate(TOKENS.items())}
     producer = kb.build_engine(model, requests, kb.Engine(tp_size=2, seed=1))
@@ -100,6 +112,29 @@ def test_a_group_neither_side_can_checksum_is_unverified(tmp_path: Path) -> None
     assert "UNVERIFIED" in table.stdout and "not covered on either side" in table.stdout
     junit = run("diff", producer, consumer, "--format", "junit")
     assert junit.exit_code == 1 and 'errors="2"' in junit.stdout
+
+
+@pytest.mark.parametrize("layouts", [("NTHC", "KNHTD"), ("NHTC", "NTHC"), ("KNTHD", "NHTD")])
+def test_k_or_v_rows_of_part_words_are_covered_in_no_layout(
+    tmp_path: Path, layouts: tuple[str, str]
+) -> None:
+    # checksum.md, "Piece": a K or V row that is not whole 8-byte words makes the group
+    # unsupported, also where K and V are packed into one row whose total is (12 + 12).
+    requests = {
+        rid: kb.make_request(MODEL_ODD, n, seed=i) for i, (rid, n) in enumerate(TOKENS.items())
+    }
+    sides = []
+    for role, tp, layout in (("producer", 2, layouts[0]), ("consumer", 4, layouts[1])):
+        engine = kb.Engine(tp_size=tp, layouts={1: layout}, seed=tp)
+        built = kb.build_engine(MODEL_ODD, requests, engine)
+        sides.append(kb.write_workers(built, tmp_path / f"{role}-{layout}", role))
+    for side in sides:
+        record = json.loads(run("checksum", side, "--format", "json").stdout)
+        assert all("8-byte" in w["not_covered"]["1"] for w in record["workers"])
+    report = json.loads(run("diff", *sides, "--format", "json").stdout)
+    for rid in TOKENS:
+        reason = report["requests"][rid]["groups"]["1"]["unverified"]
+        assert "not covered on either side" in reason
 
 
 @pytest.mark.parametrize("left_out", ["transfer", "host_resident"])

@@ -48,6 +48,8 @@ def attention_parts(spec: LayerSpec, tensor: LayerTensor, num_blocks: int) -> tu
                 f"its layout {layout} has a K/V plane but K and V rows of different sizes"
             )
         rows = _rows(tensor, layout, sizes, spec, kernel_blocks)
+        if "C" in layout and spec.head_size_v:
+            _check_kv_rows(spec, element_size(rows))
         row_pieces = (
             [_as_pieces(rows[:, i]) for i in range(2)] if "K" in layout else [_as_pieces(rows)]
         )
@@ -92,6 +94,16 @@ def _rows(
     row_axis = "C" if "C" in layout else "D"
     order = [letter for letter in ("N", "K", "H", "T", row_axis) if letter in layout]
     return permute(tensor, [layout.index(letter) for letter in order])
+
+
+def _check_kv_rows(spec: LayerSpec, itemsize: int) -> None:
+    """Refuse a cell of K then V whose K or V row is not whole 8-byte pieces: stored apart
+    (layout ``D``) the same rows could not be read, and the group is covered in no layout."""
+    k_bytes, v_bytes = spec.head_size * itemsize, spec.head_size_v * itemsize
+    if k_bytes % 8 or v_bytes % 8:
+        raise UnsupportedGroupError(
+            f"its K and V rows of {k_bytes} and {v_bytes} bytes are not whole 8-byte pieces"
+        )
 
 
 def _as_pieces(rows: Array) -> Array:
