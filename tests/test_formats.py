@@ -259,6 +259,42 @@ def test_diff_junit() -> None:
     assert counts == {"tests": "7", "failures": "2", "errors": "3", "skipped": "1"}
 
 
+def junit_cases(report: DiffReport) -> list[tuple[str, str, str]]:
+    """Each test case of the report's JUnit form: classname, name and its outcome."""
+    suite = ET.fromstring(diff_junit(report, "kvaudit.diff")).find("testsuite")
+    assert suite is not None
+    return [
+        (case.get("classname", ""), case.get("name", ""), case[0].tag if len(case) else "pass")
+        for case in suite.iter("testcase")
+    ]
+
+
+def test_diff_junit_has_one_case_per_request_and_group_when_each_says_why() -> None:
+    # cli.md: one test case per request and group, errored when unverified; nothing was
+    # compared, and every case is already errored: no case beside them.
+    uncovered = GroupComparison(unverified="not covered on either side", block_size=16)
+    report = DiffReport("request", {"r1": {0: uncovered}, "r2": {0: uncovered, 1: uncovered}})
+    assert report.empty_reason is not None
+    assert junit_cases(report) == [
+        ("kvaudit.r1", "group 0", "error"),
+        ("kvaudit.r2", "group 0", "error"),
+        ("kvaudit.r2", "group 1", "error"),
+    ]
+
+
+def test_diff_junit_says_nothing_was_compared_where_no_case_does() -> None:
+    # No request in common, or nothing compared where missing positions are allowed: the
+    # suite would pass without the case that says nothing was verified.
+    allowed = GroupComparison(block_size=16, missing_positions=[0, 1])
+    for report in (
+        DiffReport("request", {}),
+        DiffReport("request", {"r1": {0: allowed}}, allow_missing=True),
+    ):
+        cases = junit_cases(report)
+        assert cases[-1] == ("kvaudit", "nothing compared", "error")
+        assert all(outcome == "pass" for *_, outcome in cases[:-1])
+
+
 def test_diff_tables() -> None:
     assert render_text(print_diff, report()) == golden("diff_table")
     stored = Sides("stored checksums", "dumps", "checked")

@@ -4,8 +4,10 @@ One test case per request and group (classname ``kvaudit.<request>``, name ``gro
 errored when the group could not be compared (the reason is the message), else failed
 when blocks or replicas differ or positions are missing (unless the report allows
 missing positions). A request the consumer lacks is a failed case named ``request``; one
-only the consumer has is a skipped case. A report in which nothing was compared has an
-errored case ``kvaudit`` / ``nothing compared``.
+only the consumer has is a skipped case. A report in which nothing was verified, and no
+case says so already (a request with no group to compare, no request in common, or
+nothing compared where missing positions are allowed), has an errored case ``kvaudit`` /
+``nothing compared``.
 """
 
 from __future__ import annotations
@@ -108,7 +110,9 @@ def diff_junit(report: DiffReport, suite_name: str = "kvaudit.diff") -> str:
         tests += 1
         skipped += 1
         ET.SubElement(case, "skipped", {"message": "the request is on the consumer only"})
-    if report.empty_reason is not None:
+    groupless = any(not groups for groups in report.requests.values())
+    if report.empty_reason is not None and (groupless or failures + errors == 0):
+        # Only where no case above fails already: else the suite is red and says why.
         case = _case(suite, "", "nothing compared")
         case.set("classname", "kvaudit")
         tests += 1
