@@ -485,7 +485,9 @@ def test_verify_received(small: Small, tmp_path: Path) -> None:
 
     cut = {rid: data[:-3] for rid, data in good.items()}
     write_engine(workers, tmp_path / "cut", "consumer", received=[cut, cut])
-    assert_one_line_error(run("verify", tmp_path / "cut", "--received"), "r1")
+    # The message names the dump file that carries the bytes (cli.md, exit status 2).
+    cut_file = str(tmp_path / "cut" / "rank0.safetensors")
+    assert_one_line_error(run("verify", tmp_path / "cut", "--received"), "r1", cut_file)
 
     write_engine(workers, tmp_path / "split", "consumer", received=[good, wrong])
     assert_one_line_error(run("verify", tmp_path / "split", "--received"), "received")

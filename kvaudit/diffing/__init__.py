@@ -16,7 +16,7 @@ tracing), ``received`` and ``stored`` (the checksums dumps carry, checked), ``nu
 
 from .diff import diff_sources, diff_work, locate_report
 from .numeric import numeric_sources
-from .received import received_bytes, verify_wire
+from .received import received_wires, verify_wire
 from .sides import shared_tokens
 from .stored import stored_checks, verify_stored
 from .verify import verify_sources, verify_work
@@ -26,7 +26,7 @@ __all__ = [
     "diff_work",
     "locate_report",
     "numeric_sources",
-    "received_bytes",
+    "received_wires",
     "shared_tokens",
     "stored_checks",
     "verify_sources",

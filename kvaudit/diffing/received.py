@@ -7,19 +7,23 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from ..compare import DiffReport, verify_received
-from ..compare.received import decode_received, received_numbering
+from ..compare.received import received_numbering
 from ..dumps import Dump, DumpSet
 from ..errors import KvauditError
 from ..pairing import group_windows
 from ..sources import Progress, Runtime, Source
+from ..wire import WireChecksums, decode_wire
 from .sides import trim_to
 
 
-def received_bytes(dump_set: DumpSet, request_ids: Sequence[str] | None = None) -> dict[str, bytes]:
-    """Per request, the producer's wire checksums the set's dumps carry.
+def received_wires(
+    dump_set: DumpSet, request_ids: Sequence[str] | None = None
+) -> dict[str, WireChecksums]:
+    """Per request, the producer's wire checksums the set's dumps carry, decoded.
 
     Raises:
         KvauditError: Two workers carry different bytes for one request.
+        WireFormatError: Malformed bytes; the message names the dump file and the request.
 
     """
     found: dict[str, tuple[bytes, Dump]] = {}
@@ -38,20 +42,23 @@ def received_bytes(dump_set: DumpSet, request_ids: Sequence[str] | None = None) 
                     f"{seen[1].path} carries; the workers of one consumer receive the same",
                     dump.path,
                 )
-    return {request_id: data for request_id, (data, _) in found.items()}
+    return {
+        request_id: decode_wire(data, source=f"{dump.path}: request {request_id!r}: received")
+        for request_id, (data, dump) in found.items()
+    }
 
 
 def verify_wire(
     source: Source,
-    wire_bytes: Mapping[str, bytes],
+    received: Mapping[str, WireChecksums],
     ids: list[str] | None,
     runtime: Runtime,
     progress: Progress | None,
 ) -> DiffReport:
-    """The source checked against the producer checksums its dumps carry (``wire_bytes``
-    per request, as ``received_bytes`` reads them)."""
+    """The source checked against the producer checksums its dumps carry (per request, as
+    ``received_wires`` reads them)."""
     name = ", ".join(source.names)
-    wires = decode_received(wire_bytes, name)
+    wires = dict(received)
     numbering = received_numbering(wires, name)
     counts = source.token_counts()
     # The consumer's checksums cover only the producer's tokens, as a diff's do.

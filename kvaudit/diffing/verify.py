@@ -12,7 +12,7 @@ from ..errors import KvauditError
 from ..pairing import group_windows
 from ..sources import Progress, Runtime, Source, resolve_device
 from .diff import diff_work
-from .received import received_bytes, verify_wire
+from .received import received_wires, verify_wire
 from .sides import check_wanted, checksum_held, shared_numbering, shared_tokens, trim_to, unique_ids
 from .stored import verify_stored
 
@@ -92,7 +92,7 @@ def _verify_one_way(
             f"{what} reads what dumps carry; {', '.join(source.names)} is a {source.kind}"
         )
     if received:
-        return verify_wire(source, received_bytes(dump_set, ids), ids, runtime, progress)
+        return verify_wire(source, received_wires(dump_set, ids), ids, runtime, progress)
     return verify_stored(dump_set, request_ids=ids, runtime=runtime, progress=progress)
 
 

@@ -13,7 +13,7 @@ from ..sources import Progress, Runtime, Source, resolve_device
 from .spread_source import SpreadSource
 
 
-def received_bytes(source: SpreadSource, request_ids: Sequence[str] | None) -> dict[str, bytes]:
+def received_wires(source: SpreadSource, request_ids: Sequence[str] | None) -> dict[str, bytes]:
     """Per request, the producer's wire checksums the spread dumps carry.
 
     Raises:
@@ -94,7 +94,7 @@ def verify_spread(
     if stored:
         report = spread_stored(source, ids, runtime, progress)
     else:
-        report = verify_wire(source, received_bytes(source, ids), ids, runtime, progress)
+        report = verify_wire(source, received_wires(source, ids), ids, runtime, progress)
         report.untraced = "no trace possible: the producer sent only its checksums"
     report.allow_missing, report.allow_empty = allow_missing, allow_empty
     return report
