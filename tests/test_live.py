@@ -190,6 +190,8 @@ def test_inspect_lists_workers_and_requests(producer: Path) -> None:
     assert {"stable", "flip"} <= set(inventory["requests"])
     one = run("inspect", f"live:{producer / 'pp0-tp1.sock'}", "--format", "json")
     assert json.loads(one.stdout)["complete"] is False
+    table = run("inspect", f"live:{producer}")
+    assert table.stdout.splitlines()[0] == f"live: {producer} (2 workers of TP 2 x PP 1, complete)"
 
 
 # Several workers and engines.

@@ -141,5 +141,7 @@ def main() -> None:
     and pipeline stages and ignore block ids and memory layout.
 
     A SOURCE is a dump file, a directory of dump files (one engine's workers), a record
-    (the JSON of `checksum --format json`) or a live handle (live:PATH).
+    (the JSON of `checksum --format json`), the output folder of kvaudit's vLLM connector,
+    a running engine's live agents (live:SOCKET or live:FOLDER) or a Python handle
+    (py:FILE.py or py:MODULE).
     """

@@ -26,10 +26,13 @@ if TYPE_CHECKING:
 def print_inventory(console: Console, inventory: Inventory) -> None:
     """The ``inspect`` tables: workers, groups per worker, requests."""
     workers = [item.worker for item in inventory.workers]
+    label = f"{inventory.kind}:"
+    # A live source is named as given (live:PATH): its label is not repeated.
+    names = [name.removeprefix(label) for name in inventory.sources]
     console.print(
         Text.assemble(
-            (f"{inventory.kind}: ", "bold"),
-            " ".join(inventory.sources),
+            (f"{label} ", "bold"),
+            " ".join(names),
             f" ({layout_line(workers)}, ",
             completeness(inventory.complete),
             ")",
