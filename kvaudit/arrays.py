@@ -75,6 +75,14 @@ def as_strided(x: Array, shape: tuple[int, ...], element_strides: tuple[int, ...
     return x.as_strided(shape, element_strides, x.storage_offset())
 
 
+def host_array(x: Array) -> np.ndarray:
+    """``x`` as a C-contiguous numpy array on the host: a numpy array as it is where it is
+    contiguous (else a copy), a tensor copied to the host."""
+    if is_numpy(x):
+        return np.ascontiguousarray(x)
+    return x.contiguous().cpu().numpy()
+
+
 def permute(x: Array, order: list[int] | tuple[int, ...]) -> Array:
     return x.transpose(order) if is_numpy(x) else x.permute(*order)
 

@@ -144,6 +144,28 @@ def test_diff_and_verify_of_records_import_no_torch(records: tuple[Path, Path]) 
         assert among(modules, ("rich", "yaml", "xml", "kvaudit.formats.junit")) == []
 
 
+def test_planting_and_locating_a_fault_in_dumps_on_the_cpu_import_no_torch(
+    sets: Sets, tmp_path: Path
+) -> None:
+    consumer = [Path(path) for path in sets.consumer.paths]
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for path in consumer[1:]:
+        (broken / path.name).symlink_to(path)
+    plant = ("corrupt", consumer[0], "-o", broken / consumer[0].name, "--request", "req-a")
+    plant += ("--group", "0", "--position", "1", "--mode", "flip", "--device", "cpu")
+    assert imported_heavy(*plant) == []
+    producer = Path(sets.producer.paths[0]).parent
+    diff = ("diff", producer, broken, "--device", "cpu", "--format", "json", "-q")
+    assert imported_heavy(*diff) == []
+    # The diff did locate the fault (decoding the elements' values without torch).
+    result = CliRunner().invoke(main, [str(arg) for arg in diff])
+    assert result.exit_code == 1, result.output
+    group = json.loads(result.stdout)["requests"]["req-a"]["groups"]["0"]
+    assert group["mismatched_positions"] and group["located"]
+    assert all(entry["max_abs_error"] > 0 for entry in group["located"])
+
+
 def test_checksum_of_dumps_on_the_cpu_imports_no_torch(
     sets: Sets, records: tuple[Path, Path], tmp_path: Path
 ) -> None:

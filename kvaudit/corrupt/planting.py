@@ -15,6 +15,7 @@ import shutil
 
 import numpy as np
 
+from ..arrays import data_ptr
 from ..description import CacheDescription
 from ..dumps import Dump, open_dump
 from ..errors import KvauditError
@@ -104,7 +105,7 @@ def corrupt_dump(
 def _file_base(dump: Dump, view: LayerView) -> int:
     """The address the dump file's first byte has where the view's tensors map it."""
     pieces = view.parts[0].pieces
-    return pieces.data_ptr() - dump.file_offset(pieces)
+    return data_ptr(pieces) - dump.file_offset(pieces)
 
 
 def _changed_bytes(block: Block, fault: Fault) -> tuple[np.ndarray, np.ndarray, list[ChangedSlice]]:

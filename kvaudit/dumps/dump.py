@@ -197,7 +197,8 @@ class Dump:
     @functools.cached_property
     def array_views(self) -> dict[int, GroupViews]:
         """Every group's views of ``arrays``: the same groups, fingerprints and reasons as
-        ``group_views``, for the CPU path and the inventory (no torch)."""
+        ``group_views``, for the CPU path, the inventory, locating a difference and planting
+        a fault (no torch)."""
         return build_group_views(
             self.description,
             self.layer_arrays,
@@ -208,8 +209,8 @@ class Dump:
 
     @functools.cached_property
     def group_views(self) -> dict[int, GroupViews]:
-        """Every group's views of the dump's rows (as its checksummer sees them), built
-        once: what locating a difference and planting a fault read blocks through."""
+        """Every group's views of the dump's rows as torch tensors (as a torch or GPU
+        checksummer sees them), built once."""
         return build_group_views(
             self.description,
             self.tensors,

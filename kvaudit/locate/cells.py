@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..arrays import data_ptr, element_size, host_array, permute, strides
 from ..description import CacheDescription, LayerSpec
-from ..dtypes import dtype_size
+from ..dtypes import DType, dtype_size
 from ..errors import KvauditError
 from ..scheme import valid_tokens
 from ..sources.raw import RawWorker
@@ -29,12 +30,12 @@ class CellSegment:
 
     start: int
     end: int
-    dtype: torch.dtype
+    dtype: DType | torch.dtype
 
 
 def piece_bytes(view: LayerView) -> int:
     """The size of one piece of the view's cells: 8, or 2 or 4 for TP-split state rows."""
-    return view.parts[0].pieces.element_size()
+    return element_size(view.parts[0].pieces)
 
 
 def cell_bytes(view: LayerView) -> int:
@@ -55,9 +56,9 @@ def read_block(view: LayerView, row: int) -> np.ndarray:
     size = piece_bytes(view)
     out = np.empty((view.heads, block_tokens(view), cell_bytes(view)), dtype=np.uint8)
     for part in view.parts:
-        pieces = part.pieces[row].permute(1, 0, 2, 3)  # [heads, kernel blocks, tokens, pieces]
+        pieces = permute(part.pieces[row], (1, 0, 2, 3))  # [heads, kernel blocks, tokens, pieces]
         count = pieces.shape[-1]
-        values = pieces.reshape(view.heads, -1, count).contiguous().cpu().numpy()
+        values = host_array(pieces).reshape(view.heads, -1, count)
         start = part.piece_offset * size
         out[:, :, start : start + count * size] = values.view(np.uint8).reshape(
             view.heads, -1, count * size
@@ -73,12 +74,12 @@ def cell_addresses(view: LayerView, row: int) -> np.ndarray:
     for part in view.parts:
         pieces = part.pieces
         _, kernel_blocks, heads, tokens, count = pieces.shape
-        strides = pieces.stride()
-        base = pieces.data_ptr() + row * strides[0] * size
+        steps = strides(pieces)
+        base = data_ptr(pieces) + row * steps[0] * size
         k, h, t, p = np.ix_(
             np.arange(kernel_blocks), np.arange(heads), np.arange(tokens), np.arange(count)
         )
-        elements = base + size * (k * strides[1] + h * strides[2] + t * strides[3] + p * strides[4])
+        elements = base + size * (k * steps[1] + h * steps[2] + t * steps[3] + p * steps[4])
         addresses = elements.transpose(1, 0, 2, 3)[..., None] + np.arange(size)
         start = part.piece_offset * size
         out[:, :, start : start + count * size] = addresses.reshape(heads, -1, count * size)
@@ -127,7 +128,7 @@ def group_views(dump: RawWorker, group_id: int) -> GroupViews:
         KvauditError: The group is not a group of the dump, or it is not covered.
 
     """
-    groups = dump.group_views
+    groups = dump.array_views
     views = groups.get(group_id)
     if views is None:
         known = ", ".join(str(gid) for gid in sorted(groups)) or "none"

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..compare.model import LocatedDifference
-from ..dtypes import dtype_size, torch_dtype
+from ..dtypes import DType, dtype_name, dtype_size
+from ..elements import decode
 from ..errors import KvauditError
 from ..scheme import valid_tokens
 from ..sources.raw import RawWorker
@@ -47,7 +48,9 @@ def element_errors(
     return max_abs, max_rel
 
 
-def _errors(a: np.ndarray, b: np.ndarray, dtype: torch.dtype) -> tuple[np.ndarray, np.ndarray]:
+def _errors(
+    a: np.ndarray, b: np.ndarray, dtype: DType | torch.dtype
+) -> tuple[np.ndarray, np.ndarray]:
     """Absolute and relative errors of elements given as their bytes ``[n, size]``."""
     if dtype.is_floating_point:
         x = _elements(a, dtype)
@@ -74,15 +77,18 @@ def _errors(a: np.ndarray, b: np.ndarray, dtype: torch.dtype) -> tuple[np.ndarra
     return abs_errors, rel_errors
 
 
-def _elements(raw: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+def _elements(raw: np.ndarray, dtype: DType | torch.dtype) -> np.ndarray:
     """Elements given as their bytes ``[n, size]``: float64 values of a floating dtype,
     else the integers (a bool element as its byte)."""
-    import torch
-
-    values = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1))
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
     if dtype.is_floating_point:
-        return values.view(torch_dtype(dtype)).to(torch.float64).numpy()
-    return values.view(torch.uint8 if dtype == torch.bool else torch_dtype(dtype)).numpy()
+        values = np.empty((len(raw), 1), dtype=np.float64)
+        with np.errstate(invalid="ignore"):  # a signalling NaN widened is still a NaN
+            decode(raw, dtype, values)
+        return values.reshape(-1)
+    name = dtype_name(dtype)
+    integers = np.dtype("uint8" if name == "bool" else name).newbyteorder("<")
+    return raw.reshape(-1).view(integers)
 
 
 def _located_entry(

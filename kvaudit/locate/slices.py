@@ -49,7 +49,7 @@ class SliceReader:
             request = dump.requests.get(request_id)
             if request is None or group_id not in request.groups:
                 continue
-            views = dump.group_views.get(group_id)
+            views = dump.array_views.get(group_id)
             if views is None or not views.covered:
                 continue
             workers.append((dump, views, layer_specs(dump.description, group_id)))

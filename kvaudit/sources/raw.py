@@ -63,7 +63,8 @@ class RawWorker(Protocol):
 
     @property
     def array_views(self) -> dict[int, GroupViews]:
-        """Every group's views of ``layer_arrays``, built once (inventories read these)."""
+        """Every group's views of ``layer_arrays``, built once (inventories, locating and
+        planting read these)."""
 
     @property
     def num_rows(self) -> int:
