@@ -19,7 +19,8 @@ kvaudit's modules are byte-compiled first, as installing the package does: where
 
 The checksum figures time ``kvaudit checksum --format json`` (stdout to /dev/null); the
 default table output is timed once more against ``b3sum``, for information, and so is the
-numpy code that runs without the C extension (``KVAUDIT_NATIVE=0``), where it built.
+numpy code that runs without the C extension (``KVAUDIT_NATIVE=0``), where it built, and
+the floor any kvaudit process starts from (``python -c "import numpy, click"``).
 
 Targets: ``kvaudit --help`` <= 2x ``python -c "import numpy"``; a one-block dump's checksum
 <= 2.5x ``python -c "import numpy, safetensors"``; a 512 MiB dump's checksum <= 3x
@@ -74,6 +75,8 @@ class Figure:
     limit: float
     inverse: bool = False
     goal: float | None = None
+    who: str = "kvaudit"
+    """What ``ours`` is, in the printed line."""
 
 
 def env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -133,9 +136,10 @@ def report(figure: Figure, repeats: int) -> None:
     if met and figure.goal is not None and ratio > figure.goal:
         verdict = f"ok (goal {figure.goal}x not reached)"
     how = "faster than" if figure.inverse else "the time of"
+    target = f"target {relation} {figure.limit}x" if figure.limit != float("inf") else "no target"
     print(
-        f"{figure.name}: kvaudit {ours:.3f} s, {figure.peer.label} {peer:.3f} s: "
-        f"{ratio:.2f}x {how} the peer (target {relation} {figure.limit}x): {verdict}",
+        f"{figure.name}: {figure.who} {ours:.3f} s, {figure.peer.label} {peer:.3f} s: "
+        f"{ratio:.2f}x {how} the peer ({target}): {verdict}",
         flush=True,
     )
 
@@ -269,6 +273,17 @@ def main() -> None:
                 )
             )
         if b3sum is not None:
+            # The floor of any Python command of kvaudit's dependencies: the interpreter's
+            # start and the imports of numpy and click alone, against the same peer.
+            figures.append(
+                Figure(
+                    "512 MiB dump, the floor (import numpy, click; no checksum)",
+                    Command("import numpy, click", [[PYTHON, "-c", "import numpy, click"]]),
+                    Command("b3sum", [b3sum]),
+                    float("inf"),
+                    who="import numpy, click",
+                )
+            )
             figures.append(
                 Figure(
                     "512 MiB dump, the default table output",
