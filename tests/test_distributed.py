@@ -4,12 +4,15 @@ The producer (TP=2 x PP=2) and consumer (TP=4) dump sets of ``dumped_sets`` are 
 between the folders ``n0`` and ``n1`` (``{rank}`` in the SOURCE path): the record must
 equal the single-process record of all the files, and a diff of a faulty pair must
 locate the planted faults as the decoded cells say (``dumped_sets.expected_located``),
-as one process does. A process that cannot read its files, one that never comes and one
-that is killed make every process exit within the timeout.
+as one process does; ``verify --received`` of consumer dumps that carry the producer's
+wire bytes (intact, and one total wrong) reports what one process reports. A process that
+cannot read its files, one that never comes and one that is killed make every process exit
+within the timeout.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -32,6 +35,8 @@ from dumped_sets import (
     decode_set,
     expected_located,
 )
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from kvaudit.corrupt import corrupt_dump
 from kvaudit.diffing import diff_sources
@@ -40,6 +45,7 @@ from kvaudit.distributed.placement import Unit, assign, fill
 from kvaudit.formats import diff_to_json, inventory_to_json, record_to_json
 from kvaudit.formats.json import located_to_json
 from kvaudit.sources import Runtime, open_source
+from kvaudit.wire import encode_wire
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU = Runtime("torch", "cpu")
@@ -202,6 +208,51 @@ def test_checksum_split_equals_one_process(split: tuple[Sets, Path, list[str]]) 
     assert data.pop("processes") == 2
     whole = open_source(sets.producer.paths).checksum(None, None, CPU)
     assert _sources_by_name(data) == _sources_by_name(record_to_json(whole))
+
+
+def with_received(path: Path, target: Path, wires: dict[str, bytes]) -> None:
+    """A copy of a dump whose requests carry the producer's wire bytes ``wires``."""
+    with safe_open(str(path), framework="pt") as file:
+        metadata = dict(file.metadata())
+        tensors = {name: file.get_tensor(name) for name in file.keys()}  # noqa: SIM118
+    requests = json.loads(metadata["kvaudit.requests"])
+    for request_id, request in requests.items():
+        request["received"] = base64.b64encode(wires[request_id]).decode("ascii")
+    metadata["kvaudit.requests"] = json.dumps(requests)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(target), metadata)
+
+
+def test_verify_received_split_equals_one_process(
+    split: tuple[Sets, Path, list[str]], tmp_path: Path
+) -> None:
+    sets, _, _ = split
+    sent = open_source(sets.producer.paths).checksum(None, "request", CPU)
+    wires = {rid: encode_wire(request.to_wire("request")) for rid, request in sent.requests.items()}
+    wrong = dict(wires)
+    totals = sent.requests["req-a"].to_wire("request")
+    totals.groups[0].totals[1] ^= 1
+    wrong["req-a"] = encode_wire(totals)
+    for name, carried in (("good", wires), ("wrong", wrong)):
+        for path in map(Path, sets.consumer.paths):
+            rank = SPLIT["consumer"][path.stem]
+            with_received(path, tmp_path / f"n{rank}" / name / path.name, carried)
+            with_received(path, tmp_path / "whole" / name / path.name, carried)
+    for name, status in (("good", 0), ("wrong", 1)):
+        args = ("verify", "--received", "--format", "json", "--device", "cpu")
+        done = torchrun(*args, tmp_path / "n{rank}" / name)
+        assert done.returncode == status, done.stderr
+        data = json.loads(done.stdout)
+        assert data.pop("processes") == 2
+        one = subprocess.run(
+            [sys.executable, "-m", "kvaudit", *args, tmp_path / "whole" / name],
+            capture_output=True, text=True, env=_env(), check=False,
+        )  # fmt: skip
+        assert one.returncode == status, one.stderr
+        assert data["requests"] == json.loads(one.stdout)["requests"]
+        assert data["ok"] is (status == 0)
+    group = data["requests"]["req-a"]["groups"]["0"]
+    assert group["mismatched_positions"] == [1]
 
 
 @pytest.mark.slow

@@ -10,14 +10,18 @@ from ..compare import DiffReport, StoredCheck, stored_report
 from ..diffing import stored_checks, verify_sources, verify_wire
 from ..errors import KvauditError
 from ..sources import Progress, Runtime, Source, resolve_device
+from ..wire import WireChecksums, decode_wire
 from .spread_source import SpreadSource
 
 
-def received_wires(source: SpreadSource, request_ids: Sequence[str] | None) -> dict[str, bytes]:
-    """Per request, the producer's wire checksums the spread dumps carry.
+def received_wires(
+    source: SpreadSource, request_ids: Sequence[str] | None
+) -> dict[str, WireChecksums]:
+    """Per request, the producer's wire checksums the spread dumps carry, decoded.
 
     Raises:
         KvauditError: Two workers carry different bytes for one request.
+        WireFormatError: Malformed bytes; the message names the dump file and the request.
 
     """
     found: dict[str, tuple[bytes, str]] = {}
@@ -34,7 +38,10 @@ def received_wires(source: SpreadSource, request_ids: Sequence[str] | None) -> d
                     f"{seen[1]} carries; the workers of one consumer receive the same",
                     item.name,
                 )
-    return {request_id: data for request_id, (data, _) in found.items()}
+    return {
+        request_id: decode_wire(data, source=f"{name}: request {request_id!r}: received")
+        for request_id, (data, name) in found.items()
+    }
 
 
 def spread_stored(
