@@ -334,8 +334,8 @@ TARGET INLINE void NAME(rows_of_kind)(const Batch *b, NAME(Head) *heads_at, REAL
  * order in memory), rows read in place a block of tokens at a time (its rows stay in the
  * core's cache while every head is read from them; their regions are marked read after
  * it, and released on the budget where asked). Either way each head sees its tokens in
- * increasing order: the figures are the same bits. Rows of whole vectors of one narrow kind are decoded inside the
- * reducing loop. */
+ * increasing order: the figures are the same bits. Rows of whole vectors of one narrow kind
+ * are decoded inside the reducing loop. */
 TARGET static void NAME(compare_batch)(const Batch *b, NAME(Head) *heads_at, REAL *p_row,
                                        REAL *c_row, float *scratch)
 {

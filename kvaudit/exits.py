@@ -35,6 +35,13 @@ def tolerant_streams() -> None:
                 continue
 
 
+_INTERRUPTING = tuple(
+    number
+    for number in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None))
+    if number is not None
+)
+"""Ctrl-C, SIGTERM and SIGHUP, where the platform has them."""
+
 _received: list[str] = []
 """The interrupting signals received by the command running (cleared when one starts)."""
 
@@ -74,13 +81,6 @@ def interrupt_signals() -> Iterator[None]:
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
-
-
-_INTERRUPTING = tuple(
-    number
-    for number in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None))
-    if number is not None
-)
 
 
 def _raising_frame(trace: TracebackType | None) -> str:

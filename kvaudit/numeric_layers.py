@@ -186,9 +186,10 @@ def piece_tokens(
     (``NATIVE_PIECE_ELEMENTS`` where the C extension is there, ``MAPPED_PIECE_ELEMENTS``
     where it reads both sides' rows in place: ``mapped``)."""
     per_token = max((layers[name].heads * layers[name].elements for name in common), default=1)
-    elements = PIECE_ELEMENTS if native_module() is None else NATIVE_PIECE_ELEMENTS
-    if mapped and native_module() is not None:
-        elements = MAPPED_PIECE_ELEMENTS
+    if native_module() is None:
+        elements = PIECE_ELEMENTS
+    else:
+        elements = MAPPED_PIECE_ELEMENTS if mapped else NATIVE_PIECE_ELEMENTS
     return max(unit, elements // max(per_token, 1) // unit * unit)
 
 

@@ -16,12 +16,13 @@ tracing), ``received`` and ``stored`` (the checksums dumps carry, checked), ``nu
 
 from .diff import diff_sources, diff_work, locate_report
 from .numeric import numeric_sources
-from .received import received_wires, verify_wire
+from .received import carried_wires, received_wires, verify_wire
 from .sides import shared_tokens
 from .stored import stored_checks, verify_stored
 from .verify import verify_sources, verify_work
 
 __all__ = [
+    "carried_wires",
     "diff_sources",
     "diff_work",
     "locate_report",

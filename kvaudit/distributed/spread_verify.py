@@ -7,41 +7,18 @@ import dataclasses
 from collections.abc import Sequence
 
 from ..compare import DiffReport, StoredCheck, stored_report
-from ..diffing import stored_checks, verify_sources, verify_wire
-from ..errors import KvauditError
+from ..diffing import carried_wires, stored_checks, verify_sources, verify_wire
 from ..sources import Progress, Runtime, Source, resolve_device
-from ..wire import WireChecksums, decode_wire
+from ..wire import WireChecksums
 from .spread_source import SpreadSource
 
 
 def received_wires(
     source: SpreadSource, request_ids: Sequence[str] | None
 ) -> dict[str, WireChecksums]:
-    """Per request, the producer's wire checksums the spread dumps carry, decoded.
-
-    Raises:
-        KvauditError: Two workers carry different bytes for one request.
-        WireFormatError: Malformed bytes; the message names the dump file and the request.
-
-    """
-    found: dict[str, tuple[bytes, str]] = {}
-    for item in source.held:
-        for request_id, data in item.received.items():
-            if request_ids is not None and request_id not in request_ids:
-                continue
-            seen = found.get(request_id)
-            if seen is None:
-                found[request_id] = (data, item.name)
-            elif seen[0] != data:
-                raise KvauditError(
-                    f"request {request_id!r}: the received checksums differ from those "
-                    f"{seen[1]} carries; the workers of one consumer receive the same",
-                    item.name,
-                )
-    return {
-        request_id: decode_wire(data, source=f"{name}: request {request_id!r}: received")
-        for request_id, (data, name) in found.items()
-    }
+    """Per request, the producer's wire checksums the spread dumps carry, decoded
+    (``carried_wires``)."""
+    return carried_wires(((item.name, item.received) for item in source.held), request_ids)
 
 
 def spread_stored(
