@@ -14,8 +14,11 @@ ReplicaKey = tuple[int, int]
 
 
 def slice_number(layer_number: int, head: int) -> int:
-    """``L * H + h``: a slice's place among every (layer, global head) of the model."""
-    return layer_number * MAX_KV_HEADS_PER_LAYER + head
+    """``L * H + h``: a slice's place among every (layer, global head) of the model, as
+    the signed 64-bit integer the kernels take: only its value modulo 2**64 enters the
+    weights, and any layer number fits."""
+    wrapped = (layer_number * MAX_KV_HEADS_PER_LAYER + head) & MASK64
+    return wrapped - (1 << 64) if wrapped >> 63 else wrapped
 
 
 def valid_tokens(

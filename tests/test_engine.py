@@ -613,6 +613,10 @@ UNSUPPORTED: dict[str, tuple[kb.GroupModel, dict]] = {
         ),
         {"tp_size": 8},
     ),
+    "no-state-checksummed": (
+        kb.GroupModel(1, (kb.Mamba(MIXER.format(3), ((4, 8),), ("float16",), 0),)),
+        {},
+    ),
     "state-1-byte": (
         kb.GroupModel(
             1, (kb.Mamba(MIXER.format(3), ((4, 8),), ("uint8",), splits=((0, ((4, 4),)),)),)
@@ -655,6 +659,13 @@ def test_unsupported_groups_are_left_out_with_a_reason(case: str) -> None:
     record = run(workers, sums=sums)
     assert 1 not in record.requests["req-1"].groups
     assert_matches(record, model, 0, requests, workers, tp_size)
+
+
+@pytest.mark.parametrize("number", [2**47 - 1, 2**47, 2**63, 2**64 + 3])
+def test_layer_numbers_past_int64(number: int) -> None:
+    # m(L, h) wraps modulo 2**64 (checksum.md): a large layer number is a checksum too.
+    layers = (kb.Attn(f"model.layers.{number}.self_attn.attn", heads=4), kb.Attn(L1, heads=4))
+    check(kb.Model((kb.GroupModel(0, layers),)), kb.Engine(tp_size=2), 21)
 
 
 def test_exactly_65536_heads_are_covered() -> None:

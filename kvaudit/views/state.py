@@ -38,7 +38,12 @@ def state_caches(spec: LayerSpec, pages: Array, num_blocks: int, tp_size: int) -
         )
     )
     if covered == 0:
-        return []
+        # An empty cell would checksum to 0 whatever the states hold: no check at all.
+        raise UnsupportedGroupError(
+            "none of its states is checksummed (checksummed_states: 0)"
+            if spec.covered_states == 0
+            else "its checksummed states hold no bytes"
+        )
     if covered > pages.shape[1]:
         raise UnsupportedGroupError(
             f"its pages of {pages.shape[1]} bytes are smaller than its {covered} bytes of states"
