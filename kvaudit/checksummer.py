@@ -89,10 +89,21 @@ class Checksummer:
         num_blocks: int | None = None,
         engine: str = "",
         source: str = "",
+        left_out: Mapping[int, str] | None = None,
     ) -> None:
+        """``left_out``: the worker's groups that the description does not hold, with the
+        reason (an engine's group its integration cannot describe); every record reports
+        them as not covered."""
+        self.left_out = dict(left_out or {})
         self.worker = WorkerInfo(tp_rank, tp_size, pp_rank, pp_size, role, engine, source)
         check_worker(self.worker, role, source or None)
         self.description = description
+        described = [gid for gid in self.left_out if gid in {g.id for g in description.groups}]
+        if described:
+            raise KvauditError(
+                f"group {described[0]} is left out, but the description holds it",
+                source or None,
+            )
         self.num_blocks = description.num_blocks if num_blocks is None else num_blocks
         self.groups: dict[int, GroupViews] = build_group_views(
             description,
@@ -119,12 +130,13 @@ class Checksummer:
 
     @property
     def not_covered(self) -> dict[int, str]:
-        """The groups that cannot be checksummed, with the reason."""
-        return {
+        """The groups that cannot be checksummed, with the reason (``left_out`` too)."""
+        reasons = {
             group_id: views.reason
             for group_id, views in self.groups.items()
             if views.reason is not None
         }
+        return {**self.left_out, **reasons}
 
     def checksum(
         self, requests: Mapping[str, RequestBlocks], positions: Positions = "request"

@@ -33,6 +33,10 @@ from engine_runs import (
     run,
 )
 
+from kvaudit import Checksummer
+from kvaudit.description import parse_description
+from kvaudit.errors import KvauditError
+
 
 @pytest.fixture(autouse=True, params=["numpy", "torch"])
 def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
@@ -659,6 +663,30 @@ def test_unsupported_groups_are_left_out_with_a_reason(case: str) -> None:
     record = run(workers, sums=sums)
     assert 1 not in record.requests["req-1"].groups
     assert_matches(record, model, 0, requests, workers, tp_size)
+
+
+def test_groups_the_description_cannot_hold_are_reported_not_covered() -> None:
+    # An engine's group its integration cannot describe: named, with why, in every record.
+    model = kb.Model((good_group(),))
+    requests, workers = build(model, kb.Engine(tp_size=2))
+    reason = "its heads are packed into head slots"
+    sums = [
+        Checksummer(
+            parse_description(w.description, "w"),
+            w.tensors,
+            tp_rank=w.tp_rank,
+            tp_size=2,
+            backend=engine_runs.BACKEND,
+            left_out={4: reason},
+        )
+        for w in workers
+    ]
+    record = run(workers, sums=sums)
+    assert [w.not_covered for w in record.workers] == [{4: reason}] * 2
+    assert all(list(w.fingerprints) == [0] for w in record.workers)
+    assert_matches(record, model, 0, requests, workers, 2)
+    with pytest.raises(KvauditError, match="group 0 is left out, but the description holds it"):
+        Checksummer(parse_description(workers[0].description, "w"), {}, left_out={0: reason})
 
 
 @pytest.mark.parametrize("number", [2**47 - 1, 2**47, 2**63, 2**64 + 3])

@@ -232,7 +232,7 @@ def test_two_engines_compared_live_fault_located(
 
 
 def test_dumps_against_live(producer: Path, consumer: Path, tmp_path: Path) -> None:
-    dump_requests(str(producer), tmp_path, ["stable"])
+    dump_requests(f"live:{producer}", tmp_path, ["stable"])  # with live: as on the command line
     result = run("diff", tmp_path, f"live:{consumer}", "--request", "stable", "--format", "json")
     assert result.exit_code == 1, result.output
     group = json.loads(result.stdout)["requests"]["stable"]["groups"]["0"]

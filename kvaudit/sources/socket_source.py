@@ -186,11 +186,12 @@ def _ranks(worker: WorkerInfo) -> tuple[int, int, int, int]:
 def dump_requests(
     path: str, folder: str | os.PathLike[str], request_ids: Sequence[str] | None = None
 ) -> list[str]:
-    """Ask every worker behind ``path`` (a socket or a folder of them) to dump the
-    requests (all when None) into ``folder``; the files written, one per worker."""
+    """Ask every worker behind ``path`` (a socket or a folder of them, with or without
+    ``live:`` before it) to dump the requests (all when None) into ``folder``; the files
+    written, one per worker."""
     target = os.path.abspath(os.fspath(folder))
     written = []
-    for sock in sockets_of(path, path):
+    for sock in sockets_of(path.removeprefix("live:"), path):
         reply, _ = call(sock, {"op": "dump", "folder": target, "requests": request_ids})
         written.append(str(reply.get("path")))
     return written

@@ -5,18 +5,24 @@ load errors, and the output folder read back as a record."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import async_store
 import harness as h
 import pytest
 import torch
 from expected import totals
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.worker.utils import allocate_kv_cache
 
+from kvaudit import RequestBlocks
 from kvaudit.description import load_description
 from kvaudit.integrations.vllm.output import read_output_folder
 from kvaudit.wire import decode_wire_base64
@@ -240,3 +246,41 @@ def test_policy_fail_releases_a_clean_async_load(tmp_path: Path) -> None:
     _, steps = async_pair(tmp_path, "fail", {})
     assert [s["finished_recving"] for s in steps[:2]] == [set(), {"d-a"}]
     assert all(not s["invalid_block_ids"] for s in steps)
+
+
+def test_a_group_it_cannot_describe_is_not_covered_with_its_reason(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A group of the engine's KVCacheConfig that kvaudit cannot describe (its heads packed
+    into slots) is in every record's ``not_covered``, with the reason, beside the group it
+    checksums; its description and the log say so too."""
+    layout = KVCacheLayout.LBHNC
+    spec = h.attention_spec(16, 4, 8)
+    attention = h.cache_config(spec, 2, 24, layout)
+    slotted = h.cache_config(dataclasses.replace(spec, num_head_slots=8), [2], 24, layout)
+    kv_cache_config = dataclasses.replace(
+        attention,
+        kv_cache_tensors=attention.kv_cache_tensors + slotted.kv_cache_tensors,
+        kv_cache_groups=attention.kv_cache_groups + slotted.kv_cache_groups,
+    )
+    config = h.vllm_config(h.transfer_config({"output": str(tmp_path)}, None), 16)
+    with (
+        mock.patch.object(h.connector_module, "worker_ranks", return_value=(0, 1, 0, 1)),
+        caplog.at_level(logging.WARNING, logger="kvaudit.vllm"),
+    ):
+        connector = KVConnectorFactory.create_connector(
+            config, KVConnectorRole.WORKER, kv_cache_config
+        )
+        connector.register_kv_caches(
+            allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
+        )
+    reason = "layer model.layers.2.self_attn.attn packs heads or tokens into slots"
+    logged = [r.getMessage() for r in caplog.records if r.name == "kvaudit.vllm"]
+    assert logged == [f"kvaudit: KV cache group 1 is not audited: {reason}"]
+    for checksummer in connector.worker_audit.checksummers.values():
+        record = checksummer.checksum({"req-1": RequestBlocks(20, {0: (0, [3, 5])})})
+        assert record.not_covered == {1: reason}
+        assert list(record.requests["req-1"].groups) == [0]
+        assert list(record.fingerprints) == [0]
+    described = load_description(tmp_path / "workers" / "pp0-tp0" / "cache.yaml")
+    assert [group.id for group in described.groups] == [0]

@@ -204,13 +204,14 @@ class KVAuditConnector(KVConnectorBase_V1):
         tp_rank, tp_size, pp_rank, pp_size = worker_ranks(self._vllm_config)
         worker = WorkerInfo(tp_rank, tp_size, pp_rank, pp_size, "consumer", self.engine_label)
         heads = model_kv_heads(self._vllm_config)
-        description_dict, _ = describe_vllm_cache(self._kv_cache_config, kv_caches, heads)
+        description_dict, left_out = describe_vllm_cache(self._kv_cache_config, kv_caches, heads)
         if not description_dict["groups"]:
-            logger.warning("kvaudit: no KV cache group of this worker can be audited")
+            reasons = "; ".join(f"group {gid}: {why}" for gid, why in sorted(left_out.items()))
+            logger.warning("kvaudit: no KV cache group of this worker can be audited (%s)", reasons)
             return
         description = parse_description(description_dict, "vLLM KVCacheConfig")
         self.worker_audit = WorkerAudit(
-            description, description_dict, kv_caches, worker, self.audit_config
+            description, description_dict, kv_caches, worker, self.audit_config, left_out
         )
 
     def unregister_kv_caches(self) -> None:

@@ -8,7 +8,6 @@ heads, tokens, K row then V row]`` (kernel blocks, any strides), which is kvaudi
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,8 +23,6 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
-
-logger = logging.getLogger("kvaudit.vllm")
 
 # Most derived first: an MLA spec is a full-attention spec, a sliding-window MLA spec a
 # sliding-window spec.
@@ -67,7 +64,6 @@ def describe_vllm_cache(
                 layers.append({"name": name, "spec": _attention_spec(spec, cache, name)})
         except NotDescribable as error:
             left_out[group_id] = str(error)
-            logger.warning("kvaudit: KV cache group %d is not audited: %s", group_id, error)
             continue
         group_spec = layers[0]["spec"]
         entries: list[Any] = []

@@ -39,7 +39,10 @@ class WorkerAudit:
         tensors: Mapping[str, LayerTensor],
         worker: WorkerInfo,
         config: AuditConfig,
+        left_out: Mapping[int, str] | None = None,
     ) -> None:
+        """``left_out``: the engine's groups the description could not hold, with why
+        (``describe_vllm_cache``): not covered in every record."""
         self.config = config
         self.worker = worker
         self.description = description
@@ -52,6 +55,7 @@ class WorkerAudit:
             "backend": config.backend,
             "engine": worker.engine,
             "source": f"worker pp{worker.pp_rank} tp{worker.tp_rank}",
+            "left_out": left_out,
         }
         self.checksummers = {
             PRODUCER: Checksummer(description, self.tensors, role="producer", **common),
