@@ -1,5 +1,5 @@
-"""How the ``kvaudit`` command ends when something goes wrong: SIGTERM and SIGHUP unwound
-like Ctrl-C (status 130), an escaping exception reported as one line naming it a bug and
+"""How the ``kvaudit`` command ends when something goes wrong: an interruption (status 130,
+``kvaudit.interrupts``), an escaping exception reported as one line naming it a bug and
 where (status 3, the traceback with ``--debug``), and streams that print what they cannot
 encode as escapes instead of raising half-way through a table."""
 
@@ -11,13 +11,13 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
 from types import FrameType, TracebackType
 from typing import NoReturn
 
 import click
 
-from .errors import Interrupted, one_line
+from .errors import one_line
+from .interrupts import INTERRUPTING
 
 EXIT_INTERNAL = 3
 EXIT_INTERRUPTED = 130
@@ -33,54 +33,6 @@ def tolerant_streams() -> None:
                 reconfigure(errors="backslashreplace")
             except (ValueError, OSError):
                 continue
-
-
-_INTERRUPTING = tuple(
-    number
-    for number in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None))
-    if number is not None
-)
-"""Ctrl-C, SIGTERM and SIGHUP, where the platform has them."""
-
-_received: list[str] = []
-"""The interrupting signals received by the command running (cleared when one starts)."""
-
-
-def interrupt_received() -> bool:
-    """Whether an interrupting signal (Ctrl-C, SIGTERM, SIGHUP) reached the command: an
-    error raised after one is its consequence (a library that turned the interruption of
-    its import into an ImportError), not a bug."""
-    return bool(_received)
-
-
-def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
-    _received.append(signal.Signals(signum).name)
-    if signum == signal.SIGINT:
-        raise KeyboardInterrupt
-    raise Interrupted(signal.Signals(signum).name)
-
-
-@contextmanager
-def interrupt_signals() -> Iterator[None]:
-    """SIGTERM and SIGHUP raise ``Interrupted`` (a ``KeyboardInterrupt``) as Ctrl-C does,
-    so that an interrupted write removes its temporary file, and each is recorded
-    (``interrupt_received``); the handlers before are restored after. A Ctrl-C that the
-    process ignores (a background job's) stays ignored. Only the main thread can set
-    handlers: elsewhere nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    _received.clear()
-    previous = {}
-    for number in _INTERRUPTING:
-        if number == signal.SIGINT and signal.getsignal(number) is not signal.default_int_handler:
-            continue
-        previous[number] = signal.signal(number, _raise_interrupted)
-    try:
-        yield
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
 
 
 def _raising_frame(trace: TracebackType | None) -> str:
@@ -138,7 +90,7 @@ def end_process(status: int) -> NoReturn:
     if run_handlers is None or others:
         sys.exit(status)
     if threading.current_thread() is threading.main_thread():
-        for number in _INTERRUPTING:
+        for number in INTERRUPTING:
             if signal.getsignal(number) is not signal.SIG_IGN:
                 signal.signal(number, _exit_interrupted)
     _flush_streams()

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from .errors import KvauditError
+from .interrupts import check_interrupted
 
 STALE_AFTER_S = 24 * 3600
 """Age after which a temporary file of kvaudit's naming is stale whatever its process."""
@@ -205,6 +206,7 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[str]:
     temporary = _temporary_name(directory, place.path)
     try:
         yield temporary
+        check_interrupted()  # an interrupted command commits nothing
         if place.in_place:
             _copy_in_place(temporary, place)
             os.unlink(temporary)

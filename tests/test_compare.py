@@ -320,11 +320,18 @@ def test_coarse_block_needs_every_fine_position_with_tokens() -> None:
     rng = random.Random(10)
     fine = random_totals(rng, 8)  # 128 tokens: eight full 16-blocks
     coarse = coarse_sums(fine, 4)
-    # The finer side lacks position 0: 64-block 0 cannot be formed, 64-block 1 can.
+    # The finer side lacks position 0: 64-block 0 cannot be formed, 64-block 1 can. The
+    # producer's tokens 16..63, which the consumer holds too, are then never compared.
     producer = build({"r": Req(128, {0: Grp(16, 1, fine[1:])})})
     consumer = build({"r": Req(128, {0: Grp(64, 0, coarse)})})
-    group = compare_records(producer, consumer).requests["r"][0]
-    assert (group.compared, group.unverified, group.mismatched_positions) == (1, None, [])
+    report = compare_records(producer, consumer)
+    group = report.requests["r"][0]
+    assert (group.compared, group.mismatched_positions, group.missing_positions) == (1, [], [])
+    assert group.unverified == (
+        "not compared at position 0: a side holds only its last 16-token blocks from token 16, "
+        "and the 64-token block's checksum cannot be formed from them"
+    )
+    assert not report.ok
 
 
 def test_fine_positions_past_num_tokens_may_be_absent() -> None:
@@ -503,6 +510,34 @@ def test_sliding_window_expects_the_positions_inside_the_window(n_p: int, n_c: i
     assert (want != []) is (c_first * 16 < n_p)
     if want:
         assert not report.ok
+
+
+@pytest.mark.parametrize("fine_side", ["consumer", "producer"])
+def test_a_window_starting_inside_a_coarse_block_is_never_passed(fine_side: str) -> None:
+    # Window 4, 10 tokens: the next token attends to tokens 7..10. At block size 4 a side
+    # keeps blocks 1 and 2 (tokens 4..11), at block size 8 blocks 0 and 1; the 8-token
+    # block 0 holds window token 7 but cannot be formed from the 4-token side's blocks.
+    rng = random.Random(44)
+    fine = random_totals(rng, 3)  # 4-token blocks 0..2 of the same KV
+    fine_group = Grp(4, 1, fine[1:])
+    coarse_group = Grp(8, 0, coarse_sums([*fine, 0], 2))
+    sides = {"producer": coarse_group, "consumer": coarse_group, fine_side: fine_group}
+    producer = build({"r": Req(10, {0: sides["producer"]})})
+    consumer = build({"r": Req(10, {0: sides["consumer"]})})
+    report = compare_records(producer, consumer, windows={0: 4})
+    group = report.requests["r"][0]
+    assert (group.compared, group.mismatched_positions, group.missing_positions) == (1, [], [])
+    assert group.unverified is not None and group.unverified.startswith(
+        "not compared at position 0: a side holds only its last 4-token blocks from token 4"
+    )
+    assert not report.ok
+    report.allow_missing = True
+    assert not report.ok  # nothing is missing: the window's tokens are unverified
+    if fine_side == "consumer":
+        # A consumer that freed its block 1 as well lacks window token 7.
+        lacking = build({"r": Req(10, {0: Grp(4, 2, fine[2:])})})
+        group = compare_records(producer, lacking, windows={0: 4}).requests["r"][0]
+        assert (group.missing_positions, group.compared) == ([0], 1)
 
 
 def test_huge_token_counts_cost_only_the_blocks_held() -> None:

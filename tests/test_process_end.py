@@ -55,6 +55,41 @@ PROBE = textwrap.dedent(
                 time.sleep(5)
             except KeyboardInterrupt:
                 raise ImportError("numpy._core.multiarray failed to import") from None
+    if mode == "interrupted in a finalizer":
+        import click
+        from kvaudit.cli import main
+        from kvaudit.files import atomic_path
+        from kvaudit.interrupts import _raise_interrupted  # what SIGTERM runs
+
+        @main.command("probe")
+        @click.argument("output")
+        def probe(output):
+            class Doomed:
+                pass
+
+            doomed = Doomed()
+            # SIGTERM's handler run inside a finalizer, as a signal may land: Python only
+            # prints what a finalizer raises, and the command runs on.
+            weakref.finalize(doomed, _raise_interrupted, signal.SIGTERM, None)
+            del doomed
+            mark("ran-on")
+            with atomic_path(output) as path:
+                with open(path, "w") as file:
+                    file.write("a result")
+    if mode == "interrupted pool":
+        from kvaudit.cli import main
+        from kvaudit.kernels.numpy_cpu import _pool
+
+        @main.command("probe")
+        def probe():
+            def work(index):
+                if index == 0:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.3)
+                mark(f"ended-{index}")
+
+            _pool().map(work, range(4))
+            mark("returned")
     sys.argv = ["kvaudit", *sys.argv[3:]]
     from kvaudit.__main__ import run
     run()
@@ -122,4 +157,23 @@ def test_an_interruption_at_the_end_exits_130(tmp_path: Path) -> None:
 def test_an_error_raised_by_an_interruption_is_no_bug(tmp_path: Path) -> None:
     done, _ = probe(tmp_path, "interrupted import", "probe")
     assert done.returncode == 130, (done.returncode, done.stderr)
-    assert done.stderr.strip() == "kvaudit: interrupted"
+    assert done.stderr == "kvaudit: interrupted\n"
+
+
+def test_an_interruption_a_finalizer_swallowed_ends_the_command(tmp_path: Path) -> None:
+    output = tmp_path / "out.txt"
+    done, lines = probe(tmp_path, "interrupted in a finalizer", "probe", output)
+    assert done.returncode == 130, (done.returncode, done.stderr)
+    assert done.stderr == "kvaudit: interrupted\n"  # no "Exception ignored", no traceback
+    assert "ran-on" in lines
+    assert sorted(os.listdir(tmp_path)) == ["marker-interrupted in a finalizer"]  # no output
+
+
+def test_an_interruption_waits_for_the_threads_handed_work(tmp_path: Path) -> None:
+    # The calls already handed to the CPU path's threads end before the command unwinds
+    # (they may read a dump's mapping); the interruption is raised after them.
+    done, lines = probe(tmp_path, "interrupted pool", "probe")
+    assert done.returncode == 130, (done.returncode, done.stderr)
+    assert done.stderr == "kvaudit: interrupted\n"
+    assert {"ended-0", "ended-1", "ended-2", "ended-3"} <= set(lines)
+    assert "returned" not in lines

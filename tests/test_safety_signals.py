@@ -179,3 +179,46 @@ def test_many_open_dumps_hold_no_descriptors(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [str(count).encode(), b"1", b"True"]
+
+
+POOL_UNDER_INTERRUPTIONS = textwrap.dedent(
+    """
+    import faulthandler, random, signal, time
+    from kvaudit.kernels.numpy_cpu import _pool
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt  # as Python's own Ctrl-C handler: kvaudit as a library
+
+    signal.signal(signal.SIGALRM, interrupt)
+    pool, rng, interrupted = _pool(), random.Random(7), 0
+    faulthandler.dump_traceback_later(10, exit=True)  # a hang: its stacks, status 1
+    end = time.monotonic() + 3
+    while time.monotonic() < end:
+        try:
+            try:
+                signal.setitimer(signal.ITIMER_REAL, rng.uniform(1e-6, 2e-4))
+                result = pool.map(lambda x: x + 1, range(4))
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except KeyboardInterrupt:
+            interrupted += 1
+            continue
+        assert result == [1, 2, 3, 4], result
+    print(interrupted)
+    """
+)
+
+
+def test_the_cpu_threads_survive_interruptions_at_any_moment() -> None:
+    # An interruption may land anywhere in the thread pool's map, even inside the wait
+    # for its calls: it must neither hang (as inside Event.wait it did) nor lose a result.
+    done = subprocess.run(
+        [sys.executable, "-c", POOL_UNDER_INTERRUPTIONS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(done.stdout) > 100  # the interruptions did land

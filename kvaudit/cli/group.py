@@ -13,13 +13,8 @@ import click
 
 from ..distributed import spread
 from ..errors import KvauditError, one_line
-from ..exits import (
-    EXIT_INTERRUPTED,
-    internal_error,
-    interrupt_received,
-    interrupt_signals,
-    tolerant_streams,
-)
+from ..exits import EXIT_INTERRUPTED, internal_error, tolerant_streams
+from ..interrupts import interrupt_received, interrupt_signals
 
 EXIT_OK = 0
 EXIT_INCOMPLETE = 1
@@ -29,11 +24,22 @@ EXIT_BAD_INPUT = 2
 _NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
 
+class _CommandInterrupted(Exception):
+    """A command's interruption, passed through click's main (which would print a blank
+    line before turning a ``KeyboardInterrupt`` into its ``Abort``)."""
+
+
 class KvauditGroup(click.Group):
     """A click group that reports errors as one line and returns each command's status."""
 
     debug = False
     """Whether ``--debug`` was given: an internal error prints its traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as interruption:
+            raise _CommandInterrupted from interruption
 
     def main(  # type: ignore[override]
         self,
@@ -51,6 +57,10 @@ class KvauditGroup(click.Group):
         try:
             with interrupt_signals():
                 status = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+                if interrupt_received():
+                    # One that landed in a finalizer, which only printed it: the command ran
+                    # on, but an interrupted command ends as one.
+                    raise KeyboardInterrupt
         except KvauditError as error:
             status = fail(str(error))
         except _NO_ARGS_IS_HELP as error:
@@ -61,7 +71,7 @@ class KvauditGroup(click.Group):
             status = fail(error.format_message() + hint)
         except click.ClickException as error:
             status = fail(error.format_message())
-        except (click.Abort, KeyboardInterrupt):
+        except (click.Abort, KeyboardInterrupt, _CommandInterrupted):
             click.echo("kvaudit: interrupted", err=True)
             status = EXIT_INTERRUPTED
         except BrokenPipeError:

@@ -12,13 +12,16 @@
 - A position is expected when the producer holds it with valid tokens (its full token
   count, ``tokens``) and, for a windowed group (``AttentionWindow``: a sliding window or
   chunked local attention), each side keeps it: after ``tokens`` tokens a side keeps the
-  blocks from the one holding the first token its next token attends to.
+  blocks from the one holding the first token its next token attends to. A coarse
+  position that the window or the producer's first block starts inside is expected over
+  its tokens from there.
   An expected position is missing when the consumer's blocks do not cover the producer's
   tokens of it (its block list stops early or skips it, or its token count is smaller).
   A position is compared over the tokens both sides hold, so a position the consumer
   holds in part is compared there and listed as missing. An expected position that is
   neither missing nor compared (a record holds other valid tokens of it and cannot be
-  checksummed again) leaves the group unverified.
+  checksummed again, or a side holds only its last fine blocks of it) leaves the group
+  unverified.
 - The producer contributes its totals (the sums of its replica index 0 columns); a compared
   position whose consumer total differs is listed in ``mismatched_positions``.
 - Each consumer replica column ``(R, r)`` must equal its ``(R, 0)`` column (0 where the
@@ -185,18 +188,22 @@ def _incomparable(producer: Side, consumer: Side, numbering: Positions) -> str |
     return None
 
 
-def window_start(producer: Side, consumer: Side, coarse: int, window: Window | None) -> int:
-    """The first position (at ``coarse``) that both sides keep: each side keeps its blocks
-    from the one holding the first token its next token (at position ``tokens``) attends
-    to, as vLLM frees the blocks before it; 0 without a window."""
+def window_start(producer: Side, consumer: Side, window: Window | None) -> int:
+    """The first token both sides keep: each side keeps its blocks from the one holding
+    the first token its next token (at position ``tokens``) attends to, as vLLM frees the
+    blocks before it; 0 without a window."""
     rule = as_window(window)
     if rule is None:
         return 0
-    kept = max(
+    return max(
         rule.first_token(side.tokens) // side.block_size * side.block_size
         for side in (producer, consumer)
     )
-    return -(-kept // coarse)
+
+
+def expected_from(producer: Side, consumer: Side, window: Window | None) -> int:
+    """The first token a diff expects: from the producer's first block, in the window."""
+    return max(window_start(producer, consumer, window), producer.start * producer.block_size)
 
 
 def held_positions(side: Side, coarse: int) -> range:
@@ -216,14 +223,16 @@ def missing_and_expected(
     producer: Side, consumer: Side, coarse: int, window: Window | None
 ) -> tuple[list[int], list[int]]:
     """The expected positions the consumer lacks in whole or in part, and all expected
-    positions (the producer's with valid tokens, inside the window on both sides)."""
-    first = window_start(producer, consumer, coarse, window)
+    positions (the producer's with valid tokens, inside the window on both sides: a
+    coarse position that the window or the producer's blocks start inside is expected
+    over its tokens from there)."""
+    first = expected_from(producer, consumer, window)
     held = held_positions(producer, coarse)
-    expected = list(range(max(first, held.start), held.stop))
+    expected = list(range(first // coarse, held.stop)) if held else []
     missing = [
         q
         for q in expected
-        if not consumer.covers(q * coarse, min((q + 1) * coarse, producer.tokens))
+        if not consumer.covers(max(q * coarse, first), min((q + 1) * coarse, producer.tokens))
     ]
     return missing, expected
 
@@ -272,8 +281,19 @@ def compare_sides(
     missing, expected = missing_and_expected(producer, consumer, coarse, window)
     compared = set(positions.tolist())
     unchecked = [q for q in expected if q not in compared and q not in missing]
+    formed = set(common.tolist())
+    # Expected from inside a coarse block (the window's start, the producer's first
+    # block): a side holds only its last fine blocks there.
+    cut = [q for q in unchecked if q not in formed]
     unverified = None
-    if unchecked:
+    if cut:
+        fine = min(producer.block_size, consumer.block_size)
+        unverified = (
+            f"not compared at {_positions_text(cut)}: a side holds only its last {fine}-token "
+            f"blocks from token {expected_from(producer, consumer, window)}, and the "
+            f"{coarse}-token block's checksum cannot be formed from them"
+        )
+    elif unchecked:
         unverified = (
             f"not compared at {_positions_text(unchecked)}: the sides hold different valid "
             f"tokens there (producer {producer.num_tokens} tokens, consumer "

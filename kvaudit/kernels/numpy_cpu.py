@@ -22,6 +22,7 @@ sums in L1, the GIL released. ``KVAUDIT_NATIVE=0`` runs the numpy code (kvaudit.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable, Iterable
@@ -31,6 +32,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..arrays import Array, is_numpy
+from ..interrupts import deferred_interrupts
 from ..native import extension
 from . import LaunchPart
 
@@ -73,40 +75,57 @@ class _Pool:
         """``function`` of each item, on the threads, in the items' order; the first
         item's error (in order) is raised once all calls have ended."""
         todo = list(items)
+        if not todo:
+            return []
         results: list[Any] = [None] * len(todo)
         errors: list[BaseException | None] = [None] * len(todo)
         left = [len(todo)]
         lock = threading.Lock()
-        ended = threading.Event()
-        cancelled = threading.Event()
+        # Plain locks and flags, not Events: an interruption raised inside Event.wait can
+        # leave its condition's lock held, and the wait below would then never end.
+        ended = threading.Lock()
+        ended.acquire()
+        cancelled = [False]
 
         def call(index: int) -> None:
             try:
-                if not cancelled.is_set():
+                if not cancelled[0]:
                     results[index] = function(todo[index])
             except BaseException as error:  # raised by map, in the caller's thread
                 errors[index] = error
             with lock:
                 left[0] -= 1
                 if left[0] == 0:
-                    ended.set()
+                    ended.release()
 
-        if not todo:
-            return []
-        for index in range(len(todo)):
-            self._calls.put(lambda index=index: call(index))
-        try:
-            ended.wait()
-        except BaseException:
-            # Interrupted (Ctrl-C): the calls not started are skipped and the running ones
-            # end before the caller unwinds, so that none reads memory being released.
-            cancelled.set()
-            ended.wait()
-            raise
+        # The command's interruptions wait for the calls to end (a batch's time).
+        with deferred_interrupts():
+            for index in range(len(todo)):
+                self._calls.put(functools.partial(call, index))
+            try:
+                ended.acquire()
+            except BaseException:
+                # Interrupted (Python's own Ctrl-C handler): the calls not started are
+                # skipped, and the running ones end before the caller unwinds, so that none
+                # reads memory being released.
+                cancelled[0] = True
+                if left[0]:  # else the interruption came after every call ended
+                    _acquire_through_interruptions(ended)
+                raise
         for error in errors:
             if error is not None:
                 raise error
         return results
+
+
+def _acquire_through_interruptions(lock: threading.Lock) -> None:
+    """Acquire ``lock``, however many more interruptions arrive meanwhile."""
+    while True:
+        try:
+            lock.acquire()
+            return
+        except BaseException:  # the caller raises the first interruption
+            continue
 
 
 _POOL: _Pool | None = None
