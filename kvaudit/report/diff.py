@@ -52,7 +52,8 @@ def diff_verdict(report: DiffReport, sides: Sides = DIFF_SIDES) -> str:
             f"{requests_differing} of {plural(requests, 'request')}"
         )
     if replicas:
-        parts.append(f"{plural(replicas, 'replica block')} differ from replica 0")
+        verb = "differs" if replicas == 1 else "differ"
+        parts.append(f"{plural(replicas, 'replica block')} {verb} from replica 0")
     if report.only_in_producer:
         parts.append(
             f"{plural(len(report.only_in_producer), 'request')} missing on the {sides.consumer}"
