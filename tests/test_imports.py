@@ -19,6 +19,7 @@ LAYERS: list[list[str]] = [
     [
         "lazy",
         "errors",
+        "interrupts",
         "dtypes",
         "elements",
         "arrays",
