@@ -29,6 +29,9 @@ _received: list[str] = []
 _deferring = [0]
 """How many ``deferred_interrupts`` sections the main thread is in."""
 
+_handling = [False]
+"""Whether a command's handlers are installed (``interrupt_signals``)."""
+
 
 def interrupt_received() -> bool:
     """Whether an interrupting signal (Ctrl-C, SIGTERM, SIGHUP) reached the command: an
@@ -50,8 +53,9 @@ def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
 
 def check_interrupted() -> None:
     """Raise the interruption the command received, if any: one that landed where it could
-    not unwind the command (in a finalizer, which only prints it) stops it here."""
-    if _received:
+    not unwind the command (in a finalizer, which only prints it) stops it here. Outside
+    a command (kvaudit as a library, or after the command) nothing is raised."""
+    if _handling[0] and _received:
         raise _interruption(_received[0])
 
 
@@ -102,9 +106,11 @@ def interrupt_signals() -> Iterator[None]:
         previous[number] = signal.signal(number, _raise_interrupted)
     hook = sys.unraisablehook
     sys.unraisablehook = _unraisable(hook)
+    _handling[0] = True
     try:
         yield
     finally:
+        _handling[0] = False
         sys.unraisablehook = hook
         for number, handler in previous.items():
             signal.signal(number, handler)

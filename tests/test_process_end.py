@@ -7,12 +7,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from dumped_sets import Sets
+
+from kvaudit import interrupts
+from kvaudit.errors import Interrupted
+from kvaudit.files import atomic_path
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -177,3 +183,24 @@ def test_an_interruption_waits_for_the_threads_handed_work(tmp_path: Path) -> No
     assert done.stderr == "kvaudit: interrupted\n"
     assert {"ended-0", "ended-1", "ended-2", "ended-3"} <= set(lines)
     assert "returned" not in lines
+
+
+def test_an_interruption_is_deferred_then_ends_with_its_command(tmp_path: Path) -> None:
+    # Within a command: raised at once, or at the end of a section that defers it, and by
+    # every later check (an output about to be committed). After the command, kvaudit as a
+    # library carries on.
+    with interrupts.interrupt_signals():
+        with pytest.raises(Interrupted):
+            interrupts._raise_interrupted(signal.SIGTERM, None)
+        with pytest.raises(Interrupted), interrupts.deferred_interrupts():
+            interrupts._raise_interrupted(signal.SIGHUP, None)  # deferred: no raise here
+            reached = True
+        assert reached
+        with pytest.raises(KeyboardInterrupt), atomic_path(tmp_path / "out") as path:
+            Path(path).write_text("a result")
+        assert os.listdir(tmp_path) == []
+    assert interrupts.interrupt_received()
+    interrupts.check_interrupted()
+    with atomic_path(tmp_path / "out") as path:
+        Path(path).write_text("a result")
+    assert (tmp_path / "out").read_text() == "a result"
