@@ -98,10 +98,10 @@ class Checksummer:
         self.worker = WorkerInfo(tp_rank, tp_size, pp_rank, pp_size, role, engine, source)
         check_worker(self.worker, role, source or None)
         self.description = description
-        described = [gid for gid in self.left_out if gid in {g.id for g in description.groups}]
+        described = {group.id for group in description.groups} & self.left_out.keys()
         if described:
             raise KvauditError(
-                f"group {described[0]} is left out, but the description holds it",
+                f"group {min(described)} is left out, but the description holds it",
                 source or None,
             )
         self.num_blocks = description.num_blocks if num_blocks is None else num_blocks

@@ -14,7 +14,7 @@ import click
 from ..distributed import spread
 from ..errors import KvauditError, one_line
 from ..exits import EXIT_INTERRUPTED, internal_error, tolerant_streams
-from ..interrupts import interrupt_received, interrupt_signals
+from ..interrupts import check_interrupted, interrupt_received, interrupt_signals
 
 EXIT_OK = 0
 EXIT_INCOMPLETE = 1
@@ -57,10 +57,9 @@ class KvauditGroup(click.Group):
         try:
             with interrupt_signals():
                 status = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-                if interrupt_received():
-                    # One that landed in a finalizer, which only printed it: the command ran
-                    # on, but an interrupted command ends as one.
-                    raise KeyboardInterrupt
+                # One that landed in a finalizer, which only printed it: the command ran on,
+                # but an interrupted command ends as one.
+                check_interrupted()
         except KvauditError as error:
             status = fail(str(error))
         except _NO_ARGS_IS_HELP as error:

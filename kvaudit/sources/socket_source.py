@@ -191,7 +191,7 @@ def dump_requests(
     written, one per worker."""
     target = os.path.abspath(os.fspath(folder))
     written = []
-    for sock in sockets_of(path.removeprefix("live:"), path):
+    for sock in sockets_of(path.removeprefix(PREFIX), path):
         reply, _ = call(sock, {"op": "dump", "folder": target, "requests": request_ids})
         written.append(str(reply.get("path")))
     return written
