@@ -383,6 +383,24 @@ def test_bad_requests_get_error_replies(agent: Agent) -> None:
         assert idle.recv(1) == b""
 
 
+@pytest.fixture
+def scratch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The temporary folder of everything started after it."""
+    folder = tmp_path / "scratch"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
+
+
+def test_the_agent_leaves_no_files_behind(scratch: Path, agent: Agent) -> None:
+    # An engine may end without close(): nothing of the agent's may outlive its work.
+    message = {"op": "fetch", "request": "stable", "group": 0, "lo": 0, "hi": 1, "num_tokens": 5}
+    for _ in range(3):
+        _, payload = call(agent.path, message, timeout=5)
+        assert len(payload) > 8
+    assert list(scratch.iterdir()) == []
+
+
 def test_private_folder_required(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import queue
-import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Mapping
@@ -91,7 +90,6 @@ class Agent:
         self.polls = 0
         self._pending: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
         self._server = Server(self.path, self._pending, timeout)
-        self._scratch = tempfile.mkdtemp(prefix="kvaudit-agent-")
         self._handler: threading.Thread | None = None
         self._stop = threading.Event()
         if lock is not None:
@@ -131,7 +129,6 @@ class Agent:
         self._server.close()
         if self._handler is not None:
             self._handler.join(timeout=5)
-        shutil.rmtree(self._scratch, ignore_errors=True)
 
     def _serve(self) -> None:
         """The handler thread: answer each request while holding the engine's lock."""
@@ -236,14 +233,13 @@ class Agent:
             )
         }
         self._check_size(chosen)
-        target = os.path.join(self._scratch, "fetch.safetensors")
-        try:
+        # A folder of its own per fetch, gone with it: an engine that ends without
+        # close() leaves nothing behind.
+        with tempfile.TemporaryDirectory(prefix="kvaudit-fetch-") as scratch:
+            target = os.path.join(scratch, "fetch.safetensors")
             write_dump(target, self.description, self.tensors, chosen, worker=self.worker)
             with open(target, "rb") as file:
                 data = file.read()
-        finally:
-            if os.path.exists(target):
-                os.unlink(target)
         return {"ok": True, "polls": self.polls}, data
 
     def _check_size(self, chosen: Mapping[str, RequestBlocks]) -> None:
