@@ -115,7 +115,7 @@ def reinterpret(x: Array, size: int) -> Array:
 
     Raises:
         RuntimeError: The last axis is not contiguous or not a whole number of such
-            integers, or the view would not be aligned to ``size`` bytes.
+            integers (a numpy array may start at any byte; a tensor must be aligned).
 
     """
     if not is_numpy(x):
@@ -127,8 +127,8 @@ def reinterpret(x: Array, size: int) -> Array:
     if x.ndim and x.shape[-1] > 1 and x.strides[-1] != itemsize:
         raise RuntimeError("the last axis is not contiguous")
     row_bytes = x.shape[-1] * itemsize if x.ndim else itemsize
-    if row_bytes % size or data_ptr(x) % size:
-        raise RuntimeError(f"not aligned to {size} bytes")
+    if row_bytes % size:
+        raise RuntimeError(f"not a whole number of {size}-byte integers")
     if any(stride % size for n, stride in zip(x.shape[:-1], x.strides[:-1]) if n > 1):
         raise RuntimeError(f"strides not aligned to {size} bytes")
     if x.ndim == 0:

@@ -85,6 +85,31 @@ def fail(source: str | None, message: str) -> NoReturn:
     raise KvauditError(message, source=source)
 
 
+class DuplicateKeyError(ValueError):
+    """A JSON object that names one key twice (``json`` would keep the last silently)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"duplicate key {key!r}")
+        self.key = key
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's ``object_pairs_hook`` that refuses a key named twice.
+
+    Raises:
+        DuplicateKeyError: The first key named twice.
+
+    """
+    data = dict(pairs)
+    if len(data) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKeyError(key)
+            seen.add(key)
+    return data
+
+
 def load_json(text: str | bytes, source: str | None, what: str) -> Any:
     """Parse JSON ``text`` (``what`` in ``source``) and check it with ``check_plain``.
 
@@ -93,9 +118,11 @@ def load_json(text: str | bytes, source: str | None, what: str) -> Any:
 
     """
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=unique_keys)
     except RecursionError:
         fail(source, f"{what}: nested more than {MAX_DEPTH} levels deep")
+    except DuplicateKeyError as error:
+        fail(source, f"{what}: key {short(error.key)} appears twice")
     except json.JSONDecodeError as error:
         fail(source, f"{what}: not valid JSON ({error})")
     except ValueError as error:

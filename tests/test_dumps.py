@@ -4,6 +4,7 @@ the checksums of the live caches they were written from."""
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ from safetensors.torch import save_file
 from kvaudit.checksummer import Checksummer, RequestBlocks
 from kvaudit.description import CacheDescription, parse_description
 from kvaudit.dumps import open_dump, open_dump_set, write_dump
+from kvaudit.dumps.safetensors_io import read_header
 from kvaudit.errors import DescriptionError, KvauditError
 from kvaudit.formats import record_to_json
 from kvaudit.records import WorkerInfo, combine_workers
@@ -208,18 +210,67 @@ def test_round_trip_holds_the_requests_blocks(tmp_path: Path) -> None:
     assert blocks["c"].groups == {0: (3, [DUMPED.index(0), DUMPED.index(8)])}
 
 
+def _shifted(path: Path, target: Path, shift: int) -> None:
+    """Rewrite a dump with its data starting ``shift`` bytes past an 8-byte boundary (the
+    header padded with spaces): every tensor then sits at an odd offset."""
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    text = json.dumps(json.loads(raw[8 : 8 + length])).encode()
+    text += b" " * ((shift - 8 - len(text)) % 8)
+    target.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + length :])
+
+
+@pytest.mark.parametrize("shift", [1, 3, 4])
+def test_tensors_at_any_byte_offset_give_the_same_checksums(tmp_path: Path, shift: int) -> None:
+    # Other writers (safetensors.torch.save_file) align nothing: the file is read in place
+    # all the same, and its checksums are the live cache's.
+    path = tmp_path / "aligned.safetensors"
+    tensors = write(path, stored_checksums=torch.arange(NUM_BLOCKS, dtype=torch.int64))
+    shifted = tmp_path / "rank0.safetensors"
+    _shifted(path, shifted, shift)
+    with safe_open(str(shifted), framework="np") as reader:
+        assert set(reader.keys()) == {
+            ATTN,
+            ATTN_KV,
+            f"{ATTN_PAIR}/k",
+            f"{ATTN_PAIR}/v",
+            MAMBA,
+            MLA,
+            STORED,
+        }
+    assert all(entry.start % 8 == shift for entry in read_header(str(shifted)).tensors.values())
+    expected = live_record_json(description(), tensors, REQUESTS)
+    for native in ("1", "0"):
+        os.environ["KVAUDIT_NATIVE"] = native
+        try:
+            got = record_to_json(checksum_dump_set(open_dump_set([shifted])))
+        finally:
+            del os.environ["KVAUDIT_NATIVE"]
+        assert got["requests"] == expected["requests"]
+        assert got["workers"][0]["not_covered"] == expected["workers"][0]["not_covered"]
+    staged = record_to_json(checksum_dump_set(open_dump_set([shifted]), backend="torch"))
+    assert staged["requests"] == expected["requests"]
+
+
 def test_written_file_is_aligned_safetensors(tmp_path: Path) -> None:
     path = tmp_path / "rank0.safetensors"
     write(path, stored_checksums=np.zeros(NUM_BLOCKS, dtype=np.uint64))
     raw = path.read_bytes()
     (length,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + length])
-    # Every tensor but the padding between them starts 64-byte aligned in the file.
-    entries = {
-        k: v for k, v in header.items() if k != "__metadata__" and not k.startswith("kvaudit/pad/")
-    }
+    # Only the spec's tensors, end to end from the header to the file's end (safetensors
+    # allows no gap); a tensor of whole 64-byte (8-byte) units starts 64 (8) byte aligned.
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    pair = [f"{ATTN_PAIR}/k", f"{ATTN_PAIR}/v"]
+    assert set(entries) == {ATTN, ATTN_KV, *pair, MAMBA, MLA, STORED}
+    spans = sorted(tuple(e["data_offsets"]) for e in entries.values())
+    assert spans[0][0] == 0 and spans[-1][1] == len(raw) - 8 - length
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
     assert (8 + length) % 64 == 0
-    assert all((8 + length + e["data_offsets"][0]) % 64 == 0 for e in entries.values())
+    for begin, end in spans:
+        for unit in (64, 8):
+            if (end - begin) % unit == 0:
+                assert (8 + length + begin) % unit == 0
     metadata = header["__metadata__"]
     assert metadata["kvaudit.format"] == "1"
     assert json.loads(metadata["kvaudit.blocks"]) == DUMPED
@@ -550,7 +601,54 @@ def _tensor(name: str, change: Callable[[dict], None]) -> Callable[[Path], None]
 
 
 def _drop(name: str) -> Callable[[Path], None]:
-    return lambda path: _rewrite(path, lambda header: header.pop(name))
+    """Take a tensor out of a dump, its bytes with it (the others move up)."""
+
+    def drop(path: Path) -> None:
+        raw = path.read_bytes()
+        (length,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8 : 8 + length])
+        data = raw[8 + length :]
+        begin, end = header.pop(name)["data_offsets"]
+        for key, entry in header.items():
+            if key != "__metadata__" and entry["data_offsets"][0] >= end:
+                entry["data_offsets"] = [n - (end - begin) for n in entry["data_offsets"]]
+        text = json.dumps(header).encode()
+        path.write_bytes(struct.pack("<Q", len(text)) + text + data[:begin] + data[end:])
+
+    return drop
+
+
+def _drop_first_entry(header: dict) -> None:
+    """Leave the first tensor's bytes in place, the tensor gone: a gap."""
+    first = next(k for k, v in header.items() if k != "__metadata__" and v["data_offsets"][0] == 0)
+    header.pop(first)
+
+
+def _doubled_key(name: str) -> Callable[[Path], None]:
+    """The header names tensor ``name`` twice."""
+
+    def double(path: Path) -> None:
+        raw = path.read_bytes()
+        (length,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8 : 8 + length])
+        text = json.dumps(header)[:-1] + f", {json.dumps(name)}: {json.dumps(header[name])}}}"
+        data = text.encode()
+        path.write_bytes(struct.pack("<Q", len(data)) + data + raw[8 + length :])
+
+    return double
+
+
+def _doubled_request(request_id: str) -> Callable[[Path], None]:
+    """``kvaudit.requests`` names a request twice (the second one with no blocks)."""
+
+    def edit(header: dict) -> None:
+        text = header["__metadata__"]["kvaudit.requests"]
+        extra = json.dumps({"num_tokens": 1, "groups": {}})
+        header["__metadata__"]["kvaudit.requests"] = (
+            f"{text[:-1]},{json.dumps(request_id)}:{extra}}}"
+        )
+
+    return lambda path: _rewrite(path, edit)
 
 
 def _drop_in(name: str, entry: dict) -> Callable[[Path], None]:
@@ -628,8 +726,22 @@ STRICT_CASES: list[tuple[str, Callable[[Path], None], str]] = [
     ("unknown dtype", _tensor(MLA, _set("dtype", "Q4")), "unknown dtype"),
     (
         "extra tensor",
+        _drop_in("model.layers.9.attn", {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}),
+        "tensor model.layers.9.attn is not a layer",
+    ),
+    (
+        "tensor of a sharing layer",
         _drop_in(ATTN_SHARED, {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}),
-        f"tensor {ATTN_SHARED} is not a layer",
+        f"layer {ATTN_SHARED} shares the cache of {ATTN} (shares:) and has no tensor",
+    ),
+    ("gap", lambda p: _rewrite(p, _drop_first_entry), "bytes 0 to "),
+    ("bytes after the tensors", lambda p: p.write_bytes(p.read_bytes() + b"x"), "1 bytes follow"),
+    ("tensor named twice", _doubled_key(ATTN), f'key "{ATTN}" appears twice'),
+    ("request named twice", _doubled_request("a"), 'kvaudit.requests: key "a" appears twice'),
+    (
+        "huge shape of no bytes",
+        _tensor(MLA, _set("shape", [0, 2**40, 2**40])),
+        "is too large",
     ),
     (
         "stored shape",
@@ -808,6 +920,11 @@ def test_failure_midway_keeps_the_old_file(tmp_path: Path) -> None:
         (lambda t, r: r.__setitem__("d", RequestBlocks(4, {0: (0, [16])})), "not in the cache"),
         (lambda t, r: r.__setitem__("d", RequestBlocks(4, {0: (0, [1, 1])})), "two positions"),
         (lambda t, r: r.__setitem__("d", RequestBlocks(-4, {})), "num_tokens"),
+        # What only a reader used to refuse: the file would not have opened.
+        (lambda t, r: r.__setitem__("d", RequestBlocks(3, {0: (5, [1])})), "beyond the request"),
+        (lambda t, r: r.__setitem__("d", RequestBlocks(0, {0: (0, [1])})), "beyond the request"),
+        (lambda t, r: r.__setitem__("d", RequestBlocks(2**41, {0: (0, [1])})), "num_tokens must"),
+        (lambda t, r: r.__setitem__("d\ud800", RequestBlocks(4, {})), "not Unicode text"),
     ],
 )
 def test_write_checks_its_input(tmp_path: Path, change: Callable, expected: str) -> None:
@@ -817,6 +934,23 @@ def test_write_checks_its_input(tmp_path: Path, change: Callable, expected: str)
     change(tensors, requests)
     with pytest.raises(KvauditError) as error:
         write_dump(path, description(), tensors, requests, worker=WORKER)
+    assert expected in str(error.value)
+    assert str(error.value).startswith(f"{path}: ")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"block_hashes": {"a": {0: [b""]}}}, '"" is not a hex hash'),
+        ({"block_hashes": {"a": {7: []}}}, "group 7 is not a group"),
+        ({"worker": WorkerInfo(0, 1, 0, 1, "consumer", None)}, "engine: expected a string"),  # type: ignore[arg-type]
+    ],
+)
+def test_write_refuses_what_a_reader_refuses(tmp_path: Path, options: dict, expected: str) -> None:
+    path = tmp_path / "rank0.safetensors"
+    with pytest.raises(KvauditError) as error:
+        write_dump(path, description(), live_tensors(), REQUESTS, **{"worker": WORKER, **options})
     assert expected in str(error.value)
     assert str(error.value).startswith(f"{path}: ")
     assert os.listdir(tmp_path) == []

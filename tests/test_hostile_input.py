@@ -503,3 +503,19 @@ def test_text_given_as_a_dump_or_record_is_sniffed_within_the_limits(
     path.write_text(text)
     with bounded(seconds=3):
         assert_one_line_error(run("inspect", path), name)
+
+
+def test_a_key_named_twice_is_refused_not_resolved(seeds: Seeds, tmp_path: Path) -> None:
+    # json keeps the last of two equal keys: a record or dump naming a request twice would
+    # silently lose one.
+    text = json.dumps(seeds.record_json)
+    request = json.dumps(seeds.record_json["requests"]["r"])
+    record = tmp_path / "r.json"
+    record.write_text(text.replace('"requests": {', f'"requests": {{"r": {request}, ', 1))
+    line = assert_one_line_error(run("checksum", record), "r.json")
+    assert 'key "r" appears twice' in line
+    requests = json.dumps(requests_with())
+    doubled = requests[:-1] + ', "r": ' + json.dumps(requests_with()["r"]) + "}"
+    dump = with_metadata(seeds, tmp_path / "d.safetensors", requests=doubled)
+    line = assert_one_line_error(run("checksum", dump), "d.safetensors")
+    assert 'kvaudit.requests: key "r" appears twice' in line

@@ -21,6 +21,7 @@ from safety_dumps import description, make_dump
 
 import kvaudit.report
 from kvaudit.cli import main
+from kvaudit.dumps import open_dump
 from kvaudit.errors import ECHO_LIMIT, KvauditError, capped, one_line, printable
 from kvaudit.files import atomic_path, check_input, check_output, output_place
 from kvaudit.report.text import render_text
@@ -191,7 +192,9 @@ def test_check_output_is_shared(tmp_path: Path) -> None:
 # Class 3: inputs that would block.
 
 
-@pytest.mark.parametrize("role", ["dump", "config", "against", "in-directory", "live"])
+@pytest.mark.parametrize(
+    "role", ["dump", "config", "against", "in-directory", "live", "corrupt", "library"]
+)
 def test_fifo_inputs_are_refused_without_blocking(dump: Path, tmp_path: Path, role: str) -> None:
     fifo = tmp_path / "in.fifo"
     if role == "in-directory":
@@ -206,9 +209,15 @@ def test_fifo_inputs_are_refused_without_blocking(dump: Path, tmp_path: Path, ro
         "against": ["verify", dump, "--against", fifo],
         "in-directory": ["inspect", tmp_path / "set"],
         "live": ["inspect", f"live:{fifo}"],
+        "corrupt": ["corrupt", fifo, "-o", tmp_path / "out.safetensors", "--request", "r"],
+        "library": [],
     }[role]
     with deadline(60):
-        result = run(*args)
+        if role == "library":
+            with pytest.raises(KvauditError, match="is a FIFO"):
+                open_dump(fifo)
+            return
+        result = run(*args, "--group", "0", "--position", "0") if role == "corrupt" else run(*args)
     assert_error(result, "is a FIFO", fifo.name)
 
 

@@ -12,10 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from ..description import CacheDescription
+from ..description import CacheDescription, LayerEntry
 from ..description import parse_description as _parse_description
 from ..dtypes import INT64, UINT8, dtype_name
 from ..errors import KvauditError
+from ..files import check_input
 from ..records import WorkerInfo
 from ..validation import (
     MAX_TOKENS,
@@ -233,6 +234,17 @@ def _parse_requests(
     return requests
 
 
+def check_metadata(metadata: Mapping[str, str], row_ids: list[int] | None, source: str) -> None:
+    """Read a dump's metadata back as ``open_dump`` reads it (its worker, description,
+    rows and requests), for a writer: what a reader would refuse is refused before
+    anything is written."""
+    worker = _parse_worker(metadata, source)
+    description = _embedded_description(metadata, source)
+    _parse_blocks(metadata, description, source, worker, given=False)
+    holds = range(description.num_blocks) if row_ids is None else set(row_ids)
+    _parse_requests(metadata, description, holds.__contains__, source)
+
+
 def _parse_hashes(
     source: str,
     where: str,
@@ -311,8 +323,25 @@ def _dump_tensors(
             continue
         if name.startswith(PAD_PREFIX) and item.dtype == UINT8 and len(item.shape) == 1:
             continue
+        sharing = _sharing_layers(description).get(name.removesuffix("/k").removesuffix("/v"))
+        if sharing is not None:
+            fail(
+                source,
+                f"tensor {name}: layer {sharing.name} shares the cache of {sharing.shares} "
+                "(shares:) and has no tensor of its own",
+            )
         fail(source, f"tensor {name} is not a layer of the cache description")
     return found, stored
+
+
+def _sharing_layers(description: CacheDescription) -> dict[str, LayerEntry]:
+    """The layers that share another layer's cache, by name."""
+    return {
+        entry.name: entry
+        for group in description.groups
+        for entry in group.layers
+        if entry.shares is not None
+    }
 
 
 def _check_whole_cache_rows(
@@ -356,6 +385,7 @@ def open_dump(path: str | os.PathLike[str], config: CacheDescription | None = No
 
     """
     source = os.fspath(path)
+    check_input(source, directory=True)  # a FIFO or a device would block or never end
     if os.path.isdir(source):
         # Imported here: a dump file never needs the ExampleConnector reader.
         from .example_connector import open_example_connector

@@ -1,12 +1,11 @@
 """The safetensors file format, strictly: the header parsed with every check a reader
 needs, the file memory-mapped and its tensors viewed in place (no copy); and the writing
-underneath a dump: header bytes, 64-byte alignment by pad tensors, an atomic write synced
+underneath a dump: header bytes, tensors end to end and aligned, an atomic write synced
 to disk. Nothing here knows what a dump holds.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import os
@@ -19,16 +18,27 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 
 from ..arrays import integer_array
-from ..dtypes import UINT8, DType, dtype_size, parse_dtype, safetensors_dtype_name, torch_dtype
-from ..files import atomic_path
+from ..dtypes import DType, dtype_size, parse_dtype, safetensors_dtype_name, torch_dtype
+from ..files import atomic_path, check_input
 from ..mapping import FileMap
-from ..validation import MAX_DEPTH, MAX_HEADER_BYTES, check_plain, fail, is_int, short
+from ..validation import (
+    MAX_DEPTH,
+    MAX_HEADER_BYTES,
+    DuplicateKeyError,
+    check_plain,
+    fail,
+    is_int,
+    short,
+    short_text,
+    unique_keys,
+)
 
 if TYPE_CHECKING:
     import torch
 
 PAD_PREFIX = "kvaudit/pad/"
-"""Names of the U8 tensors a writer inserts so that every tensor starts 64-byte aligned."""
+"""Names of the U8 filler tensors that earlier kvaudit writers put between tensors to
+align them (readers skip them)."""
 
 ALIGNMENT = 64
 _LENGTH = struct.Struct("<Q")
@@ -59,6 +69,7 @@ class Header:
 
 def read_header(path: str) -> Header:
     """Parse a safetensors header and check that every tensor's bytes lie in the file."""
+    check_input(path)  # a FIFO or a device would block or never end
     try:
         with open(path, "rb") as file:
             size = os.fstat(file.fileno()).st_size
@@ -86,9 +97,13 @@ def read_header(path: str) -> Header:
     except OSError as error:
         fail(path, f"cannot read: {error.strerror}")
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys)
+    except DuplicateKeyError as error:
+        fail(path, f"invalid safetensors header: key {short(error.key)} appears twice")
+    except (UnicodeDecodeError, json.JSONDecodeError):
         fail(path, "not a safetensors file: its header is not JSON")
+    except ValueError as error:  # an integer of more digits than Python converts
+        fail(path, f"invalid safetensors header: {short_text(str(error))}")
     except RecursionError:
         fail(path, f"safetensors header: nested more than {MAX_DEPTH} levels deep")
     check_plain(header, path, "safetensors header")
@@ -104,12 +119,34 @@ def read_header(path: str) -> Header:
         name: _header_entry(path, name, info, data_start, size) for name, info in header.items()
     }
     ranges = sorted(entries.values(), key=lambda entry: (entry.start, entry.nbytes))
-    for before, after in itertools.pairwise(ranges):
-        if after.start < before.start + before.nbytes:
-            fail(
-                path, f"invalid safetensors header: tensors {before.name} and {after.name} overlap"
-            )
+    end = _covered_end(path, ranges, data_start)
+    if size > end:
+        fail(path, f"not a safetensors file: {size - end} bytes follow its last tensor")
     return Header(entries, metadata)
+
+
+def _covered_end(path: str, ranges: list[Entry], data_start: int) -> int:
+    """Where the tensors end; refuse tensors that overlap, or leave bytes between them or
+    before the first (safetensors lays its tensors end to end from the header on)."""
+    end = data_start
+    previous = None
+    for entry in ranges:
+        if entry.start < end:
+            assert previous is not None
+            fail(
+                path,
+                f"invalid safetensors header: tensors {previous.name} and {entry.name} overlap",
+            )
+        if entry.start > end:
+            fail(
+                path,
+                f"invalid safetensors header: bytes {end - data_start} to "
+                f"{entry.start - data_start - 1} of the data, before tensor {entry.name}, "
+                "belong to no tensor",
+            )
+        end = entry.start + entry.nbytes
+        previous = entry
+    return end
 
 
 def _header_entry(path: str, name: str, info: object, data_start: int, size: int) -> Entry:
@@ -134,6 +171,8 @@ def _header_entry(path: str, name: str, info: object, data_start: int, size: int
         or not 0 <= offsets[0] <= offsets[1]
     ):
         fail(path, f"{where}: data_offsets {short(offsets)} is not [begin, end]")
+    if math.prod(n for n in shape if n) * dtype_size(dtype) >= _INT64_LIMIT:
+        fail(path, f"{where}: shape {short(shape)} is too large")
     nbytes = math.prod(shape) * dtype_size(dtype)
     if offsets[1] - offsets[0] != nbytes:
         fail(
@@ -219,17 +258,19 @@ def write_bytes(data: bytes) -> Callable[[BinaryIO], None]:
     return lambda file: file.write(data)
 
 
-def with_padding(outputs: list[Output]) -> list[tuple[Output, int]]:
-    """The outputs with their data offsets, a U8 pad tensor before any that would not
-    start 64-byte aligned."""
+def end_to_end(outputs: list[Output]) -> list[tuple[Output, int]]:
+    """The outputs with their data offsets, end to end as safetensors lays them, those
+    whose sizes are the larger multiples of 64, 32, 16 ... bytes first (in their own order
+    within each): then every tensor whose size is a multiple of 8 bytes starts 8-byte
+    aligned, and one of 64 bytes 64-byte aligned, with no filler tensor."""
+
+    def alignment(output: Output) -> int:
+        size = output.nbytes
+        return ALIGNMENT if size % ALIGNMENT == 0 else size & -size
+
     placed = []
     offset = 0
-    for output in outputs:
-        if offset % ALIGNMENT:
-            pad = ALIGNMENT - offset % ALIGNMENT
-            filler = Output(f"{PAD_PREFIX}{len(placed)}", UINT8, (pad,), write_bytes(bytes(pad)))
-            placed.append((filler, offset))
-            offset += pad
+    for output in sorted(outputs, key=alignment, reverse=True):
         placed.append((output, offset))
         offset += output.nbytes
     return placed

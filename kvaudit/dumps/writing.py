@@ -38,12 +38,12 @@ from .dump import (
     STORED_CHECKSUMS,
 )
 from .layers import check_layer, kernel_blocks_per_block, layer_parts, owner_layers, tensor_names
-from .reading import check_group_blocks
+from .reading import check_group_blocks, check_metadata
 from .safetensors_io import (
     Output,
     as_integers,
+    end_to_end,
     header_bytes,
-    with_padding,
     write_atomically,
     write_bytes,
 )
@@ -315,6 +315,7 @@ def write_dump(
     }
     if not whole_cache:
         metadata[META_BLOCKS] = json.dumps(row_ids, **compact)
-    placed = with_padding(outputs)
+    check_metadata(metadata, None if whole_cache else row_ids, target)
+    placed = end_to_end(outputs)
     header = header_bytes(metadata, placed)
     write_atomically(target, header, placed)

@@ -16,7 +16,7 @@ from ..dumps.hints import DESCRIPTION_HINT, is_description_data, looks_like_desc
 from ..errors import KvauditError
 from ..files import check_input
 from ..records import Record, WorkerInfo
-from ..validation import MAX_DEPTH, short_text
+from ..validation import MAX_DEPTH, DuplicateKeyError, short, short_text, unique_keys
 from .base import Progress, Runtime, Source
 from .inventory import GroupInfo, Inventory, RequestInventory, WorkerInventory, add_request
 from .registry import OpenOptions
@@ -119,7 +119,9 @@ def load_record(path: str) -> Record:
     except OSError as error:
         raise KvauditError(f"cannot read: {error.strerror}", path) from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=unique_keys)
+    except DuplicateKeyError as error:
+        raise KvauditError(f"key {short(error.key)} appears twice in one object", path) from None
     except json.JSONDecodeError as error:
         if looks_like_description(path):
             raise KvauditError(DESCRIPTION_HINT, path) from None

@@ -34,6 +34,7 @@ from ...records import (
     combine_workers,
 )
 from ...scheme import from_hex, to_hex
+from ...validation import unique_keys
 
 MARKER = "kvaudit-vllm.json"
 FORMAT = "kvaudit.vllm-output/1"
@@ -161,7 +162,7 @@ def _read_worker(path: Path, role: str | None) -> WorkerRecord | None:
                 continue
             where = f"{path}: line {number}"
             try:
-                line = json.loads(text)
+                line = json.loads(text, object_pairs_hook=unique_keys)
                 if line.get("format") != LINE_FORMAT:
                     raise KvauditError(f"format is not {LINE_FORMAT}", where)
                 if role is not None and line["role"] != role:
