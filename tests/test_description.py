@@ -849,3 +849,45 @@ def test_unknown_dtype(name: str) -> None:
 def test_dtype_without_safetensors_name() -> None:
     with pytest.raises(ValueError, match="complex64"):
         safetensors_dtype_name(torch.complex64)
+
+
+@pytest.mark.parametrize("value", [10**400, -(10**400), True, "0.5", float("nan")])
+def test_a_scale_that_is_no_positive_finite_number_is_refused(value: Any) -> None:
+    data = base()
+    data["groups"][0]["spec"]["scale"] = value
+    with pytest.raises(DescriptionError, match=r"groups\[0\]\.spec\.scale: expected a positive"):
+        parse_description(data, "test")
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"type": "mla", "head_size": 576, "dtype": "fp8_e4m3", "layout": "NTC"},
+        {"type": "full_attention", "num_kv_heads": 1, "head_size": 8, "head_size_v": 0},
+    ],
+    ids=["mla", "no-v-rows"],
+)
+def test_scale_without_v_rows_scales_k_only_and_reads_back(spec: dict) -> None:
+    # v_scale defaults to scale only where there are V rows: a dump of this description
+    # must read back (v_scale is refused without V rows).
+    data = {
+        "kvaudit": 1,
+        "num_blocks": 4,
+        "groups": [
+            {
+                "spec": {
+                    "block_size": 16,
+                    "dtype": "fp8_e4m3",
+                    "layout": "NTHC",
+                    **spec,
+                    "scale": 0.5,
+                },
+                "layers": ["model.layers.0.attn"],
+            },
+        ],
+    }
+    description = parse_description(data, "test")
+    layer = description.groups[0].spec
+    assert (layer.k_scale, layer.v_scale) == (0.5, None)
+    again = parse_description(json.loads(json.dumps(description_to_dict(description))), "dump")
+    assert again == description

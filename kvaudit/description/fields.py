@@ -142,14 +142,14 @@ class FieldChecker(Checker):
         value = raw.get(key)
         if value is None:
             return default
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not math.isfinite(value)
-            or value <= 0
-        ):
+        try:
+            # An integer past float's range overflows: not a finite number either.
+            number = float(value) if isinstance(value, (int, float)) else math.nan
+        except OverflowError:
+            number = math.inf
+        if isinstance(value, bool) or not math.isfinite(number) or number <= 0:
             self.fail(join(path, key), f"expected a positive finite number, {self.got(value)}")
-        return float(value)
+        return number
 
     def choice(self, value: object, path: str, choices: tuple[str, ...]) -> str:
         if value is None:

@@ -81,8 +81,9 @@ class SpecChecker(FieldChecker):
         max_tp_shards = self.field_int(raw, path, "max_tp_shards")
         scale = self.scale(raw, path, "scale", None)
         k_scale = self.scale(raw, path, "k_scale", scale)
-        v_scale = self.scale(raw, path, "v_scale", scale)
-        if v_scale is not None and head_size_v == 0 and "v_scale" in raw:
+        # Without V rows there is nothing for a V scale to scale, not even scale's default.
+        v_scale = self.scale(raw, path, "v_scale", scale if head_size_v else None)
+        if v_scale is not None and head_size_v == 0:
             self.fail(join(path, "v_scale"), "not allowed without V rows (head_size_v is 0)")
         if "K" in layout and head_size_v != head_size:
             default = "" if "head_size_v" in raw else " (the default)"
