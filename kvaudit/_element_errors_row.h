@@ -200,7 +200,8 @@ TARGET static void NAME(row_exact)(const REAL *p, const REAL *c, Py_ssize_t n,
         }
         REAL rel = a / magnitude;
         int over = tol->by_ratio ? rel > tol->rtol : a > magnitude * tol->rtol + tol->atol;
-        UINT magnitude_bits = NAME(bits_of)(magnitude);
+        /* A NaN has no magnitude: the largest |p| is over the other values. */
+        UINT magnitude_bits = isnan(magnitude) ? 0 : NAME(bits_of)(magnitude);
         row->abs = a > row->abs ? a : row->abs;
         scale = magnitude_bits > scale ? magnitude_bits : scale;
         row->rel = rel > row->rel ? rel : row->rel;

@@ -15,6 +15,7 @@ relative error.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import numpy as np
 
 from .compare.numeric import GroupNumeric, NumericReport, RequestNumeric, SliceErrors
 from .element_errors import LayerErrors
+from .errors import KvauditError
 from .native_errors import native_module, reads
 from .numeric_layers import (
     ThreadFiles,
@@ -289,6 +291,10 @@ def numeric_diff(
     """
     from concurrent.futures import ThreadPoolExecutor  # only when comparing (start-up)
 
+    for name, value in (("atol", atol), ("rtol", rtol)):
+        # A NaN tolerance would pass everything: no comparison with it is ever true.
+        if not (math.isfinite(value) and value >= 0):
+            raise KvauditError(f"{name}: expected a finite number >= 0, got {value}")
     report = NumericReport(atol, rtol)
     threads = min(THREADS, os.cpu_count() or 1)
     with ThreadPoolExecutor(threads) as pool, ThreadFiles(threads) as files:

@@ -5,8 +5,10 @@ its bf16 source; a head swap's stripe; the exit status and the JSON."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
+import kvbuild as kb
 import numpy as np
 import pytest
 import torch
@@ -29,7 +31,7 @@ from valued_sets import (
 from kvaudit.cli import main
 from kvaudit.description import parse_description
 from kvaudit.elements import FP8_E4M3FN, FP8_E5M2
-from kvaudit.errors import DescriptionError
+from kvaudit.errors import DescriptionError, KvauditError
 from kvaudit.formats.heatmaps import layer_head_errors, layer_token_errors
 from kvaudit.numeric import numeric_diff
 from kvaudit.sources import open_source
@@ -199,6 +201,30 @@ def test_nan_on_one_side_only_fails(tmp_path: Path) -> None:
     assert item["worst_tokens"][0] == {"position": 7, "abs_error": "inf"}
 
 
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_a_nan_both_sides_hold_leaves_the_heads_scale(
+    tmp_path: Path, native: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NaN against NaN agrees; the head's largest |p| and scaled error are over its numbers.
+    monkeypatch.setenv("KVAUDIT_NATIVE", native)
+    the_model = model("float32")
+    values = draw(5, the_model)
+    producer = {rid: {n: v.copy() for n, v in layers.items()} for rid, layers in values.items()}
+    layer = ATTN.format(1)
+    producer["req-a"][layer][2, 0, 1] = np.nan
+    consumer = {rid: {n: v.copy() for n, v in layers.items()} for rid, layers in producer.items()}
+    consumer["req-a"][layer][5, 0, 3] += 0.25
+    left = dump(tmp_path / "p", the_model, producer, PRODUCER, "producer")
+    right = dump(tmp_path / "c", the_model, consumer, CONSUMER, "consumer")
+    status, data = run_numeric(left, right, "--atol", "1")
+    assert status == 0
+    item = slices_of(data, "req-a")[layer, 0]
+    largest = float(np.nanmax(np.abs(producer["req-a"][layer][:, 0])))
+    assert item["max_abs_producer"] == pytest.approx(largest)
+    assert item["scaled_error"] == pytest.approx(item["max_abs_error"] / largest)
+    assert item["max_abs_error"] == pytest.approx(0.25, rel=1e-6)
+
+
 def test_opposite_infinities_fail(tmp_path: Path) -> None:
     """+Inf where the producer holds -Inf: an Inf on one side only, whatever the
     tolerance (docs/numeric.md), not an agreement of two infinities."""
@@ -273,3 +299,89 @@ def test_scale_in_the_description() -> None:
         raw["groups"][0]["spec"]["scale"] = bad
         with pytest.raises(DescriptionError, match=r"cache.yaml: groups\[0\].spec.scale"):
             parse_description(raw, "cache.yaml")
+
+
+def test_what_a_diff_must_never_pass_fails_by_value_too(tmp_path: Path) -> None:
+    # docs/cli.md, "What a diff must never pass": tokens the consumer lacks, a consumer
+    # copy of replicated heads that differs, a worker missing, nothing compared.
+    the_model = model("bfloat16")
+    values = draw(11, the_model)
+    left = dump(tmp_path / "p", the_model, values, PRODUCER, "producer")
+    short = {rid: {n: v[:20] for n, v in layers.items()} for rid, layers in values.items()}
+    status, data = run_numeric(
+        left, dump(tmp_path / "short", the_model, short, CONSUMER, "consumer")
+    )
+    assert status == 1 and not data["ok"] and data["failed_slices"] == 0
+    assert data["missing"] == [
+        {
+            "request": "req-a",
+            "group": None,
+            "what": "tokens 20..36: the consumer holds 20 of the producer's 37 tokens",
+        }
+    ]
+    assert run_numeric(left, tmp_path / "short", "--allow-missing")[0] == 0
+
+    # TP 8 over 4 heads: every head on two ranks; copy 1 of head 0 (rank 1) zeroed.
+    replicated = kb.Engine(tp_size=8, block_sizes={0: 4}, layouts={0: "KNTHD"}, seed=5)
+    copies = dump(tmp_path / "copies", the_model, values, replicated, "consumer")
+    assert run_numeric(left, copies)[0] == 0
+    broken = tmp_path / "broken"
+    shutil.copytree(copies, broken)
+    result = CliRunner().invoke(
+        main,
+        [
+            "corrupt",
+            str(copies / "tp1.safetensors"),
+            "-o",
+            str(broken / "tp1.safetensors"),
+            "--request",
+            "req-b",
+            "--group",
+            "0",
+            "--position",
+            "2",
+            "--mode",
+            "zero",
+            "-q",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    status, data = run_numeric(left, broken)
+    assert status == 1 and data["failed_slices"] == 0
+    # Positions in the coarser block size of the two sides (16 tokens): tokens 8..11.
+    assert data["copies_differing"] == [
+        {"request": "req-b", "group": 0, "copies": [{"position": 0, "replicas": 2, "replica": 1}]}
+    ]
+    (broken / "tp1.safetensors").unlink()
+    status, data = run_numeric(left, broken)
+    assert status == 1 and data["failed_slices"] == 0
+    assert data["incomplete"] == [
+        "the consumer set lacks workers pp 0 tp 1: its values are compared in part"
+    ]
+
+    status, data = run_numeric(
+        dump(tmp_path / "none-p", the_model, {}, PRODUCER, "producer"),
+        dump(tmp_path / "none-c", the_model, {}, CONSUMER, "consumer"),
+    )
+    assert status == 1 and data["empty"] == "the two sides have no request in common"
+    assert run_numeric(tmp_path / "none-p", tmp_path / "none-c", "--allow-empty")[0] == 0
+
+
+def test_numeric_warns_of_swapped_roles(tmp_path: Path) -> None:
+    the_model = model("bfloat16")
+    values = draw(12, the_model)
+    left = dump(tmp_path / "p", the_model, values, PRODUCER, "producer")
+    right = dump(tmp_path / "c", the_model, values, CONSUMER, "consumer")
+    result = CliRunner().invoke(main, ["diff", str(right), str(left), "--numeric", "-q"])
+    assert result.exit_code == 0
+    assert "kvaudit: warning: the roles look swapped" in result.stderr
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400"])
+def test_tolerances_must_be_finite(tmp_path: Path, value: str) -> None:
+    the_model = model("bfloat16")
+    left = dump(tmp_path / "p", the_model, draw(13, the_model), PRODUCER, "producer")
+    result = CliRunner().invoke(main, ["diff", str(left), str(left), "--numeric", "--atol", value])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    with pytest.raises(KvauditError, match="rtol: expected a finite number"):
+        numeric_diff([], [], {}, rtol=float(value))

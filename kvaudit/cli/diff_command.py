@@ -4,12 +4,14 @@ blocks located) or, with ``--numeric``, by value."""
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..distributed import spread
+from ..errors import printable
 from .arguments import check_outputs, load_config, open_sources, wanted_ids
 from .group import EXIT_MISMATCH, EXIT_OK, main
 from .options import DIFF_EXIT_HELP, ReportFormat, common_options, report_options, request_option
@@ -17,6 +19,15 @@ from .output import ReportOutputs, emit, emit_report, emit_table
 
 if TYPE_CHECKING:
     from ..sources import Source
+
+
+def _finite(
+    context: click.Context, parameter: click.Parameter, value: float | None
+) -> float | None:
+    """Refuse a tolerance that is NaN or infinite (FloatRange lets both through)."""
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number")
+    return value
 
 
 def _numeric_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -33,6 +44,7 @@ def _numeric_options(command: Callable[..., Any]) -> Callable[..., Any]:
             name,
             type=click.FloatRange(min=0.0),
             default=None,
+            callback=_finite,
             help=f"With --numeric: the {what} tolerance [default: 0].",
         )(command)
     return click.option(
@@ -111,7 +123,8 @@ def diff(
             raise click.UsageError("--numeric reports as table or JSON, not JUnit")
         outputs = (output, json_path, html_path)
         tolerance = (atol or 0.0, rtol or 0.0)
-        return diff_numeric(left, right, wanted, tolerance, output_format, outputs, quiet)
+        allowed = (allow_missing, allow_empty)
+        return diff_numeric(left, right, wanted, tolerance, allowed, output_format, outputs, quiet)
     if atol is not None or rtol is not None:
         raise click.UsageError("--atol and --rtol go with --numeric")
     with progress_bar(diff_work(left, right, wanted), "diff", enabled=not quiet) as advance:
@@ -144,12 +157,14 @@ def diff_numeric(
     right: Source,
     wanted: list[str] | None,
     tolerance: tuple[float, float],
+    allowed: tuple[bool, bool],
     output_format: ReportFormat,
     outputs: tuple[str | None, str | None, str | None],
     quiet: bool,
 ) -> int:
     """``diff --numeric``: compare by value, print or write the report (``outputs``: -o,
-    --json and --html files), the exit status."""
+    --json and --html files), the exit status; ``allowed``: --allow-missing and
+    --allow-empty."""
     from ..diffing import diff_work, numeric_sources
     from ..formats import json_text
     from ..formats.html import numeric_html
@@ -163,8 +178,17 @@ def diff_numeric(
     atol, rtol = tolerance
     with progress_bar(diff_work(left, right, wanted), "diff", enabled=not quiet) as advance:
         report = numeric_sources(
-            left, right, atol=atol, rtol=rtol, request_ids=wanted, progress=advance
+            left,
+            right,
+            atol=atol,
+            rtol=rtol,
+            request_ids=wanted,
+            progress=advance,
+            allow_missing=allowed[0],
+            allow_empty=allowed[1],
         )
+    for warning in report.warnings:
+        click.echo(f"kvaudit: warning: {printable(warning, newlines=False)}", err=True)
     title = f"diff --numeric: producer {left.describe()}, consumer {right.describe()}"
     text = json_text(numeric_to_json(report, left.describe(), right.describe())) + "\n"
     if output_format == "json":

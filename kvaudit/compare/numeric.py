@@ -78,7 +78,16 @@ class RequestNumeric:
 @dataclass
 class NumericReport:
     """A producer compared with a consumer by value: tolerances, each request's groups,
-    requests one side lacks and what could not be compared (``(request, group, why)``)."""
+    requests one side lacks and what could not be compared (``(request, group, why)``).
+
+    What a diff must never pass is checked as the bitwise diff checks it: ``missing``
+    holds ``(request, group or None, what)`` the producer holds that the consumer lacks
+    (its tokens, or block positions, accepted with ``allow_missing``);
+    ``copies_differing`` each ``(request, group, [(position, R, r)])`` where the
+    consumer's copy ``r`` of replicated heads holds other bits than its copy 0 (the one
+    compared by value); ``incomplete`` each side whose set lacks workers; nothing
+    compared fails unless ``allow_empty``; ``warnings`` as the bitwise diff's.
+    """
 
     atol: float
     rtol: float
@@ -86,6 +95,33 @@ class NumericReport:
     only_producer: list[str] = field(default_factory=list)
     only_consumer: list[str] = field(default_factory=list)
     not_compared: list[tuple[str, int, str]] = field(default_factory=list)
+    missing: list[tuple[str, int | None, str]] = field(default_factory=list)
+    copies_differing: list[tuple[str, int, list[tuple[int, int, int]]]] = field(
+        default_factory=list
+    )
+    incomplete: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    allow_missing: bool = False
+    allow_empty: bool = False
+
+    @property
+    def compared_tokens(self) -> int:
+        """The (layer, head) tokens compared over every request."""
+        return sum(
+            item.tokens
+            for request in self.requests.values()
+            for group in request.groups.values()
+            for item in group.slices
+        )
+
+    @property
+    def empty_reason(self) -> str | None:
+        """Why nothing was compared, or None when something was (or ``allow_empty``)."""
+        if self.allow_empty or self.compared_tokens or self.only_producer:
+            return None
+        if not self.requests:
+            return "the two sides have no request in common"
+        return "no token was compared"
 
     @property
     def failed_slices(self) -> int:
@@ -98,7 +134,16 @@ class NumericReport:
 
     @property
     def ok(self) -> bool:
-        """No element over the tolerance, nothing on one side only, nothing uncompared."""
+        """No element over the tolerance, nothing on one side only, nothing uncompared or
+        missing (unless allowed), no consumer copy differing, both sets complete and
+        something compared (unless allowed)."""
         return not (
-            self.failed_slices or self.only_producer or self.only_consumer or self.not_compared
+            self.failed_slices
+            or self.only_producer
+            or self.only_consumer
+            or self.not_compared
+            or (self.missing and not self.allow_missing)
+            or self.copies_differing
+            or self.incomplete
+            or self.empty_reason
         )

@@ -1,15 +1,21 @@
 """``diff --numeric``: a producer and a consumer compared by value over the tokens both hold,
-from both sides' raw KV.
+from both sides' raw KV, and checked for what a diff must never pass (missing tokens or
+positions, consumer copies that differ, incomplete sets, nothing compared) as the bitwise
+diff checks it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+from ..compare import DiffReport
 from ..compare.numeric import NumericReport
 from ..errors import KvauditError
 from ..numeric import numeric_diff
+from ..pairing import side_warnings
 from ..sources import Progress, Source
+from ..sources.raw import RawWorker
+from .diff import diff_sources
 from .sides import check_wanted, shared_tokens, unique_ids
 
 
@@ -21,9 +27,14 @@ def numeric_sources(
     rtol: float = 0.0,
     request_ids: Sequence[str] | None = None,
     progress: Progress | None = None,
+    allow_missing: bool = False,
+    allow_empty: bool = False,
 ) -> NumericReport:
     """The producer compared with the consumer by value over the tokens both hold
-    (docs/numeric.md).
+    (docs/numeric.md). Both sides are also checksummed, as ``diff`` does, for what the
+    values cannot show: positions the consumer lacks (accepted with ``allow_missing``) and
+    consumer copies of replicated heads that differ from the copy compared by value. A
+    report in which nothing was compared fails unless ``allow_empty``.
 
     Raises:
         KvauditError: A requested id on neither side, or a side that holds only checksums.
@@ -32,6 +43,7 @@ def numeric_sources(
     ids = unique_ids(request_ids)
     if ids is not None:
         check_wanted(producer, consumer, ids)
+    counts = (producer.token_counts(), consumer.token_counts())
     shared = shared_tokens(producer, consumer, ids)
     raw = []
     for side in (producer, consumer):
@@ -42,7 +54,69 @@ def numeric_sources(
                 f"{side.kind} that holds only checksums"
             )
         raw.append(workers)
+    structure = diff_sources(
+        producer, consumer, request_ids=ids, locate=False, allow_missing=True, allow_empty=True
+    )
     left, right = raw
-    return numeric_diff(
+    report = numeric_diff(
         left, right, shared, atol=atol, rtol=rtol, request_ids=ids, progress=progress
     )
+    report.allow_missing, report.allow_empty = allow_missing, allow_empty
+    report.warnings = side_warnings(producer, consumer)
+    report.missing = _missing(structure, counts)
+    report.copies_differing = [
+        (rid, gid, list(group.replica_mismatches))
+        for rid, gid, group in structure.groups()
+        if group.replica_mismatches
+    ]
+    report.incomplete = [
+        text
+        for label, workers in zip(("producer", "consumer"), raw)
+        if (text := _incomplete(label, workers)) is not None
+    ]
+    return report
+
+
+def _missing(
+    structure: DiffReport, counts: tuple[Mapping[str, int], Mapping[str, int]]
+) -> list[tuple[str, int | None, str]]:
+    """What the producer holds that the consumer lacks: tokens past the consumer's count,
+    and block positions within it (the bitwise diff's missing positions)."""
+    found: list[tuple[str, int | None, str]] = []
+    for rid in structure.requests:
+        held, consumer_tokens = counts[0].get(rid, 0), counts[1].get(rid, 0)
+        if consumer_tokens < held:
+            found.append(
+                (
+                    rid,
+                    None,
+                    f"tokens {consumer_tokens}..{held - 1}: the consumer holds "
+                    f"{consumer_tokens} of the producer's {held} tokens",
+                )
+            )
+        for gid, group in sorted(structure.requests[rid].items()):
+            # Positions past the consumer's tokens are said above, once per request.
+            size = group.block_size
+            within = [p for p in group.missing_positions if (p + 1) * size <= consumer_tokens]
+            if within:
+                listed = ", ".join(str(p) for p in within)
+                found.append((rid, gid, f"block positions {listed} (of {group.block_size} tokens)"))
+    return found
+
+
+def _incomplete(label: str, workers: Sequence[RawWorker]) -> str | None:
+    """``label``'s set in words when it lacks workers of its TP x PP grid, else None."""
+    if not workers:
+        return None
+    first = workers[0].worker
+    present = {(w.worker.pp_rank, w.worker.tp_rank) for w in workers}
+    absent = [
+        (pp, tp)
+        for pp in range(first.pp_size)
+        for tp in range(first.tp_size)
+        if (pp, tp) not in present
+    ]
+    if not absent:
+        return None
+    ranks = ", ".join(f"pp {pp} tp {tp}" for pp, tp in absent)
+    return f"the {label} set lacks workers {ranks}: its values are compared in part"

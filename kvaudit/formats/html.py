@@ -129,6 +129,36 @@ def _page(title: str, summary: str, sections: list[str]) -> str:
     )
 
 
+def _numeric_checks(report: NumericReport) -> list[str]:
+    """The paragraphs of what the values cannot show: warnings, positions missing on the
+    consumer, consumer copies that differ, incomplete sets, nothing compared."""
+    lines = [f"<p class=failed>Warning: {html.escape(text)}</p>" for text in report.warnings]
+    if report.missing:
+        state = "ok" if report.allow_missing else "failed"
+        allowed = " (allowed)" if report.allow_missing else ""
+        items = "".join(
+            f"<li>{html.escape(rid)}{'' if gid is None else f' group {gid}'}: "
+            f"{html.escape(what)}</li>"
+            for rid, gid, what in report.missing
+        )
+        lines.append(f"<p class={state}>Missing on the consumer{allowed}:</p><ul>{items}</ul>")
+    if report.copies_differing:
+        items = "".join(
+            f"<li>{html.escape(rid)} group {gid}: positions "
+            f"{', '.join(str(p) for p in sorted({p for p, _, _ in copies}))}</li>"
+            for rid, gid, copies in report.copies_differing
+        )
+        lines.append(
+            f"<p class=failed>Consumer copies differ from the copy compared:</p><ul>{items}</ul>"
+        )
+    lines.extend(f"<p class=failed>{html.escape(text)}</p>" for text in report.incomplete)
+    if report.empty_reason:
+        lines.append(
+            f"<p class=failed>Nothing was compared: {html.escape(report.empty_reason)}</p>"
+        )
+    return lines
+
+
 def numeric_html(report: NumericReport, title: str) -> str:
     """The page of a comparison by value: per request and group, both heatmaps of the
     scaled error and the worst (layer, head) rows (over the tolerance first, then by
@@ -154,6 +184,7 @@ def numeric_html(report: NumericReport, title: str) -> str:
             for rid, gid, reason in report.not_compared
         )
         lines.append(f"<p class=failed>Not compared:</p><ul>{items}</ul>")
+    lines.extend(_numeric_checks(report))
     sections = []
     for request in report.requests.values():
         for gid, group in sorted(request.groups.items()):

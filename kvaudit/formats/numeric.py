@@ -84,4 +84,19 @@ def numeric_to_json(
             {"request": rid, "group": gid, "reason": reason}
             for rid, gid, reason in report.not_compared
         ],
+        "missing": [
+            {"request": rid, "group": gid, "what": what} for rid, gid, what in report.missing
+        ],
+        "allow_missing": report.allow_missing,
+        "copies_differing": [
+            {
+                "request": rid,
+                "group": gid,
+                "copies": [{"position": p, "replicas": n, "replica": r} for p, n, r in copies],
+            }
+            for rid, gid, copies in report.copies_differing
+        ],
+        "incomplete": list(report.incomplete),
+        "empty": report.empty_reason,
+        "warnings": list(report.warnings),
     }

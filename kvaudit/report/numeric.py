@@ -33,6 +33,13 @@ def numeric_verdict(report: NumericReport) -> str:
         )
     if report.not_compared:
         parts.append(f"{len(report.not_compared)} parts not compared")
+    if report.missing and not report.allow_missing:
+        parts.append(f"{len(report.missing)} parts missing on the consumer")
+    if report.copies_differing:
+        parts.append(f"consumer copies differ in {len(report.copies_differing)} groups")
+    parts.extend(report.incomplete)
+    if report.empty_reason:
+        parts.append(f"nothing was compared ({report.empty_reason})")
     return "FAILED: " + "; ".join(parts)
 
 
@@ -81,4 +88,15 @@ def print_numeric(console: Console, report: NumericReport, title: str) -> None:
         console.print(f"request {rid}: only on the consumer")
     for rid, gid, reason in report.not_compared:
         console.print(f"request {rid} group {gid}: not compared: {reason}")
+    allowed = " (allowed)" if report.allow_missing else ""
+    for rid, group, what in report.missing:
+        where = f"request {rid}" + ("" if group is None else f" group {group}")
+        console.print(f"{where}: missing on the consumer{allowed}: {what}")
+    for rid, gid, copies in report.copies_differing:
+        listed = ", ".join(f"position {p} copy {r} of {n}" for p, n, r in copies[:8])
+        more = f" and {len(copies) - 8} more" if len(copies) > 8 else ""
+        console.print(
+            f"request {rid} group {gid}: consumer copies differ from the copy compared: "
+            f"{listed}{more}"
+        )
     console.print(numeric_verdict(report))
