@@ -352,3 +352,27 @@ def test_csv_rows() -> None:
         ["req-a", "0", "0", "total", f"{total:016x}"],
     ]
     assert ["req-a", "1", "1", "total", f"{reference[('req-a', 1, 1, (1, 0))]:016x}"] in body
+
+
+def test_a_group_some_covering_workers_lack_is_partial() -> None:
+    workers, _ = make_set(6)
+    del workers[1].requests["req-b"]
+    record = combine_workers(workers)
+    assert record.complete
+    assert record.requests["req-b"].groups[0].partial == (f"{source(0, 1)} does not hold it")
+    # Group 1's workers hold different positions (tp 0: 2..3, tp 1: 1..3).
+    partial = record.requests["req-a"].groups[1].partial
+    assert partial is not None and partial.startswith("its workers hold different positions")
+    assert f"{source(0, 1)}, {source(1, 1)} 1..3" in partial
+    assert record.requests["req-a"].groups[0].partial is None
+    assert [(rid, gid) for rid, gid, _ in record.partial_groups()] == [
+        ("req-a", 1),
+        ("req-b", 0),
+    ]
+    # A worker that does not cover the group is not expected to hold it.
+    for worker in workers:
+        if worker.worker.tp_rank == 1:
+            worker.not_covered[1] = "its KV heads are packed into head slots"
+    assert combine_workers(workers).requests["req-a"].groups[1].partial is None
+    again = Record.from_json(json.loads(json.dumps(record_to_json(record))), "r.json")
+    assert again.partial_groups() == record.partial_groups()

@@ -439,3 +439,52 @@ def test_zeroed_block_traces_to_nothing(example_sets: Path, tmp_path: Path) -> N
     report = report_of("diff", example_sets / "producer", broken, status=1)
     assert report["requests"]["req-long"]["groups"]["0"]["stale_sources"] == {"3": []}
     assert np.all(np.frombuffer(consumer_block(target, "req-long", 3, 0, 4), np.uint8) == 0)
+
+
+# Workers of one set that disagree on a request.
+
+
+def without(workers: list[kb.Worker], folder: Path, role: str, tp: int, rid: str) -> Path:
+    """The set's dumps, worker ``tp`` not listing request ``rid`` (a worker that answered
+    at another step, a rank whose dump lost it)."""
+    write(workers, folder, role)
+    w = workers[tp]
+    path = folder / f"pp{w.pp_rank}-tp{w.tp_rank}.safetensors"
+    blocks = {r: RequestBlocks(n, dict(t)) for r, (n, t) in w.requests.items() if r != rid}
+    info = WorkerInfo(w.tp_rank, w.tp_size, w.pp_rank, w.pp_size, role, "test")
+    write_dump(path, parse_description(w.description, str(path)), w.tensors, blocks, worker=info)
+    return folder
+
+
+def test_a_request_some_workers_lack_is_never_compared_as_whole(
+    small: Engines, tmp_path: Path
+) -> None:
+    # Both sides lack the same rank's part: their partial sums agree, but that rank's
+    # heads were never compared.
+    producer = without(small.producer, tmp_path / "producer", "producer", 1, "r2")
+    consumer = without(small.consumer, tmp_path / "consumer", "consumer", 1, "r2")
+    report = report_of("diff", producer, consumer, status=1)
+    group = report["requests"]["r2"]["groups"]["0"]
+    assert group["mismatched_positions"] == [] and group["compared"] == 0
+    assert "the producer's checksums are partial sums" in group["unverified"]
+    assert "the consumer's checksums are partial sums" in group["unverified"]
+    assert "pp0-tp1.safetensors does not hold it" in group["unverified"]
+    assert report["requests"]["r1"]["groups"]["0"]["unverified"] is None
+
+    result = run("checksum", consumer, "--format", "json")
+    assert result.exit_code == 1
+    assert "kvaudit: request r2 group 0: partial sums:" in result.stderr
+    record = json.loads(result.stdout)
+    assert record["complete"] is True
+    assert "does not hold it" in record["requests"]["r2"]["groups"]["0"]["partial"]
+    assert "partial" not in record["requests"]["r1"]["groups"]["0"]
+    # The record keeps it: compared from the record, the group is still unverified.
+    saved = tmp_path / "consumer.json"
+    saved.write_text(result.stdout)
+    again = report_of(
+        "diff", write(small.producer, tmp_path / "whole", "producer"), saved, status=1
+    )
+    assert (
+        "the consumer's checksums are partial sums"
+        in again["requests"]["r2"]["groups"]["0"]["unverified"]
+    )

@@ -7,6 +7,7 @@ from typing import get_args
 
 import click
 
+from ..errors import printable
 from ..validation import POSITION_NUMBERINGS
 from .arguments import check_outputs, load_config, open_sources, wanted_ids
 from .group import EXIT_INCOMPLETE, EXIT_OK, main
@@ -70,8 +71,16 @@ def checksum(
         from ..report import print_record
 
         emit_table(functools.partial(print_record, record=record), output)
+    partial = record.partial_groups()
+    if not quiet:
+        for request_id, gid, why in partial:
+            click.echo(
+                f"kvaudit: request {printable(request_id, newlines=False)} group {gid}: "
+                f"partial sums: {printable(why, newlines=False)}",
+                err=True,
+            )
     if record.complete:
-        return EXIT_OK
+        return EXIT_INCOMPLETE if partial else EXIT_OK
     if output_format != "table" and not quiet:
         from ..report import missing_workers_text
 

@@ -171,6 +171,15 @@ def _compare_request(
             result[gid] = GroupComparison(unverified=unchecked[gid])
             continue
         left, right = produced.groups.get(gid), consumed.groups.get(gid)
+        partial = [
+            f"the {label}'s checksums are partial sums ({group.partial})"
+            for label, group in (("producer", left), ("consumer", right))
+            if group is not None and group.partial is not None
+        ]
+        if missing is None and partial:
+            block_size = max(group.block_size for group in (left, right) if group is not None)
+            result[gid] = GroupComparison(unverified="; ".join(partial), block_size=block_size)
+            continue
         if missing is None and left is not None and right is not None:
             result[gid] = compare_sides(
                 Side.of(left, produced.num_tokens, tokens[0]),

@@ -91,8 +91,9 @@ def _worker_to_json(summary: WorkerSummary) -> dict[str, Any]:
 
 
 def _group_to_json(group: GroupChecksums) -> dict[str, Any]:
-    """A group's entry of a record's JSON: its values and totals as hex."""
-    return {
+    """A group's entry of a record's JSON: its values and totals as hex, and why they are
+    partial sums where they are."""
+    entry = {
         "block_size": int(group.block_size),
         "start": int(group.start),
         "fingerprint": to_hex(group.fingerprint),
@@ -100,6 +101,9 @@ def _group_to_json(group: GroupChecksums) -> dict[str, Any]:
         "values": [[to_hex(value) for value in row] for row in group.values.tolist()],
         "totals": [to_hex(value) for value in group.totals().tolist()],
     }
+    if group.partial is not None:
+        entry["partial"] = group.partial
+    return entry
 
 
 # Diff reports.

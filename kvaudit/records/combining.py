@@ -1,5 +1,6 @@
 """``combine_workers``: one engine's worker records summed into a ``Record``, request by
-request and group by group, over the union of positions and replica keys.
+request and group by group, over the union of positions and replica keys; a group that a
+worker covering it does not hold in whole is marked partial.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ def combine_workers(records: Sequence[WorkerRecord]) -> Record:
     """Sums the partial checksums of one engine's workers.
 
     Each request and group covers the union of the workers' positions and replica keys;
-    a worker's absent positions and keys count as 0. A group's fingerprint sums, over PP
-    stages, the one reported by each stage's lowest TP rank present.
+    a worker's absent positions and keys count as 0. Where a worker that covers the group
+    (gives it a fingerprint) lacks the request's group, or holds other positions of it
+    than another worker, the group's ``partial`` says so: its sums miss that worker's
+    part. A group's fingerprint sums, over PP stages, the one reported by each stage's
+    lowest TP rank present.
 
     Raises:
         KvauditError: No records, workers that disagree on the position numbering, TP or
@@ -53,7 +57,9 @@ def combine_workers(records: Sequence[WorkerRecord]) -> Record:
     requests: dict[str, RequestChecksums] = {}
     for request_id in dict.fromkeys(rid for record in records for rid in record.requests):
         holders = [record for record in records if request_id in record.requests]
-        requests[request_id] = _combine_request(request_id, holders, stage_reporters)
+        request = requests[request_id] = _combine_request(request_id, holders, stage_reporters)
+        for gid, group in request.groups.items():
+            group.partial = _partial(request_id, gid, records)
 
     workers = [
         WorkerSummary(record.worker, dict(record.fingerprints), dict(record.not_covered))
@@ -126,3 +132,30 @@ def _combine_group(
         values=values,
         fingerprint=fingerprint & MASK64,
     )
+
+
+def _partial(request_id: str, gid: int, records: Sequence[WorkerRecord]) -> str | None:
+    """Why a request's group sums miss a worker's part, or None: every worker that covers
+    the group (TP ranks and PP stages share one block table) must hold the same positions
+    of it."""
+    lacking: list[WorkerRecord] = []
+    spans: dict[tuple[int, int], list[WorkerRecord]] = {}
+    for record in records:
+        if gid not in record.fingerprints or gid in record.not_covered:
+            continue
+        request = record.requests.get(request_id)
+        group = None if request is None else request.groups.get(gid)
+        if group is None:
+            lacking.append(record)
+        else:
+            spans.setdefault((group.start, group.end), []).append(record)
+    if lacking and spans:
+        names = ", ".join(describe_worker(record.worker) for record in lacking)
+        return f"{names} {'does' if len(lacking) == 1 else 'do'} not hold it"
+    if len(spans) > 1:
+        held = "; ".join(
+            f"{', '.join(describe_worker(record.worker) for record in holders)} {start}..{end - 1}"
+            for (start, end), holders in sorted(spans.items())
+        )
+        return f"its workers hold different positions ({held})"
+    return None

@@ -22,7 +22,9 @@ class GroupChecksums:
     """One group's checksums of one request.
 
     ``values[i, k]`` is the checksum of position ``start + i`` under
-    ``replica_keys[k]`` (uint64).
+    ``replica_keys[k]`` (uint64). ``partial`` says why the values are partial sums (a
+    worker that covers the group lacks the request or some of its positions), None when
+    every worker that covers the group added its part.
     """
 
     block_size: int
@@ -30,6 +32,7 @@ class GroupChecksums:
     replica_keys: list[ReplicaKey]
     values: np.ndarray
     fingerprint: int
+    partial: str | None = None
 
     @property
     def count(self) -> int:

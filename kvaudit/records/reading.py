@@ -143,7 +143,7 @@ def request_from_json(reader: RecordReader, value: object, path: str) -> Request
 def _group_from_json(reader: RecordReader, value: object, path: str) -> GroupChecksums:
     """One group of a request, validated: unique replica keys, rows one value per key,
     totals that are the sums of the replica-0 values."""
-    data = reader.keys(value, path, _GROUP_KEYS)
+    data = reader.keys(value, path, _GROUP_KEYS, ("partial",))
     block_size = reader.integer(data["block_size"], join(path, "block_size"), 1, MAX_BLOCK_SIZE)
     start = reader.integer(data["start"], join(path, "start"), 0, MAX_TOKENS)
     fingerprint = reader.hex64(data["fingerprint"], join(path, "fingerprint"))
@@ -176,7 +176,10 @@ def _group_from_json(reader: RecordReader, value: object, path: str) -> GroupChe
                 row_path, f"expected {len(keys)} values (one per replica key), got {len(row)}"
             )
         values[i] = [reader.hex64(item, item_path(row_path, k)) for k, item in enumerate(row)]
-    group = GroupChecksums(block_size, start, keys, values, fingerprint)
+    partial = None
+    if "partial" in data:
+        partial = reader.string(data["partial"], join(path, "partial"))
+    group = GroupChecksums(block_size, start, keys, values, fingerprint, partial)
 
     totals_path = join(path, "totals")
     totals = reader.array(data["totals"], totals_path)

@@ -26,6 +26,15 @@ class Record:
     requests: dict[str, RequestChecksums]
     missing_workers: list[tuple[int, int]] = field(default_factory=list)
 
+    def partial_groups(self) -> list[tuple[str, int, str]]:
+        """Each ``(request, group, why)`` whose sums miss a worker's part."""
+        return [
+            (request_id, gid, group.partial)
+            for request_id, request in self.requests.items()
+            for gid, group in sorted(request.groups.items())
+            if group.partial is not None
+        ]
+
     @classmethod
     def from_json(cls, data: Mapping, source: str) -> Record:
         """A record read back from its JSON form, validated strictly.
