@@ -401,6 +401,44 @@ def test_the_agent_leaves_no_files_behind(scratch: Path, agent: Agent) -> None:
     assert list(scratch.iterdir()) == []
 
 
+def test_requests_of_clients_that_left_are_never_computed(agent_parts: tuple) -> None:
+    # Clients that ask and go away between two polls cost the engine neither memory nor
+    # work: their requests leave with them.
+    folder = tempfile.mkdtemp(prefix="kva-", dir="/tmp")
+    served = Agent(os.path.join(folder, "w.sock"), *agent_parts, timeout=5.0)
+    try:
+        computed = []
+        served.summer.checksum = lambda *args: computed.append(args)  # type: ignore[method-assign]
+        big = frame(json.dumps({"op": "checksum", "requests": ["x" * 1000] * 900}).encode())
+        for _ in range(200):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.connect(served.path)
+                sock.sendall(big)
+        deadline = time.monotonic() + 10
+        while served.waiting() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert served.waiting() == 0
+        assert served.poll(max_requests=1000) == 0 and computed == []
+        # A client that stays is answered.
+        reply, _ = call_polled(served, {"op": "list"})
+        assert "stable" in reply["requests"]
+    finally:
+        served.close()
+        os.rmdir(folder)
+
+
+def call_polled(served: Agent, message: dict) -> tuple[dict, bytes]:
+    """``call`` while this thread polls the agent."""
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(call(served.path, message, timeout=5)))
+    thread.start()
+    while thread.is_alive():
+        served.poll()
+        time.sleep(0.002)
+    thread.join()
+    return result[0]
+
+
 def test_private_folder_required(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()

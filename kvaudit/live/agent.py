@@ -88,7 +88,7 @@ class Agent:
         self.max_reply_bytes = max_reply_bytes
         self.lock = lock
         self.polls = 0
-        self._pending: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
+        self._pending: queue.Queue[int] = queue.Queue()
         self._server = Server(self.path, self._pending, timeout)
         self._handler: threading.Thread | None = None
         self._stop = threading.Event()
@@ -112,16 +112,19 @@ class Agent:
         answered = 0
         while answered < max_requests:
             try:
-                connection, message = self._pending.get_nowait()
+                connection = self._pending.get_nowait()
             except queue.Empty:
                 break
+            message = self._server.take(connection)
+            if message is None:
+                continue  # its client has gone
             self._answer(connection, message)
             answered += 1
         return answered
 
     def waiting(self) -> int:
         """How many requests wait for the next ``poll()``."""
-        return self._pending.qsize()
+        return self._server.waiting()
 
     def close(self) -> None:
         """Stop serving: close the socket (and remove its file) and the connections."""
@@ -135,9 +138,12 @@ class Agent:
         assert self.lock is not None
         while not self._stop.is_set():
             try:
-                connection, message = self._pending.get(timeout=0.1)
+                connection = self._pending.get(timeout=0.1)
             except queue.Empty:
                 continue
+            message = self._server.take(connection)
+            if message is None:
+                continue  # its client has gone
             with self.lock:
                 self._answer(connection, message)
 

@@ -74,12 +74,11 @@ class _Connection:
 
 class Server:
     """Listens on ``path`` (mode 0600, in a private folder) on a thread of its own; each
-    complete request goes to ``pending`` as ``(connection id, message)``; ``reply`` sends
-    the answer."""
+    complete request's connection id goes to ``pending``, ``take`` gives its message
+    (None once the client has gone: its request is dropped with it, never computed);
+    ``reply`` sends the answer."""
 
-    def __init__(
-        self, path: str, pending: queue.Queue[tuple[int, dict[str, Any]]], timeout: float
-    ) -> None:
+    def __init__(self, path: str, pending: queue.Queue[int], timeout: float) -> None:
         self.path = path
         self.pending = pending
         self.timeout = timeout
@@ -101,11 +100,22 @@ class Server:
         self._wake_r.setblocking(False)
         self._lock = threading.Lock()
         self._replies: dict[int, bytes] = {}
+        self._requests: dict[int, dict[str, Any]] = {}
         self._connections: dict[int, _Connection] = {}
         self._next = 0
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvaudit-agent-io", daemon=True)
         self._thread.start()
+
+    def take(self, connection: int) -> dict[str, Any] | None:
+        """The request a connection sent, once; None when its client has gone."""
+        with self._lock:
+            return self._requests.pop(connection, None)
+
+    def waiting(self) -> int:
+        """How many requests of clients still connected wait for an answer."""
+        with self._lock:
+            return len(self._requests)
 
     def reply(self, connection: int, message: Mapping[str, Any], payload: bytes = b"") -> None:
         """Queue a reply for the connection (dropped if it has gone) and wake the thread."""
@@ -194,7 +204,9 @@ class Server:
             return
         conn.waiting = True
         conn.inbox = bytearray()
-        self.pending.put((cid, message))
+        with self._lock:
+            self._requests[cid] = message
+        self.pending.put(cid)
 
     def _take_replies(self, selector: selectors.BaseSelector) -> None:
         with self._lock:
@@ -235,6 +247,9 @@ class Server:
         conn = self._connections.pop(cid, None)
         if conn is None:
             return
+        with self._lock:
+            # A request not taken yet goes with its client: nobody would read the answer.
+            self._requests.pop(cid, None)
         with contextlib.suppress(KeyError, ValueError):
             selector.unregister(conn.sock)
         conn.sock.close()
