@@ -364,6 +364,7 @@ def test_bad_requests_get_error_replies(agent: Agent) -> None:
         ({"op": "exec", "code": "import os"}, "unknown op"),
         ({"op": "checksum", "requests": ["nope"]}, "not in the cache"),
         ({"op": "checksum", "requests": "stable"}, "expected a list"),
+        ({"op": "checksum", "requests": ["stable\n"]}, "bad request id"),
         ({"op": "checksum", "positions": "everywhere"}, "positions"),
         (
             {"op": "fetch", "request": "stable", "group": 0, "lo": 0, "hi": 10**6, "num_tokens": 5},

@@ -30,7 +30,7 @@ MAX_PAYLOAD = 4 << 30
 MAX_IDS = 100_000
 """The most request ids one request names."""
 OPS = ("hello", "list", "checksum", "dump", "fetch")
-_ID = re.compile(r"^[^\x00-\x1f]{1,1024}$")
+_ID = re.compile(r"[^\x00-\x1f]{1,1024}")
 
 
 def encode_frame(message: Mapping[str, Any], payload: bytes = b"") -> bytes:
@@ -85,7 +85,7 @@ def request_id_list(value: object, source: str, what: str = "requests") -> list[
     if not isinstance(value, list) or len(value) > MAX_IDS:
         raise KvauditError(f"{what}: expected a list of at most {MAX_IDS} request ids", source)
     for item in value:
-        if not isinstance(item, str) or not _ID.match(item):
+        if not isinstance(item, str) or not _ID.fullmatch(item):
             raise KvauditError(f"{what}: bad request id {short(item)}", source)
     return list(dict.fromkeys(value))
 

@@ -85,15 +85,14 @@ class Server:
         check_private_folder(os.path.dirname(os.path.abspath(path)))
         _remove_stale(path)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
         try:
+            # No umask change (it is the whole process's, other threads create files): the
+            # folder is private, so nobody else reaches the socket before its chmod.
             self.listener.bind(path)
+            os.chmod(path, 0o600)
         except OSError as error:
             self.listener.close()
             raise KvauditError(f"cannot listen: {error.strerror or error}", path) from None
-        finally:
-            os.umask(old)
-        os.chmod(path, 0o600)
         self.listener.listen(16)
         self.listener.setblocking(False)
         self._wake_r, self._wake_w = socket.socketpair()
