@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import struct
 import subprocess
@@ -110,6 +111,7 @@ class Engines:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -438,6 +440,29 @@ def call_polled(served: Agent, message: dict) -> tuple[dict, bytes]:
         time.sleep(0.002)
     thread.join()
     return result[0]
+
+
+def test_an_engine_that_exits_without_close_leaves_no_socket(tmp_path: Path) -> None:
+    folder = tmp_path / "engine"
+    folder.mkdir(mode=0o700)
+    script = f"""
+import sys
+sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests")!r}]
+import live_engine as toy
+from kvaudit.description import parse_description
+from kvaudit.live import Agent
+engine = toy.Engine(0, 1, False, "cpu", 3)
+description = parse_description(toy.description(1, "NTHC"), "engine")
+tensors = {{n: toy.layer_tensor(c, "NTHC") for n, c in zip(toy.LAYERS, engine.caches)}}
+agent = Agent({str(folder / "w.sock")!r}, description, tensors, dict)
+print(sorted(p.name for p in __import__("pathlib").Path({str(folder)!r}).iterdir()))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['w.sock']"
+    assert list(folder.iterdir()) == []
 
 
 def test_private_folder_required(tmp_path: Path) -> None:

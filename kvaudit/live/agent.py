@@ -16,6 +16,7 @@ import os
 import queue
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -90,6 +91,9 @@ class Agent:
         self.polls = 0
         self._pending: queue.Queue[int] = queue.Queue()
         self._server = Server(self.path, self._pending, timeout)
+        # An engine that ends without close() (or drops the agent) still removes its
+        # socket file when the interpreter exits.
+        self._closer = weakref.finalize(self, self._server.close)
         self._handler: threading.Thread | None = None
         self._stop = threading.Event()
         if lock is not None:
@@ -129,7 +133,7 @@ class Agent:
     def close(self) -> None:
         """Stop serving: close the socket (and remove its file) and the connections."""
         self._stop.set()
-        self._server.close()
+        self._closer()
         if self._handler is not None:
             self._handler.join(timeout=5)
 
