@@ -891,3 +891,34 @@ def test_scale_without_v_rows_scales_k_only_and_reads_back(spec: dict) -> None:
     assert (layer.k_scale, layer.v_scale) == (0.5, None)
     again = parse_description(json.loads(json.dumps(description_to_dict(description))), "dump")
     assert again == description
+
+
+@pytest.mark.parametrize(
+    ("key", "text", "expected"),
+    [
+        ("scale", "1e-3", 0.001),
+        ("scale", "2.5E+1", 25.0),
+        ("scale", ".5", 0.5),
+        ("num_blocks", "010", 10),
+        ("num_blocks", "0x40", 64),
+        ("num_blocks", "1:04", "expected"),  # YAML 1.1's sexagesimal 64
+        ("num_blocks", "6_4", "expected"),  # YAML 1.1's 64
+    ],
+)
+def test_numbers_read_as_yaml_1_2_reads_them(
+    tmp_path: Path, key: str, text: str, expected: float | str
+) -> None:
+    data = base()
+    if key == "scale":
+        data["groups"][0]["spec"]["scale"] = "PLACE"
+    else:
+        data["num_blocks"] = "PLACE"
+    path = tmp_path / "cache.yaml"
+    path.write_text(yaml.safe_dump(data).replace("PLACE", text), encoding="utf-8")
+    if isinstance(expected, str):
+        with pytest.raises(DescriptionError, match=f"{key}: {expected}"):
+            load_description(path)
+        return
+    description = load_description(path)
+    got = description.groups[0].spec.k_scale if key == "scale" else description.num_blocks
+    assert got == expected

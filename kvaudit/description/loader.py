@@ -5,6 +5,7 @@ line, then ``parse_description``."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,39 @@ class _StrictLoader(yaml.SafeLoader):
                     key_node.start_mark,
                 )
         return super().construct_mapping(node, deep=deep)
+
+
+_INT = _STANDARD_TAGS + "int"
+_FLOAT = _STANDARD_TAGS + "float"
+
+# Numbers as YAML 1.2 reads them (PyYAML keeps YAML 1.1's): 1e-3 is a float, not text;
+# 1:04 (sexagesimal), 6_4 and 010 (octal) are not the numbers 64, 64 and 8.
+_StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag not in (_INT, _FLOAT)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_StrictLoader.add_implicit_resolver(
+    _INT, re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789")
+)
+_StrictLoader.add_implicit_resolver(
+    _FLOAT,
+    re.compile(
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+0123456789."),
+)
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.Node) -> int:
+    """An integer of YAML 1.2: decimal (leading zeros too), ``0o`` octal, ``0x`` hex."""
+    text = str(loader.construct_scalar(node))  # type: ignore[arg-type]
+    if text.startswith(("0o", "0x")):
+        return int(text[2:], 8 if text[1] == "o" else 16)
+    return int(text, 10)
+
+
+_StrictLoader.add_constructor(_INT, _construct_int)
 
 
 def _shown(node: yaml.Node) -> object:
