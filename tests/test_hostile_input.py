@@ -519,3 +519,14 @@ def test_a_key_named_twice_is_refused_not_resolved(seeds: Seeds, tmp_path: Path)
     dump = with_metadata(seeds, tmp_path / "d.safetensors", requests=doubled)
     line = assert_one_line_error(run("checksum", dump), "d.safetensors")
     assert 'kvaudit.requests: key "r" appears twice' in line
+
+
+def test_a_long_flat_yaml_list_is_refused_as_it_is_read(tmp_path: Path) -> None:
+    # Counted while composing (this message), not once every node is built (the
+    # expansion count's): a 10 MB list of one-word items took minutes and gigabytes.
+    path = tmp_path / "cache.yaml"
+    path.write_text("kvaudit: 1\nnum_blocks: 4\ngroups:\n" + "- a\n" * 300_000)
+    with pytest.raises(DescriptionError) as error:
+        load_description(path)
+    assert "holds more than 100000 values" in str(error.value)
+    assert "line 99997:" in str(error.value)  # the value past the limit, not the end

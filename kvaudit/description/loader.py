@@ -27,6 +27,7 @@ class _StrictLoader(yaml.SafeLoader):
     values their tag cannot build (``!!int x``, ``!!timestamp x``)."""
 
     _depth = 0
+    _composed = 0
 
     def fetch_flow_collection_start(self, token_class: type[yaml.Token]) -> None:
         # The scanner looks ahead over every "[" or "{" that may start a key, at a cost
@@ -41,7 +42,17 @@ class _StrictLoader(yaml.SafeLoader):
         # Refused while composing, before Python's recursion limit or the scanner's cost
         # per nesting level adds up.
         self._depth += 1
+        self._composed += 1
         try:
+            if self._composed > MAX_YAML_NODES:
+                # Refused as the document is read: a long flat list would otherwise be
+                # built whole (gigabytes) before the expansion is counted.
+                raise yaml.composer.ComposerError(
+                    None,
+                    None,
+                    f"holds more than {MAX_YAML_NODES} values",
+                    self.peek_event().start_mark,
+                )
             if self._depth > MAX_DEPTH + 1:
                 raise yaml.composer.ComposerError(
                     None,
