@@ -96,8 +96,9 @@ def _identities(name: str) -> Iterator[tuple[int, int]]:
 def check_output(
     output: str | os.PathLike[str], inputs: Iterable[str | os.PathLike[str]], option: str = "-o"
 ) -> None:
-    """Refuse an output that is empty, a directory, or one of the command's inputs (the
-    same path, a hardlink or a symlink to it, or a file of an input directory).
+    """Refuse an output that is empty, a directory, in a folder that does not exist or
+    cannot be written, or one of the command's inputs (the same path, a hardlink or a
+    symlink to it, or a file of an input directory).
 
     Raises:
         KvauditError: One line naming the output and the problem.
@@ -107,6 +108,14 @@ def check_output(
     place = output_place(path, option)
     if place.descriptor is not None:
         return
+    if not place.in_place:
+        # Found before any work: a report that cannot be written would otherwise come
+        # out after the comparison, and after the other reports are written.
+        folder = os.path.dirname(place.path) or "."
+        if not os.path.isdir(folder):
+            raise KvauditError(f"cannot write: its folder {folder} does not exist", path)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise KvauditError(f"cannot write: its folder {folder} is not writable", path)
     try:
         info = os.stat(place.path)
     except OSError:

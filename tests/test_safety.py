@@ -179,6 +179,31 @@ def test_empty_output_name_is_named(dump: Path) -> None:
     )
 
 
+def test_a_report_that_cannot_be_written_is_found_before_any_work(
+    dump: Path, tmp_path: Path
+) -> None:
+    kept = tmp_path / "kept.json"
+    kept.write_text("KEEP")
+    missing = tmp_path / "no" / "such" / "x.xml"
+    result = run("diff", dump, dump, "--json", kept, "--junit", missing)
+    assert_error(result, "cannot write: its folder", "does not exist")
+    assert kept.read_text() == "KEEP"
+    with pytest.raises(KvauditError, match="does not exist"):
+        check_output(missing, [], "--html")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("form", [["--format", "json"], [], ["--numeric"]])
+def test_a_full_stdout_is_an_error_not_a_bug(dump: Path, form: list[str]) -> None:
+    command = [sys.executable, "-m", "kvaudit", "diff", str(dump), str(dump), "-q", *form]
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        "kvaudit: error: stdout: cannot write: No space left on device"
+    )
+
+
 def test_check_output_is_shared(tmp_path: Path) -> None:
     data = tmp_path / "data"
     data.mkdir()

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ..distributed import is_writer, spread
-from ..errors import printable
+from ..errors import KvauditError, printable
 from .options import ReportFormat
 
 if TYPE_CHECKING:
@@ -53,30 +53,26 @@ def emit_report(
 
         emit(diff_junit(report, suite), outputs.junit_path)
     output = outputs.output
-    try:
-        if outputs.output_format == "json":
-            emit(json_text(stamp(diff_to_json(report))) + "\n", output)
-        elif outputs.output_format == "junit":
-            from ..formats import diff_junit
+    if outputs.output_format == "json":
+        emit(json_text(stamp(diff_to_json(report))) + "\n", output)
+    elif outputs.output_format == "junit":
+        from ..formats import diff_junit
 
-            emit(diff_junit(report, suite), output)
-        elif output is None:
-            from ..report import make_console, print_diff
+        emit(diff_junit(report, suite), output)
+    elif output is None:
+        from ..report import make_console, print_diff
 
+        def show() -> None:
             console = make_console()
             # rich exits with status 1 on a closed pipe; the verdict decides the status.
             console.on_broken_pipe = _raise_broken_pipe  # type: ignore[method-assign]
             print_diff(console, report=report, title=title, sides=sides)
-        else:
-            from ..report import print_diff
 
-            render = functools.partial(print_diff, report=report, title=title, sides=sides)
-            emit_table(render, output)
-        if output is None:
-            sys.stdout.flush()
-    except BrokenPipeError:
-        # Point stdout at /dev/null so that flushing it at exit raises nothing more.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _to_stdout(show)
+    else:
+        from ..report import print_diff
+
+        emit_table(functools.partial(print_diff, report=report, title=title, sides=sides), output)
 
 
 def _to_stdout(write: Callable[[], None]) -> None:
@@ -88,6 +84,11 @@ def _to_stdout(write: Callable[[], None]) -> None:
     except BrokenPipeError:
         # Point stdout at /dev/null so that flushing it at exit raises nothing more.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except OSError as error:
+        # A full disk or device behind stdout: the output could not be written (bad
+        # usage of the environment, exit 2), not a bug; nothing more goes there.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise KvauditError(f"cannot write: {error.strerror or error}", "stdout") from None
 
 
 def _raise_broken_pipe() -> None:
