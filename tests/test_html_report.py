@@ -192,7 +192,23 @@ def test_bitwise_diff_page_counts_mismatches(tmp_path: Path) -> None:
     assert result.output == plain.output  # --html adds a file, the report stays as it is
     text = page_path.read_text(encoding="utf-8")
     assert "mismatch count" in text and "Request req-a, group 0" in text
-    assert "req-b" not in text.split("<h1>", 1)[1].split("</h1>", 1)[1]
+    # Every group is in the summary table; only those with located differences pictured.
+    assert 'data-request="req-a"' in text and 'data-request="req-b"' not in text
+    rows = re.findall(r'<tr class="(ok|failed)"><td class="name">([^<]*)</td><td>0</td>', text)
+    assert rows == [("failed", "req-a"), ("ok", "req-b")]
+
+    # Nothing located (a consumer that lacks tokens): the table says why it failed.
+    short = {rid: {n: v[:20] for n, v in layers.items()} for rid, layers in values.items()}
+    right = dump(tmp_path / "short", the_model, short, CONSUMER, "consumer")
+    result = CliRunner().invoke(main, ["diff", str(left), str(right), "--html", str(page_path)])
+    text = page_path.read_text(encoding="utf-8")
+    assert result.exit_code == 1 and "Verdict: <b>FAILED</b>" in text
+    assert re.search(
+        r'<tr class="failed"><td class="name">req-a</td><td>0</td><td>\d+</td>'
+        r"<td>0</td><td></td><td>[1-9]",
+        text,
+    )
+    assert "No located difference." in text
 
 
 def _chromium(page: Path, *args: str) -> subprocess.CompletedProcess[bytes]:

@@ -258,6 +258,8 @@ def test_numeric_needs_raw_kv_on_both_sides(tmp_path: Path) -> None:
     assert "--numeric needs the raw KV on both sides" in result.output
     result = runner.invoke(main, ["diff", str(left), str(left), "--atol", "1", "-q"])
     assert result.exit_code == 2 and "--atol and --rtol go with --numeric" in result.output
+    result = runner.invoke(main, ["diff", str(left), str(left), "--numeric", "--no-locate"])
+    assert result.exit_code == 2 and "--locate and --no-locate go without" in result.output
     result = runner.invoke(
         main, ["diff", str(left), str(left), "--numeric", "--junit", str(tmp_path / "j.xml")]
     )

@@ -121,6 +121,8 @@ def diff(
     if numeric:
         if junit_path is not None:
             raise click.UsageError("--numeric reports as table or JSON, not JUnit")
+        if locate is not None:
+            raise click.UsageError("--locate and --no-locate go without --numeric")
         outputs = (output, json_path, html_path)
         tolerance = (atol or 0.0, rtol or 0.0)
         allowed = (allow_missing, allow_empty)

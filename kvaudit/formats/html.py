@@ -120,8 +120,8 @@ def _slice_row(request_id: str, group_id: int, item: SliceErrors) -> str:
     )
 
 
-def _page(title: str, summary: str, sections: list[str]) -> str:
-    body = "\n".join(sections) or "<p>Nothing to show: no request was compared.</p>"
+def _page(title: str, summary: str, sections: list[str], empty: str) -> str:
+    body = "\n".join(sections) or f"<p>{empty}</p>"
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>"
@@ -206,14 +206,48 @@ def numeric_html(report: NumericReport, title: str) -> str:
                 f"({request.num_tokens} tokens)</h2>"
                 f'<div class="group"><div>{maps}</div><div>{table}</div></div></section>'
             )
-    return _page(title, "\n".join(lines), sections)
+    return _page(title, "\n".join(lines), sections, "No request was compared.")
+
+
+def _diff_groups(report: DiffReport) -> str:
+    """Every request's groups in one table (compared, differing, missing, why not
+    verified), then what else fails the report."""
+    rows = []
+    for request_id, gid, group in report.groups():
+        state = "ok" if report.group_ok(group) else "failed"
+        replicas = ", ".join(f"{n}:{r}" for n, r in group.replicas_differing)
+        rows.append(
+            f'<tr class="{state}"><td class="name">{html.escape(request_id)}</td><td>{gid}</td>'
+            f"<td>{group.compared}</td><td>{len(group.mismatched_positions)}</td>"
+            f"<td>{html.escape(replicas)}</td><td>{len(group.missing_positions)}</td>"
+            f'<td class="name">{html.escape(group.unverified or "")}</td></tr>'
+        )
+    lines = []
+    if rows:
+        lines.append(
+            "<table><tr><th>request</th><th>group</th><th>compared</th><th>differing</th>"
+            "<th>replicas differing</th><th>missing</th><th>not verified because</th></tr>"
+            f"{''.join(rows)}</table>"
+        )
+    if report.only_in_producer:
+        ids = ", ".join(report.only_in_producer)
+        lines.append(f"<p class=failed>Requests only on the producer: {html.escape(ids)}</p>")
+    if report.empty_reason is not None:
+        lines.append(
+            f"<p class=failed>Nothing was verified: {html.escape(report.empty_reason)}</p>"
+        )
+    return "".join(lines)
 
 
 def diff_html(report: DiffReport, title: str) -> str:
     """The page of a bitwise diff: per request and group with located differences, both
     heatmaps of mismatch counts and the located entries."""
     verdict = "ok" if report.ok else "failed"
-    summary = f'<p id="verdict" class="{verdict}">Verdict: <b>{verdict.upper()}</b></p>'
+    summary = (
+        f'<p id="verdict" class="{verdict}">Verdict: <b>{verdict.upper()}</b></p>'
+        + "".join(f"<p class=failed>Warning: {html.escape(text)}</p>" for text in report.warnings)
+        + _diff_groups(report)
+    )
     sections = []
     pictures = located_heatmaps(report)
     for request_id, gid, group in report.groups():
@@ -238,4 +272,4 @@ def diff_html(report: DiffReport, title: str) -> str:
             f'<div class="group"><div>{_image(by_head)}{_image(by_token)}</div>'
             f"<div>{table}</div></div></section>"
         )
-    return _page(title, summary + _legend("mismatches"), sections)
+    return _page(title, summary + _legend("mismatches"), sections, "No located difference.")

@@ -145,10 +145,12 @@ def _partial(request_id: str, gid: int, records: Sequence[WorkerRecord]) -> str 
             continue
         request = record.requests.get(request_id)
         group = None if request is None else request.groups.get(gid)
-        if group is None:
-            lacking.append(record)
-        else:
+        if group is not None:
             spans.setdefault((group.start, group.end), []).append(record)
+        elif _contributes(record, gid) or not record.requests:
+            # A worker that lists requests but adds nothing to the group in any of them (a
+            # producer's rank holding copies only) is not missed.
+            lacking.append(record)
     if lacking and spans:
         names = ", ".join(describe_worker(record.worker) for record in lacking)
         return f"{names} {'does' if len(lacking) == 1 else 'do'} not hold it"
@@ -159,3 +161,8 @@ def _partial(request_id: str, gid: int, records: Sequence[WorkerRecord]) -> str 
         )
         return f"its workers hold different positions ({held})"
     return None
+
+
+def _contributes(record: WorkerRecord, gid: int) -> bool:
+    """Whether the worker checksums the group for any of its requests."""
+    return any(gid in request.groups for request in record.requests.values())
