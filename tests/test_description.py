@@ -922,3 +922,26 @@ def test_numbers_read_as_yaml_1_2_reads_them(
     description = load_description(path)
     got = description.groups[0].spec.k_scale if key == "scale" else description.num_blocks
     assert got == expected
+
+
+def test_a_null_group_wide_key_in_a_layer_keeps_the_groups() -> None:
+    # docs: "A null value counts as not given".
+    data = base()
+    data["groups"][0]["layers"][0] = {"name": L0, "spec": {"kernel_block_size": None}}
+    description = parse_description(data, "test")
+    group = description.groups[0]
+    assert group.layers[0].spec.kernel_block_size == group.spec.kernel_block_size
+
+
+def test_mla_holds_one_head() -> None:
+    spec = {
+        "type": "mla",
+        "block_size": 16,
+        "num_kv_heads": 8,
+        "head_size": 576,
+        "dtype": "bfloat16",
+        "layout": "NTHC",
+    }
+    data = {"kvaudit": 1, "num_blocks": 4, "groups": [{"spec": spec, "layers": ["m.0.a"]}]}
+    with pytest.raises(DescriptionError, match=r"num_kv_heads: expected 1 for type mla, got 8"):
+        parse_description(data, "test")

@@ -68,6 +68,11 @@ class SpecChecker(FieldChecker):
     ) -> LayerSpec:
         mla = type_ in MLA_TYPES
         num_kv_heads = self.field_int(raw, path, "num_kv_heads", required=not mla, default=1)
+        if mla and num_kv_heads != 1:
+            # MLA caches one latent per token, shared by every head.
+            self.fail(
+                join(path, "num_kv_heads"), f"expected 1 for type {type_}, got {num_kv_heads}"
+            )
         head_size = self.field_int(raw, path, "head_size", required=True)
         head_size_v = self.field_int(
             raw, path, "head_size_v", minimum=0, default=0 if mla else head_size

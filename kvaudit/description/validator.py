@@ -174,7 +174,8 @@ class _Validator(SpecChecker):
                 )
         for key in GROUP_WIDE_KEYS:
             group_value = getattr(group_spec, key)
-            if key in override and override[key] != group_value:
+            # null is "not given": the group's value stays.
+            if override.get(key) is not None and override[key] != group_value:
                 self.fail(
                     join(path, key),
                     f"a layer cannot change its group's {key} ({group_value}); "
@@ -182,6 +183,8 @@ class _Validator(SpecChecker):
                 )
         merged = dict(group_spec_raw)
         for key, item in override.items():
+            if item is None and key in GROUP_WIDE_KEYS:
+                continue
             if item is None:
                 merged.pop(key, None)
             else:
