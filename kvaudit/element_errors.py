@@ -142,8 +142,13 @@ def exact_errors(p: np.ndarray, c: np.ndarray, atol: float, rtol: float) -> Chun
         mismatch[bad] = one_side
         token_abs = a.max(axis=2)
     np.abs(p, out=p)
-    # A NaN has no magnitude: fmax takes the largest |p| of the other values.
-    token_scale = np.fmax.reduce(p, axis=2) if elements else np.zeros((heads, tokens), a.dtype)
+    # A NaN has no magnitude: the largest |p| of the other values (not by np.fmax, which
+    # keeps a signalling NaN).
+    token_scale = (
+        np.where(np.isnan(p), 0.0, p).max(axis=2)
+        if elements
+        else np.zeros((heads, tokens), a.dtype)
+    )
     head_abs = token_abs.max(axis=1)
     token_rel = np.zeros((heads, tokens), dtype=a.dtype)
     over = np.zeros(heads, dtype=np.int64)
