@@ -333,6 +333,7 @@ def _compare_requests(
 
     def done(unit: _Unit, group: GroupNumeric, reasons: list[str]) -> None:
         report.not_compared.extend((unit.request_id, unit.group_id, why) for why in reasons)
+        group.not_compared = list(reasons)
         unit.result.groups[unit.group_id] = group
 
     def compare_alone(unit: _Unit) -> None:

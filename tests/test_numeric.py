@@ -387,3 +387,21 @@ def test_tolerances_must_be_finite(tmp_path: Path, value: str) -> None:
     assert result.exit_code == 2 and "Traceback" not in result.output
     with pytest.raises(KvauditError, match="rtol: expected a finite number"):
         numeric_diff([], [], {}, rtol=float(value))
+
+
+def test_a_group_with_a_layer_not_compared_is_failed(tmp_path: Path) -> None:
+    wide, narrow = model("bfloat16", layers=3), model("bfloat16", layers=2)
+    values = draw(14, wide)
+    fewer = {
+        rid: {n: v for n, v in layers.items() if n != ATTN.format(2)}
+        for rid, layers in values.items()
+    }
+    left = dump(tmp_path / "p", wide, values, PRODUCER, "producer")
+    right = dump(tmp_path / "c", narrow, fewer, CONSUMER, "consumer")
+    status, data = run_numeric(left, right)
+    assert status == 1 and data["failed_slices"] == 0
+    group = data["requests"][0]["groups"][0]
+    assert group["failed"] is True
+    assert {item["reason"] for item in data["not_compared"]} == {
+        f"layer {ATTN.format(2)} is not on the consumer"
+    }

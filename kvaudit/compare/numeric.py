@@ -60,10 +60,13 @@ class GroupNumeric:
     slices: list[SliceErrors]
     token_bin: int
     layer_tokens: np.ndarray
+    not_compared: list[str] = field(default_factory=list)
+    """Why parts of the group were not compared (a layer one side lacks, ...)."""
 
     @property
     def failed(self) -> bool:
-        return any(item.failed for item in self.slices)
+        """A slice over the tolerance, or a part of the group not compared."""
+        return bool(self.not_compared) or any(item.failed for item in self.slices)
 
 
 @dataclass

@@ -63,11 +63,20 @@ def locate_across(
         return
     if not (isinstance(producer, SpreadSource) and isinstance(consumer, SpreadSource)):
         side = consumer if isinstance(producer, SpreadSource) else producer
-        where = f"{', '.join(side.names)} is a {side.kind} that holds only checksums"
+        names = ", ".join(side.names)
+        if side.raw_kv() is None:
+            where = f"{names} is a {side.kind} that holds only checksums, not the KV"
+            needs = "the raw KV on both sides"
+        else:
+            where = (
+                f"{names} is a {side.kind} source, which is not spread over torchrun's "
+                "processes: run the diff in one process to locate"
+            )
+            needs = "dumps on both sides under torchrun"
         if locate:
-            raise KvauditError(f"--locate needs the raw KV on both sides; {where}")
+            raise KvauditError(f"--locate needs {needs}; {where}")
         if report.untraced is not None:  # diff_sources traced by checksums, saying why
-            report.untraced = partial_note(f"{where}, not the KV")
+            report.untraced = partial_note(where)
         return
     shared = shared_tokens(producer, consumer, request_ids)
     consumed = consumer.trimmed(shared)
