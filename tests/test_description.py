@@ -933,6 +933,15 @@ def test_a_null_group_wide_key_in_a_layer_keeps_the_groups() -> None:
     assert group.layers[0].spec.kernel_block_size == group.spec.kernel_block_size
 
 
+def test_counts_in_messages_agree_with_their_nouns() -> None:
+    data = base()
+    data["groups"][3]["spec"]["shapes"] = [[4]]
+    data["groups"][3]["spec"]["dtypes"] = "float16"
+    data["groups"][3]["spec"].pop("state_splits", None)
+    with pytest.raises(DescriptionError, match=r"expected 1 dtype name, one per state, got"):
+        parse_description(data, "test")
+
+
 def test_mla_holds_one_head() -> None:
     spec = {
         "type": "mla",

@@ -125,10 +125,14 @@ class SpecChecker(FieldChecker):
         dtypes_path = join(path, "dtypes")
         dtypes = raw.get("dtypes")
         if dtypes is None:
-            self.fail(dtypes_path, f"missing; expected {len(shapes)} dtype names, one per state")
+            self.fail(
+                dtypes_path, f"missing; expected {_count(len(shapes), 'dtype name')}, one per state"
+            )
         if not is_list(dtypes) or len(dtypes) != len(shapes):
             count = f"got {len(dtypes)}" if is_list(dtypes) else self.got(dtypes)
-            self.fail(dtypes_path, f"expected {len(shapes)} dtype names, one per state, {count}")
+            self.fail(
+                dtypes_path, f"expected {_count(len(shapes), 'dtype name')}, one per state, {count}"
+            )
         state_dtypes = tuple(
             self.dtype(item, f"{dtypes_path}[{i}]") for i, item in enumerate(dtypes)
         )
@@ -177,7 +181,8 @@ class SpecChecker(FieldChecker):
             count = f"got {len(value)}" if is_list(value) else self.got(value)
             self.fail(
                 path,
-                f"expected {len(shapes)} entries {{axis, segments}}, one per state, {count}",
+                f"expected {_count(len(shapes), 'entry')} {{axis, segments}}, one per state, "
+                f"{count}",
             )
         splits = []
         for i, item in enumerate(value):
@@ -212,3 +217,10 @@ class SpecChecker(FieldChecker):
                 )
             splits.append(StateSplit(axis=axis, segments=tuple(pairs)))
         return tuple(splits)
+
+
+def _count(number: int, noun: str) -> str:
+    """``1 dtype name``, ``2 dtype names``; ``1 entry``, ``2 entries``."""
+    if number == 1:
+        return f"1 {noun}"
+    return f"{number} {noun[:-1]}ies" if noun.endswith("y") else f"{number} {noun}s"
