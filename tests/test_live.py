@@ -30,6 +30,7 @@ from kvaudit.description import parse_description
 from kvaudit.errors import KvauditError
 from kvaudit.formats import record_to_json
 from kvaudit.live import Agent, call
+from kvaudit.live.server import MAX_CONNECTIONS
 from kvaudit.sources import socket_source
 from kvaudit.sources.socket_source import dump_requests
 
@@ -463,6 +464,29 @@ print(sorted(p.name for p in __import__("pathlib").Path({str(folder)!r}).iterdir
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "['w.sock']"
     assert list(folder.iterdir()) == []
+
+
+def test_a_busy_agent_says_so(agent: Agent) -> None:
+    idle = []
+    try:
+        for _ in range(MAX_CONNECTIONS):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(agent.path)
+            idle.append(sock)
+        time.sleep(0.2)  # the agent's thread accepts them
+        with pytest.raises(KvauditError, match=f"busy: {MAX_CONNECTIONS} connections are open"):
+            call(agent.path, {"op": "list"}, timeout=5)
+    finally:
+        for sock in idle:
+            sock.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            reply, _ = call(agent.path, {"op": "list"}, timeout=5)
+            break
+        except KvauditError:
+            time.sleep(0.05)
+    assert "stable" in reply["requests"]
 
 
 def test_private_folder_required(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ error reply, a malformed frame) is a one-line ``KvauditError`` naming the socket
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import stat
@@ -100,7 +101,9 @@ def call(
         try:
             sock.settimeout(limit)
             sock.connect(path)
-            sock.sendall(encode_frame(message))
+            # Refused before it was read (a busy agent): the reply says why.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                sock.sendall(encode_frame(message))
             header = _receive(sock, HEADER.size, deadline, path, limit)
             size, payload = frame_sizes(header, MAX_REPLY_JSON, MAX_PAYLOAD, path)
             reply = decode_json(_receive(sock, size, deadline, path, limit), path)

@@ -25,7 +25,10 @@ from ..errors import KvauditError
 from .protocol import HEADER, MAX_REQUEST_JSON, decode_json, encode_frame, frame_sizes
 
 MAX_CONNECTIONS = 64
-"""The most connections open at once; more are closed at once."""
+"""The most connections open at once; more get an error reply and are closed at once."""
+_BUSY = encode_frame(
+    {"ok": False, "error": f"busy: {MAX_CONNECTIONS} connections are open, try again later"}
+)
 
 
 def check_private_folder(folder: str) -> None:
@@ -166,6 +169,10 @@ class Server:
             except (BlockingIOError, OSError):
                 return
             if len(self._connections) >= MAX_CONNECTIONS:
+                # One short frame fits the socket's buffer: the client learns why.
+                with contextlib.suppress(OSError):
+                    sock.setblocking(False)
+                    sock.send(_BUSY)
                 sock.close()
                 continue
             sock.setblocking(False)
