@@ -128,15 +128,10 @@ def read_header(path: str) -> Header:
 def _covered_end(path: str, ranges: list[Entry], data_start: int) -> int:
     """Where the tensors end; refuse tensors that overlap, or leave bytes between them or
     before the first (safetensors lays its tensors end to end from the header on)."""
-    end = data_start
-    previous = None
+    end, last = data_start, ""
     for entry in ranges:
-        if entry.start < end:
-            assert previous is not None
-            fail(
-                path,
-                f"invalid safetensors header: tensors {previous.name} and {entry.name} overlap",
-            )
+        if entry.start < end:  # never the first: offsets are not negative
+            fail(path, f"invalid safetensors header: tensors {last} and {entry.name} overlap")
         if entry.start > end:
             fail(
                 path,
@@ -144,8 +139,7 @@ def _covered_end(path: str, ranges: list[Entry], data_start: int) -> int:
                 f"{entry.start - data_start - 1} of the data, before tensor {entry.name}, "
                 "belong to no tensor",
             )
-        end = entry.start + entry.nbytes
-        previous = entry
+        end, last = entry.start + entry.nbytes, entry.name
     return end
 
 

@@ -54,12 +54,17 @@ def combine_workers(records: Sequence[WorkerRecord]) -> Record:
         if current is None or record.worker.tp_rank < current.worker.tp_rank:
             stage_reporters[record.worker.pp_rank] = record
 
+    # Per worker, the groups it checksums for some request (found once: many requests).
+    contributing = {
+        id(record): {gid for request in record.requests.values() for gid in request.groups}
+        for record in records
+    }
     requests: dict[str, RequestChecksums] = {}
     for request_id in dict.fromkeys(rid for record in records for rid in record.requests):
         holders = [record for record in records if request_id in record.requests]
         request = requests[request_id] = _combine_request(request_id, holders, stage_reporters)
         for gid, group in request.groups.items():
-            group.partial = _partial(request_id, gid, records)
+            group.partial = _partial(request_id, gid, records, contributing)
 
     workers = [
         WorkerSummary(record.worker, dict(record.fingerprints), dict(record.not_covered))
@@ -134,7 +139,12 @@ def _combine_group(
     )
 
 
-def _partial(request_id: str, gid: int, records: Sequence[WorkerRecord]) -> str | None:
+def _partial(
+    request_id: str,
+    gid: int,
+    records: Sequence[WorkerRecord],
+    contributing: Mapping[int, set[int]],
+) -> str | None:
     """Why a request's group sums miss a worker's part, or None: every worker that covers
     the group (TP ranks and PP stages share one block table) must hold the same positions
     of it."""
@@ -147,7 +157,7 @@ def _partial(request_id: str, gid: int, records: Sequence[WorkerRecord]) -> str 
         group = None if request is None else request.groups.get(gid)
         if group is not None:
             spans.setdefault((group.start, group.end), []).append(record)
-        elif _contributes(record, gid) or not record.requests:
+        elif gid in contributing[id(record)] or not record.requests:
             # A worker that lists requests but adds nothing to the group in any of them (a
             # producer's rank holding copies only) is not missed.
             lacking.append(record)
@@ -161,8 +171,3 @@ def _partial(request_id: str, gid: int, records: Sequence[WorkerRecord]) -> str 
         )
         return f"its workers hold different positions ({held})"
     return None
-
-
-def _contributes(record: WorkerRecord, gid: int) -> bool:
-    """Whether the worker checksums the group for any of its requests."""
-    return any(gid in request.groups for request in record.requests.values())
