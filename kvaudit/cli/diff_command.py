@@ -11,11 +11,10 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ..distributed import spread
-from ..errors import printable
 from .arguments import check_outputs, load_config, open_sources, wanted_ids
 from .group import EXIT_MISMATCH, EXIT_OK, main
 from .options import DIFF_EXIT_HELP, ReportFormat, common_options, report_options, request_option
-from .output import ReportOutputs, emit, emit_report, emit_table
+from .output import ReportOutputs, emit, emit_report, emit_table, warn
 
 if TYPE_CHECKING:
     from ..sources import Source
@@ -189,8 +188,7 @@ def diff_numeric(
             allow_missing=allowed[0],
             allow_empty=allowed[1],
         )
-    for warning in report.warnings:
-        click.echo(f"kvaudit: warning: {printable(warning, newlines=False)}", err=True)
+    warn(report.warnings)
     title = f"diff --numeric: producer {left.describe()}, consumer {right.describe()}"
     text = json_text(numeric_to_json(report, left.describe(), right.describe())) + "\n"
     if output_format == "json":

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +35,12 @@ class ReportOutputs:
     junit_path: str | None
 
 
+def warn(warnings: Sequence[str]) -> None:
+    """Each warning of a report on stderr, one line each."""
+    for warning in warnings:
+        click.echo(f"kvaudit: warning: {printable(warning, newlines=False)}", err=True)
+
+
 def emit_report(
     report: DiffReport, outputs: ReportOutputs, title: str, sides: Sides, suite: str
 ) -> None:
@@ -44,8 +50,7 @@ def emit_report(
     # Each format's writer imported only for its output: JSON imports no XML or rich.
     from ..formats import diff_to_json, json_text
 
-    for warning in report.warnings:
-        click.echo(f"kvaudit: warning: {printable(warning, newlines=False)}", err=True)
+    warn(report.warnings)
     if outputs.json_path is not None:
         emit(json_text(stamp(diff_to_json(report))) + "\n", outputs.json_path)
     if outputs.junit_path is not None:

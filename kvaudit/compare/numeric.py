@@ -4,6 +4,7 @@ group, layer and head, the errors and where they are (docs/numeric.md)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -107,15 +108,16 @@ class NumericReport:
     allow_missing: bool = False
     allow_empty: bool = False
 
+    def slices(self) -> Iterator[SliceErrors]:
+        """Every (layer, head) slice of every request's groups."""
+        for request in self.requests.values():
+            for group in request.groups.values():
+                yield from group.slices
+
     @property
     def compared_tokens(self) -> int:
         """The (layer, head) tokens compared over every request."""
-        return sum(
-            item.tokens
-            for request in self.requests.values()
-            for group in request.groups.values()
-            for item in group.slices
-        )
+        return sum(item.tokens for item in self.slices())
 
     @property
     def empty_reason(self) -> str | None:
@@ -128,12 +130,7 @@ class NumericReport:
 
     @property
     def failed_slices(self) -> int:
-        return sum(
-            item.failed
-            for request in self.requests.values()
-            for group in request.groups.values()
-            for item in group.slices
-        )
+        return sum(item.failed for item in self.slices())
 
     @property
     def ok(self) -> bool:

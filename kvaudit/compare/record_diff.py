@@ -171,16 +171,13 @@ def _compare_request(
             result[gid] = GroupComparison(unverified=unchecked[gid])
             continue
         left, right = produced.groups.get(gid), consumed.groups.get(gid)
-        partial = [
+        partial = "; ".join(
             f"the {label}'s checksums are partial sums ({group.partial})"
             for label, group in (("producer", left), ("consumer", right))
             if group is not None and group.partial is not None
-        ]
-        if missing is None and partial:
-            block_size = max(group.block_size for group in (left, right) if group is not None)
-            result[gid] = GroupComparison(unverified="; ".join(partial), block_size=block_size)
-            continue
-        if missing is None and left is not None and right is not None:
+        )
+        whole = missing is None and not partial  # every worker's part is in both sums
+        if whole and left is not None and right is not None:
             result[gid] = compare_sides(
                 Side.of(left, produced.num_tokens, tokens[0]),
                 Side.of(right, consumed.num_tokens, tokens[1]),
@@ -194,12 +191,14 @@ def _compare_request(
             and _checksums_group(consumer, gid)
             and _not_covered_reason(consumer, gid) is None
         )
-        if missing is None and left is not None and consumer_holds_none:
+        if whole and left is not None and consumer_holds_none:
             side = Side.of(left, produced.num_tokens, tokens[0])
             result[gid] = _none_held(side, tokens[1], windows.get(gid))
             continue
         if missing is not None:
             reason = missing
+        elif partial:
+            reason = partial
         elif left is None:
             reason = _covered_on_one_side("producer", producer, gid, producer_absence)
         else:

@@ -6,15 +6,15 @@ diff checks it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from ..compare import DiffReport
 from ..compare.numeric import NumericReport
 from ..errors import KvauditError
 from ..numeric import numeric_diff
-from ..pairing import side_warnings
 from ..sources import Progress, Source
 from ..sources.raw import RawWorker
+from ..validation import worker_layout
 from .diff import diff_sources
 from .sides import check_wanted, shared_tokens, unique_ids
 
@@ -43,7 +43,6 @@ def numeric_sources(
     ids = unique_ids(request_ids)
     if ids is not None:
         check_wanted(producer, consumer, ids)
-    counts = (producer.token_counts(), consumer.token_counts())
     shared = shared_tokens(producer, consumer, ids)
     raw = []
     for side in (producer, consumer):
@@ -62,8 +61,8 @@ def numeric_sources(
         left, right, shared, atol=atol, rtol=rtol, request_ids=ids, progress=progress
     )
     report.allow_missing, report.allow_empty = allow_missing, allow_empty
-    report.warnings = side_warnings(producer, consumer)
-    report.missing = _missing(structure, counts)
+    report.warnings = structure.warnings
+    report.missing = _missing(structure)
     report.copies_differing = [
         (rid, gid, list(group.replica_mismatches))
         for rid, gid, group in structure.groups()
@@ -77,14 +76,12 @@ def numeric_sources(
     return report
 
 
-def _missing(
-    structure: DiffReport, counts: tuple[Mapping[str, int], Mapping[str, int]]
-) -> list[tuple[str, int | None, str]]:
+def _missing(structure: DiffReport) -> list[tuple[str, int | None, str]]:
     """What the producer holds that the consumer lacks: tokens past the consumer's count,
     and block positions within it (the bitwise diff's missing positions)."""
     found: list[tuple[str, int | None, str]] = []
     for rid in structure.requests:
-        held, consumer_tokens = counts[0].get(rid, 0), counts[1].get(rid, 0)
+        held, consumer_tokens = (count or 0 for count in structure.num_tokens[rid])
         if consumer_tokens < held:
             found.append(
                 (
@@ -106,16 +103,7 @@ def _missing(
 
 def _incomplete(label: str, workers: Sequence[RawWorker]) -> str | None:
     """``label``'s set in words when it lacks workers of its TP x PP grid, else None."""
-    if not workers:
-        return None
-    first = workers[0].worker
-    present = {(w.worker.pp_rank, w.worker.tp_rank) for w in workers}
-    absent = [
-        (pp, tp)
-        for pp in range(first.pp_size)
-        for tp in range(first.tp_size)
-        if (pp, tp) not in present
-    ]
+    absent = worker_layout([worker.worker for worker in workers]) if workers else []
     if not absent:
         return None
     ranks = ", ".join(f"pp {pp} tp {tp}" for pp, tp in absent)

@@ -129,10 +129,15 @@ def _page(title: str, summary: str, sections: list[str], empty: str) -> str:
     )
 
 
+def _warnings(warnings: list[str]) -> str:
+    """A report's warnings, a paragraph each."""
+    return "".join(f"<p class=failed>Warning: {html.escape(text)}</p>" for text in warnings)
+
+
 def _numeric_checks(report: NumericReport) -> list[str]:
     """The paragraphs of what the values cannot show: warnings, positions missing on the
     consumer, consumer copies that differ, incomplete sets, nothing compared."""
-    lines = [f"<p class=failed>Warning: {html.escape(text)}</p>" for text in report.warnings]
+    lines = [_warnings(report.warnings)]
     if report.missing:
         state = "ok" if report.allow_missing else "failed"
         allowed = " (allowed)" if report.allow_missing else ""
@@ -245,7 +250,7 @@ def diff_html(report: DiffReport, title: str) -> str:
     verdict = "ok" if report.ok else "failed"
     summary = (
         f'<p id="verdict" class="{verdict}">Verdict: <b>{verdict.upper()}</b></p>'
-        + "".join(f"<p class=failed>Warning: {html.escape(text)}</p>" for text in report.warnings)
+        + _warnings(report.warnings)
         + _diff_groups(report)
     )
     sections = []

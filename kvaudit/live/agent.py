@@ -13,7 +13,6 @@ engine never sees an exception from a request.
 from __future__ import annotations
 
 import os
-import queue
 import tempfile
 import threading
 import weakref
@@ -89,8 +88,7 @@ class Agent:
         self.max_reply_bytes = max_reply_bytes
         self.lock = lock
         self.polls = 0
-        self._pending: queue.Queue[int] = queue.Queue()
-        self._server = Server(self.path, self._pending, timeout)
+        self._server = Server(self.path, timeout)
         # An engine that ends without close() (or drops the agent) still removes its
         # socket file when the interpreter exits.
         self._closer = weakref.finalize(self, self._server.close)
@@ -115,14 +113,10 @@ class Agent:
             return 0
         answered = 0
         while answered < max_requests:
-            try:
-                connection = self._pending.get_nowait()
-            except queue.Empty:
+            arrived = self._server.next_request()
+            if arrived is None:
                 break
-            message = self._server.take(connection)
-            if message is None:
-                continue  # its client has gone
-            self._answer(connection, message)
+            self._answer(*arrived)
             answered += 1
         return answered
 
@@ -141,15 +135,11 @@ class Agent:
         """The handler thread: answer each request while holding the engine's lock."""
         assert self.lock is not None
         while not self._stop.is_set():
-            try:
-                connection = self._pending.get(timeout=0.1)
-            except queue.Empty:
+            arrived = self._server.next_request(wait=0.1)
+            if arrived is None:
                 continue
-            message = self._server.take(connection)
-            if message is None:
-                continue  # its client has gone
             with self.lock:
-                self._answer(connection, message)
+                self._answer(*arrived)
 
     def _answer(self, connection: int, message: dict[str, Any]) -> None:
         """Compute one reply and hand it to the server to send."""

@@ -76,15 +76,14 @@ class _Connection:
 
 
 class Server:
-    """Listens on ``path`` (mode 0600, in a private folder) on a thread of its own; each
-    complete request's connection id goes to ``pending``, ``take`` gives its message
-    (None once the client has gone: its request is dropped with it, never computed);
-    ``reply`` sends the answer."""
+    """Listens on ``path`` (mode 0600, in a private folder) on a thread of its own;
+    ``next_request`` gives each complete request in turn (a request whose client has gone
+    is dropped with it, never computed); ``reply`` sends the answer."""
 
-    def __init__(self, path: str, pending: queue.Queue[int], timeout: float) -> None:
+    def __init__(self, path: str, timeout: float) -> None:
         self.path = path
-        self.pending = pending
         self.timeout = timeout
+        self._arrived: queue.Queue[int] = queue.Queue()
         check_private_folder(os.path.dirname(os.path.abspath(path)))
         _remove_stale(path)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -109,10 +108,18 @@ class Server:
         self._thread = threading.Thread(target=self._run, name="kvaudit-agent-io", daemon=True)
         self._thread.start()
 
-    def take(self, connection: int) -> dict[str, Any] | None:
-        """The request a connection sent, once; None when its client has gone."""
-        with self._lock:
-            return self._requests.pop(connection, None)
+    def next_request(self, wait: float = 0.0) -> tuple[int, dict[str, Any]] | None:
+        """The next request of a client still connected, ``(connection, message)``,
+        waiting up to ``wait`` seconds for one; None when none came."""
+        while True:
+            try:
+                connection = self._arrived.get(timeout=wait) if wait else self._arrived.get_nowait()
+            except queue.Empty:
+                return None
+            with self._lock:
+                message = self._requests.pop(connection, None)
+            if message is not None:
+                return connection, message
 
     def waiting(self) -> int:
         """How many requests of clients still connected wait for an answer."""
@@ -212,7 +219,7 @@ class Server:
         conn.inbox = bytearray()
         with self._lock:
             self._requests[cid] = message
-        self.pending.put(cid)
+        self._arrived.put(cid)
 
     def _take_replies(self, selector: selectors.BaseSelector) -> None:
         with self._lock:
