@@ -1,7 +1,21 @@
-"""A connector that loads asynchronously, as NIXL does: the consumer's load runs between
-steps and is reported finished by ``get_transfer_results`` (the request waits in
-``WAITING_FOR_REMOTE_KVS`` meanwhile). KV moves through an in-process store keyed by the
-prompt's full blocks; ``DAMAGE`` flips one bit of a layer's stored copy before a load."""
+"""Connectors of the tests' own, loaded through vLLM's factory by module path.
+
+``AsyncStoreConnector`` loads asynchronously, as NIXL does: the consumer's load runs
+between steps and is reported finished by ``get_transfer_results`` ``LATENCY`` steps after
+it started (the request waits in ``WAITING_FOR_REMOTE_KVS`` meanwhile). KV moves through
+an in-process store keyed by the prompt's tokens; the load covers the tokens past the
+consumer's local prefix-cache hit, up to the whole prompt (vLLM recomputes the last one).
+``DAMAGE`` flips one bit of a layer's loaded copy of one block position.
+
+``SyncStoreConnector`` is the same store loaded synchronously (in ``start_load_kv``,
+before the forward), like ExampleConnector but unknown to kvaudit.
+
+``NixlWire`` is the worker side behind vLLM's real ``NixlConnector`` scheduler side,
+where NIXL's transport cannot run (no RDMA here): it reads NIXL's own metadata
+(``reqs_to_recv`` with local and remote block ids, ``reqs_to_send``), copies the remote
+engine's blocks as NIXL's pull worker does (the remote blocks' tail when the decode
+holds a prefix locally), and reports the receive finished, and the send once read.
+"""
 
 from __future__ import annotations
 
@@ -13,84 +27,202 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 STORE: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
 DAMAGE: dict[str, Any] = {}
+LATENCY = {"steps": 0}
+# NixlWire: every engine's workers' caches by (engine id, TP rank), and the remote
+# requests whose blocks a decode engine has read.
+ENGINES: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+READ: set[str] = set()
+
+
+def reset() -> None:
+    STORE.clear()
+    DAMAGE.clear()
+    ENGINES.clear()
+    READ.clear()
+    LATENCY["steps"] = 0
+
+
+def damage(cache: torch.Tensor, name: str, block: int, position: int) -> None:
+    """Flip one bit of a loaded block when ``DAMAGE`` names this layer and position."""
+    if DAMAGE.get("layer") == name and DAMAGE.get("position") == position:
+        cache[block].view(torch.int16)[0, 0, 0] ^= 0x100
 
 
 @dataclass
 class StoreMetadata(KVConnectorMetadata):
     saves: list[tuple[tuple[int, ...], list[int]]] = field(default_factory=list)
-    loads: list[tuple[str, tuple[int, ...], list[int]]] = field(default_factory=list)
+    loads: list[tuple[str, tuple[int, ...], int, list[int]]] = field(default_factory=list)
 
 
 class AsyncStoreConnector(KVConnectorBase_V1):
-    """Saves a new request's full prompt blocks; loads them asynchronously."""
+    """Saves each prompt's blocks once computed; loads them asynchronously."""
+
+    LOADS_ASYNC = True
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.block_size = vllm_config.cache_config.block_size
-        self._loads: dict[str, tuple[tuple[int, ...], list[int]]] = {}
+        self._local: dict[str, int] = {}
+        self._loads: list[tuple[str, tuple[int, ...], int, list[int]]] = []
+        self._prompts: dict[str, tuple[int, ...]] = {}
+        self._tables: dict[str, list[int]] = {}
         self._caches: dict[str, torch.Tensor] = {}
-        self._done: set[str] = set()
-
-    def _key(self, prompt: list[int]) -> tuple[int, ...]:
-        return tuple(prompt[: len(prompt) // self.block_size * self.block_size])
+        self._in_flight: dict[str, int] = {}
 
     # Scheduler side.
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        key = self._key(list(request.prompt_token_ids))
-        if key and key in STORE:
-            return len(key) - num_computed_tokens, True
+        key = tuple(request.prompt_token_ids)
+        if key in STORE and len(key) > num_computed_tokens:
+            self._local[request.request_id] = num_computed_tokens
+            return len(key) - num_computed_tokens, self.LOADS_ASYNC
         return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        local = self._local.pop(request.request_id, 0)
         if num_external_tokens > 0:
-            key = self._key(list(request.prompt_token_ids))
-            self._loads[request.request_id] = (key, blocks.get_block_ids()[0])
+            key = tuple(request.prompt_token_ids)
+            first = local // self.block_size
+            self._loads.append((request.request_id, key, first, blocks.get_block_ids()[0]))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        """Loads allocated this step; saves of prompts whose last chunk runs this step."""
         meta = StoreMetadata()
-        for new in scheduler_output.scheduled_new_reqs:
-            if new.num_computed_tokens == 0:
-                meta.saves.append((self._key(new.prompt_token_ids), list(new.block_ids[0])))
-        meta.loads = [(rid, key, ids) for rid, (key, ids) in self._loads.items()]
-        self._loads.clear()
+        steps = [
+            (new.req_id, new.prompt_token_ids, new.block_ids, new.num_computed_tokens)
+            for new in scheduler_output.scheduled_new_reqs
+        ]
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            steps.append((rid, None, cached.new_block_ids[i], cached.num_computed_tokens[i]))
+        for rid, prompt, new_ids, computed in steps:
+            if prompt is not None:
+                self._prompts[rid], self._tables[rid] = tuple(prompt), []
+            if rid not in self._prompts:
+                continue
+            if new_ids is not None:
+                self._tables[rid].extend(new_ids[0])
+            key = self._prompts[rid]
+            if computed + scheduler_output.num_scheduled_tokens[rid] >= len(key):
+                if key not in STORE:
+                    meta.saves.append((key, list(self._tables[rid])))
+                del self._prompts[rid], self._tables[rid]
+        meta.loads, self._loads = self._loads, []
         return meta
 
     # Worker side.
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._caches = kv_caches
 
+    def _load(self, rid: str, key: tuple[int, ...], first: int, ids: list[int]) -> None:
+        count = -(-len(key) // self.block_size)
+        for name, cache in self._caches.items():
+            stored = STORE[key][name]
+            for position in range(first, count):
+                cache[ids[position]] = stored[position]
+                damage(cache, name, ids[position], position)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        for rid, key, ids in meta.loads:
-            blocks = len(key) // self.block_size
-            for name, cache in self._caches.items():
-                stored = STORE[key][name].clone()
-                if DAMAGE.get("layer") == name:
-                    stored.view(torch.int16)[DAMAGE["block"], 0, 0, 0] ^= 0x100
-                cache[ids[:blocks]] = stored
-            self._done.add(rid)
+        assert isinstance(meta, StoreMetadata)
+        for rid, key, first, ids in meta.loads:
+            self._load(rid, key, first, ids)
+            if self.LOADS_ASYNC:
+                self._in_flight[rid] = LATENCY["steps"]
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
-                      **kwargs: Any) -> None:  # fmt: skip
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
+        assert isinstance(meta, StoreMetadata)
         for key, ids in meta.saves:
-            blocks = len(key) // self.block_size
+            count = -(-len(key) // self.block_size)
             STORE.setdefault(key, {}).update(
-                {name: cache[ids[:blocks]].clone() for name, cache in self._caches.items()}
+                {name: cache[ids[:count]].clone() for name, cache in self._caches.items()}
             )
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        done, self._done = self._done, set()
+        done = {rid for rid, left in self._in_flight.items() if left <= 0}
+        self._in_flight = {rid: left - 1 for rid, left in self._in_flight.items() if left > 0}
         return KVConnectorTransferResults(finished_recving=done)
+
+
+class SyncStoreConnector(AsyncStoreConnector):
+    """The store, loaded synchronously: a connector kvaudit knows nothing of."""
+
+    LOADS_ASYNC = False
+
+
+class NixlWire(KVConnectorBase_V1, SupportsHMA):
+    """NIXL's pull transfer between in-process engines, driven by NIXL's metadata."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.engine_id = vllm_config.kv_transfer_config.engine_id
+        self.rank = 0
+        self._caches: dict[str, torch.Tensor] = {}
+        self._received: set[str] = set()
+        self._sending: dict[str, float] = {}
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._caches = kv_caches
+        self.rank = sum(1 for engine, _ in ENGINES if engine == self.engine_id)
+        ENGINES[(self.engine_id, self.rank)] = kv_caches
+
+    # The scheduler side is vLLM's NixlConnector; these are never called.
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple:
+        raise AssertionError("NixlWire is a worker side only")
+
+    update_state_after_alloc = build_connector_meta = get_num_new_matched_tokens
+
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, None]:
+        return False, None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        for rid, req in meta.reqs_to_recv.items():
+            remote = req.remote
+            local = list(req.local_block_ids[0]) if req.local_block_ids else []
+            if local:
+                ids = list(remote.block_ids[0])
+                # NIXL reads the remote blocks' tail when the decode holds a prefix.
+                ids = ids[-len(local) :]
+                first = len(remote.block_ids[0]) - len(local)
+                source = ENGINES[(remote.engine_id, self.rank)]
+                for name, cache in self._caches.items():
+                    for offset, (mine, theirs) in enumerate(zip(local, ids, strict=True)):
+                        cache[mine] = source[name][theirs]
+                        damage(cache, name, mine, first + offset)
+            READ.add(remote.request_id)
+            self._received.add(rid)
+        self._sending.update(meta.reqs_to_send)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        received, self._received = self._received, set()
+        sent = {rid for rid in self._sending if rid in READ}
+        for rid in sent:
+            del self._sending[rid]
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=received)

@@ -63,6 +63,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 import kvaudit.integrations.vllm.connector as connector_module
 
 MODULE = "kvaudit.integrations.vllm"
+AUDITED = "kvaudit.integrations.vllm.audited"
 LAYER = "model.layers.{}.self_attn.attn"
 
 
@@ -70,13 +71,22 @@ def transfer_config(
     kvaudit: dict[str, Any], wrapped: dict[str, Any] | None, role: str = "kv_both",
     engine_id: str = "engine",
 ) -> KVTransferConfig:  # fmt: skip
-    """kvaudit's connector, configured as docs/vllm.md says."""
+    """kvaudit's connector, configured as docs/vllm.md says: one of vLLM's connectors
+    under its own name from ``kvaudit.integrations.vllm.audited``, a connector loaded by
+    module path under ``"wrapped"``, or kvaudit on its own (``wrapped`` None)."""
+    common = {"kv_role": role, "engine_id": engine_id}
+    if wrapped is not None and not wrapped.get("kv_connector_module_path"):
+        extra = {**wrapped.get("kv_connector_extra_config", {}), "kvaudit": kvaudit}
+        return KVTransferConfig(
+            kv_connector=wrapped["kv_connector"], kv_connector_module_path=AUDITED,
+            kv_connector_extra_config=extra, **common,
+        )  # fmt: skip
     extra: dict[str, Any] = {"kvaudit": kvaudit}
     if wrapped is not None:
         extra["wrapped"] = wrapped
     return KVTransferConfig(
-        kv_connector="KVAuditConnector", kv_connector_module_path=MODULE, kv_role=role,
-        kv_connector_extra_config=extra, engine_id=engine_id,
+        kv_connector="KVAuditConnector", kv_connector_module_path=MODULE,
+        kv_connector_extra_config=extra, **common,
     )  # fmt: skip
 
 
@@ -349,6 +359,16 @@ def make_engine(
             conn.register_kv_caches(caches)
         workers.append(Worker(rank, conn, caches))
     return Engine(config, kv_cache_config, scheduler, workers, block_size, per_rank, mla)
+
+
+def bound_metric(cls: type, registry: Any) -> type:
+    """A Prometheus metric class (as vLLM hands to ``build_prom_metrics``) registering in
+    ``registry``, so that tests do not touch the process-wide one."""
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        cls.__init__(self, *args, registry=registry, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__init__": init})
 
 
 def blocks_needed(tokens: int, block_size: int) -> int:

@@ -11,7 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
-import async_store
 import harness as h
 import pytest
 import torch
@@ -161,15 +160,6 @@ def test_a_corrupted_block_is_logged_counted_and_dumped(
         assert [p.name for p in dumps] == [f"pp0-tp{r}.safetensors" for r in range(tp_size)]
 
 
-def test_policy_fail_reports_the_blocks_as_load_errors(tmp_path: Path) -> None:
-    _, consumer, out = run_pair(tmp_path, corrupt_block(0), policy="fail")
-    assert out["invalid_block_ids"] == set()
-    # The verdict reaches the workers with the next step's metadata, which report the
-    # block as a load error: vLLM's kv_load_failure_policy then applies.
-    assert consumer.step()["invalid_block_ids"] == {consumer.tables["d-a"][0]}
-    assert consumer.step()["invalid_block_ids"] == set()
-
-
 def test_a_stale_block_names_its_source(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Block 1 of d-a holds block 1 of d-b (req-b's KV): the log names req-b position 1."""
 
@@ -199,53 +189,6 @@ def test_example_connector_under_tp_2_is_caught(
         "kvaudit: MISMATCH request req-b group 0 positions [0, 1]",
     ]
     assert counters(consumer)["mismatched_blocks"] == 4
-
-
-ASYNC = {"kv_connector": "AsyncStoreConnector", "kv_connector_module_path": "async_store"}
-
-
-def async_pair(tmp_path: Path, policy: str, damage: dict) -> tuple[h.Engine, list[dict]]:
-    """A producer and a consumer whose connector loads asynchronously (as NIXL does)."""
-    async_store.STORE.clear()
-    async_store.DAMAGE.clear()
-    producer = h.make_engine({"output": str(tmp_path / "p")}, ASYNC, engine_id="P")
-    producer.add("req-a", PROMPT)
-    params = producer.step()["finished"]["req-a"]
-    async_store.DAMAGE.update(damage)
-    consumer = h.make_engine({"output": str(tmp_path / "d"), "policy": policy}, ASYNC,
-                             engine_id="D")  # fmt: skip
-    consumer.add("d-a", PROMPT, params)
-    return consumer, [consumer.step() for _ in range(3)]
-
-
-def test_an_async_load_is_checked_when_it_finishes(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    with caplog.at_level(logging.INFO, logger="kvaudit.vllm"):
-        _, steps = async_pair(tmp_path, "log", {"layer": h.LAYER.format(1), "block": 1})
-    # Step 1 loads (after its forward) and reports the load finished; the checksums of
-    # that moment are compared in the same update; step 2 runs the request.
-    assert [s["finished_recving"] for s in steps] == [{"d-a"}, set(), set()]
-    assert "d-a" in steps[1]["finished"]
-    [line] = [r.getMessage() for r in caplog.records if "MISMATCH" in r.getMessage()]
-    assert line.startswith("kvaudit: MISMATCH request req-a group 0 positions [1] ")
-    record = read_output_folder(tmp_path / "d")
-    assert record.requests["req-a"].num_tokens == 32
-
-
-def test_policy_fail_holds_an_async_load_until_its_verdict(tmp_path: Path) -> None:
-    consumer, steps = async_pair(tmp_path, "fail", {"layer": h.LAYER.format(0), "block": 0})
-    bad = consumer.tables["d-a"][0]
-    # Held in step 1; in step 2 reported finished together with its load error, so that
-    # vLLM's kv_load_failure_policy applies to it (scheduler.py, _handle_invalid_blocks).
-    assert [s["finished_recving"] for s in steps[:2]] == [set(), {"d-a"}]
-    assert [s["invalid_block_ids"] for s in steps[:2]] == [set(), {bad}]
-
-
-def test_policy_fail_releases_a_clean_async_load(tmp_path: Path) -> None:
-    _, steps = async_pair(tmp_path, "fail", {})
-    assert [s["finished_recving"] for s in steps[:2]] == [set(), {"d-a"}]
-    assert all(not s["invalid_block_ids"] for s in steps)
 
 
 def test_a_group_it_cannot_describe_is_not_covered_with_its_reason(

@@ -12,6 +12,7 @@ import harness as h
 import pytest
 import recording
 import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -29,6 +30,7 @@ from vllm.v1.request import Request
 from kvaudit.integrations.vllm import KVAuditConnector, KVAuditHMAConnector
 from kvaudit.integrations.vllm.messages import (
     KVAuditMetadata,
+    KVAuditPromMetrics,
     KVAuditStats,
     KVAuditWorkerMetadata,
 )
@@ -222,6 +224,12 @@ def test_class_methods() -> None:
     reduced = rebuilt.reduce()
     assert (reduced["kvaudit_mismatched_blocks"], reduced["inner_n"]) == (3, 2)
     recording.RETURNS["build_prom_metrics"] = None
-    assert KVAuditConnector.build_prom_metrics(config, {}, [], {}) is None
-    assert last_call("build_prom_metrics")[0][1:] == ({}, [], {})
+    registry = CollectorRegistry()
+    types = {cls: h.bound_metric(cls, registry) for cls in (Counter, Gauge, Histogram)}
+    metrics = KVAuditConnector.build_prom_metrics(config, types, ["engine"], {0: ["0"]})
+    assert last_call("build_prom_metrics")[0][1:] == (types, ["engine"], {0: ["0"]})
+    # kvaudit's own counters, with or without the wrapped connector's metrics.
+    assert isinstance(metrics, KVAuditPromMetrics) and metrics.inner is None
+    metrics.observe({"kvaudit": {"checked_blocks": 4}, "wrapped": {"n": 1}}, 0)
+    assert registry.get_sample_value("vllm:kvaudit_checked_blocks_total", {"engine": "0"}) == 4
     assert inspect.signature(KVAuditConnector.build_prom_metrics)

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from vllm.config import KVTransferConfig
@@ -39,11 +39,13 @@ from .engine import (
     WRAPPED_KEY,
     group_layouts,
     model_kv_heads,
+    refuse_sync_loading,
     with_transfer_config,
     worker_ranks,
     wrapped_transfer_config,
 )
 from .messages import (
+    STATS_KEY,
     KVAuditMetadata,
     KVAuditPromMetrics,
     KVAuditStats,
@@ -75,7 +77,14 @@ class KVAuditConnector(KVConnectorBase_V1):
     """Audits the KV a wrapped connector moves: checksums on the producer when the KV is
     complete, on the consumer once loaded; the producer's wire in ``kv_transfer_params``
     under ``"kvaudit"``; mismatches logged, counted and (policy ``fail``) reported as load
-    errors. Every call is delegated to the wrapped connector, its results unchanged."""
+    errors. Every call is delegated to the wrapped connector, its results unchanged.
+
+    Configured either as itself, wrapping the connector named under ``"wrapped"``, or
+    under the name of the vLLM connector it audits (``kvaudit.integrations.vllm.audited``
+    makes one such class per name: ``audited_name``), so that vLLM's own checks of that
+    connector still apply."""
+
+    audited_name: ClassVar[str | None] = None
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -83,7 +92,7 @@ class KVAuditConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.audit_config: AuditConfig = parse_config(extra.get(AUDIT_KEY))
-        inner_config = wrapped_transfer_config(self._kv_transfer_config)
+        inner_config = self.inner_transfer_config(self._kv_transfer_config)
         self.wrapped: KVConnectorBase_V1 | None = None
         if inner_config is not None:
             created = KVConnectorFactory.create_connector(
@@ -92,7 +101,12 @@ class KVAuditConnector(KVConnectorBase_V1):
             assert isinstance(created, KVConnectorBase_V1)
             self.wrapped = created
         self._wrapped_class = class_path(type(self.wrapped) if self.wrapped else None)
-        self._load_async: dict[str, bool] = {}
+        # Per request being admitted: the local prefix-cache hit its load starts after,
+        # and whether the load is asynchronous (get_num_new_matched_tokens).
+        self._matched: dict[str, tuple[int, bool]] = {}
+        self._warned_sync = False
+        if self.audit_config.policy == "fail" and inner_config is not None:
+            refuse_sync_loading(inner_config)
         self.worker_audit: WorkerAudit | None = None
         self.scheduler_audit: SchedulerAudit | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -124,8 +138,13 @@ class KVAuditConnector(KVConnectorBase_V1):
         return self.wrapped.requires_kv_delivery
 
     @classmethod
+    def inner_transfer_config(cls, config: KVTransferConfig) -> KVTransferConfig | None:
+        """The wrapped connector's ``KVTransferConfig`` (None: nothing wrapped)."""
+        return wrapped_transfer_config(config, cls.audited_name)
+
+    @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
-        inner = wrapped_transfer_config(kv_transfer_config)
+        inner = cls.inner_transfer_config(kv_transfer_config)
         if inner is None:
             return True
         return KVConnectorFactory.get_connector_class(inner).supports_sleep_mode(inner)
@@ -133,7 +152,7 @@ class KVAuditConnector(KVConnectorBase_V1):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         assert vllm_config.kv_transfer_config is not None
-        inner = wrapped_transfer_config(vllm_config.kv_transfer_config)
+        inner = cls.inner_transfer_config(vllm_config.kv_transfer_config)
         if inner is None:
             return None
         wrapped = KVConnectorFactory.get_connector_class(inner)
@@ -141,6 +160,10 @@ class KVAuditConnector(KVConnectorBase_V1):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        if cls.audited_name is not None:
+            own = {k: v for k, v in extra_config.items() if k != AUDIT_KEY}
+            wrapped_cls = KVConnectorFactory.get_connector_class_by_name(cls.audited_name)
+            return wrapped_cls.requires_piecewise_for_cudagraph(own)
         wrapped = extra_config.get(WRAPPED_KEY)
         if not wrapped:
             return False
@@ -163,15 +186,13 @@ class KVAuditConnector(KVConnectorBase_V1):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:
         assert vllm_config.kv_transfer_config is not None
-        inner = wrapped_transfer_config(vllm_config.kv_transfer_config)
-        if inner is None:
-            return None
-        inner_vllm = with_transfer_config(vllm_config, inner)
-        wrapped = KVConnectorFactory.get_connector_class(inner).build_prom_metrics(
-            inner_vllm, metric_types, labelnames, per_engine_labelvalues
-        )
-        if wrapped is None:
-            return None
+        inner = cls.inner_transfer_config(vllm_config.kv_transfer_config)
+        wrapped = None
+        if inner is not None:
+            wrapped = KVConnectorFactory.get_connector_class(inner).build_prom_metrics(
+                with_transfer_config(vllm_config, inner), metric_types, labelnames,
+                per_engine_labelvalues,
+            )  # fmt: skip
         return KVAuditPromMetrics(
             wrapped, vllm_config, metric_types, labelnames, per_engine_labelvalues
         )
@@ -271,8 +292,9 @@ class KVAuditConnector(KVConnectorBase_V1):
         sending, recving = self.wrapped.get_finished(finished_req_ids)
         if self.worker_audit is None:
             return sending, recving
-        audited, _ = self.worker_audit.transfer_results(set(recving or ()), set())
-        self.worker_audit.finished(finished_req_ids)
+        audited, _ = self.worker_audit.transfer_results(
+            set(recving or ()), set(), set(finished_req_ids)
+        )
         return sending, audited if recving is not None or audited else recving
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
@@ -283,9 +305,8 @@ class KVAuditConnector(KVConnectorBase_V1):
         if self.worker_audit is None:
             return results
         finished, failed = self.worker_audit.transfer_results(
-            set(results.finished_recving), set(results.failed_recving)
+            set(results.finished_recving), set(results.failed_recving), set(finished_req_ids)
         )
-        self.worker_audit.finished(finished_req_ids)
         return KVConnectorTransferResults(results.finished_sending, finished, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -303,8 +324,11 @@ class KVAuditConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         inner = self.wrapped.get_kv_connector_stats() if self.wrapped else None
         stats = KVAuditStats(inner=inner, inner_class=self._wrapped_class)
+        counts = stats.data[STATS_KEY]
         if self.scheduler_audit is not None:
-            stats.data["kvaudit"] = self.scheduler_audit.take_counters().as_dict()
+            counts.update(self.scheduler_audit.take_counters().as_dict())
+        if self.worker_audit is not None:
+            counts.update(self.worker_audit.take_counters())
         return None if stats.is_empty() and inner is None else stats
 
     def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
@@ -341,9 +365,32 @@ class KVAuditConnector(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         if self.wrapped is None:
             return 0, False
-        result = self.wrapped.get_num_new_matched_tokens(request, num_computed_tokens)
-        self._load_async[request.request_id] = bool(result[1])
-        return result
+        tokens, load_async = self.wrapped.get_num_new_matched_tokens(request, num_computed_tokens)
+        if tokens and not load_async and self._declines_sync_load(request):
+            return 0, False
+        # The load covers the tokens past this (block-aligned) local prefix-cache hit.
+        self._matched[request.request_id] = (int(num_computed_tokens), bool(load_async))
+        return tokens, load_async
+
+    def _declines_sync_load(self, request: Request) -> bool:
+        """Under policy ``fail``, a synchronous load of a request with producer checksums
+        is declined (vLLM computes its prompt itself): vLLM samples from a synchronous
+        load in the step that loads it, before any check across the workers can end."""
+        audit = self.scheduler_audit
+        if self.audit_config.policy != "fail" or audit is None:
+            return False
+        if not audit.has_producer_checksums(request):
+            return False
+        audit.counters.declined_sync_loads += 1
+        if not self._warned_sync:
+            self._warned_sync = True
+            logger.error(
+                "kvaudit: policy fail: %s loaded request %s synchronously; kvaudit "
+                "declines such loads (the prompt is computed here instead), since vLLM "
+                "would sample from the KV before it could be checked (docs/vllm.md)",
+                type(self.wrapped).__name__, request.request_id,
+            )  # fmt: skip
+        return True
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
@@ -357,11 +404,12 @@ class KVAuditConnector(KVConnectorBase_V1):
     ) -> None:
         if self.wrapped is not None:
             self.wrapped.update_state_after_alloc(request, blocks, num_external_tokens)
-        if self.scheduler_audit is not None and num_external_tokens > 0:
-            load = "async" if self._load_async.get(request.request_id) else "sync"
+        local, load_async = self._matched.pop(request.request_id, (0, False))
+        if self.scheduler_audit is not None:
             self.scheduler_audit.after_alloc(
-                request, blocks.get_block_ids(), num_external_tokens, load
-            )
+                request, blocks.get_block_ids(), local, num_external_tokens,
+                "async" if load_async else "sync",
+            )  # fmt: skip
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         inner = self.wrapped.build_connector_meta(scheduler_output) if self.wrapped else None
@@ -369,7 +417,7 @@ class KVAuditConnector(KVConnectorBase_V1):
         audit = self.scheduler_audit.build(scheduler_output)
         self.scheduler_audit.forget(scheduler_output.finished_req_ids)
         for rid in scheduler_output.finished_req_ids:
-            self._load_async.pop(rid, None)
+            self._matched.pop(rid, None)
         return KVAuditMetadata(inner, audit)
 
     def on_new_request(self, request: Request) -> None:
@@ -401,7 +449,7 @@ class KVAuditConnector(KVConnectorBase_V1):
         return delay_free, self._finished(request, params)
 
     def _finished(self, request: Request, params: dict[str, Any] | None) -> dict[str, Any] | None:
-        self._load_async.pop(request.request_id, None)
+        self._matched.pop(request.request_id, None)
         if self.scheduler_audit is None:
             return params
         return self.scheduler_audit.finished(request, params)

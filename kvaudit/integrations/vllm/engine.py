@@ -7,6 +7,7 @@ import copy
 import dataclasses
 
 from vllm.config import KVTransferConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -19,11 +20,33 @@ from .scheduler import GroupLayout
 
 AUDIT_KEY = "kvaudit"
 WRAPPED_KEY = "wrapped"
+AUDITED_MODULE = "kvaudit.integrations.vllm.audited"
 
 
-def wrapped_transfer_config(config: KVTransferConfig) -> KVTransferConfig | None:
-    """The wrapped connector's ``KVTransferConfig``: ``"wrapped"`` laid over this
-    connector's fields (None: nothing wrapped)."""
+def wrapped_transfer_config(
+    config: KVTransferConfig, audited: str | None = None
+) -> KVTransferConfig | None:
+    """The wrapped connector's ``KVTransferConfig`` (None: nothing wrapped).
+
+    ``audited``: the name of the vLLM connector this class audits under its own name
+    (``kvaudit.integrations.vllm.audited``): the same config, without kvaudit's module
+    path and settings. Otherwise ``"wrapped"`` laid over this connector's fields.
+
+    Raises:
+        ValueError: ``"wrapped"`` is not a mapping with ``kv_connector``, or names one of
+            vLLM's own connectors (whose checks see only a connector configured by its
+            name: ``audited`` is the way).
+
+    """
+    own = ("kv_connector", "kv_connector_module_path", "kv_connector_extra_config")
+    base = {
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(config)
+        if f.init and f.name not in own
+    }
+    if audited is not None:
+        extra = {k: v for k, v in config.kv_connector_extra_config.items() if k != AUDIT_KEY}
+        return KVTransferConfig(**base, kv_connector=audited, kv_connector_extra_config=extra)
     wrapped = config.kv_connector_extra_config.get(WRAPPED_KEY)
     if wrapped is None:
         return None
@@ -32,13 +55,51 @@ def wrapped_transfer_config(config: KVTransferConfig) -> KVTransferConfig | None
             "kv_connector_extra_config.wrapped: expected a mapping with kv_connector, "
             f"got {wrapped!r}"
         )
-    own = ("kv_connector", "kv_connector_module_path", "kv_connector_extra_config")
-    base = {
-        f.name: getattr(config, f.name)
-        for f in dataclasses.fields(config)
-        if f.init and f.name not in own
-    }
+    name = wrapped["kv_connector"]
+    if not wrapped.get("kv_connector_module_path") and is_vllm_connector(name):
+        raise ValueError(
+            f"kv_connector_extra_config.wrapped: {name} is one of vLLM's connectors: "
+            f'configure "kv_connector": "{name}", "kv_connector_module_path": '
+            f'"{AUDITED_MODULE}" (its settings beside "kvaudit" in '
+            "kv_connector_extra_config), so that vLLM's checks of it still apply"
+        )
     return KVTransferConfig(**{**base, **wrapped})
+
+
+# vLLM's connectors whose loads are synchronous by design (they load in start_load_kv,
+# before the forward that samples from the loaded KV).
+SYNC_LOADING = ("ExampleConnector", "DecodeBenchConnector")
+
+
+def refuse_sync_loading(config: KVTransferConfig) -> None:
+    """Refuse policy ``fail`` around a connector that loads synchronously.
+
+    Raises:
+        ValueError: ``config`` names (or, as MultiConnector, holds) such a connector.
+
+    """
+    names = [config.kv_connector]
+    if config.kv_connector == "MultiConnector":
+        names += [
+            c.get("kv_connector") for c in config.kv_connector_extra_config.get("connectors", [])
+        ]
+    for name in names:
+        if name in SYNC_LOADING:
+            raise ValueError(
+                f"kvaudit: policy fail cannot hold a synchronous load ({name} loads before "
+                "the forward that samples from it, and the check needs every worker's "
+                'checksums, which meet only after that step): use policy "log" with '
+                f"{name}, or an asynchronous connector (docs/vllm.md)"
+            )
+
+
+def is_vllm_connector(name: str) -> bool:
+    """Whether ``name`` is a connector in vLLM's own registry."""
+    try:
+        KVConnectorFactory.get_connector_class_by_name(name)
+    except ValueError:
+        return False
+    return True
 
 
 def with_transfer_config(vllm_config: VllmConfig, config: KVTransferConfig) -> VllmConfig:

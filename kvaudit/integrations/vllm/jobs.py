@@ -20,7 +20,9 @@ class AuditJob:
     producer's request id, so both engines name a request alike); ``role``: ``producer``
     (after this step's forward) or ``consumer``; ``load``: ``sync`` (loaded before this
     step's forward) or ``async`` (checksummed once the load is reported finished);
-    ``groups``: per group, the first position and the block ids of consecutive positions.
+    ``groups``: per group, the first position and the block ids of consecutive positions;
+    ``local_tokens``: a consumer's tokens held in its prefix cache, not loaded (their
+    positions are not in ``groups``).
     """
 
     request: str
@@ -31,12 +33,14 @@ class AuditJob:
     load: str | None = None
     dump: bool = False
     received: bytes | None = None
+    local_tokens: int = 0
 
 
 @dataclass
 class AuditStep:
     """The scheduler's audit work for one step: new jobs, blocks to report as load errors
-    (policy ``fail``) and held loads whose verdict is in; with ``live_socket``, the
+    (policy ``fail``), held loads whose verdict is in, consumer jobs whose check failed
+    (``dumps``: dumped before this step's forward); with ``live_socket``, the
     block tables of the requests in the cache after this step (``live``: id to token
     count and, per group, first position and block ids)."""
 
@@ -44,10 +48,13 @@ class AuditStep:
     load_errors: set[int] = field(default_factory=set)
     failed_loads: set[str] = field(default_factory=set)
     released: set[str] = field(default_factory=set)
+    dumps: list[AuditJob] = field(default_factory=list)
     live: dict[str, tuple[int, dict[int, tuple[int, list[int]]]]] | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.jobs or self.load_errors or self.failed_loads or self.released)
+        return bool(
+            self.jobs or self.load_errors or self.failed_loads or self.released or self.dumps
+        )
 
 
 @dataclass

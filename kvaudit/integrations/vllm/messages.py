@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+from vllm.v1.metrics.utils import create_metric_per_engine
 
 from .jobs import AuditStep, WorkerPartials
 from .scheduler import AuditCounters
@@ -124,13 +125,44 @@ class KVAuditStats(KVConnectorStats):
 
 
 class KVAuditPromMetrics(KVConnectorPromMetrics):
-    """Hands the wrapped connector's part of the stats to its Prometheus metrics."""
+    """kvaudit's counters as Prometheus counters (``vllm:kvaudit_<counter>``, per engine),
+    and the wrapped connector's part of the stats handed to its own metrics."""
 
-    def __init__(self, inner: KVConnectorPromMetrics, *args: Any) -> None:
+    def __init__(self, inner: KVConnectorPromMetrics | None, *args: Any) -> None:
         super().__init__(*args)
         self.inner = inner
+        self.counters = {
+            key: create_metric_per_engine(
+                self._counter_cls(
+                    name=f"vllm:kvaudit_{key}",
+                    documentation=f"kvaudit: {COUNTER_HELP[key]}",
+                    labelnames=self._labelnames,
+                ),
+                self.per_engine_labelvalues,
+            )
+            for key in AuditCounters().as_dict()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.get(STATS_KEY, {}).items():
+            if key in self.counters and value:
+                self.counters[key][engine_idx].inc(value)
         wrapped = transfer_stats_data.get("wrapped")
-        if wrapped is not None:
+        if wrapped is not None and self.inner is not None:
             self.inner.observe(wrapped, engine_idx)
+
+
+COUNTER_HELP = {
+    "producer_requests": "requests whose checksums the producer sent",
+    "consumer_requests": "loaded requests the consumer checked",
+    "mismatched_requests": "loaded requests with a block that differs from the producer's",
+    "mismatched_blocks": "loaded blocks that differ from the producer's",
+    "not_comparable_groups": "groups whose layers, specs or dtypes differ between engines",
+    "unverified_requests": "loaded requests with a block not compared",
+    "checked_blocks": "loaded blocks compared with the producer's",
+    "unverified_blocks": "loaded blocks not compared",
+    "local_blocks": "blocks held in the consumer's prefix cache, not transferred",
+    "declined_sync_loads": "synchronous loads declined under policy fail",
+    "dumps_written": "dumps written to the output folder",
+    "overhead_seconds": "host seconds spent in kvaudit's calls on the workers",
+}

@@ -44,7 +44,15 @@ class GroupLayout:
 
 @dataclass
 class AuditCounters:
-    """Counts since the last report, for vLLM's connector stats."""
+    """Counts since the last report, for vLLM's connector stats and Prometheus.
+
+    Blocks are the consumer's loaded block positions (per group): ``checked`` compared
+    with the producer's, ``mismatched`` of those differing, ``unverified`` loaded but not
+    compared (no producer checksums, a group not comparable, other valid tokens);
+    ``local`` held in the consumer's prefix cache, so not transferred and not compared.
+    ``declined_sync_loads``: synchronous loads declined under policy ``fail``.
+    The workers add ``dumps_written`` and ``overhead_seconds`` (host time in kvaudit).
+    """
 
     producer_requests: int = 0
     consumer_requests: int = 0
@@ -52,8 +60,14 @@ class AuditCounters:
     mismatched_blocks: int = 0
     not_comparable_groups: int = 0
     unverified_requests: int = 0
+    checked_blocks: int = 0
+    unverified_blocks: int = 0
+    local_blocks: int = 0
+    declined_sync_loads: int = 0
+    dumps_written: int = 0
+    overhead_seconds: float = 0.0
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, int | float]:
         return dict(self.__dict__)
 
 
@@ -65,6 +79,7 @@ class _Request:
     tables: list[list[int]] = field(default_factory=list)
     role: str | None = None
     produced: bool = False
+    local_tokens: int = 0
     loaded_tokens: int = 0
     load: str | None = None
     received: str | None = None
@@ -109,22 +124,47 @@ class SchedulerAudit:
             state.received = wire
         self._requests[rid] = state
 
+    def has_producer_checksums(self, request: Any) -> bool:
+        """Whether the request came with a producer's checksums to compare."""
+        state = self._requests.get(request.request_id)
+        if state is not None:
+            return state.received is not None
+        return isinstance((request.kv_transfer_params or {}).get(PARAM_WIRE), str)
+
     def after_alloc(
-        self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int,
-        load: str,
+        self, request: Any, block_ids: Sequence[Sequence[int]], local_tokens: int,
+        external_tokens: int, load: str,
     ) -> None:  # fmt: skip
-        """A consumer's blocks for the KV it loads (``update_state_after_alloc``)."""
-        if num_external_tokens <= 0:
-            return
+        """A consumer's blocks after vLLM allocated them (``update_state_after_alloc``):
+        tokens ``local_tokens .. local_tokens + external_tokens`` are loaded, the ones
+        before held in its prefix cache."""
         state = self._requests.get(request.request_id)
         if state is None:
             self.new_request(request)
             state = self._requests[request.request_id]
+        if external_tokens <= 0:
+            if state.received is not None and state.role is None:
+                # Nothing loads: its prefix is held here, or the connector has none of it.
+                state.role = CONSUMER
+                self._nothing_loaded(state, local_tokens)
+            return
         state.role = CONSUMER
-        state.loaded_tokens = int(request.num_computed_tokens) + int(num_external_tokens)
+        state.local_tokens = int(local_tokens)
+        state.loaded_tokens = int(local_tokens) + int(external_tokens)
         state.load = load
         state.tables = [list(ids) for ids in block_ids]
         state.consumer_due = True
+
+    def _nothing_loaded(self, state: _Request, local_tokens: int) -> None:
+        held = {g: -(-local_tokens // layout.block_size) for g, layout in self.groups.items()}
+        self.counters.local_blocks += sum(held.values())
+        where = ", ".join(f"group {g} positions {_span(0, n)}" for g, n in held.items() if n)
+        logger.info(
+            "kvaudit: request %s: nothing loaded (%s), computed here: not compared",
+            state.audit_id,
+            f"{local_tokens} tokens held in the prefix cache: {where}" if local_tokens
+            else "the connector holds none of its KV",
+        )  # fmt: skip
 
     # One step.
 
@@ -135,8 +175,7 @@ class SchedulerAudit:
             state = self._requests.get(new.req_id)
             if state is None:
                 continue
-            if state.role != CONSUMER or not state.tables:
-                state.tables = [list(ids) for ids in new.block_ids]
+            state.tables = [list(ids) for ids in new.block_ids]
             self._maybe_produce(state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -203,21 +242,26 @@ class SchedulerAudit:
                 state.received = None
         job = AuditJob(
             state.request, state.audit_id, CONSUMER, num_tokens,
-            self._groups_of(state, num_tokens), load=state.load,
+            self._groups_of(state, num_tokens, state.local_tokens), load=state.load,
             dump=self.dump_sampled(state.audit_id), received=received,
+            local_tokens=state.local_tokens,
         )  # fmt: skip
         state.jobs[CONSUMER] = job
         self._step.jobs.append(job)
 
-    def _groups_of(self, state: _Request, num_tokens: int) -> dict[int, tuple[int, list[int]]]:
-        """Per audited group, the first position and block ids of the request's tokens."""
+    def _groups_of(
+        self, state: _Request, num_tokens: int, first_token: int = 0
+    ) -> dict[int, tuple[int, list[int]]]:
+        """Per audited group, the first position and block ids of the request's tokens
+        ``first_token .. num_tokens - 1`` (a position holding any token before
+        ``first_token`` is left out)."""
         out = {}
         for gid, layout in self.groups.items():
             if gid >= len(state.tables):
                 continue
             count = -(-num_tokens // layout.block_size)
             ids = state.tables[gid][:count]
-            start = 0
+            start = -(-first_token // layout.block_size)
             if layout.windowed:
                 while start < len(ids) and ids[start] == NULL_BLOCK:
                     start += 1
@@ -300,30 +344,46 @@ class SchedulerAudit:
 
     def _arrived(self, state: _Request, job: AuditJob, checksums: RequestChecksums) -> None:
         self.counters.consumer_requests += 1
-        self._requests.pop(state.request, None)
+        local = {
+            gid: min(start, -(-job.local_tokens // self.groups[gid].block_size))
+            for gid, (start, _) in job.groups.items()
+        }
+        self.counters.local_blocks += sum(local.values())
         if job.received is None:
             self.counters.unverified_requests += 1
+            self.counters.unverified_blocks += sum(len(ids) for _, ids in job.groups.values())
             logger.info("kvaudit: request %s: no producer checksums received", state.audit_id)
             self._release(state, [])
             return
         wire = decode_wire(job.received, f"request {state.request}")
         bad_blocks: list[int] = []
+        unverified = False
         for group in wire.groups:
             mine = checksums.groups.get(group.group_id)
             if mine is None:
                 continue
             if mine.fingerprint != group.fingerprint:
                 self.counters.not_comparable_groups += 1
+                self.counters.unverified_blocks += mine.end - mine.start
+                unverified = True
                 logger.warning(
                     "kvaudit: request %s group %d not comparable: the engines' layers, "
                     "specs or dtypes differ (fingerprint %016x here, %016x sent)",
                     state.audit_id, group.group_id, mine.fingerprint, group.fingerprint,
                 )  # fmt: skip
                 continue
-            positions = _differing(group, mine, wire.num_tokens, job.num_tokens)
+            compared, positions = _compare(group, mine, wire.num_tokens, job.num_tokens)
             positions += [p for p in _replica_differences(mine) if p not in positions]
             self._index(state.audit_id, group.group_id, group.start, group.totals)
+            self.counters.checked_blocks += len(compared)
+            skipped = mine.end - mine.start - len(compared)
+            self.counters.unverified_blocks += skipped
+            unverified |= skipped > 0
+            held = local.get(group.group_id, 0)
+            where = _where(compared, held, skipped)
             if not positions:
+                logger.info("kvaudit: request %s group %d: %s: match", state.audit_id,
+                            group.group_id, where)  # fmt: skip
                 continue
             start, ids = job.groups[group.group_id]
             blocks = [ids[p - start] for p in sorted(positions)]
@@ -336,13 +396,18 @@ class SchedulerAudit:
                     stale.append(f"position {p} holds {found[0]} position {found[1]}")
             logger.error(
                 "kvaudit: MISMATCH request %s group %d positions %s (blocks %s): stale "
-                "source: %s",
+                "source: %s%s",
                 state.audit_id, group.group_id, sorted(positions), blocks,
                 "; ".join(stale) if stale else "none found among recent producers",
+                f" ({where})" if held or skipped else "",
             )  # fmt: skip
             self.counters.mismatched_blocks += len(positions)
         if bad_blocks:
             self.counters.mismatched_requests += 1
+            if self.config.output is not None and self.config.max_dump_bytes > 0:
+                self._step.dumps.append(job)
+        elif unverified:
+            self.counters.unverified_requests += 1
         self._release(state, bad_blocks)
 
     def _release(self, state: _Request, bad_blocks: list[int]) -> None:
@@ -372,10 +437,13 @@ class SchedulerAudit:
         return counters
 
 
-def _differing(group: Any, mine: Any, producer_tokens: int, consumer_tokens: int) -> list[int]:
-    """Positions both sides hold with the same valid tokens whose totals differ."""
+def _compare(
+    group: Any, mine: Any, producer_tokens: int, consumer_tokens: int
+) -> tuple[list[int], list[int]]:
+    """The positions compared (both sides hold them with the same valid tokens) and,
+    of those, the ones whose totals differ."""
     totals = mine.totals()
-    out = []
+    compared, differing = [], []
     for offset, value in enumerate(group.totals.tolist()):
         p = group.start + offset
         if not mine.start <= p < mine.end:
@@ -383,9 +451,27 @@ def _differing(group: Any, mine: Any, producer_tokens: int, consumer_tokens: int
         size = group.block_size
         if valid_tokens(producer_tokens, size, p) != valid_tokens(consumer_tokens, size, p):
             continue
+        compared.append(p)
         if int(totals[p - mine.start]) != value:
-            out.append(p)
-    return out
+            differing.append(p)
+    return compared, differing
+
+
+def _span(first: int, end: int) -> str:
+    """Positions ``first .. end - 1`` as text."""
+    return str(first) if end - first == 1 else f"{first}-{end - 1}"
+
+
+def _where(compared: list[int], held: int, skipped: int) -> str:
+    """What of a group was compared, as the log lines say it."""
+    noun = "position" if len(compared) == 1 else "positions"
+    parts = [f"{noun} {_span(compared[0], compared[-1] + 1)} compared" if compared
+             else "no position compared"]  # fmt: skip
+    if held:
+        parts.append(f"{_span(0, held)} held locally (prefix cache), not compared")
+    if skipped:
+        parts.append(f"{skipped} loaded not compared (the producer's valid tokens differ)")
+    return "; ".join(parts)
 
 
 def _replica_differences(mine: Any) -> list[int]:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Mapping
 
 import torch
 
@@ -82,6 +83,9 @@ class WorkerAudit:
         self._outgoing: list[WorkerPartials] = []
         self._unwritten: list[WorkerPartials] = []
         self._dumped_bytes = 0
+        self._dumped: set[tuple[str, str]] = set()
+        self.dumps_written = 0
+        self.overhead_seconds = 0.0
         self._live: dict[str, RequestBlocks] = {}
         self.agent = None
         if config.live_socket is not None:
@@ -111,6 +115,9 @@ class WorkerAudit:
         self._load_errors |= step.load_errors
         self._failed |= step.failed_loads & self._held
         self._released |= step.released & self._held
+        for job in step.dumps:
+            # Its check failed: dumped now, before this step's forward or loads write.
+            self._dump(job)
         if step.live is not None:
             self._live = {rid: RequestBlocks(n, groups) for rid, (n, groups) in step.live.items()}
 
@@ -122,11 +129,15 @@ class WorkerAudit:
             self.agent.poll()  # the step boundary: this step's blocks are written
 
     def transfer_results(
-        self, finished_recving: set[str], failed_recving: set[str]
+        self, finished_recving: set[str], failed_recving: set[str], ended: set[str]
     ) -> tuple[set[str], set[str]]:
         """Checksum the loads reported finished; under policy ``fail`` hold them until
-        the scheduler's verdict. Returns the finished and failed receives to report."""
+        the scheduler's verdict. A request that ended (``finished_req_ids``: finished,
+        aborted) is never held: vLLM frees a loading request's blocks only when its
+        receive is reported. Returns the finished and failed receives to report."""
         self.forward_done()
+        for request in ended:
+            self._waiting_loads.pop(request, None)
         loaded = []
         for request in finished_recving:
             job = self._waiting_loads.pop(request, None)
@@ -135,16 +146,17 @@ class WorkerAudit:
         self._launch(loaded)
         finished = set(finished_recving)
         failed = set(failed_recving)
-        if self.config.policy == "fail":
-            held_now = {job.request for job in loaded}
-            self._held |= held_now
-            finished -= held_now
-            released = self._released | (self._failed & self._held)
-            finished |= released
-            failed |= self._failed & released
-            self._held -= released
-            self._released -= released
-            self._failed -= released
+        if self.config.policy != "fail":
+            return finished, failed
+        held_now = {job.request for job in loaded}
+        self._held |= held_now
+        finished -= held_now
+        verdicts = (self._released | self._failed | ended) & self._held
+        finished |= verdicts
+        failed |= (self._failed & verdicts) - ended
+        self._held -= verdicts
+        self._released -= verdicts
+        self._failed -= verdicts
         return finished, failed
 
     def load_errors(self) -> set[int]:
@@ -155,13 +167,17 @@ class WorkerAudit:
     def partials(self) -> list[WorkerPartials]:
         """This step's checksums for the scheduler; writes those that reached the host."""
         out, self._outgoing = self._outgoing, []
-        self._write(final=False)
+        if self._unwritten:
+            began = time.perf_counter()
+            self._write(final=False)
+            self.overhead_seconds += time.perf_counter() - began
         return out
 
-    def finished(self, requests: Iterable[str]) -> None:
-        """Forget loads of requests that ended before their load finished."""
-        for request in requests:
-            self._waiting_loads.pop(request, None)
+    def take_counters(self) -> dict[str, int | float]:
+        """The worker's counters since the last call (dumps written, host seconds)."""
+        counters = {"dumps_written": self.dumps_written, "overhead_seconds": self.overhead_seconds}
+        self.dumps_written, self.overhead_seconds = 0, 0.0
+        return counters
 
     def close(self) -> None:
         """Write every checksum still on its way; stop the live agent."""
@@ -170,6 +186,13 @@ class WorkerAudit:
         self._write(final=True)
 
     def _launch(self, jobs: list[AuditJob]) -> None:
+        began = time.perf_counter()
+        try:
+            self._launch_roles(jobs)
+        finally:
+            self.overhead_seconds += time.perf_counter() - began
+
+    def _launch_roles(self, jobs: list[AuditJob]) -> None:
         for role in (PRODUCER, CONSUMER):
             chosen = [job for job in jobs if job.role == role]
             if not chosen:
@@ -195,9 +218,17 @@ class WorkerAudit:
                     self._dump(job)
 
     def _dump(self, job: AuditJob) -> None:
-        """Dump the request's blocks, within ``max_dump_bytes``."""
-        if self.config.output is None:
+        """Dump the request's blocks of the job's role, within ``max_dump_bytes``."""
+        if self.config.output is None or (job.audit_id, job.role) in self._dumped:
             return
+        began = time.perf_counter()
+        try:
+            self._write_dump(job)
+        finally:
+            self.overhead_seconds += time.perf_counter() - began
+
+    def _write_dump(self, job: AuditJob) -> None:
+        assert self.config.output is not None
         size = self._job_bytes(job)
         if self._dumped_bytes + size > self.config.max_dump_bytes:
             logger.info("kvaudit: request %s not dumped: max_dump_bytes reached", job.audit_id)
@@ -220,7 +251,9 @@ class WorkerAudit:
         except KvauditError as error:
             logger.warning("kvaudit: request %s not dumped: %s", job.audit_id, error)
             return
+        self._dumped.add((job.audit_id, job.role))
         self._dumped_bytes += size
+        self.dumps_written += 1
 
     def _job_bytes(self, job: AuditJob) -> int:
         """The bytes a dump of the job's blocks holds (every layer's rows)."""
