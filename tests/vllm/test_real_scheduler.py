@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 import async_store
+import cpu_engine as r
 import harness as h
 import pytest
-import real_engine as r
 import torch
 from expected import totals
 

@@ -11,8 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import cpu_engine as r
 import pytest
-import real_engine as r
 from vllm.config import KVTransferConfig, ParallelConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -145,7 +145,7 @@ def test_wrapping_one_of_vllms_connectors_by_name_is_refused(model: Path) -> Non
         kv_connector_extra_config={"kvaudit": {}, "wrapped": {"kv_connector": "NixlConnector"}},
     )
     built = config(model, dataclasses.asdict(transfer))
-    kv_cache_config = r.h.cache_config(r.h.attention_spec(16, 4, 8), 2, 8, r.KVCacheLayout.LBHNC)
+    kv_cache_config = r.cache_config(r.attention_spec(16, 4, 8), 2, 8, r.KVCacheLayout.LBHNC)
     with pytest.raises(ValueError) as raised:
         KVConnectorFactory.create_connector(built, KVConnectorRole.SCHEDULER, kv_cache_config)
     message = str(raised.value)

@@ -1,6 +1,8 @@
-"""An engine run by vLLM 0.33.0's own ``Scheduler`` (or ``AsyncScheduler``), with kvaudit's
-connector in both roles, so the connector sees exactly the calls, states and timing of a
-real vLLM: prefix-cache hits, chunked prefill, preemption, aborts, async scheduling.
+"""A vLLM engine on the CPU: vLLM 0.33.0's own ``Scheduler`` (or ``AsyncScheduler``) with a
+KV connector in both roles (kvaudit's, around ExampleConnector or any other), so the
+connector sees exactly the calls, states and timing of a real vLLM: prefix-cache hits,
+chunked prefill, preemption, aborts, async scheduling. ``walkthrough.py`` runs it; the
+tests of kvaudit's vLLM connector (tests/vllm) drive it.
 
 What is vLLM's own: ``ModelConfig`` (read from a small Llama-shaped ``config.json`` written
 here; no weights), ``VllmConfig`` and its post-initialisation, the ``Scheduler`` and its
@@ -24,7 +26,6 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-import harness as h
 import torch
 from vllm.config import (
     CacheConfig,
@@ -44,7 +45,14 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.engine import EngineCoreOutput
-from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MLAAttentionSpec,
+)
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
@@ -53,6 +61,9 @@ from vllm.v1.worker.utils import allocate_kv_cache
 
 import kvaudit.integrations.vllm.connector as connector_module
 
+MODULE = "kvaudit.integrations.vllm"
+AUDITED = "kvaudit.integrations.vllm.audited"
+LAYER = "model.layers.{}.self_attn.attn"
 SAMPLED = 7000  # the model's output token at position p is SAMPLED + p
 LAYERS, HEADS, HEAD_SIZE = 2, 4, 8
 MAX_MODEL_LEN = 512
@@ -122,6 +133,91 @@ def engine_config(
         parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
         kv_transfer_config=transfer,
     )
+
+
+def transfer_config(
+    kvaudit: dict[str, Any], wrapped: dict[str, Any] | None, role: str = "kv_both",
+    engine_id: str = "engine",
+) -> KVTransferConfig:  # fmt: skip
+    """kvaudit's connector, configured as docs/vllm.md says: one of vLLM's connectors
+    under its own name from ``kvaudit.integrations.vllm.audited``, a connector loaded by
+    module path under ``"wrapped"``, or kvaudit on its own (``wrapped`` None)."""
+    common = {"kv_role": role, "engine_id": engine_id}
+    if wrapped is not None and not wrapped.get("kv_connector_module_path"):
+        extra = {**wrapped.get("kv_connector_extra_config", {}), "kvaudit": kvaudit}
+        return KVTransferConfig(
+            kv_connector=wrapped["kv_connector"], kv_connector_module_path=AUDITED,
+            kv_connector_extra_config=extra, **common,
+        )  # fmt: skip
+    extra: dict[str, Any] = {"kvaudit": kvaudit}
+    if wrapped is not None:
+        extra["wrapped"] = wrapped
+    return KVTransferConfig(
+        kv_connector="KVAuditConnector", kv_connector_module_path=MODULE,
+        kv_connector_extra_config=extra, **common,
+    )  # fmt: skip
+
+
+def attention_spec(block_size: int, heads: int, head_size: int, mla: bool = False) -> AttentionSpec:
+    if mla:
+        return MLAAttentionSpec(
+            block_size=block_size, num_kv_heads=1, head_size=head_size, dtype=torch.bfloat16
+        )
+    return FullAttentionSpec(
+        block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=torch.bfloat16
+    )
+
+
+def cache_config(
+    spec: AttentionSpec, layers: int | Sequence[int], num_blocks: int, layout: KVCacheLayout
+) -> KVCacheConfig:
+    """One group of layers (``layers`` of them, or those numbered) in one backing
+    allocation, placed as ``layout``."""
+    numbers = range(layers) if isinstance(layers, int) else layers
+    names = [LAYER.format(i) for i in numbers]
+    layers = len(names)
+    page = spec.page_size_bytes
+    if layout.is_layer_compact:
+        layer_stride, block_stride = page * num_blocks, page
+    else:
+        layer_stride, block_stride = page, page * layers
+    tensor = KVCacheTensor(
+        size=page * num_blocks * layers, layers=names, layer_stride=layer_stride,
+        block_stride=block_stride,
+    )  # fmt: skip
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[tensor],
+        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+        kv_cache_layout=layout.name,
+    )
+
+
+def token_kv(token: int, position: int, layer: int, head: int, width: int) -> torch.Tensor:
+    """The KV the model computes for one token, layer and global head (bf16 bits)."""
+    seed = (token * 1_000_003 + position * 7919 + layer * 104_729 + head * 15_485_863) % 2**31
+    generator = torch.Generator().manual_seed(seed)
+    return (
+        torch.randint(0, 2**16, (width,), generator=generator, dtype=torch.int32)
+        .to(torch.int16)
+        .view(torch.bfloat16)
+    )
+
+
+def write_tokens(
+    cache: torch.Tensor, name: str, prompt: Sequence[int], first: int, last: int,
+    table: Sequence[int], block_size: int, first_head: int,
+) -> None:  # fmt: skip
+    """Tokens ``first .. last-1`` of a prompt into a ``[blocks, heads, tokens, C]`` cache
+    whose head 0 is global head ``first_head``."""
+    layer = int(name.split(".")[2])
+    width = cache.shape[-1]
+    for position in range(first, last):
+        block = table[position // block_size]
+        for h in range(cache.shape[1]):
+            cache[block, h, position % block_size] = token_kv(
+                prompt[position], position, layer, first_head + h, width
+            )
 
 
 @dataclass
@@ -370,7 +466,7 @@ class Engine:
             state = self.runner[rid]
             last = min(state.computed + count, len(state.tokens))
             for name, cache in worker.caches.items():
-                h.write_tokens(
+                write_tokens(
                     cache,
                     name,
                     state.tokens,
@@ -452,8 +548,8 @@ def make_engine(
         max_seqs=max_seqs,
     )
     per_rank = HEADS // tp_size
-    spec = h.attention_spec(block_size, per_rank, HEAD_SIZE)
-    kv_cache_config: KVCacheConfig = h.cache_config(spec, LAYERS, num_blocks, layout)
+    spec = attention_spec(block_size, per_rank, HEAD_SIZE)
+    kv_cache_config: KVCacheConfig = cache_config(spec, LAYERS, num_blocks, layout)
     scheduler_cls = config.scheduler_config.get_scheduler_cls()
     scheduler = scheduler_cls(
         vllm_config=config,
