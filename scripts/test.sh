@@ -27,10 +27,14 @@ python3 -m venv .venv-triton-oldest
 # --- End of stage: the oldest supported Triton ----------------------------------------
 
 # --- Stage: vLLM -----------------------------------------------------------------------
-# kvaudit's vLLM connector against the real vLLM 0.33.0 (CPU torch, no _C extension), in a
-# virtual environment of its own: vLLM with --no-deps, then the packages its connector
-# modules import (requirements/vllm-test.txt). tests/vllm is left out of the main run
-# (pyproject.toml addopts); here an import failure of vLLM fails the run, never skips it.
+# kvaudit's vLLM connector against the real vLLM 0.33.0, in a virtual environment of its
+# own: vLLM with --no-deps, then the packages its modules import (requirements/
+# vllm-test.txt). vLLM 0.33.0 pins torch 2.14.0; the CPU build here is 2.13.0 (pip warns
+# of the pin): vLLM's Python classes (configs, the real Scheduler and AsyncScheduler,
+# block pool, connectors' scheduler sides, output types) run on it; its CUDA kernels and
+# compiled extension (vllm._C) are not exercised, nor any real model forward or RDMA.
+# tests/vllm is left out of the main run (pyproject.toml addopts); here an import failure
+# of vLLM fails the run, never skips it.
 python3 -m venv .venv-vllm
 .venv-vllm/bin/pip install -q torch==2.13.0
 .venv-vllm/bin/pip install -q --no-deps vllm==0.33.0
