@@ -30,11 +30,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-STORE: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
+# By (TP rank, prompt): each rank stores and loads its own heads.
+STORE: dict[tuple[int, tuple[int, ...]], dict[str, torch.Tensor]] = {}
 DAMAGE: dict[str, Any] = {}
 LATENCY = {"steps": 0}
-# NixlWire: every engine's workers' caches by (engine id, TP rank), and the remote
-# requests whose blocks a decode engine has read.
+# Every engine's workers' caches by (engine id, TP rank), in the order they register
+# (their rank); NixlWire: the remote requests whose blocks a decode engine has read.
 ENGINES: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
 READ: set[str] = set()
 
@@ -79,7 +80,7 @@ class AsyncStoreConnector(KVConnectorBase_V1):
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
         key = tuple(request.prompt_token_ids)
-        if key in STORE and len(key) > num_computed_tokens:
+        if (0, key) in STORE and len(key) > num_computed_tokens:
             self._local[request.request_id] = num_computed_tokens
             return len(key) - num_computed_tokens, self.LOADS_ASYNC
         return 0, False
@@ -110,7 +111,7 @@ class AsyncStoreConnector(KVConnectorBase_V1):
                 self._tables[rid].extend(new_ids[0])
             key = self._prompts[rid]
             if computed + scheduler_output.num_scheduled_tokens[rid] >= len(key):
-                if key not in STORE:
+                if (0, key) not in STORE:
                     meta.saves.append((key, list(self._tables[rid])))
                 del self._prompts[rid], self._tables[rid]
         meta.loads, self._loads = self._loads, []
@@ -119,11 +120,14 @@ class AsyncStoreConnector(KVConnectorBase_V1):
     # Worker side.
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._caches = kv_caches
+        engine = self._vllm_config.kv_transfer_config.engine_id
+        self.rank = sum(1 for e, _ in ENGINES if e == engine)
+        ENGINES[(engine, self.rank)] = kv_caches
 
     def _load(self, rid: str, key: tuple[int, ...], first: int, ids: list[int]) -> None:
         count = -(-len(key) // self.block_size)
         for name, cache in self._caches.items():
-            stored = STORE[key][name]
+            stored = STORE[(self.rank, key)][name]
             for position in range(first, count):
                 cache[ids[position]] = stored[position]
                 damage(cache, name, ids[position], position)
@@ -149,7 +153,7 @@ class AsyncStoreConnector(KVConnectorBase_V1):
         assert isinstance(meta, StoreMetadata)
         for key, ids in meta.saves:
             count = -(-len(key) // self.block_size)
-            STORE.setdefault(key, {}).update(
+            STORE.setdefault((self.rank, key), {}).update(
                 {name: cache[ids[:count]].clone() for name, cache in self._caches.items()}
             )
 

@@ -215,17 +215,21 @@ def kvaudit(*args: object) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.parametrize("tp_size", [1, 2])
 def test_an_async_load_after_a_local_hit_checks_its_partial_last_block(
-    model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, tp_size: int
 ) -> None:
     """A 70-token prompt (4 blocks and 6 tokens), 2 blocks held locally: the store loads
     positions 2-4, the last one partial (vLLM then recomputes the prompt's last token);
-    all three are compared, a flipped bit in the partial block is found."""
+    all three are compared (their checksums summed over the TP ranks), a flipped bit in
+    the partial block is found."""
     tokens = r.prompt(300, 70)
-    _, params = produce(model, tmp_path, STORE, {"req-a": tokens})
+    _, params = produce(model, tmp_path, STORE, {"req-a": tokens}, tp_size=tp_size)
+    wire = decode_wire_base64(params["req-a"]["kvaudit"], "params")
+    assert wire.groups[0].totals.tolist() == want(tokens, 70)
     async_store.LATENCY["steps"] = 2
     async_store.DAMAGE.update(layer=h.LAYER.format(0), position=4)
-    decode = engine(model, tmp_path, "decode", STORE, "kv_consumer")
+    decode = engine(model, tmp_path, "decode", STORE, "kv_consumer", tp_size=tp_size)
     decode.add("warm", [*tokens[:32], 5, 6])
     decode.run()
     with caplog.at_level(logging.INFO, logger="kvaudit.vllm"):
@@ -287,6 +291,7 @@ def test_a_drafters_deferred_save_keeps_the_producers_totals(model: Path, tmp_pa
     producer.run()
     wire = decode_wire_base64(producer.params("req-a")["kvaudit"], "params")
     assert wire.groups[0].totals.tolist() == want(PROMPT, 80)
+    assert producer.all_blocks_free()
 
 
 def consumer_run(model: Path, tmp_path: Path, policy: str, **options: object) -> r.Engine:

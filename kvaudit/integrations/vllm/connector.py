@@ -105,6 +105,7 @@ class KVAuditConnector(KVConnectorBase_V1):
         # and whether the load is asynchronous (get_num_new_matched_tokens).
         self._matched: dict[str, tuple[int, bool]] = {}
         self._warned_sync = False
+        self._declined: set[str] = set()
         if self.audit_config.policy == "fail" and inner_config is not None:
             refuse_sync_loading(inner_config)
         self.worker_audit: WorkerAudit | None = None
@@ -381,7 +382,9 @@ class KVAuditConnector(KVConnectorBase_V1):
             return False
         if not audit.has_producer_checksums(request):
             return False
-        audit.counters.declined_sync_loads += 1
+        if request.request_id not in self._declined:  # vLLM may ask again next step
+            self._declined.add(request.request_id)
+            audit.counters.declined_sync_loads += 1
         if not self._warned_sync:
             self._warned_sync = True
             logger.error(
@@ -450,6 +453,7 @@ class KVAuditConnector(KVConnectorBase_V1):
 
     def _finished(self, request: Request, params: dict[str, Any] | None) -> dict[str, Any] | None:
         self._matched.pop(request.request_id, None)
+        self._declined.discard(request.request_id)
         if self.scheduler_audit is None:
             return params
         return self.scheduler_audit.finished(request, params)
