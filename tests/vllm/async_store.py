@@ -34,6 +34,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 STORE: dict[tuple[int, tuple[int, ...]], dict[str, torch.Tensor]] = {}
 DAMAGE: dict[str, Any] = {}
 LATENCY = {"steps": 0}
+# Per TP rank: steps a load takes past LATENCY; ranks whose next load fails (reported
+# finished and failed, as a transfer error is).
+RANK_LATENCY: dict[int, int] = {}
+FAILING_RANKS: set[int] = set()
 # Every engine's workers' caches by (engine id, TP rank), in the order they register
 # (their rank); NixlWire: the remote requests whose blocks a decode engine has read.
 ENGINES: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
@@ -46,6 +50,8 @@ def reset() -> None:
     ENGINES.clear()
     READ.clear()
     LATENCY["steps"] = 0
+    RANK_LATENCY.clear()
+    FAILING_RANKS.clear()
 
 
 def damage(cache: torch.Tensor, name: str, block: int, position: int) -> None:
@@ -138,7 +144,7 @@ class AsyncStoreConnector(KVConnectorBase_V1):
         for rid, key, first, ids in meta.loads:
             self._load(rid, key, first, ids)
             if self.LOADS_ASYNC:
-                self._in_flight[rid] = LATENCY["steps"]
+                self._in_flight[rid] = LATENCY["steps"] + RANK_LATENCY.get(self.rank, 0)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -160,7 +166,10 @@ class AsyncStoreConnector(KVConnectorBase_V1):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         done = {rid for rid, left in self._in_flight.items() if left <= 0}
         self._in_flight = {rid: left - 1 for rid, left in self._in_flight.items() if left > 0}
-        return KVConnectorTransferResults(finished_recving=done)
+        failed = set(done) if self.rank in FAILING_RANKS else set()
+        if failed:
+            FAILING_RANKS.discard(self.rank)  # once: vLLM's retry of the load then succeeds
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
 
 class SyncStoreConnector(AsyncStoreConnector):

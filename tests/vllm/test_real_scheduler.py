@@ -20,7 +20,9 @@ import harness as h
 import pytest
 import torch
 from expected import totals
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
+from kvaudit.integrations.vllm import plugin
 from kvaudit.integrations.vllm.output import read_output_folder
 from kvaudit.wire import decode_wire_base64
 
@@ -340,6 +342,55 @@ def test_an_abort_while_a_load_is_held_for_its_verdict_frees_every_block(
     assert not held(decode, "d-a")
 
 
+@pytest.mark.parametrize("policy", ["log", "fail"])
+def test_an_abort_between_two_ranks_loads_leaves_no_audit_state(
+    model: Path, tmp_path: Path, policy: str
+) -> None:
+    """TP=2, rank 1's part of the load ends two steps after rank 0's, and the request is
+    aborted in between: rank 1 never checksums it, and kvaudit forgets the request (its
+    state, rank 0's checksums) with the abort."""
+    _, params = produce(model, tmp_path, STORE, {"req-a": PROMPT}, tp_size=2)
+    async_store.RANK_LATENCY[1] = 2
+    decode = engine(model, tmp_path, "decode", STORE, "kv_consumer", policy=policy, tp_size=2)
+    decode.add("d-a", PROMPT, params["req-a"], max_tokens=4)
+    decode.step()
+    decode.step()  # rank 0's part is in
+    decode.abort("d-a")
+    decode.run()
+    decode.step()
+    assert decode.all_blocks_free()
+    assert not decode.scheduler.connector.scheduler_audit._requests
+
+
+def test_a_load_that_fails_on_one_rank_is_let_go_on_the_others(
+    model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Policy ``fail``, TP=2: rank 1's connector reports the load failed, so it sends no
+    checksums; rank 0 would hold its part for a verdict that cannot come. kvaudit lets
+    it go, vLLM sees the failed receive and recomputes the request."""
+    _, params = produce(model, tmp_path, STORE, {"req-a": PROMPT}, tp_size=2)
+    async_store.FAILING_RANKS.add(1)
+    transfer = h.transfer_config({"output": str(tmp_path / "decode"), "policy": "fail"}, STORE,
+                                 "kv_consumer", engine_id="decode")  # fmt: skip
+    transfer.kv_load_failure_policy = "recompute"
+    decode = r.make_engine(model, transfer, tp_size=2)
+    with caplog.at_level(logging.INFO, logger="kvaudit.vllm"):
+        decode.add("d-a", PROMPT, params["req-a"], max_tokens=2)
+        decode.run()
+    assert len(messages(caplog, "its load failed on a worker: not compared")) == 1
+    # vLLM loaded it again after the failure: that load was checked.
+    assert len(messages(caplog, "positions 0-4 compared: match")) == 1
+    assert decode.generated("d-a") == [r.SAMPLED + 80, r.SAMPLED + 81]
+    assert decode.all_blocks_free()
+
+
+def test_an_idle_step_sends_no_connector_stats(model: Path, tmp_path: Path) -> None:
+    decode = engine(model, tmp_path, "decode", STORE, "kv_consumer")
+    decode.step()
+    [(_, result)] = decode.history
+    assert result.kv_connector_output.kv_connector_stats is None
+
+
 def test_an_abort_after_a_sync_load_frees_every_block(
     model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -576,6 +627,11 @@ def test_a_multiconnector_holding_kvaudit(
     prefill = multi("prefill", "kv_producer")
     prefill.add("req-a", PROMPT)
     prefill.run()
+    # vLLM's API server rebuilds MultiConnector's stats by each child's registered name:
+    # kvaudit's plugin names its class, and its counters come through.
+    plugin.register()
+    rebuilt = [MultiConnector.build_kv_connector_stats(data=s) for s in prefill.stats if s]
+    assert sum(r.reduce()["KVAuditConnector"]["kvaudit_producer_requests"] for r in rebuilt) == 1
     params = prefill.params("req-a")
     assert decode_wire_base64(params["kvaudit"], "p").groups[0].totals.tolist() == want(PROMPT, 80)
     async_store.DAMAGE.update(layer=h.LAYER.format(0), position=2)
@@ -618,6 +674,14 @@ def test_policy_fail_refuses_a_synchronous_connector_at_start_up(
     )
 
 
+def test_policy_fail_on_a_producer_of_a_synchronous_connector_is_taken(
+    model: Path, tmp_path: Path
+) -> None:
+    """A producer loads nothing: policy ``fail`` with ExampleConnector is no contradiction."""
+    _, params = produce(model, tmp_path, example(tmp_path), {"req-a": PROMPT}, policy="fail")
+    assert "kvaudit" in params["req-a"]
+
+
 def test_policy_fail_declines_a_synchronous_load_it_cannot_hold(
     model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -634,7 +698,7 @@ def test_policy_fail_declines_a_synchronous_load_it_cannot_hold(
     assert decode.generated("d-a") == [r.SAMPLED + 80, r.SAMPLED + 81]
     [line] = messages(caplog, "declines")
     assert line.startswith("kvaudit: policy fail: SyncStoreConnector loaded request d-")
-    assert not messages(caplog, "MISMATCH")
+    assert not messages(caplog, "MISMATCH") and not messages(caplog, "nothing loaded")
     got = decode.connector_counters()
     assert (got["declined_sync_loads"], got["checked_blocks"]) == (2, 0)
     assert decode.all_blocks_free()

@@ -156,3 +156,30 @@ def test_wrapping_one_of_vllms_connectors_by_name_is_refused(model: Path) -> Non
         f'"{AUDITED_MODULE}" (its settings beside "kvaudit" in kv_connector_extra_config), '
         "so that vLLM's checks of it still apply"
     )
+
+
+def test_vllms_lookup_of_the_cpu_offload_connector_finds_it_inside_kvaudit(model: Path) -> None:
+    """With SimpleCPUOffload and prefix caching, vLLM's engine asks its workers for the
+    offload connector (``_find_simple_cpu_offload_connector``, which looks into a
+    connector's ``_connectors``) to align the CPU block count: it finds the wrapped one."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (
+        SimpleCPUOffloadConnector,
+        _find_simple_cpu_offload_connector,
+    )
+
+    built = config(model, audited(DEPLOYMENTS["cpu-offload"]))
+    kv_cache_config = r.cache_config(r.attention_spec(16, 4, 8), 2, 8, r.KVCacheLayout.LBHNC)
+    conn = KVConnectorFactory.create_connector(built, KVConnectorRole.SCHEDULER, kv_cache_config)
+    found = _find_simple_cpu_offload_connector(conn)
+    assert isinstance(found, SimpleCPUOffloadConnector) and found is conn.wrapped
+
+
+def test_kvaudits_plugin_is_one_vllm_loads() -> None:
+    """The installed package declares its ``vllm.general_plugins`` entry point, which
+    names kvaudit's classes in vLLM's registry."""
+    from vllm.plugins import load_plugins_by_group
+
+    plugins = load_plugins_by_group("vllm.general_plugins")
+    plugins["kvaudit_connectors"]()
+    for name in ("KVAuditConnector", "KVAuditHMAConnector"):
+        assert KVConnectorFactory.get_connector_class_by_name(name).__name__ == name

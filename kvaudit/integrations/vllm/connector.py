@@ -37,6 +37,7 @@ from .describe import describe_vllm_cache
 from .engine import (
     AUDIT_KEY,
     WRAPPED_KEY,
+    built_by_multiconnector,
     group_layouts,
     model_kv_heads,
     refuse_sync_loading,
@@ -101,12 +102,16 @@ class KVAuditConnector(KVConnectorBase_V1):
             assert isinstance(created, KVConnectorBase_V1)
             self.wrapped = created
         self._wrapped_class = class_path(type(self.wrapped) if self.wrapped else None)
+        # A child of vLLM's MultiConnector under an audited name reports the wrapped
+        # connector's stats only (MultiConnector rebuilds them with that name's class).
+        self._stats_are_wrapped = self.audited_name is not None and built_by_multiconnector()
         # Per request being admitted: the local prefix-cache hit its load starts after,
         # and whether the load is asynchronous (get_num_new_matched_tokens).
         self._matched: dict[str, tuple[int, bool]] = {}
         self._warned_sync = False
         self._declined: set[str] = set()
-        if self.audit_config.policy == "fail" and inner_config is not None:
+        consumer = self._kv_transfer_config.is_kv_consumer
+        if self.audit_config.policy == "fail" and inner_config is not None and consumer:
             refuse_sync_loading(inner_config)
         self.worker_audit: WorkerAudit | None = None
         self.scheduler_audit: SchedulerAudit | None = None
@@ -119,6 +124,12 @@ class KVAuditConnector(KVConnectorBase_V1):
                 world_size=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
                 single_group=len(kv_cache_config.kv_cache_groups) == 1,
             )
+
+    @property
+    def _connectors(self) -> list[KVConnectorBase_V1]:
+        """The wrapped connector, where vLLM looks for a connector among another's
+        children (as it does in MultiConnector's: SimpleCPUOffload's block count)."""
+        return [self.wrapped] if self.wrapped is not None else []
 
     @property
     def engine_label(self) -> str:
@@ -324,6 +335,8 @@ class KVAuditConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         inner = self.wrapped.get_kv_connector_stats() if self.wrapped else None
+        if self._stats_are_wrapped:
+            return inner
         stats = KVAuditStats(inner=inner, inner_class=self._wrapped_class)
         counts = stats.data[STATS_KEY]
         if self.scheduler_audit is not None:
@@ -340,10 +353,12 @@ class KVAuditConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         inner = self.wrapped.build_connector_worker_meta() if self.wrapped else None
-        partials = self.worker_audit.partials() if self.worker_audit else []
-        if inner is None and not partials:
+        audit = self.worker_audit
+        partials = audit.partials() if audit else []
+        failed = audit.failed_loads() if audit else set()
+        if inner is None and not partials and not failed:
             return None
-        return KVAuditWorkerMetadata(inner, partials)
+        return KVAuditWorkerMetadata(inner, partials, failed)
 
     # Scheduler side.
 
@@ -408,7 +423,7 @@ class KVAuditConnector(KVConnectorBase_V1):
         if self.wrapped is not None:
             self.wrapped.update_state_after_alloc(request, blocks, num_external_tokens)
         local, load_async = self._matched.pop(request.request_id, (0, False))
-        if self.scheduler_audit is not None:
+        if self.scheduler_audit is not None and request.request_id not in self._declined:
             self.scheduler_audit.after_alloc(
                 request, blocks.get_block_ids(), local, num_external_tokens,
                 "async" if load_async else "sync",
@@ -431,16 +446,18 @@ class KVAuditConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
-        partials = []
+        partials: list = []
+        failed: set[str] = set()
         if isinstance(meta, KVAuditWorkerMetadata):
-            partials = meta.partials
+            partials, failed = meta.partials, meta.failed
             connector_output = dataclasses.replace(
                 connector_output, kv_connector_worker_meta=meta.inner
             )
         if self.wrapped is not None:
             self.wrapped.update_connector_output(connector_output)
-        if self.scheduler_audit is not None and partials:
+        if self.scheduler_audit is not None:
             self.scheduler_audit.update(partials)
+            self.scheduler_audit.load_failed(failed)
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 
 from vllm.config import KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -91,6 +92,21 @@ def refuse_sync_loading(config: KVTransferConfig) -> None:
                 'checksums, which meet only after that step): use policy "log" with '
                 f"{name}, or an asynchronous connector (docs/vllm.md)"
             )
+
+
+def built_by_multiconnector() -> bool:
+    """Whether the connector being built is a child of vLLM's ``MultiConnector`` (which
+    rebuilds each child's connector stats with the class its name has in vLLM's
+    registry: an audited child's stats must then be the wrapped connector's own)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    code = MultiConnector.__init__.__code__
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def is_vllm_connector(name: str) -> bool:

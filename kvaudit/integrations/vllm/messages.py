@@ -33,11 +33,13 @@ class KVAuditMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVAuditWorkerMetadata(KVConnectorWorkerMetadata):
-    """Workers to scheduler: the wrapped connector's worker metadata and the workers'
-    partial checksums (summed by the scheduler over TP ranks and PP stages)."""
+    """Workers to scheduler: the wrapped connector's worker metadata, the workers'
+    partial checksums (summed by the scheduler over TP ranks and PP stages) and the
+    audited loads a worker's connector reported failed."""
 
     inner: KVConnectorWorkerMetadata | None = None
     partials: list[WorkerPartials] = field(default_factory=list)
+    failed: set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """This worker's and another's, together (vLLM calls it once per worker)."""
@@ -48,7 +50,9 @@ class KVAuditWorkerMetadata(KVConnectorWorkerMetadata):
             inner = self.inner
         else:
             inner = self.inner.aggregate(other.inner)
-        return KVAuditWorkerMetadata(inner, [*self.partials, *other.partials])
+        return KVAuditWorkerMetadata(
+            inner, [*self.partials, *other.partials], self.failed | other.failed
+        )
 
 
 def class_path(cls: type | None) -> str | None:
@@ -132,24 +136,40 @@ class KVAuditPromMetrics(KVConnectorPromMetrics):
         super().__init__(*args)
         self.inner = inner
         self.counters = {
-            key: create_metric_per_engine(
-                self._counter_cls(
-                    name=f"vllm:kvaudit_{key}",
-                    documentation=f"kvaudit: {COUNTER_HELP[key]}",
-                    labelnames=self._labelnames,
-                ),
-                self.per_engine_labelvalues,
-            )
+            key: create_metric_per_engine(self._counter(key), self.per_engine_labelvalues)
             for key in AuditCounters().as_dict()
         }
 
+    def _counter(self, key: str) -> Any:
+        """One counter per stat logger, shared by the kvaudit connectors it builds metrics
+        for (two audited children of a MultiConnector add to one): vLLM hands them all
+        the same ``per_engine_labelvalues``, and a new logger, new ones."""
+        shared = (self._counter_cls, key)
+        built = _COUNTERS.get(shared)
+        if built is None or built[0] is not self.per_engine_labelvalues:
+            metric = self._counter_cls(
+                name=f"vllm:kvaudit_{key}",
+                documentation=f"kvaudit: {COUNTER_HELP[key]}",
+                labelnames=self._labelnames,
+            )
+            _COUNTERS[shared] = built = (self.per_engine_labelvalues, metric)
+        return built[1]
+
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for key, value in transfer_stats_data.get(STATS_KEY, {}).items():
+        if STATS_KEY not in transfer_stats_data:
+            # A MultiConnector's audited child: the wrapped connector's stats only.
+            if self.inner is not None:
+                self.inner.observe(transfer_stats_data, engine_idx)
+            return
+        for key, value in transfer_stats_data[STATS_KEY].items():
             if key in self.counters and value:
                 self.counters[key][engine_idx].inc(value)
         wrapped = transfer_stats_data.get("wrapped")
         if wrapped is not None and self.inner is not None:
             self.inner.observe(wrapped, engine_idx)
+
+
+_COUNTERS: dict[tuple[type, str], tuple[dict[int, list[object]], Any]] = {}
 
 
 COUNTER_HELP = {

@@ -81,6 +81,7 @@ class _Request:
     produced: bool = False
     local_tokens: int = 0
     loaded_tokens: int = 0
+    reported: bool = False
     load: str | None = None
     received: str | None = None
     consumer_due: bool = False
@@ -143,9 +144,9 @@ class SchedulerAudit:
             self.new_request(request)
             state = self._requests[request.request_id]
         if external_tokens <= 0:
-            if state.received is not None and state.role is None:
+            if state.received is not None and state.role is None and not state.reported:
                 # Nothing loads: its prefix is held here, or the connector has none of it.
-                state.role = CONSUMER
+                state.reported = True
                 self._nothing_loaded(state, local_tokens)
             return
         state.role = CONSUMER
@@ -300,13 +301,29 @@ class SchedulerAudit:
         return out
 
     def forget(self, request_ids: Iterable[str]) -> None:
-        """Drop requests that ended (``finished_req_ids``), except those whose workers'
-        checksums are partly in. A finished request's checksums of its last step came in
-        the update that finished it."""
+        """Drop requests that ended (``finished_req_ids``). A request that finished
+        normally had the checksums of its last step in the update that finished it; one
+        aborted meanwhile has its comparison dropped (some workers' checksums may never
+        come: a worker drops a load that ends before it finished)."""
+        for rid in request_ids:
+            self._requests.pop(rid, None)
+
+    def load_failed(self, request_ids: Iterable[str]) -> None:
+        """Loads a worker's connector reported failed: no comparison (the other workers'
+        checksums are dropped), and under policy ``fail`` the workers holding their part
+        let it go, so that vLLM sees the failure (its aggregator reports a failed
+        receive only once every worker reported the receive)."""
         for rid in request_ids:
             state = self._requests.get(rid)
-            if state is not None and not state.partials:
-                self._requests.pop(rid, None)
+            if state is None or CONSUMER not in state.jobs:
+                continue
+            del state.jobs[CONSUMER]
+            state.partials.pop(CONSUMER, None)
+            self.counters.unverified_requests += 1
+            logger.warning("kvaudit: request %s: its load failed on a worker: not compared",
+                           state.audit_id)  # fmt: skip
+            if self.config.policy == "fail" and state.load == "async":
+                self._step.released.add(rid)
 
     # Worker results.
 

@@ -84,6 +84,7 @@ class WorkerAudit:
         self._unwritten: list[WorkerPartials] = []
         self._dumped_bytes = 0
         self._dumped: set[tuple[str, str]] = set()
+        self._failed_here: set[str] = set()
         self.dumps_written = 0
         self.overhead_seconds = 0.0
         self._live: dict[str, RequestBlocks] = {}
@@ -141,7 +142,9 @@ class WorkerAudit:
         loaded = []
         for request in finished_recving:
             job = self._waiting_loads.pop(request, None)
-            if job is not None and request not in failed_recving:
+            if job is not None and request in failed_recving:
+                self._failed_here.add(request)  # the other workers' parts are let go
+            elif job is not None:
                 loaded.append(job)
         self._launch(loaded)
         finished = set(finished_recving)
@@ -173,6 +176,11 @@ class WorkerAudit:
             self.overhead_seconds += time.perf_counter() - began
         return out
 
+    def failed_loads(self) -> set[str]:
+        """This worker's audited loads its connector reported failed, for the scheduler."""
+        failed, self._failed_here = self._failed_here, set()
+        return failed
+
     def take_counters(self) -> dict[str, int | float]:
         """The worker's counters since the last call (dumps written, host seconds)."""
         counters = {"dumps_written": self.dumps_written, "overhead_seconds": self.overhead_seconds}
@@ -186,6 +194,8 @@ class WorkerAudit:
         self._write(final=True)
 
     def _launch(self, jobs: list[AuditJob]) -> None:
+        if not jobs:
+            return
         began = time.perf_counter()
         try:
             self._launch_roles(jobs)
@@ -219,7 +229,7 @@ class WorkerAudit:
 
     def _dump(self, job: AuditJob) -> None:
         """Dump the request's blocks of the job's role, within ``max_dump_bytes``."""
-        if self.config.output is None or (job.audit_id, job.role) in self._dumped:
+        if self.config.output is None or (job.request, job.role) in self._dumped:
             return
         began = time.perf_counter()
         try:
@@ -251,7 +261,7 @@ class WorkerAudit:
         except KvauditError as error:
             logger.warning("kvaudit: request %s not dumped: %s", job.audit_id, error)
             return
-        self._dumped.add((job.audit_id, job.role))
+        self._dumped.add((job.request, job.role))
         self._dumped_bytes += size
         self.dumps_written += 1
 
