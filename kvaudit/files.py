@@ -130,6 +130,24 @@ def check_output(
             )
 
 
+def output_identity(output: str | os.PathLike[str], option: str = "the output") -> object:
+    """What ``output`` writes to, alike for two names of one file (a hardlink, a symlink,
+    another spelling) or of one open descriptor.
+
+    Raises:
+        KvauditError: An empty name, or a directory.
+
+    """
+    place = output_place(output, option)
+    if place.descriptor is not None:
+        return ("descriptor", place.descriptor)
+    try:
+        info = os.stat(place.path)
+    except OSError:
+        return ("path", place.path)
+    return ("file", info.st_dev, info.st_ino)
+
+
 def check_input(path: str | os.PathLike[str], *, directory: bool = False) -> None:
     """Refuse an input that is neither a regular file nor, where ``directory``, a
     directory: reading a FIFO, a device or a socket could block forever or never end. A

@@ -139,6 +139,35 @@ def test_output_place_kinds(tmp_path: Path) -> None:
         output_place(tmp_path)
 
 
+def test_two_outputs_naming_one_file_are_refused(dump: Path, tmp_path: Path) -> None:
+    """Every command's writing options, two at a time on one file (by the same name, a
+    hardlink, a symlink, another spelling): refused before any work, the file untouched."""
+    target = tmp_path / "report"
+    target.write_text("kept")
+    hard, soft = tmp_path / "hard", tmp_path / "soft"
+    os.link(target, hard)
+    soft.symlink_to(target)
+    record = tmp_path / "rec.json"
+    record.write_text(record_text(dump))
+    spellings = (target, hard, soft, tmp_path / "." / "report")
+    cases = [
+        ("diff", dump, dump, "--json", target, "--junit"),
+        ("diff", dump, dump, "-o", target, "--json"),
+        ("diff", dump, dump, "--junit", target, "--html"),
+        ("verify", dump, "--against", record, "-o", target, "--junit"),
+    ]
+    for *command, first, same, second in cases:
+        for other in spellings:
+            line = assert_error(run(*command, first, same, second, other), "name the same file")
+            assert f"{second} and {first} name the same file" in line
+            assert target.read_text() == "kept"
+    new = tmp_path / "new.json"
+    assert_error(run("diff", dump, dump, "--json", new, "--junit", new), "--junit and --json")
+    assert not new.exists()
+    assert_error(run("diff", dump, dump, "--json", "/dev/stdout", "--junit", "/dev/fd/1"),
+                 "name the same file")  # fmt: skip
+
+
 def test_output_that_is_an_input_is_refused(dump: Path, tmp_path: Path) -> None:
     copy = tmp_path / "d.safetensors"
     copy.write_bytes(dump.read_bytes())

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..distributed import is_writer, spread
-from ..files import check_output
+from ..errors import KvauditError
+from ..files import check_output, output_identity
 
 if TYPE_CHECKING:
     from ..description import CacheDescription
@@ -16,15 +17,31 @@ if TYPE_CHECKING:
 
 
 def check_outputs(outputs: dict[str, str | None], inputs: Sequence[str | None]) -> None:
-    """Refuse, before any work, an output option (``-o``) that names no file or names one
-    of the command's inputs (SOURCE arguments, records, descriptions); under torchrun,
-    on rank 0 only, which writes it."""
+    """Refuse, before any work, an output option (``-o``) that names no file, names one
+    of the command's inputs (SOURCE arguments, records, descriptions), or names the file
+    another output option names (one report would overwrite the other); under torchrun,
+    on rank 0 only, which writes them.
+
+    Raises:
+        KvauditError: One line naming the output and the problem.
+
+    """
     if not is_writer():
         return
     named = [name for name in inputs if name]
+    seen: dict[object, str] = {}
     for option, output in outputs.items():
-        if output is not None:
-            check_output(output, named, option)
+        if output is None:
+            continue
+        check_output(output, named, option)
+        identity = output_identity(output, option)
+        if identity in seen:
+            raise KvauditError(
+                f"{option} and {seen[identity]} name the same file: one report would "
+                "overwrite the other; give each its own",
+                output,
+            )
+        seen[identity] = option
 
 
 def load_config(path: str | None) -> CacheDescription | None:
