@@ -250,3 +250,22 @@ def test_chromium_renders_the_page_offline(
     red = (pixels[:, 0] > 100) & (pixels[:, 1] < 60) & (pixels[:, 2] < 80)
     assert red.sum() > 2000
     assert len(np.unique(pixels, axis=0)) > 10
+
+
+def test_control_characters_of_a_request_id_are_shown_escaped(tmp_path: Path) -> None:
+    """An ESC (and a C1 control) in a request id reach the page as the terminal shows
+    them (``\\x1b``), never raw."""
+    the_model = model("bfloat16", layers=2)
+    values = {"req\x1b[31m-red\x9b": draw(12, the_model)["req-a"]}
+    broken = {rid: dict(layers) for rid, layers in values.items()}
+    layer = broken["req\x1b[31m-red\x9b"][ATTN.format(1)].copy()
+    layer[5, 3, 0] += 1.0
+    broken["req\x1b[31m-red\x9b"][ATTN.format(1)] = layer
+    left = dump(tmp_path / "p", the_model, values, PRODUCER, "producer")
+    right = dump(tmp_path / "c", the_model, broken, CONSUMER, "consumer")
+    page = tmp_path / "diff.html"
+    result = CliRunner().invoke(main, ["diff", str(left), str(right), "--html", str(page), "-q"])
+    assert result.exit_code == 1, result.output
+    text = page.read_text(encoding="utf-8")
+    assert "\x1b" not in text and "\x9b" not in text
+    assert "req\\x1b[31m-red\\x9b" in text

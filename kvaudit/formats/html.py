@@ -12,6 +12,7 @@ import numpy as np
 
 from ..compare import DiffReport
 from ..compare.numeric import NumericReport, SliceErrors
+from ..errors import printable
 from .heatmaps import (
     Heatmap,
     layer_head_errors,
@@ -19,6 +20,13 @@ from .heatmaps import (
     located_heatmaps,
 )
 from .png import INFINITE, NOT_COMPARED, colours, encode_png, rel_error_position
+
+
+def _text(value: str) -> str:
+    """Text for the page: control characters (ESC, C0, C1, DEL) and lone surrogates
+    shown as ``\\xNN`` escapes, as the terminal report shows them, then HTML-escaped."""
+    return html.escape(printable(value))
+
 
 ROW_PX = 14
 """Screen pixels per heatmap row (one layer)."""
@@ -63,16 +71,16 @@ def _image(heatmap: Heatmap) -> str:
     data = base64.b64encode(encode_png(colours(positions))).decode("ascii")
     rows, cols = values.shape
     cell = max(2, min(24, MAX_WIDTH_PX // max(cols, 1)))
-    labels = "".join(f"<div>{html.escape(name)}</div>" for name in heatmap.rows)
+    labels = "".join(f"<div>{_text(name)}</div>" for name in heatmap.rows)
     axis = "heads" if heatmap.title.endswith("heads") else "token positions"
     if heatmap.token_bin > 1:
         axis += f", {heatmap.token_bin} a column"
     span = f"{heatmap.columns[0]} .. {heatmap.columns[-1]}" if heatmap.columns else "none"
     return (
-        f"<figure><figcaption>{html.escape(heatmap.title)}: {html.escape(heatmap.kind)} "
-        f"({axis}: {html.escape(span)})</figcaption>"
+        f"<figure><figcaption>{_text(heatmap.title)}: {_text(heatmap.kind)} "
+        f"({axis}: {_text(span)})</figcaption>"
         f'<div class="map"><div class="labels">{labels}</div>'
-        f'<img alt="{html.escape(heatmap.title)}" class="heatmap" '
+        f'<img alt="{_text(heatmap.title)}" class="heatmap" '
         f'data-rows="{rows}" data-columns="{cols}" width="{cols * cell}" '
         f'height="{rows * ROW_PX}" src="data:image/png;base64,{data}"></div></figure>'
     )
@@ -101,22 +109,22 @@ def _legend(kind: str) -> str:
 def _slice_row(request_id: str, group_id: int, item: SliceErrors) -> str:
     def cell(field: str, text: str) -> str:
         return (
-            f'<td data-request="{html.escape(request_id)}" data-group="{group_id}" '
-            f'data-layer="{html.escape(item.layer)}" data-head="{item.head}" '
+            f'<td data-request="{_text(request_id)}" data-group="{group_id}" '
+            f'data-layer="{_text(item.layer)}" data-head="{item.head}" '
             f'data-field="{field}">{text}</td>'
         )
 
     worst = ", ".join(f"{position} ({fmt(error)})" for position, error in item.worst)
     return (
         f'<tr class="{"failed" if item.failed else "ok"}"><td class="name">'
-        f"{html.escape(item.layer)}</td><td>{item.head}</td>"
+        f"{_text(item.layer)}</td><td>{item.head}</td>"
         + cell("max_abs_error", fmt(item.max_abs_error))
         + cell("max_rel_error", fmt(item.max_rel_error))
         + cell("scaled_error", fmt(item.scaled_error))
         + cell("rms_error", fmt(item.rms_error))
         + cell("over_tolerance", str(item.over_tolerance))
         + cell("nonfinite_mismatches", str(item.nonfinite_mismatches))
-        + f'<td class="name">{html.escape(worst)}</td></tr>'
+        + f'<td class="name">{_text(worst)}</td></tr>'
     )
 
 
@@ -124,14 +132,14 @@ def _page(title: str, summary: str, sections: list[str], empty: str) -> str:
     body = "\n".join(sections) or f"<p>{empty}</p>"
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-        f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>"
-        f"<h1>{html.escape(title)}</h1>{summary}\n{body}\n</body></html>\n"
+        f"<title>{_text(title)}</title><style>{_STYLE}</style></head><body>"
+        f"<h1>{_text(title)}</h1>{summary}\n{body}\n</body></html>\n"
     )
 
 
 def _warnings(warnings: list[str]) -> str:
     """A report's warnings, a paragraph each."""
-    return "".join(f"<p class=failed>Warning: {html.escape(text)}</p>" for text in warnings)
+    return "".join(f"<p class=failed>Warning: {_text(text)}</p>" for text in warnings)
 
 
 def _numeric_checks(report: NumericReport) -> list[str]:
@@ -142,25 +150,22 @@ def _numeric_checks(report: NumericReport) -> list[str]:
         state = "ok" if report.allow_missing else "failed"
         allowed = " (allowed)" if report.allow_missing else ""
         items = "".join(
-            f"<li>{html.escape(rid)}{'' if gid is None else f' group {gid}'}: "
-            f"{html.escape(what)}</li>"
+            f"<li>{_text(rid)}{'' if gid is None else f' group {gid}'}: {_text(what)}</li>"
             for rid, gid, what in report.missing
         )
         lines.append(f"<p class={state}>Missing on the consumer{allowed}:</p><ul>{items}</ul>")
     if report.copies_differing:
         items = "".join(
-            f"<li>{html.escape(rid)} group {gid}: positions "
+            f"<li>{_text(rid)} group {gid}: positions "
             f"{', '.join(str(p) for p in sorted({p for p, _, _ in copies}))}</li>"
             for rid, gid, copies in report.copies_differing
         )
         lines.append(
             f"<p class=failed>Consumer copies differ from the copy compared:</p><ul>{items}</ul>"
         )
-    lines.extend(f"<p class=failed>{html.escape(text)}</p>" for text in report.incomplete)
+    lines.extend(f"<p class=failed>{_text(text)}</p>" for text in report.incomplete)
     if report.empty_reason:
-        lines.append(
-            f"<p class=failed>Nothing was compared: {html.escape(report.empty_reason)}</p>"
-        )
+        lines.append(f"<p class=failed>Nothing was compared: {_text(report.empty_reason)}</p>")
     return lines
 
 
@@ -182,10 +187,10 @@ def numeric_html(report: NumericReport, title: str) -> str:
         ("only on the consumer", report.only_consumer),
     ):
         if ids:
-            lines.append(f"<p class=failed>Requests {label}: {html.escape(', '.join(ids))}</p>")
+            lines.append(f"<p class=failed>Requests {label}: {_text(', '.join(ids))}</p>")
     if report.not_compared:
         items = "".join(
-            f"<li>{html.escape(rid)} group {gid}: {html.escape(reason)}</li>"
+            f"<li>{_text(rid)} group {gid}: {_text(reason)}</li>"
             for rid, gid, reason in report.not_compared
         )
         lines.append(f"<p class=failed>Not compared:</p><ul>{items}</ul>")
@@ -206,8 +211,8 @@ def numeric_html(report: NumericReport, title: str) -> str:
             maps = _image(layer_head_errors(group)) + _image(layer_token_errors(group))
             state = "failed" if group.failed else "ok"
             sections.append(
-                f'<section data-request="{html.escape(request.request_id)}" data-group="{gid}">'
-                f'<h2 class="{state}">Request {html.escape(request.request_id)}, group {gid} '
+                f'<section data-request="{_text(request.request_id)}" data-group="{gid}">'
+                f'<h2 class="{state}">Request {_text(request.request_id)}, group {gid} '
                 f"({request.num_tokens} tokens)</h2>"
                 f'<div class="group"><div>{maps}</div><div>{table}</div></div></section>'
             )
@@ -222,10 +227,10 @@ def _diff_groups(report: DiffReport) -> str:
         state = "ok" if report.group_ok(group) else "failed"
         replicas = ", ".join(f"{n}:{r}" for n, r in group.replicas_differing)
         rows.append(
-            f'<tr class="{state}"><td class="name">{html.escape(request_id)}</td><td>{gid}</td>'
+            f'<tr class="{state}"><td class="name">{_text(request_id)}</td><td>{gid}</td>'
             f"<td>{group.compared}</td><td>{len(group.mismatched_positions)}</td>"
-            f"<td>{html.escape(replicas)}</td><td>{len(group.missing_positions)}</td>"
-            f'<td class="name">{html.escape(group.unverified or "")}</td></tr>'
+            f"<td>{_text(replicas)}</td><td>{len(group.missing_positions)}</td>"
+            f'<td class="name">{_text(group.unverified or "")}</td></tr>'
         )
     lines = []
     if rows:
@@ -236,11 +241,9 @@ def _diff_groups(report: DiffReport) -> str:
         )
     if report.only_in_producer:
         ids = ", ".join(report.only_in_producer)
-        lines.append(f"<p class=failed>Requests only on the producer: {html.escape(ids)}</p>")
+        lines.append(f"<p class=failed>Requests only on the producer: {_text(ids)}</p>")
     if report.empty_reason is not None:
-        lines.append(
-            f"<p class=failed>Nothing was verified: {html.escape(report.empty_reason)}</p>"
-        )
+        lines.append(f"<p class=failed>Nothing was verified: {_text(report.empty_reason)}</p>")
     return "".join(lines)
 
 
@@ -260,7 +263,7 @@ def diff_html(report: DiffReport, title: str) -> str:
             continue
         by_head, by_token = pictures[request_id, gid]
         rows = "".join(
-            f'<tr><td>{entry.position}</td><td class="name">{html.escape(entry.layer)}</td>'
+            f'<tr><td>{entry.position}</td><td class="name">{_text(entry.layer)}</td>'
             f"<td>{entry.head}</td><td>{entry.replica}</td><td>{len(entry.tokens)}</td>"
             f"<td>{entry.first_byte}</td><td>{fmt(entry.max_abs_error)}</td>"
             f"<td>{fmt(entry.max_rel_error)}</td></tr>"
@@ -272,8 +275,8 @@ def diff_html(report: DiffReport, title: str) -> str:
             f"{rows}</table>"
         )
         sections.append(
-            f'<section data-request="{html.escape(request_id)}" data-group="{gid}">'
-            f"<h2>Request {html.escape(request_id)}, group {gid}</h2>"
+            f'<section data-request="{_text(request_id)}" data-group="{gid}">'
+            f"<h2>Request {_text(request_id)}, group {gid}</h2>"
             f'<div class="group"><div>{_image(by_head)}{_image(by_token)}</div>'
             f"<div>{table}</div></div></section>"
         )
