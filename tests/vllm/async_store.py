@@ -54,9 +54,11 @@ def reset() -> None:
     FAILING_RANKS.clear()
 
 
-def damage(cache: torch.Tensor, name: str, block: int, position: int) -> None:
-    """Flip one bit of a loaded block when ``DAMAGE`` names this layer and position."""
-    if DAMAGE.get("layer") == name and DAMAGE.get("position") == position:
+def damage(cache: torch.Tensor, name: str, block: int, position: int, load: int = 0) -> None:
+    """Flip one bit of a loaded block when ``DAMAGE`` names this layer and position (and,
+    with ``"loads"``, this worker's load count)."""
+    named = DAMAGE.get("layer") == name and DAMAGE.get("position") == position
+    if named and load in DAMAGE.get("loads", (load,)):
         cache[block].view(torch.int16)[0, 0, 0] ^= 0x100
 
 
@@ -80,6 +82,7 @@ class AsyncStoreConnector(KVConnectorBase_V1):
         self._tables: dict[str, list[int]] = {}
         self._caches: dict[str, torch.Tensor] = {}
         self._in_flight: dict[str, int] = {}
+        self.loads = 0
 
     # Scheduler side.
     def get_num_new_matched_tokens(
@@ -132,11 +135,12 @@ class AsyncStoreConnector(KVConnectorBase_V1):
 
     def _load(self, rid: str, key: tuple[int, ...], first: int, ids: list[int]) -> None:
         count = -(-len(key) // self.block_size)
+        self.loads += 1
         for name, cache in self._caches.items():
             stored = STORE[(self.rank, key)][name]
             for position in range(first, count):
                 cache[ids[position]] = stored[position]
-                damage(cache, name, ids[position], position)
+                damage(cache, name, ids[position], position, self.loads)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -384,6 +384,53 @@ def test_a_load_that_fails_on_one_rank_is_let_go_on_the_others(
     assert decode.all_blocks_free()
 
 
+@pytest.mark.parametrize("policy", ["log", "fail"])
+def test_a_load_failed_on_one_rank_before_the_other_rank_finished(
+    model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, policy: str
+) -> None:
+    """TP=2: rank 1's load fails while rank 0's part is still in flight, then vLLM loads
+    again. Rank 0's late checksums of the failed load never count towards the second
+    load's comparison (which is damaged on rank 0 only, and must be found), and no
+    worker holds a part for a verdict that cannot come."""
+    _, params = produce(model, tmp_path, STORE, {"req-a": PROMPT}, tp_size=2)
+    async_store.FAILING_RANKS.add(1)
+    async_store.RANK_LATENCY[0] = 2
+    async_store.DAMAGE.update(layer=h.LAYER.format(0), position=1, loads={2})
+    transfer = h.transfer_config({"output": str(tmp_path / "decode"), "policy": policy}, STORE,
+                                 "kv_consumer", engine_id="decode")  # fmt: skip
+    transfer.kv_load_failure_policy = "recompute"
+    decode = r.make_engine(model, transfer, tp_size=2)
+    with caplog.at_level(logging.INFO, logger="kvaudit.vllm"):
+        decode.add("d-a", PROMPT, params["req-a"], max_tokens=2)
+        decode.run()
+    [line] = messages(caplog, "MISMATCH")
+    assert line.startswith("kvaudit: MISMATCH request req-a group 0 positions [1] ")
+    assert not messages(caplog, "compared: match")
+    assert decode.generated("d-a") == [r.SAMPLED + 80, r.SAMPLED + 81]
+    assert decode.all_blocks_free()
+
+
+def test_policy_fail_does_not_load_again_what_failed_its_check(
+    model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first block is bad: vLLM recomputes from block 0, which looks the request up
+    again; kvaudit declines that load (the store would hand back the same bad copy
+    forever), so the prompt is computed here and the request ends."""
+    _, params = produce(model, tmp_path, STORE, {"req-a": PROMPT})
+    async_store.DAMAGE.update(layer=h.LAYER.format(1), position=0)
+    transfer = h.transfer_config({"output": str(tmp_path / "decode"), "policy": "fail"}, STORE,
+                                 "kv_consumer", engine_id="decode")  # fmt: skip
+    transfer.kv_load_failure_policy = "recompute"
+    decode = r.make_engine(model, transfer)
+    with caplog.at_level(logging.INFO, logger="kvaudit.vllm"):
+        decode.add("d-a", PROMPT, params["req-a"], max_tokens=2)
+        decode.run(steps=30)
+    assert len(messages(caplog, "MISMATCH")) == 1
+    assert decode.scheduled("d-a")[0] == (0, 80)
+    assert decode.generated("d-a") == [r.SAMPLED + 80, r.SAMPLED + 81]
+    assert decode.all_blocks_free()
+
+
 def test_an_idle_step_sends_no_connector_stats(model: Path, tmp_path: Path) -> None:
     decode = engine(model, tmp_path, "decode", STORE, "kv_consumer")
     decode.step()
@@ -642,6 +689,36 @@ def test_a_multiconnector_holding_kvaudit(
     [line] = messages(caplog, "MISMATCH")
     assert line.startswith("kvaudit: MISMATCH request req-a group 0 positions [2] ")
     assert decode.all_blocks_free()
+
+
+def test_a_multiconnector_holding_kvaudit_twice_is_refused(model: Path, tmp_path: Path) -> None:
+    audited = {"kv_connector": "KVAuditConnector", "kv_connector_module_path": h.MODULE,
+               "kv_role": "kv_producer",
+               "kv_connector_extra_config": {"kvaudit": {}, "wrapped": STORE}}  # fmt: skip
+    transfer = h.KVTransferConfig(
+        kv_connector="MultiConnector", kv_role="kv_producer", engine_id="p",
+        kv_connector_extra_config={"connectors": [audited, audited]},
+    )  # fmt: skip
+    with pytest.raises(ValueError) as raised:
+        r.make_engine(model, transfer)
+    assert str(raised.value).startswith("kvaudit: a MultiConnector holds two kvaudit connectors")
+
+
+def test_a_producer_that_is_not_multiconnectors_first_child_is_warned(
+    model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    audited = {"kv_connector": "KVAuditConnector", "kv_connector_module_path": h.MODULE,
+               "kv_role": "kv_producer",
+               "kv_connector_extra_config": {"kvaudit": {}, "wrapped": STORE}}  # fmt: skip
+    transfer = h.KVTransferConfig(
+        kv_connector="MultiConnector", kv_role="kv_producer", engine_id="p",
+        kv_connector_extra_config={
+            "connectors": [{**example(tmp_path), "kv_role": "kv_producer"}, audited]
+        },
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="kvaudit.vllm"):
+        r.make_engine(model, transfer)
+    assert messages(caplog, "kvaudit: child 1 of a MultiConnector: the producer's checksums")
 
 
 # Policy fail and synchronous loads.

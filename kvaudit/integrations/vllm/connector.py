@@ -37,9 +37,9 @@ from .describe import describe_vllm_cache
 from .engine import (
     AUDIT_KEY,
     WRAPPED_KEY,
-    built_by_multiconnector,
     group_layouts,
     model_kv_heads,
+    multiconnector_siblings,
     refuse_sync_loading,
     with_transfer_config,
     worker_ranks,
@@ -102,9 +102,12 @@ class KVAuditConnector(KVConnectorBase_V1):
             assert isinstance(created, KVConnectorBase_V1)
             self.wrapped = created
         self._wrapped_class = class_path(type(self.wrapped) if self.wrapped else None)
+        siblings = multiconnector_siblings()
         # A child of vLLM's MultiConnector under an audited name reports the wrapped
         # connector's stats only (MultiConnector rebuilds them with that name's class).
-        self._stats_are_wrapped = self.audited_name is not None and built_by_multiconnector()
+        self._stats_are_wrapped = self.audited_name is not None and siblings is not None
+        if siblings:
+            self._check_place_in_multiconnector(siblings)
         # Per request being admitted: the local prefix-cache hit its load starts after,
         # and whether the load is asynchronous (get_num_new_matched_tokens).
         self._matched: dict[str, tuple[int, bool]] = {}
@@ -123,6 +126,26 @@ class KVAuditConnector(KVConnectorBase_V1):
                 producer=self._kv_transfer_config.is_kv_producer,
                 world_size=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
                 single_group=len(kv_cache_config.kv_cache_groups) == 1,
+            )
+
+    def _check_place_in_multiconnector(self, earlier: list[Any]) -> None:
+        """Refuse a second kvaudit connector among a MultiConnector's children (their
+        ``kv_transfer_params`` keys would clash); warn a producer that is not the first
+        child (an earlier child's params take kvaudit's in when ``request_finished``
+        returns, before the checksums of a request's last step are in: its wire would
+        be lost whenever that child hands back params, as NIXL's does)."""
+        if any(isinstance(child, KVAuditConnector) for child in earlier):
+            raise ValueError(
+                "kvaudit: a MultiConnector holds two kvaudit connectors: audit it once, "
+                'with "kv_connector": "MultiConnector", "kv_connector_module_path": '
+                '"kvaudit.integrations.vllm.audited"'
+            )
+        if self._kv_transfer_config.is_kv_producer:
+            logger.warning(
+                "kvaudit: child %d of a MultiConnector: the producer's checksums are lost "
+                "wherever an earlier child hands back kv_transfer_params; make kvaudit's "
+                "child the first, or audit the MultiConnector itself (docs/vllm.md)",
+                len(earlier),
             )
 
     @property
@@ -382,6 +405,10 @@ class KVAuditConnector(KVConnectorBase_V1):
         if self.wrapped is None:
             return 0, False
         tokens, load_async = self.wrapped.get_num_new_matched_tokens(request, num_computed_tokens)
+        audit = self.scheduler_audit
+        if tokens and audit is not None and request.request_id in audit.failed_checks:
+            # Its loaded KV failed its check: the rest is computed here, not loaded again.
+            return 0, False
         if tokens and not load_async and self._declines_sync_load(request):
             return 0, False
         # The load covers the tokens past this (block-aligned) local prefix-cache hit.
@@ -423,10 +450,13 @@ class KVAuditConnector(KVConnectorBase_V1):
         if self.wrapped is not None:
             self.wrapped.update_state_after_alloc(request, blocks, num_external_tokens)
         local, load_async = self._matched.pop(request.request_id, (0, False))
-        if self.scheduler_audit is not None and request.request_id not in self._declined:
+        if request.request_id in self._declined:
+            self._declined.discard(request.request_id)  # this admission's load is declined
+        elif self.scheduler_audit is not None:
+            groups = self.get_loaded_kv_cache_group_ids(request) if num_external_tokens else None
             self.scheduler_audit.after_alloc(
                 request, blocks.get_block_ids(), local, num_external_tokens,
-                "async" if load_async else "sync",
+                "async" if load_async else "sync", groups,
             )  # fmt: skip
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+from typing import Any
 
 from vllm.config import KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -94,19 +95,23 @@ def refuse_sync_loading(config: KVTransferConfig) -> None:
             )
 
 
-def built_by_multiconnector() -> bool:
-    """Whether the connector being built is a child of vLLM's ``MultiConnector`` (which
-    rebuilds each child's connector stats with the class its name has in vLLM's
-    registry: an audited child's stats must then be the wrapped connector's own)."""
+def multiconnector_siblings() -> list[Any] | None:
+    """The children a vLLM ``MultiConnector`` built before the connector being built,
+    when it is being built as one of its children (None: it is not a child).
+
+    A child's connector stats are rebuilt with the class its name has in vLLM's
+    registry, and a child's ``kv_transfer_params`` are merged into an earlier child's
+    when its ``request_finished`` returns: what kvaudit must know of such a place.
+    """
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
     code = MultiConnector.__init__.__code__
     frame = inspect.currentframe()
     while frame is not None:
         if frame.f_code is code:
-            return True
+            return list(getattr(frame.f_locals.get("self"), "_connectors", []))
         frame = frame.f_back
-    return False
+    return None
 
 
 def is_vllm_connector(name: str) -> bool:

@@ -22,7 +22,8 @@ class AuditJob:
     step's forward) or ``async`` (checksummed once the load is reported finished);
     ``groups``: per group, the first position and the block ids of consecutive positions;
     ``local_tokens``: a consumer's tokens held in its prefix cache, not loaded (their
-    positions are not in ``groups``).
+    positions are not in ``groups``); ``attempt``: which load of the request (vLLM loads
+    again after a failed one): checksums of an earlier attempt are dropped.
     """
 
     request: str
@@ -34,6 +35,7 @@ class AuditJob:
     dump: bool = False
     received: bytes | None = None
     local_tokens: int = 0
+    attempt: int = 0
 
 
 @dataclass

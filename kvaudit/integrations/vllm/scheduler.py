@@ -81,6 +81,8 @@ class _Request:
     produced: bool = False
     local_tokens: int = 0
     loaded_tokens: int = 0
+    loaded_groups: tuple[int, ...] | None = None
+    attempts: int = 0
     reported: bool = False
     load: str | None = None
     received: str | None = None
@@ -112,6 +114,9 @@ class SchedulerAudit:
         self._requests: dict[str, _Request] = {}
         self._step = AuditStep()
         self._stale: OrderedDict[tuple[int, int], tuple[str, int]] = OrderedDict()
+        # Requests whose loaded KV failed its check under policy fail: never loaded again
+        # (vLLM would load the same bad copy after recomputing from its first block).
+        self.failed_checks: set[str] = set()
 
     # Requests coming in.
 
@@ -134,11 +139,12 @@ class SchedulerAudit:
 
     def after_alloc(
         self, request: Any, block_ids: Sequence[Sequence[int]], local_tokens: int,
-        external_tokens: int, load: str,
+        external_tokens: int, load: str, loaded_groups: Sequence[int] | None = None,
     ) -> None:  # fmt: skip
         """A consumer's blocks after vLLM allocated them (``update_state_after_alloc``):
-        tokens ``local_tokens .. local_tokens + external_tokens`` are loaded, the ones
-        before held in its prefix cache."""
+        tokens ``local_tokens .. local_tokens + external_tokens`` are loaded (of the
+        groups ``loaded_groups``; None: every audited group), the ones before held in
+        its prefix cache."""
         state = self._requests.get(request.request_id)
         if state is None:
             self.new_request(request)
@@ -153,6 +159,7 @@ class SchedulerAudit:
         state.local_tokens = int(local_tokens)
         state.loaded_tokens = int(local_tokens) + int(external_tokens)
         state.load = load
+        state.loaded_groups = None if loaded_groups is None else tuple(loaded_groups)
         state.tables = [list(ids) for ids in block_ids]
         state.consumer_due = True
 
@@ -241,11 +248,15 @@ class SchedulerAudit:
             except KvauditError as error:
                 logger.warning("kvaudit: %s", error)
                 state.received = None
+        groups = self._groups_of(state, num_tokens, state.local_tokens)
+        if state.loaded_groups is not None:  # the groups the connector's load restores
+            groups = {g: v for g, v in groups.items() if g in state.loaded_groups}
+        state.attempts += 1
+        state.partials.pop(CONSUMER, None)
         job = AuditJob(
-            state.request, state.audit_id, CONSUMER, num_tokens,
-            self._groups_of(state, num_tokens, state.local_tokens), load=state.load,
+            state.request, state.audit_id, CONSUMER, num_tokens, groups, load=state.load,
             dump=self.dump_sampled(state.audit_id), received=received,
-            local_tokens=state.local_tokens,
+            local_tokens=state.local_tokens, attempt=state.attempts,
         )  # fmt: skip
         state.jobs[CONSUMER] = job
         self._step.jobs.append(job)
@@ -307,6 +318,7 @@ class SchedulerAudit:
         come: a worker drops a load that ends before it finished)."""
         for rid in request_ids:
             self._requests.pop(rid, None)
+            self.failed_checks.discard(rid)
 
     def load_failed(self, request_ids: Iterable[str]) -> None:
         """Loads a worker's connector reported failed: no comparison (the other workers'
@@ -338,6 +350,9 @@ class SchedulerAudit:
                 checksums = record.requests.get(job.request)
                 if state is None or checksums is None:
                     continue
+                current = state.jobs.get(job.role)
+                if current is None or current.attempt != job.attempt:
+                    continue  # a load that failed or was replaced: its comparison is gone
                 single = WorkerRecord(
                     record.worker, record.positions, record.fingerprints, record.not_covered,
                     {job.request: checksums},
@@ -433,6 +448,7 @@ class SchedulerAudit:
         if self.config.policy != "fail":
             return
         if bad_blocks:
+            self.failed_checks.add(state.request)
             if self.single_group:
                 self._step.load_errors.update(bad_blocks)
             else:

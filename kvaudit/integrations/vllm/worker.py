@@ -108,6 +108,10 @@ class WorkerAudit:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
         if step is None:
             return
+        for request in step.released - self._held:
+            # Its comparison was dropped before this worker's part finished (another
+            # worker's failed): never held, never checksummed.
+            self._waiting_loads.pop(request, None)
         for job in step.jobs:
             if job.role == CONSUMER and job.load == "async":
                 self._waiting_loads[job.request] = job
