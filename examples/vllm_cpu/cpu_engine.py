@@ -220,6 +220,22 @@ def write_tokens(
             )
 
 
+def transfer_output(conn: Any, finished_req_ids: set[str]) -> KVConnectorOutput:
+    """A worker connector's part of the step's output, collected as vLLM's
+    ``ActiveKVConnector.post_forward`` collects it (after ``wait_for_save``, or before it
+    when a drafter defers it)."""
+    results = conn.get_transfer_results(finished_req_ids)
+    return KVConnectorOutput(
+        finished_sending=results.finished_sending or None,
+        finished_recving=results.finished_recving or None,
+        failed_recving=results.failed_recving,
+        invalid_block_ids=conn.get_block_ids_with_load_errors(),
+        kv_connector_stats=conn.get_kv_connector_stats(),
+        kv_cache_events=conn.get_kv_connector_kv_cache_events(),
+        kv_connector_worker_meta=conn.build_connector_worker_meta(),
+    )
+
+
 @dataclass
 class RunnerRequest:
     """What the model runner keeps of a request: its tokens and block ids."""
@@ -436,16 +452,7 @@ class Engine:
         defer = forward and self.drafter
         if not defer:
             conn.wait_for_save()
-        results = conn.get_transfer_results(output.finished_req_ids)
-        kv = KVConnectorOutput(
-            finished_sending=results.finished_sending or None,
-            finished_recving=results.finished_recving or None,
-            failed_recving=results.failed_recving,
-            invalid_block_ids=conn.get_block_ids_with_load_errors(),
-            kv_connector_stats=conn.get_kv_connector_stats(),
-            kv_cache_events=conn.get_kv_connector_kv_cache_events(),
-            kv_connector_worker_meta=conn.build_connector_worker_meta(),
-        )
+        kv = transfer_output(conn, output.finished_req_ids)
         if not defer:
             conn.clear_connector_metadata()
         else:

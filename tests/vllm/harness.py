@@ -46,6 +46,7 @@ from cpu_engine import (  # the pieces this stand-in shares with the real-schedu
     cache_config,
     token_kv,  # noqa: F401
     transfer_config,
+    transfer_output,
     write_tokens,
 )
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ParallelConfig, VllmConfig
@@ -61,7 +62,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -211,16 +212,7 @@ class Engine:
             conn.start_load_kv(context)
         conn.finish_forward()
         conn.wait_for_save()
-        results = conn.get_transfer_results(output.finished_req_ids)
-        kv = KVConnectorOutput(
-            finished_sending=results.finished_sending or None,
-            finished_recving=results.finished_recving or None,
-            failed_recving=results.failed_recving,
-            invalid_block_ids=conn.get_block_ids_with_load_errors(),
-            kv_connector_stats=conn.get_kv_connector_stats(),
-            kv_cache_events=conn.get_kv_connector_kv_cache_events(),
-            kv_connector_worker_meta=conn.build_connector_worker_meta(),
-        )
+        kv = transfer_output(conn, output.finished_req_ids)
         conn.clear_connector_metadata()
         return ModelRunnerOutput.with_kv_conn_output_only(kv)
 
