@@ -37,6 +37,7 @@ def test_settings_defaults_and_values() -> None:
                            "dump_sample_rate": 0.5, "positions": "block"})  # fmt: skip
     assert (config.output, config.policy, config.max_dump_bytes) == ("/tmp/x", "fail", 10)
     assert (config.dump_sample_rate, config.positions) == (0.5, "block")
+    assert not config.rotate_dumps and parse_config({"rotate_dumps": True}).rotate_dumps
 
 
 @pytest.mark.parametrize(
@@ -48,6 +49,7 @@ def test_settings_defaults_and_values() -> None:
         ({"max_dump_bytes": True}, "max_dump_bytes"),
         ({"dump_sample_rate": 2}, "dump_sample_rate"),
         ({"dump_sample_rate": float("nan")}, "dump_sample_rate"),
+        ({"rotate_dumps": "yes"}, "rotate_dumps: expected true or false"),
         ({"output": ""}, "output"),
         ("x", "expected a mapping"),
     ],

@@ -814,3 +814,29 @@ def test_kvaudits_counters_reach_vllms_prometheus_metrics(model: Path, tmp_path:
     assert (sample("checked_blocks"), sample("local_blocks")) == (3, 2)
     assert (sample("mismatched_blocks"), sample("dumps_written")) == (1, 1)
     assert sample("overhead_seconds") > 0
+
+
+def test_a_rotating_producer_keeps_the_latest_dumps_for_a_failed_check(
+    model: Path, tmp_path: Path
+) -> None:
+    """``rotate_dumps`` on the producer: every request is dumped, the oldest removed to
+    stay within ``max_dump_bytes``; the consumer's failed check dumps its side, and
+    ``kvaudit diff`` of the two dump folders locates the damage."""
+    prompts = {f"req-{i}": r.prompt(1000 + 100 * i, 80) for i in range(4)}
+    one_request = r.LAYERS * 5 * r.HEADS * 16 * 2 * r.HEAD_SIZE * 2  # 5 blocks, every layer
+    _, params = produce(model, tmp_path, STORE, prompts, rotate_dumps=True,
+                        max_dump_bytes=2 * one_request)  # fmt: skip
+    kept = sorted(p.name for p in (tmp_path / "prefill" / "dumps").iterdir())
+    assert kept == ["req-2", "req-3"]
+    async_store.DAMAGE.update(layer=h.LAYER.format(1), position=2)
+    decode = engine(model, tmp_path, "decode", STORE, "kv_consumer", max_dump_bytes=1 << 24)
+    decode.add("d-3", prompts["req-3"], params["req-3"])
+    decode.run()
+    assert sorted(p.name for p in (tmp_path / "decode" / "dumps").iterdir()) == ["req-3"]
+    located = kvaudit("diff", tmp_path / "prefill" / "dumps" / "req-3",
+                      tmp_path / "decode" / "dumps" / "req-3", "--format", "json")  # fmt: skip
+    assert located.returncode == 1, located.stderr
+    group = json.loads(located.stdout)["requests"]["req-3"]["groups"]["0"]
+    assert group["mismatched_positions"] == [2]
+    [entry] = group["located"]
+    assert (entry["layer"], entry["head"], entry["tokens"]) == (h.LAYER.format(1), 0, [32])

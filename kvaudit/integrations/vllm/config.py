@@ -15,6 +15,7 @@ _KEYS = (
     "policy",
     "max_dump_bytes",
     "dump_sample_rate",
+    "rotate_dumps",
     "positions",
     "backend",
     "engine",
@@ -31,6 +32,9 @@ class AuditConfig:
     ``policy``: ``log`` or ``fail`` (mismatching blocks reported as load errors);
     ``max_dump_bytes``: at most this many bytes of dumps per worker;
     ``dump_sample_rate``: the fraction of audited requests whose blocks are dumped;
+    ``rotate_dumps``: a producer dumps every request it sends and keeps the latest within
+    ``max_dump_bytes`` (the oldest removed), so a consumer's failed check finds the
+    producer's side still on disk;
     ``positions``: ``request`` or ``block`` numbering; ``backend``: the checksum backend;
     ``engine``: a label for this engine in records (default: its KV role and engine id);
     ``live_socket``: a folder where each worker serves a live agent on
@@ -41,6 +45,7 @@ class AuditConfig:
     policy: str = "log"
     max_dump_bytes: int = 0
     dump_sample_rate: float = 0.0
+    rotate_dumps: bool = False
     positions: str = "request"
     backend: str = "auto"
     engine: str = ""
@@ -79,6 +84,9 @@ def parse_config(raw: object) -> AuditConfig:
         or not 0 <= rate <= 1
     ):
         raise KvauditError(f"dump_sample_rate: expected a number from 0 to 1, got {rate!r}", WHERE)
+    rotate = values.get("rotate_dumps", False)
+    if not isinstance(rotate, bool):
+        raise KvauditError(f"rotate_dumps: expected true or false, got {rotate!r}", WHERE)
     engine = values.get("engine", "")
     if not isinstance(engine, str):
         raise KvauditError(f"engine: expected text, got {engine!r}", WHERE)
@@ -90,6 +98,7 @@ def parse_config(raw: object) -> AuditConfig:
         policy=values.get("policy", "log"),
         max_dump_bytes=size,
         dump_sample_rate=float(rate),
+        rotate_dumps=rotate,
         positions=values.get("positions", "request"),
         backend=values.get("backend", "auto"),
         engine=engine,

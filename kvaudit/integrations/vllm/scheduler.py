@@ -232,7 +232,8 @@ class SchedulerAudit:
         state.produced = True
         job = AuditJob(
             state.request, state.audit_id, PRODUCER, state.prompt_tokens,
-            self._groups_of(state, state.prompt_tokens), dump=self.dump_sampled(state.audit_id),
+            self._groups_of(state, state.prompt_tokens),
+            dump=self.config.rotate_dumps or self.dump_sampled(state.audit_id),
         )  # fmt: skip
         state.jobs[PRODUCER] = job
         self._step.jobs.append(job)
