@@ -489,6 +489,29 @@ def test_a_busy_agent_says_so(agent: Agent) -> None:
     assert "stable" in reply["requests"]
 
 
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user needs root")
+def test_a_socket_or_folder_of_another_user_is_refused(agent: Agent) -> None:
+    """``live:PATH`` trusts what answers there: a socket, or its folder, owned by another
+    user than this process's or root is refused in one line naming it."""
+    other = 12345
+    folder = os.path.dirname(agent.path)
+    assert call(agent.path, {"op": "list"}, timeout=5)[0]["ok"]
+    try:
+        os.chown(agent.path, other, -1)
+        with pytest.raises(KvauditError, match=r"the socket belongs to another user \(uid 12345\)"):
+            call(agent.path, {"op": "list"}, timeout=5)
+        line = assert_exit_2_naming(run("inspect", f"live:{agent.path}"), agent.path)
+        assert "belongs to another user" in line
+        os.chown(agent.path, 0, -1)
+        os.chown(folder, other, -1)
+        with pytest.raises(KvauditError, match="its folder belongs to another user"):
+            call(agent.path, {"op": "list"}, timeout=5)
+    finally:
+        os.chown(agent.path, 0, -1)
+        os.chown(folder, 0, -1)
+    assert call(agent.path, {"op": "list"}, timeout=5)[0]["ok"]
+
+
 def test_private_folder_required(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()

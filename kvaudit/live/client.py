@@ -84,6 +84,31 @@ _KINDS = (
 )
 
 
+def check_owner(path: str) -> None:
+    """Refuse a socket, or a folder holding it, owned by another user than this process's
+    or root: ``live:PATH`` trusts what answers there, so it must be one's own agent.
+
+    Raises:
+        KvauditError: The socket or its folder belongs to another user; names which.
+
+    """
+    trusted = {os.getuid(), 0}
+    for place, what in (
+        (path, "the socket"),
+        (os.path.dirname(os.path.abspath(path)), "its folder"),
+    ):
+        try:
+            owner = os.stat(place).st_uid
+        except OSError:
+            continue  # a missing socket: the connection says so
+        if owner not in trusted:
+            raise KvauditError(
+                f"{what} belongs to another user (uid {owner}): kvaudit talks only to an "
+                "agent of its own user or root",
+                place,
+            )
+
+
 def call(
     path: str, message: Mapping[str, Any], timeout: float | None = None
 ) -> tuple[dict[str, Any], bytes]:
@@ -96,6 +121,7 @@ def call(
     """
     limit = default_timeout() if timeout is None else timeout
     deadline = time.monotonic() + limit
+    check_owner(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         try:
