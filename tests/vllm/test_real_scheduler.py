@@ -840,3 +840,29 @@ def test_a_rotating_producer_keeps_the_latest_dumps_for_a_failed_check(
     assert group["mismatched_positions"] == [2]
     [entry] = group["located"]
     assert (entry["layer"], entry["head"], entry["tokens"]) == (h.LAYER.format(1), 0, [32])
+
+
+def test_an_audited_child_of_a_multiconnector_reports_the_wrapped_stats(
+    model: Path, tmp_path: Path
+) -> None:
+    """vLLM's MultiConnector rebuilds a child's stats with the class its name has in the
+    registry (here ExampleConnector's): the audited child reports the wrapped
+    connector's stats only, and audits all the same (its verdicts in the output)."""
+    child = {"kv_connector": "ExampleConnector", "kv_connector_module_path": h.AUDITED,
+             "kv_role": "kv_producer",
+             "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "store"),
+                                           "kvaudit": {"output": str(tmp_path / "p")}}}  # fmt: skip
+    transfer = h.KVTransferConfig(
+        kv_connector="MultiConnector", kv_role="kv_producer", engine_id="p",
+        kv_connector_extra_config={"connectors": [child]},
+    )  # fmt: skip
+    prefill = r.make_engine(model, transfer)
+    [audited] = prefill.scheduler.connector.sub_connectors
+    assert type(audited).__name__ == "ExampleConnector" and audited._stats_are_wrapped
+    prefill.add("req-a", PROMPT)
+    prefill.run()
+    assert not any(prefill.stats)  # ExampleConnector has no stats of its own
+    assert "kvaudit" in prefill.params("req-a")
+    assert read_output_folder(tmp_path / "p").requests["req-a"].groups[0].totals().tolist() == (
+        want(PROMPT, 80)
+    )
