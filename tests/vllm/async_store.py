@@ -68,7 +68,19 @@ class StoreMetadata(KVConnectorMetadata):
     loads: list[tuple[str, tuple[int, ...], int, list[int]]] = field(default_factory=list)
 
 
-class AsyncStoreConnector(KVConnectorBase_V1):
+class _WholeBlocks(KVConnectorBase_V1):
+    """A connector that moves whole blocks between steps: no per-layer hooks."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return
+
+
+class AsyncStoreConnector(_WholeBlocks):
     """Saves each prompt's blocks once computed; loads them asynchronously."""
 
     LOADS_ASYNC = True
@@ -150,14 +162,6 @@ class AsyncStoreConnector(KVConnectorBase_V1):
             if self.LOADS_ASYNC:
                 self._in_flight[rid] = LATENCY["steps"] + RANK_LATENCY.get(self.rank, 0)
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return
-
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        return
-
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, StoreMetadata)
@@ -182,7 +186,7 @@ class SyncStoreConnector(AsyncStoreConnector):
     LOADS_ASYNC = False
 
 
-class NixlWire(KVConnectorBase_V1, SupportsHMA):
+class NixlWire(_WholeBlocks, SupportsHMA):
     """NIXL's pull transfer between in-process engines, driven by NIXL's metadata."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
@@ -225,14 +229,6 @@ class NixlWire(KVConnectorBase_V1, SupportsHMA):
             READ.add(remote.request_id)
             self._received.add(rid)
         self._sending.update(meta.reqs_to_send)
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return
-
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        return
 
     def wait_for_save(self) -> None:
         return

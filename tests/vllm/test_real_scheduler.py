@@ -161,16 +161,7 @@ def test_after_a_local_prefix_hit_the_loaded_blocks_are_checked(
     record = read_output_folder(tmp_path / "decode")
     group = record.requests["req-a"].groups[0]
     assert (group.start, group.end) == (3, 4)
-    located = kvaudit(
-        "diff",
-        tmp_path / "prefill" / "dumps" / "req-a",
-        tmp_path / "decode" / "dumps" / "req-a",
-        "--allow-missing",
-        "--format",
-        "json",
-    )
-    assert located.returncode == 1, located.stderr
-    report = json.loads(located.stdout)["requests"]["req-a"]["groups"]["0"]
+    report = located(tmp_path, "req-a", "--allow-missing")
     assert report["mismatched_positions"] == [3]
     [entry] = report["located"]
     assert (entry["layer"], entry["head"], entry["tokens"]) == (h.LAYER.format(1), 1, [50])
@@ -204,6 +195,15 @@ def test_a_fault_in_a_block_held_locally_is_not_the_transfers(
     record = read_output_folder(tmp_path / "decode")
     assert record.requests["req-a"].groups[0].totals().tolist() == want(PROMPT, 80)[3:]
     assert decode.all_blocks_free()
+
+
+def located(folder: Path, request: str, *options: str) -> dict:
+    """``kvaudit diff`` of the request's prefill and decode dump folders (a mismatch,
+    exit 1): the JSON report of its group 0."""
+    dumps = [folder / side / "dumps" / request for side in ("prefill", "decode")]
+    done = kvaudit("diff", *dumps, *options, "--format", "json")
+    assert done.returncode == 1, done.stderr
+    return json.loads(done.stdout)["requests"][request]["groups"]["0"]
 
 
 def kvaudit(*args: object) -> subprocess.CompletedProcess[str]:
@@ -833,10 +833,7 @@ def test_a_rotating_producer_keeps_the_latest_dumps_for_a_failed_check(
     decode.add("d-3", prompts["req-3"], params["req-3"])
     decode.run()
     assert sorted(p.name for p in (tmp_path / "decode" / "dumps").iterdir()) == ["req-3"]
-    located = kvaudit("diff", tmp_path / "prefill" / "dumps" / "req-3",
-                      tmp_path / "decode" / "dumps" / "req-3", "--format", "json")  # fmt: skip
-    assert located.returncode == 1, located.stderr
-    group = json.loads(located.stdout)["requests"]["req-3"]["groups"]["0"]
+    group = located(tmp_path, "req-3")
     assert group["mismatched_positions"] == [2]
     [entry] = group["located"]
     assert (entry["layer"], entry["head"], entry["tokens"]) == (h.LAYER.format(1), 0, [32])

@@ -464,8 +464,6 @@ class KVAuditConnector(KVConnectorBase_V1):
         assert self.scheduler_audit is not None
         audit = self.scheduler_audit.build(scheduler_output)
         self.scheduler_audit.forget(scheduler_output.finished_req_ids)
-        for rid in scheduler_output.finished_req_ids:
-            self._matched.pop(rid, None)
         return KVAuditMetadata(inner, audit)
 
     def on_new_request(self, request: Request) -> None:
