@@ -530,3 +530,20 @@ def test_a_long_flat_yaml_list_is_refused_as_it_is_read(tmp_path: Path) -> None:
         load_description(path)
     assert "holds more than 100000 values" in str(error.value)
     assert "line 99997:" in str(error.value)  # the value past the limit, not the end
+
+
+# Round three: what one live request may cost the engine (the agent under misbehaving
+# clients: tests/test_live_pressure.py).
+
+
+@pytest.mark.parametrize("count", [8193, 100_000])
+def test_a_live_request_naming_too_many_ids_is_refused_before_any_work(count: int) -> None:
+    # 100,000 ids cost an engine's thread about 0.4 s a request before they were bounded.
+    from kvaudit.live.protocol import request_id_list, token_limits
+
+    ids = [f"r{i}" for i in range(count)]
+    with pytest.raises(KvauditError, match="at most 8192 request ids"):
+        request_id_list(ids, "agent.sock")
+    with pytest.raises(KvauditError, match="num_tokens"):
+        token_limits(dict.fromkeys(ids, 1), "agent.sock")
+    assert request_id_list(ids[:8192], "agent.sock") == ids[:8192]

@@ -205,9 +205,9 @@ def test_two_engines_compared_live_fault_located(
 ) -> None:
     asked: list[dict] = []
 
-    def recording(path: str, message: dict, timeout: float | None = None) -> tuple:
+    def recording(path: str, message: dict, **options: object) -> tuple:
         asked.append(dict(message))
-        return call(path, message, timeout)
+        return call(path, message, **options)  # type: ignore[arg-type]
 
     monkeypatch.setattr(socket_source, "call", recording)
     result = run(
@@ -248,6 +248,41 @@ def test_dumps_against_live(producer: Path, consumer: Path, tmp_path: Path) -> N
         ),
         "stable",
     )
+
+
+def numeric_figures(report: dict) -> dict:
+    """A numeric report without the names of its sides (the figures alone)."""
+    return {key: value for key, value in report.items() if key not in ("producer", "consumer")}
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_numeric_diff_reads_live_sides(
+    producer: Path, consumer: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native: str
+) -> None:
+    """``diff --numeric`` reads a running engine's KV as it reads dumps: live against
+    live, dumps against live and live against dumps give the figures of dumps of the
+    same KV, with the C code and without."""
+    monkeypatch.setenv("KVAUDIT_NATIVE", native)
+    dumped = {}
+    for name, engine in (("prefill", producer), ("decode", consumer)):
+        dumped[name] = tmp_path / name
+        dumped[name].mkdir()
+        dump_requests(str(engine), dumped[name], ["stable"])
+    args = ("--numeric", "--request", "stable", "--format", "json")
+    reference = run("diff", dumped["prefill"], dumped["decode"], *args)
+    assert reference.exit_code == 1, reference.output
+    expected = numeric_figures(json.loads(reference.stdout))
+    for left, right in [
+        (f"live:{producer}", f"live:{consumer}"),
+        (dumped["prefill"], f"live:{consumer}"),
+        (f"live:{producer}", dumped["decode"]),
+    ]:
+        result = run("diff", left, right, *args)
+        assert result.exit_code == 1, result.output
+        assert numeric_figures(json.loads(result.stdout)) == expected
+    # The planted fault, by value: one element of one layer's K, off by 1.0.
+    text = run("diff", f"live:{producer}", f"live:{consumer}", "--numeric", "--request", "stable")
+    assert text.exit_code == 1 and toy.LAYERS[toy.FAULT["layer"]] in text.stdout, text.output
 
 
 # Failures.

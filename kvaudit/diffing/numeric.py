@@ -46,7 +46,7 @@ def numeric_sources(
     shared = shared_tokens(producer, consumer, ids)
     raw = []
     for side in (producer, consumer):
-        workers = side.raw_kv()
+        workers = side.value_kv(ids)
         if workers is None:
             raise KvauditError(
                 f"--numeric needs the raw KV on both sides; {', '.join(side.names)} is a "

@@ -287,10 +287,17 @@ def header_bytes(metadata: Mapping[str, str], placed: list[tuple[Output, int]]) 
 def write_atomically(target: str, header: bytes, placed: list[tuple[Output, int]]) -> None:
     """Write a safetensors file (header, then each output at its offset) whole or not at all."""
     with atomic_path(target) as temporary, open(temporary, "xb") as file:
-        file.write(_LENGTH.pack(len(header)))
-        file.write(header)
-        data_start = 8 + len(header)
-        for output, offset in placed:
-            output.write(file)
-            if file.tell() != data_start + offset + output.nbytes:
-                raise RuntimeError(f"tensor {output.name} wrote the wrong number of bytes")
+        write_safetensors(file, header, placed)
+
+
+def write_safetensors(file: BinaryIO, header: bytes, placed: list[tuple[Output, int]]) -> None:
+    """Write a safetensors file's bytes (header, then each output at its offset) into an
+    open file, from its current position."""
+    begin = file.tell()
+    file.write(_LENGTH.pack(len(header)))
+    file.write(header)
+    data_start = begin + 8 + len(header)
+    for output, offset in placed:
+        output.write(file)
+        if file.tell() != data_start + offset + output.nbytes:
+            raise RuntimeError(f"tensor {output.name} wrote the wrong number of bytes")

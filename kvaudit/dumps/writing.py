@@ -46,6 +46,7 @@ from .safetensors_io import (
     header_bytes,
     write_atomically,
     write_bytes,
+    write_safetensors,
 )
 
 if TYPE_CHECKING:
@@ -263,9 +264,66 @@ def write_dump(
             cannot be written.
 
     """
+    target = os.fspath(path)
+    header, placed = _dump_parts(
+        target,
+        description,
+        tensors,
+        requests,
+        worker,
+        block_hashes,
+        received,
+        stored_checksums,
+        whole_cache,
+    )
+    write_atomically(target, header, placed)
+
+
+def write_dump_into(
+    file: BinaryIO,
+    name: str,
+    description: CacheDescription,
+    tensors: LayerTensors,
+    requests: Mapping[str, RequestBlocks],
+    *,
+    worker: WorkerInfo,
+) -> None:
+    """Write one worker's dump of the requests' blocks into an open file (a live agent's
+    reply payload), as ``write_dump`` writes a file but neither synced nor renamed.
+
+    Args:
+        file: Where the dump's bytes go, from its current position.
+        name: The dump in error messages.
+        description: The cache the tensors hold.
+        tensors: The live whole caches, as for ``write_dump``.
+        requests: The requests whose blocks are written (engine block ids).
+        worker: The worker's ranks and role.
+
+    Raises:
+        KvauditError: As ``write_dump``.
+
+    """
+    header, placed = _dump_parts(
+        name, description, tensors, requests, worker, None, None, None, False
+    )
+    write_safetensors(file, header, placed)
+
+
+def _dump_parts(
+    target: str,
+    description: CacheDescription,
+    tensors: LayerTensors,
+    requests: Mapping[str, RequestBlocks],
+    worker: WorkerInfo,
+    block_hashes: Mapping[str, Mapping[int, Sequence[bytes]]] | None,
+    received: Mapping[str, bytes] | None,
+    stored_checksums: torch.Tensor | np.ndarray | None,
+    whole_cache: bool,
+) -> tuple[bytes, list[tuple[Output, int]]]:
+    """A dump's safetensors header and its tensors placed end to end, checked as a reader
+    checks them."""
     import torch
 
-    target = os.fspath(path)
     check_worker(worker, worker.role, target, "worker")
     tensors = tensors_by_name(description, tensors, target)
     known = set(description_layer_names(description)) | description.draft_layers
@@ -317,5 +375,4 @@ def write_dump(
         metadata[META_BLOCKS] = json.dumps(row_ids, **compact)
     check_metadata(metadata, None if whole_cache else row_ids, target)
     placed = end_to_end(outputs)
-    header = header_bytes(metadata, placed)
-    write_atomically(target, header, placed)
+    return header_bytes(metadata, placed), placed

@@ -7,7 +7,9 @@ thread accepts connections and reads requests (bounded in size and time); the re
 are answered at a safe point: in ``poll()``, which the engine calls at each step
 boundary, or, when the engine hands over the lock it holds during its steps, on the
 agent's own thread while it holds that lock. Every failure becomes an error reply; the
-engine never sees an exception from a request.
+engine never sees an exception from a request. What the agent costs the engine is
+bounded: the copies one poll makes, the reply bytes held for clients at once, the ids
+one request names.
 """
 
 from __future__ import annotations
@@ -17,18 +19,18 @@ import tempfile
 import threading
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..checksummer import Checksummer
 from ..description import CacheDescription, description_to_dict
-from ..dumps.writing import write_dump
+from ..dumps.writing import write_dump, write_dump_into
 from ..errors import KvauditError
 from ..inputs import LayerTensors, RequestBlocks, plain_requests, tensors_by_name
 from ..records import WorkerInfo
 from ..validation import MAX_TOKENS, Role, check_int, short
 from .protocol import OPS, PROTOCOL, request_id_list, token_limits
 from .records_wire import group_infos, listing_to_json, worker_record_to_json
-from .server import Server
+from .server import Reply, Server
 
 BlockTables = Callable[[], Mapping[str, RequestBlocks]]
 """Returns the requests in the cache now: request id to its blocks (engine block ids)."""
@@ -46,8 +48,11 @@ class Agent:
 
     ``lock``: None to answer in ``poll()`` (call it at each step boundary); else a lock
     the engine holds during each step, and the agent answers on its own thread while it
-    holds it. ``timeout`` bounds each connection's reading and writing (seconds);
-    ``max_reply_bytes`` bounds what one fetch or dump may copy.
+    holds it. ``timeout`` bounds each connection's reading and writing (seconds),
+    ``wait_timeout`` how long a request waits for a safe point; ``max_reply_bytes``
+    bounds what one fetch or dump may copy, ``max_held_bytes`` the reply bytes held for
+    clients at once (a fetch past it is answered "busy"), ``max_poll_bytes`` what one
+    ``poll()`` copies before it leaves the other requests for the next one.
     """
 
     def __init__(
@@ -66,7 +71,10 @@ class Agent:
         backend: str = "auto",
         lock: threading.Lock | threading.RLock | None = None,
         timeout: float = 10.0,
+        wait_timeout: float = 30.0,
         max_reply_bytes: int = 1 << 30,
+        max_held_bytes: int = 256 << 20,
+        max_poll_bytes: int = 64 << 20,
     ) -> None:
         self.path = os.fspath(path)
         self.description = description
@@ -86,9 +94,11 @@ class Agent:
             source=self.path,
         )
         self.max_reply_bytes = max_reply_bytes
+        self.max_held_bytes = max_held_bytes
+        self.max_poll_bytes = max_poll_bytes
         self.lock = lock
         self.polls = 0
-        self._server = Server(self.path, timeout)
+        self._server = Server(self.path, timeout, wait_timeout)
         # An engine that ends without close() (or drops the agent) still removes its
         # socket file when the interpreter exits.
         self._closer = weakref.finalize(self, self._server.close)
@@ -105,18 +115,27 @@ class Agent:
         self.close()
 
     def poll(self, max_requests: int = 16) -> int:
-        """Answer the requests that have arrived (at most ``max_requests``); the engine
-        calls it at a step boundary, when its cache is neither written nor freed. Returns
-        how many it answered."""
+        """Answer the requests that have arrived; the engine calls it at a step boundary,
+        when its cache is neither written nor freed.
+
+        Args:
+            max_requests: The most requests answered in this call; so is what their
+                replies copy (``max_poll_bytes``, past the first): the rest wait for the
+                next call.
+
+        Returns:
+            How many requests it answered.
+
+        """
         self.polls += 1
         if self.lock is not None:
             return 0
-        answered = 0
-        while answered < max_requests:
+        answered = copied = 0
+        while answered < max_requests and copied < self.max_poll_bytes:
             arrived = self._server.next_request()
             if arrived is None:
                 break
-            self._answer(*arrived)
+            copied += self._answer(*arrived)
             answered += 1
         return answered
 
@@ -141,27 +160,28 @@ class Agent:
             with self.lock:
                 self._answer(*arrived)
 
-    def _answer(self, connection: int, message: dict[str, Any]) -> None:
-        """Compute one reply and hand it to the server to send."""
+    def _answer(self, connection: int, message: dict[str, Any]) -> int:
+        """Compute one reply and hand it to the server to send; the bytes it copied."""
         try:
-            reply, payload = self._handle(message)
+            reply = self._handle(message)
         except KvauditError as error:
-            reply, payload = {"ok": False, "error": error.message}, b""
+            reply = Reply({"ok": False, "error": error.message})
         except Exception as error:  # a request must never take the engine down
             text = " ".join(str(error).split())
-            reply, payload = {"ok": False, "error": f"{type(error).__name__}: {text}"}, b""
-        self._server.reply(connection, reply, payload)
+            reply = Reply({"ok": False, "error": f"{type(error).__name__}: {text}"})
+        self._server.reply(connection, reply)
+        return reply.payload_size
 
-    def _handle(self, message: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+    def _handle(self, message: dict[str, Any]) -> Reply:
         """The reply to one request (docs/live.md, "Protocol")."""
         op = message.get("op")
         if op not in OPS:
             raise KvauditError(f"unknown op {short(op)}, expected one of {', '.join(OPS)}")
         if op == "hello":
-            return self._hello(), b""
+            return Reply(self._hello())
         requests = plain_requests(self.block_tables(), self.path)
         if op == "list":
-            return {"ok": True, "polls": self.polls, "requests": listing_to_json(requests)}, b""
+            return Reply({"ok": True, "polls": self.polls, "requests": listing_to_json(requests)})
         if op == "fetch":
             return self._fetch(message, requests)
         ids = request_id_list(message.get("requests"), self.path)
@@ -171,9 +191,8 @@ class Agent:
             if positions not in ("request", "block"):
                 raise KvauditError(f"positions: expected request or block, got {short(positions)}")
             record = self.summer.checksum(chosen, positions)
-            reply = {"ok": True, "polls": self.polls, "record": worker_record_to_json(record)}
-            return reply, b""
-        return self._dump(message, chosen), b""
+            return Reply({"ok": True, "polls": self.polls, "record": worker_record_to_json(record)})
+        return self._dump(message, chosen)
 
     def _hello(self) -> dict[str, Any]:
         worker = self.worker
@@ -193,8 +212,12 @@ class Agent:
             "groups": group_infos(self.summer.groups, self.tensors),
         }
 
-    def _dump(self, message: dict[str, Any], chosen: dict[str, RequestBlocks]) -> dict[str, Any]:
+    def _dump(self, message: dict[str, Any], chosen: dict[str, RequestBlocks]) -> Reply:
+        """A dump of the chosen requests: written into the request's ``folder``, or, with
+        none, sent back as the reply's payload."""
         folder = message.get("folder")
+        if folder is None:
+            return self._payload(chosen)
         if not isinstance(folder, str) or not os.path.isabs(folder) or not os.path.isdir(folder):
             raise KvauditError(f"folder: expected an existing absolute folder, got {short(folder)}")
         worker = self.worker
@@ -203,11 +226,9 @@ class Agent:
             raise KvauditError(f"{target} exists; dumps are written to a new file")
         self._check_size(chosen)
         write_dump(target, self.description, self.tensors, chosen, worker=worker)
-        return {"ok": True, "polls": self.polls, "path": target}
+        return Reply({"ok": True, "polls": self.polls, "path": target})
 
-    def _fetch(
-        self, message: dict[str, Any], requests: dict[str, RequestBlocks]
-    ) -> tuple[dict[str, Any], bytes]:
+    def _fetch(self, message: dict[str, Any], requests: dict[str, RequestBlocks]) -> Reply:
         """A dump's bytes holding one request's blocks at worker positions ``lo .. hi - 1``
         of one group (``num_tokens``: the tokens the client reads)."""
         ids = request_id_list([message.get("request")], self.path, "request") or []
@@ -232,18 +253,33 @@ class Agent:
                 {group: (lo, block_ids[lo - start : hi - start])},
             )
         }
-        self._check_size(chosen)
-        # A folder of its own per fetch, gone with it: an engine that ends without
-        # close() leaves nothing behind.
-        with tempfile.TemporaryDirectory(prefix="kvaudit-fetch-") as scratch:
-            target = os.path.join(scratch, "fetch.safetensors")
-            write_dump(target, self.description, self.tensors, chosen, worker=self.worker)
-            with open(target, "rb") as file:
-                data = file.read()
-        return {"ok": True, "polls": self.polls}, data
+        return self._payload(chosen)
 
-    def _check_size(self, chosen: Mapping[str, RequestBlocks]) -> None:
-        """Refuse a dump or fetch that would copy more than ``max_reply_bytes``."""
+    def _payload(self, chosen: Mapping[str, RequestBlocks]) -> Reply:
+        """A reply whose payload is a dump of the chosen blocks, in a file the server
+        streams to the client: never held in memory whole."""
+        size = self._check_size(chosen)
+        held = self._server.held_bytes()
+        if held and held + size > self.max_held_bytes:
+            raise KvauditError(
+                f"busy: {held} bytes of replies wait for their clients (at most "
+                f"{self.max_held_bytes} at once), try again later"
+            )
+        # An unnamed temporary file: nothing is left behind, whatever ends the engine.
+        file: BinaryIO = tempfile.TemporaryFile(prefix="kvaudit-fetch-")  # noqa: SIM115 (the reply owns it)
+        try:
+            write_dump_into(
+                file, self.path, self.description, self.tensors, chosen, worker=self.worker
+            )
+            file.flush()
+        except BaseException:
+            file.close()
+            raise
+        return Reply({"ok": True, "polls": self.polls}, file)
+
+    def _check_size(self, chosen: Mapping[str, RequestBlocks]) -> int:
+        """The bytes a dump or fetch of the chosen blocks copies; refused past
+        ``max_reply_bytes``."""
         blocks = {
             b for request in chosen.values() for _, ids in request.groups.values() for b in ids
         }
@@ -258,6 +294,7 @@ class Agent:
                 f"{len(blocks)} blocks of {per_block} bytes: more than the "
                 f"{self.max_reply_bytes} bytes one request may copy"
             )
+        return size
 
 
 def _chosen(

@@ -12,7 +12,7 @@ import socket
 import stat
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..errors import KvauditError
 from .protocol import HEADER, MAX_PAYLOAD, MAX_REPLY_JSON, decode_json, encode_frame, frame_sizes
@@ -20,6 +20,10 @@ from .protocol import HEADER, MAX_PAYLOAD, MAX_REPLY_JSON, decode_json, encode_f
 TIMEOUT_VARIABLE = "KVAUDIT_LIVE_TIMEOUT"
 DEFAULT_TIMEOUT = 60.0
 """Seconds one request may take, connecting to the last byte of the reply."""
+BACKLOG_RETRY_SECONDS = 10.0
+"""How long a client retries an agent whose queue of connections is full."""
+_FIRST_BACKOFF = 0.005
+_LAST_BACKOFF = 0.25
 
 
 def default_timeout() -> float:
@@ -110,30 +114,48 @@ def check_owner(path: str) -> None:
 
 
 def call(
-    path: str, message: Mapping[str, Any], timeout: float | None = None
+    path: str,
+    message: Mapping[str, Any],
+    timeout: float | None = None,
+    payload_to: BinaryIO | None = None,
 ) -> tuple[dict[str, Any], bytes]:
     """Send one request to the agent on ``path``; its reply and payload.
 
+    Args:
+        path: The agent's socket.
+        message: The request (docs/live.md, "Protocol").
+        timeout: Seconds from connecting to the reply's last byte; None for
+            ``default_timeout()``.
+        payload_to: A file the payload is written into as it arrives, instead of being
+            returned (the returned payload is then empty).
+
+    Returns:
+        The reply's JSON and its payload.
+
     Raises:
-        KvauditError: No agent, no answer within ``timeout`` seconds, the connection
-            closed early, a malformed reply or an error reply; names the socket.
+        KvauditError: No agent, no answer within ``timeout`` seconds, an agent whose
+            queue of connections stayed full, the connection closed early, a malformed
+            reply or an error reply; names the socket.
 
     """
     limit = default_timeout() if timeout is None else timeout
     deadline = time.monotonic() + limit
     check_owner(path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock: socket.socket | None = None
     try:
         try:
-            sock.settimeout(limit)
-            sock.connect(path)
+            sock = _connect(path, deadline)
             # Refused before it was read (a busy agent): the reply says why.
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 sock.sendall(encode_frame(message))
             header = _receive(sock, HEADER.size, deadline, path, limit)
             size, payload = frame_sizes(header, MAX_REPLY_JSON, MAX_PAYLOAD, path)
             reply = decode_json(_receive(sock, size, deadline, path, limit), path)
-            data = _receive(sock, payload, deadline, path, limit)
+            if payload_to is None or reply.get("ok") is not True:
+                data = _receive(sock, payload, deadline, path, limit)
+            else:
+                data = b""
+                _receive_into(payload_to, sock, payload, deadline, path)
         except TimeoutError:
             raise KvauditError(f"no answer within {limit:g} s ({TIMEOUT_VARIABLE})", path) from None
         except ConnectionRefusedError:
@@ -145,12 +167,64 @@ def call(
                 f"cannot talk to the agent: {error.strerror or error}", path
             ) from None
     finally:
-        sock.close()
+        if sock is not None:
+            sock.close()
     if reply.get("ok") is not True:
         error = reply.get("error")
         text = " ".join(error.split()) if isinstance(error, str) else "an error reply"
         raise KvauditError(f"the agent answered: {text[:500]}", path)
     return reply, data
+
+
+def _connect(path: str, deadline: float) -> socket.socket:
+    """A socket connected to the agent, retrying with a growing pause while its queue
+    of connections is full (a burst of clients), for at most ``BACKLOG_RETRY_SECONDS``.
+
+    Raises:
+        KvauditError: The queue stayed full.
+
+    """
+    pause = _FIRST_BACKOFF
+    start = time.monotonic()
+    give_up = min(deadline, start + BACKLOG_RETRY_SECONDS)
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        try:
+            sock.connect(path)
+            return sock
+        except BaseException as error:
+            sock.close()
+            if not isinstance(error, BlockingIOError):
+                raise
+            # A unix socket's full backlog (EAGAIN): the agent is busy, not gone.
+            if time.monotonic() + pause > give_up:
+                raise KvauditError(
+                    "busy: the agent's queue of connections stayed full for "
+                    f"{time.monotonic() - start:.1f} s, try again later",
+                    path,
+                ) from None
+        time.sleep(pause)
+        pause = min(pause * 2, _LAST_BACKOFF)
+
+
+def _receive_into(
+    file: BinaryIO, sock: socket.socket, size: int, deadline: float, path: str
+) -> None:
+    """Exactly ``size`` bytes into ``file``, a piece at a time, before the deadline."""
+    got = 0
+    while got < size:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        sock.settimeout(left)
+        chunk = sock.recv(min(size - got, 1 << 22))
+        if not chunk:
+            raise KvauditError(
+                f"the worker closed the connection mid-request ({got} of {size} bytes)", path
+            )
+        file.write(chunk)
+        got += len(chunk)
 
 
 def _receive(sock: socket.socket, size: int, deadline: float, path: str, limit: float) -> bytes:

@@ -27,16 +27,23 @@ MAX_REPLY_JSON = 256 << 20
 """The largest reply JSON a client reads (a listing or record of many requests)."""
 MAX_PAYLOAD = 4 << 30
 """The largest payload a client reads (raw blocks of one fetch)."""
-MAX_IDS = 100_000
-"""The most request ids one request names."""
+MAX_IDS = 8192
+"""The most request ids one request names (a client asks about more in batches): it
+bounds what one request costs the engine."""
 OPS = ("hello", "list", "checksum", "dump", "fetch")
 _ID = re.compile(r"[^\x00-\x1f]{1,1024}")
 
 
 def encode_frame(message: Mapping[str, Any], payload: bytes = b"") -> bytes:
     """One frame: header, compact JSON of ``message``, then ``payload``."""
+    return encode_header(message, len(payload)) + payload
+
+
+def encode_header(message: Mapping[str, Any], payload_size: int) -> bytes:
+    """A frame's header and compact JSON of ``message``, for a payload of ``payload_size``
+    bytes sent after them."""
     text = json.dumps(message, separators=(",", ":"), allow_nan=False).encode("utf-8")
-    return HEADER.pack(len(text), len(payload)) + text + payload
+    return HEADER.pack(len(text), payload_size) + text
 
 
 def frame_sizes(header: bytes, max_json: int, max_payload: int, source: str) -> tuple[int, int]:

@@ -4,8 +4,10 @@ where checksums are computed (``Runtime``), and the request bookkeeping sources 
 A source holds requests' KV or their checksums, says each request's token count and
 gives a ``Record``. Its capabilities, each None where it lacks them: ``trimmed`` (it can be
 checksummed again over fewer tokens), ``raw_kv`` (its workers' raw KV, for locating
-differences), ``carried_checksums`` (dumps carrying checksums to verify) and ``positions``
-(a record's fixed position numbering).
+differences: rows at hand, or fetched on demand from a running engine), ``value_kv``
+(every row of given requests at hand, for comparing values), ``carried_checksums``
+(dumps carrying checksums to verify) and ``positions`` (a record's fixed position
+numbering).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
     from ..dumps import DumpSet
     from ..records import Record, WorkerInfo
     from .inventory import Inventory
-    from .raw import RawWorker
+    from .raw import FetchingWorker, RawWorker
 
 Progress = Callable[[int], None]
 """Called with the bytes checksummed since its last call."""
@@ -129,9 +131,23 @@ class Source(ABC):
         checksummed again (a record)."""
         return None
 
-    def raw_kv(self) -> list[RawWorker] | None:
-        """Each worker's raw KV (``kvaudit.sources.raw.RawWorker``: dumps, live tensors)
-        for locating differences; None when the source holds only checksums."""
+    def raw_kv(self) -> list[RawWorker | FetchingWorker] | None:
+        """Each worker's raw KV for locating differences: its rows at hand
+        (``kvaudit.sources.raw.RawWorker``: dumps, live tensors) or fetched on demand
+        (``FetchingWorker``: a running engine's agent); None when the source holds only
+        checksums."""
+        return None
+
+    def value_kv(self, request_ids: Sequence[str] | None) -> list[RawWorker] | None:
+        """Each worker's raw KV holding every row of the requests (all when None) at hand,
+        for the by-value comparison, which reads them all; None when the source holds
+        only checksums.
+
+        Raises:
+            KvauditError: The rows cannot be had (a running engine that no longer holds a
+                request, or refuses to copy that much).
+
+        """
         return None
 
     def descriptions(self) -> list[CacheDescription]:

@@ -16,7 +16,7 @@ from ..records import Record
 from ..validation import worker_layout
 from .base import Progress, Runtime, Source, request_ids_of, token_counts_of, trim
 from .inventory import Inventory, WorkerInventory, group_info, request_inventory
-from .raw import LiveWorker, RawWorker, checksum_each
+from .raw import FetchingWorker, LiveWorker, RawWorker, checksum_each
 
 if TYPE_CHECKING:
     from ..inputs import LayerTensors
@@ -90,7 +90,11 @@ class ChecksummerSource(Source):
         requests = [trim(mapping, num_tokens) for mapping in self.requests]
         return ChecksummerSource(self.checksummers, requests, self.tensors, self.names[0])
 
-    def raw_kv(self) -> list[RawWorker] | None:
+    def raw_kv(self) -> list[RawWorker | FetchingWorker] | None:
+        workers = self.value_kv(None)
+        return None if workers is None else list(workers)
+
+    def value_kv(self, request_ids: Sequence[str] | None) -> list[RawWorker] | None:
         if self.tensors is None:
             return None
         worker_layout([summer.worker for summer in self.checksummers])

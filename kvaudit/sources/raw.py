@@ -98,6 +98,10 @@ class FetchingWorker(Protocol):
     def worker(self) -> WorkerInfo:
         """Its ranks and role."""
 
+    @property
+    def description(self) -> CacheDescription:
+        """The cache it holds."""
+
     def fetch(
         self, request_id: str, group_id: int, spans: Sequence[tuple[int, int]]
     ) -> list[RawWorker]:
@@ -286,7 +290,10 @@ class RawKVSource(Source):
             for worker in self.workers
         ]
 
-    def raw_kv(self) -> list[RawWorker]:
+    def raw_kv(self) -> list[RawWorker | FetchingWorker]:
+        return list(self.value_kv(None))
+
+    def value_kv(self, request_ids: Sequence[str] | None) -> list[RawWorker]:
         self.layout()
         return sorted(self.workers, key=lambda raw: (raw.worker.pp_rank, raw.worker.tp_rank))
 

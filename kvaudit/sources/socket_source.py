@@ -23,12 +23,12 @@ from ..dumps import open_dump
 from ..errors import KvauditError
 from ..inputs import RequestBlocks
 from ..live.client import call, sockets_of
-from ..live.protocol import PROTOCOL
+from ..live.protocol import MAX_IDS, PROTOCOL
 from ..records import Record, WorkerInfo, WorkerRecord, combine_workers
 from ..validation import MAX_COUNT, Checker, check_int, check_positions, worker_layout
 from .base import Progress, Runtime, Source, request_ids_of, token_counts_of, trim
 from .inventory import GroupInfo, Inventory, WorkerInventory, request_inventory
-from .raw import RawWorker
+from .raw import FetchingWorker, RawWorker
 from .registry import OpenOptions
 from .sniffing import LIVE_PREFIX as PREFIX
 
@@ -95,12 +95,36 @@ class RemoteWorker:
                 "hi": run[-1] + 1,
                 "num_tokens": request.num_tokens,
             }
-            _, payload = call(self.name, message)
             path = self.scratch.file()
-            with open(path, "wb") as file:
-                file.write(payload)
+            with open(path, "xb") as file:
+                call(self.name, message, payload_to=file)
             dumps.append(open_dump(path))
         return dumps
+
+    def dump(self, request_ids: Sequence[str]) -> RawWorker:
+        """A dump of the requests' blocks (each cut to its listed token count), streamed
+        from the agent.
+
+        Raises:
+            KvauditError: More requests than one request may name, a request the worker
+                no longer holds, or more bytes than the agent copies at once.
+
+        """
+        if len(request_ids) > MAX_IDS:
+            raise KvauditError(
+                f"{len(request_ids)} requests to copy at once, at most {MAX_IDS}: name fewer "
+                "with --request",
+                self.name,
+            )
+        message = {
+            "op": "dump",
+            "requests": list(request_ids),
+            "num_tokens": {rid: self.requests[rid].num_tokens for rid in request_ids},
+        }
+        path = self.scratch.file()
+        with open(path, "xb") as file:
+            call(self.name, message, payload_to=file)
+        return open_dump(path)
 
 
 class SocketSource(Source):
@@ -136,31 +160,49 @@ class SocketSource(Source):
         records = []
         for remote in self.workers:
             ids = None if request_ids is None else [r for r in request_ids if r in remote.requests]
-            message = {
-                "op": "checksum",
-                "requests": ids,
-                "positions": positions or "request",
-                "num_tokens": {
-                    rid: n for rid, n in self.limits.items() if ids is None or rid in ids
-                },
-            }
-            reply, _ = call(remote.name, message)
-            record = Record.from_json(reply.get("record"), remote.name)
-            summary = record.workers[0]
-            if _ranks(summary.worker) != _ranks(remote.worker):
-                raise KvauditError("the agent's record is of another worker", remote.name)
-            records.append(
-                WorkerRecord(
-                    dataclasses.replace(
-                        summary.worker, source=remote.name, engine=remote.worker.engine
-                    ),
-                    record.positions,
-                    summary.fingerprints,
-                    summary.not_covered,
-                    record.requests,
-                )
-            )
+            wanted = None if ids is None else set(ids)
+            limits = {rid: n for rid, n in self.limits.items() if wanted is None or rid in wanted}
+            if ids is None and len(limits) <= MAX_IDS:
+                batches: list[list[str] | None] = [None]
+            else:
+                # One request names at most MAX_IDS ids: more are asked in batches.
+                named = list(remote.requests) if ids is None else ids
+                batches = [named[i : i + MAX_IDS] for i in range(0, len(named), MAX_IDS)]
+            parts = [
+                self._checksum_batch(remote, batch, positions, limits) for batch in batches or [[]]
+            ]
+            first = parts[0]
+            requests = {rid: sums for part in parts for rid, sums in part.requests.items()}
+            records.append(dataclasses.replace(first, requests=requests))
         return combine_workers(records)
+
+    def _checksum_batch(
+        self,
+        remote: RemoteWorker,
+        ids: list[str] | None,
+        positions: str | None,
+        limits: Mapping[str, int],
+    ) -> WorkerRecord:
+        """One worker's checksums of the requests (all when None) in one request."""
+        wanted = None if ids is None else set(ids)
+        message = {
+            "op": "checksum",
+            "requests": ids,
+            "positions": positions or "request",
+            "num_tokens": {rid: n for rid, n in limits.items() if wanted is None or rid in wanted},
+        }
+        reply, _ = call(remote.name, message)
+        record = Record.from_json(reply.get("record"), remote.name)
+        summary = record.workers[0]
+        if _ranks(summary.worker) != _ranks(remote.worker):
+            raise KvauditError("the agent's record is of another worker", remote.name)
+        return WorkerRecord(
+            dataclasses.replace(summary.worker, source=remote.name, engine=remote.worker.engine),
+            record.positions,
+            summary.fingerprints,
+            summary.not_covered,
+            record.requests,
+        )
 
     def trimmed(self, num_tokens: Mapping[str, int]) -> SocketSource:
         workers = [
@@ -171,9 +213,21 @@ class SocketSource(Source):
         source.limits = {**self.limits, **num_tokens}
         return source
 
-    def raw_kv(self) -> list[RawWorker]:
+    def raw_kv(self) -> list[RawWorker | FetchingWorker]:
         worker_layout([worker.worker for worker in self.workers])
-        return sorted(self.workers, key=lambda w: (w.worker.pp_rank, w.worker.tp_rank))  # type: ignore[return-value]
+        return sorted(self.workers, key=lambda w: (w.worker.pp_rank, w.worker.tp_rank))
+
+    def value_kv(self, request_ids: Sequence[str] | None) -> list[RawWorker]:
+        """Each worker's dump of the requests (all it listed when None), cut to the tokens
+        compared, streamed from its agent into the source's scratch folder and read with
+        the dump reader's checks: one consistent copy per worker, taken at its safe
+        point."""
+        workers = []
+        for remote in sorted(self.workers, key=lambda w: (w.worker.pp_rank, w.worker.tp_rank)):
+            ids = [rid for rid in (request_ids or remote.requests) if rid in remote.requests]
+            workers.append(remote.dump(ids))
+        worker_layout([worker.worker for worker in workers])
+        return workers
 
     def _stated_worker(self) -> WorkerInfo | None:
         return self.workers[0].worker if self.workers else None
