@@ -14,13 +14,12 @@ from collections.abc import Iterator
 from types import FrameType, TracebackType
 from typing import NoReturn
 
-import click
-
 from .errors import one_line
 from .interrupts import INTERRUPTING
 
 EXIT_INTERNAL = 3
 EXIT_INTERRUPTED = 130
+INTERRUPTED_LINE = "kvaudit: interrupted"
 
 
 def tolerant_streams() -> None:
@@ -58,9 +57,9 @@ def _tracebacks(trace: TracebackType | None) -> Iterator[TracebackType]:
         trace = trace.tb_next
 
 
-def internal_error(error: Exception, debug: bool) -> int:
-    """Report an exception that escaped (a bug): the traceback only with ``--debug``,
-    then one line saying it is a bug, what and where; the internal-error status."""
+def internal_error_line(error: Exception, debug: bool) -> str:
+    """The one line that reports an exception that escaped (a bug), saying what and
+    where; with ``debug``, its traceback is printed on stderr first."""
     if debug:
         import traceback  # only on a bug, with --debug: every start-up would pay for it
 
@@ -68,11 +67,7 @@ def internal_error(error: Exception, debug: bool) -> int:
     where = _raising_frame(error.__traceback__)
     hint = "" if debug else "; run with --debug for the traceback"
     message = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-    click.echo(
-        one_line(f"kvaudit: internal error (a bug in kvaudit) at {where}: {message}{hint}"),
-        err=True,
-    )
-    return EXIT_INTERNAL
+    return one_line(f"kvaudit: internal error (a bug in kvaudit) at {where}: {message}{hint}")
 
 
 def end_process(status: int) -> NoReturn:

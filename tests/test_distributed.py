@@ -7,7 +7,9 @@ locate the planted faults as the decoded cells say (``dumped_sets.expected_locat
 as one process does; ``verify --received`` of consumer dumps that carry the producer's
 wire bytes (intact, and one total wrong) reports what one process reports. A process that
 cannot read its files, one that never comes and one that is killed make every process exit
-within the timeout.
+within the timeout; processes given different commands, or one failing where the others do
+not, all end with the same status, and a lost process's line carries gloo's own text only
+with ``--debug``.
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kvaudit.corrupt import corrupt_dump
+from kvaudit.description import description_to_dict
 from kvaudit.diffing import diff_sources
-from kvaudit.distributed.comm import Place
+from kvaudit.distributed.comm import Comm, Place
 from kvaudit.distributed.placement import Unit, assign, fill
+from kvaudit.dumps import open_dump
 from kvaudit.formats import diff_to_json, inventory_to_json, record_to_json
 from kvaudit.formats.json import located_to_json
 from kvaudit.sources import Runtime, open_source
@@ -101,9 +105,15 @@ def torchrun(*args: object, timeout: float = 120) -> subprocess.CompletedProcess
     return subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=timeout)
 
 
-def launch(args: list[str], ranks: list[int], **extra: str) -> list[subprocess.Popen]:
+def launch(
+    args: list[str] | dict[int, list[str]],
+    ranks: list[int],
+    cwd: dict[int, Path] | None = None,
+    **extra: str,
+) -> list[subprocess.Popen]:
     """Processes of a world of 2 started as torchrun starts them (its variables), without
-    its agent: only ``ranks`` are started."""
+    its agent: only ``ranks`` are started, each with ``args`` (or its own, by rank) and in
+    its folder of ``cwd`` (else this one)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -111,13 +121,25 @@ def launch(args: list[str], ranks: list[int], **extra: str) -> list[subprocess.P
     for rank in ranks:
         env = _env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GROUP_RANK="0", **extra)
-        command = [sys.executable, "-m", "kvaudit", *args]
+        own = args[rank] if isinstance(args, dict) else args
+        command = [sys.executable, "-m", "kvaudit", *own]
         processes.append(
             subprocess.Popen(
-                command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                command,
+                env=env,
+                cwd=None if cwd is None else cwd[rank],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
             )
         )
     return processes
+
+
+def ended(processes: list[subprocess.Popen]) -> tuple[list[int], list[tuple[str, str]]]:
+    """The processes' exit statuses and their (stdout, stderr), once all ended."""
+    outputs = [process.communicate(timeout=120) for process in processes]
+    return [process.returncode for process in processes], outputs
 
 
 def _sources_by_name(data: dict) -> dict:
@@ -193,6 +215,27 @@ def test_rank_fields_and_assignment() -> None:
         ["shared:/a", "shared:/b", "shared:/c"],
         ["node 0:/x"],
     ]
+
+
+def test_how_the_processes_settle() -> None:
+    """The status of an exchange where processes ended: the lowest ending rank's, its line
+    relayed naming it; 2 when one ended with 0 or 1 while others still ran."""
+    rank1 = Comm(Place(rank=1, world=3, local_rank=1, node_rank=0), TIMEOUT)
+    rank0 = Comm(Place(rank=0, world=3, local_rank=0, node_rank=0), TIMEOUT)
+    going = {"ok": None}
+    failed = {"end": 3, "line": "kvaudit: internal error (a bug in kvaudit) at x:1: E"}
+    assert rank0._verdict([going, failed, {"end": 2, "line": "kvaudit: error: b"}]) == (
+        3,
+        "kvaudit: rank 1: internal error (a bug in kvaudit) at x:1: E",
+    )
+    assert rank1._verdict([going, failed, going]) == (3, None)  # its own line: printed
+    together = [{"end": 1, "line": None}, {"end": 2, "line": "kvaudit: error: a"}, failed]
+    assert rank0._verdict(together) == (1, None)
+    early = [going, {"end": 2, "line": "kvaudit: error: /x: gone"}, going]
+    assert rank0._verdict(early) == (2, "kvaudit: error: rank 1: /x: gone")
+    for status in (0, 1):
+        verdict = rank0._verdict([going, {"end": status, "line": None}, going])
+        assert verdict[0] == 2 and verdict[1].startswith("kvaudit: error: rank 1 ended its")
 
 
 # Split between two processes.
@@ -362,10 +405,12 @@ def test_a_process_that_never_comes(split: tuple[Sets, Path, list[str]]) -> None
     assert "within 3 s" in error
 
 
-@pytest.mark.slow
-def test_a_killed_process(split: tuple[Sets, Path, list[str]], tmp_path: Path) -> None:
-    """Rank 1 is killed while it reads its dumps (they are mapped): rank 0, which waits
-    for its results, exits with status 2 within the timeout."""
+def kill_rank_1_while_it_reads(
+    split: tuple[Sets, Path, list[str]], tmp_path: Path, *options: str
+) -> tuple[int, str, str, float]:
+    """Run ``kvaudit OPTIONS checksum`` on 2 processes and kill rank 1 while it reads its
+    dumps (they are mapped): rank 0's exit status, stdout and stderr, and the seconds it
+    took to end after the kill."""
     _, root, _ = split
     # Rank 1 checksums its small dumps in a few milliseconds: it is stopped the moment
     # its mapping shows, and the run is tried again in the rare case that its results had
@@ -374,7 +419,7 @@ def test_a_killed_process(split: tuple[Sets, Path, list[str]], tmp_path: Path) -
         folder = tmp_path / f"attempt{attempt}"
         for rank in (0, 1):
             shutil.copytree(root / f"n{rank}" / "producer", folder / f"n{rank}")
-        args = ["checksum", str(folder / "n{rank}"), "--device", "cpu"]
+        args = [*options, "checksum", str(folder / "n{rank}"), "--device", "cpu"]
         rank0, rank1 = launch(args, [0, 1])
         maps = Path(f"/proc/{rank1.pid}/maps")
         deadline = time.monotonic() + 60
@@ -388,7 +433,103 @@ def test_a_killed_process(split: tuple[Sets, Path, list[str]], tmp_path: Path) -
         out, err = rank0.communicate(timeout=TIMEOUT + 30)
         if rank0.returncode != 0:
             break
-    assert time.monotonic() - killed < TIMEOUT + 10
-    assert rank0.returncode == 2 and out == ""
+    return rank0.returncode, out, err, time.monotonic() - killed
+
+
+@pytest.mark.slow
+def test_a_killed_process(split: tuple[Sets, Path, list[str]], tmp_path: Path) -> None:
+    """Rank 1 is killed while it reads its dumps: rank 0, which waits for its results,
+    exits with status 2 within the timeout."""
+    status, out, err, took = kill_rank_1_while_it_reads(split, tmp_path)
+    assert took < TIMEOUT + 10
+    assert status == 2 and out == ""
     (error,) = _errors(err)
     assert error.startswith("kvaudit: error: rank 0: exchanging results failed"), error
+
+
+@pytest.mark.slow
+def test_a_lost_process_without_gloo_text(
+    split: tuple[Sets, Path, list[str]], tmp_path: Path
+) -> None:
+    """The line names the cause, not gloo's report of it ("[.../third_party/gloo/...]
+    Connection closed by peer ..."), which only ``--debug`` adds."""
+    status, _, err, _ = kill_rank_1_while_it_reads(split, tmp_path / "plain")
+    assert status == 2
+    assert _errors(err) == [
+        "kvaudit: error: rank 0: exchanging results failed: another process was lost or did "
+        f"not answer within {TIMEOUT} s"
+    ]
+    assert "gloo" not in err and "Connection" not in err and "[" not in err
+    status, _, err, _ = kill_rank_1_while_it_reads(split, tmp_path / "debug", "--debug")
+    assert status == 2
+    (error,) = _errors(err)
+    assert error.startswith(
+        "kvaudit: error: rank 0: exchanging results failed: another process was lost or did "
+        f"not answer within {TIMEOUT} s (RuntimeError: ["
+    )
+    assert "gloo" in error, error
+
+
+# Every process ends with the same status.
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        (["checksum", "{source}", "--device", "cpu"], ["inspect", "{source}", "--device", "cpu"]),
+        (["--version"], ["checksum", "{source}", "--device", "cpu"]),
+        (["checksum", "{source}", "--device", "cpu"], ["--debug", "checksum", "{source}"]),
+    ],
+    ids=["checksum-inspect", "version-checksum", "debug-options"],
+)
+def test_ranks_given_different_commands(
+    split: tuple[Sets, Path, list[str]], first: list[str], second: list[str]
+) -> None:
+    """Whichever process would end first (``inspect`` needs fewer exchanges than
+    ``checksum``, ``--version`` none), every process refuses the mismatch with status 2,
+    and rank 0 says so in one line."""
+    _, root, _ = split
+    source = str(root / "n{rank}" / "producer")
+    args = {0: first, 1: second}
+    filled = {rank: [arg.replace("{source}", source) for arg in own] for rank, own in args.items()}
+    start = time.monotonic()
+    statuses, outputs = ended(launch(filled, [0, 1]))
+    assert statuses == [2, 2], outputs
+    assert time.monotonic() - start < TIMEOUT  # no process waited for the other to time out
+    assert _errors(outputs[0][1]) == [
+        "kvaudit: error: rank 1 was given another command than rank 0: every process must "
+        "run the same kvaudit command"
+    ], outputs[0][1]
+    assert outputs[1] == ("", "")
+
+
+@pytest.mark.slow
+def test_an_error_only_rank_0_sees(split: tuple[Sets, Path, list[str]]) -> None:
+    """Rank 0 alone writes the output: when writing it fails, after the last exchange,
+    rank 1 (which did all its work) ends with rank 0's status 2, not 0."""
+    _, root, _ = split
+    args = ["checksum", str(root / "n{rank}" / "producer"), "--device", "cpu", "-o", "/dev/full"]
+    statuses, outputs = ended(launch(args, [0, 1]))
+    assert statuses == [2, 2], outputs
+    assert _errors(outputs[0][1]) == [
+        "kvaudit: error: /dev/full: cannot write: No space left on device"
+    ]
+
+
+@pytest.mark.slow
+def test_an_error_only_rank_1_sees(split: tuple[Sets, Path, list[str]], tmp_path: Path) -> None:
+    """Rank 1 fails before its first exchange (a description its working folder lacks):
+    rank 0 ends with rank 1's status at once, printing rank 1's error."""
+    sets, root, _ = split
+    folders = {rank: tmp_path / f"cwd{rank}" for rank in (0, 1)}
+    for folder in folders.values():
+        folder.mkdir()
+    description = description_to_dict(open_dump(sets.producer.paths[0]).description)
+    (folders[0] / "desc.yaml").write_text(json.dumps(description))  # JSON is YAML
+    args = ["checksum", str(root / "n{rank}" / "producer"), "--device", "cpu", "-c", "desc.yaml"]
+    start = time.monotonic()
+    statuses, outputs = ended(launch(args, [0, 1], cwd=folders))
+    assert time.monotonic() - start < TIMEOUT
+    assert statuses == [2, 2], outputs
+    assert _errors(outputs[0][1]) == ["kvaudit: error: rank 1: desc.yaml: no such file"]

@@ -11,9 +11,15 @@ from typing import Any
 
 import click
 
-from ..distributed import spread
+from ..distributed import Settled, spread
 from ..errors import KvauditError, one_line
-from ..exits import EXIT_INTERRUPTED, internal_error, tolerant_streams
+from ..exits import (
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    INTERRUPTED_LINE,
+    internal_error_line,
+    tolerant_streams,
+)
 from ..interrupts import check_interrupted, interrupt_received, interrupt_signals
 
 EXIT_OK = 0
@@ -33,10 +39,18 @@ class KvauditGroup(click.Group):
     """A click group that reports errors as one line and returns each command's status."""
 
     debug = False
-    """Whether ``--debug`` was given: an internal error prints its traceback."""
+    """Whether ``--debug`` was given: an internal error prints its traceback, a failed
+    exchange under torchrun the backend's text."""
+
+    given: tuple[str, ...] = ()
+    """The command line's arguments, which every process under torchrun must share."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
+            if spread():
+                from ..distributed.commands import begin
+
+                begin(self.given, self.debug)
             return super().invoke(ctx)
         except KeyboardInterrupt as interruption:
             raise _CommandInterrupted from interruption
@@ -54,44 +68,65 @@ class KvauditGroup(click.Group):
 
         catch_bus_errors()
         self.debug = False
+        self.given = tuple(sys.argv[1:] if args is None else args)
+        try:
+            status, line = self._run(args, prog_name, complete_var, **extra)
+            if line is not None:
+                click.echo(line, err=True)
+            if spread():
+                from ..distributed.commands import finish
+
+                status, more = finish(self.given, self.debug, status, line)
+                if more is not None:
+                    click.echo(one_line(more), err=True)
+        finally:
+            if spread():
+                from ..distributed.comm import leave
+
+                leave()
+        if not standalone_mode:
+            return status
+        sys.exit(status)
+
+    def _run(
+        self,
+        args: Sequence[str] | None,
+        prog_name: str | None,
+        complete_var: str | None,
+        **extra: Any,
+    ) -> tuple[int, str | None]:
+        """Run the command: its exit status, and the one line to print on stderr (None:
+        none)."""
         try:
             with interrupt_signals():
                 status = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
                 # One that landed in a finalizer, which only printed it: the command ran on,
                 # but an interrupted command ends as one.
                 check_interrupted()
+        except Settled as settled:  # another process ended first, under torchrun
+            return settled.status, None if settled.line is None else one_line(settled.line)
         except KvauditError as error:
-            status = fail(str(error))
+            return EXIT_BAD_INPUT, error_line(str(error))
         except _NO_ARGS_IS_HELP as error:
             click.echo(error.format_message())
-            status = EXIT_BAD_INPUT
+            return EXIT_BAD_INPUT, None
         except click.UsageError as error:
             hint = f" (try '{error.ctx.command_path} --help')" if error.ctx is not None else ""
-            status = fail(error.format_message() + hint)
+            return EXIT_BAD_INPUT, error_line(error.format_message() + hint)
         except click.ClickException as error:
-            status = fail(error.format_message())
+            return EXIT_BAD_INPUT, error_line(error.format_message())
         except (click.Abort, KeyboardInterrupt, _CommandInterrupted):
-            click.echo("kvaudit: interrupted", err=True)
-            status = EXIT_INTERRUPTED
+            return EXIT_INTERRUPTED, INTERRUPTED_LINE
         except BrokenPipeError:
             # The reader of our output went away (`kvaudit checksum ... | head`): point
             # stdout at /dev/null so that flushing it at exit raises nothing more.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            status = EXIT_INCOMPLETE
+            return EXIT_INCOMPLETE, None
         except Exception as error:  # any bug that escapes: status 3, not a traceback
             if interrupt_received():
-                click.echo("kvaudit: interrupted", err=True)
-                status = EXIT_INTERRUPTED
-            else:
-                status = internal_error(error, self.debug)
-        finally:
-            if spread():
-                from ..distributed.commands import finish
-
-                finish()
-        if not standalone_mode:
-            return status
-        sys.exit(status if isinstance(status, int) else EXIT_OK)
+                return EXIT_INTERRUPTED, INTERRUPTED_LINE
+            return EXIT_INTERNAL, internal_error_line(error, self.debug)
+        return (status if isinstance(status, int) else EXIT_OK), None
 
 
 def _version() -> str:
@@ -115,10 +150,9 @@ def _print_version(ctx: click.Context) -> None:
     ctx.exit()
 
 
-def fail(message: str) -> int:
-    """Print ``kvaudit: error: <message>`` as one line on stderr; the bad-input status."""
-    click.echo(one_line(f"kvaudit: error: {message}"), err=True)
-    return EXIT_BAD_INPUT
+def error_line(message: str) -> str:
+    """``kvaudit: error: <message>`` as one line, as a bad input is reported on stderr."""
+    return one_line(f"kvaudit: error: {message}")
 
 
 def _set_debug(context: click.Context, parameter: click.Parameter, value: bool) -> bool:
@@ -143,7 +177,8 @@ def _set_debug(context: click.Context, parameter: click.Parameter, value: bool) 
     is_eager=True,
     expose_value=False,
     callback=_set_debug,
-    help="On an internal error (exit status 3), print the full traceback.",
+    help="On an internal error (exit status 3), print the full traceback; under torchrun, "
+    "add the backend's own text to a failed exchange's line.",
 )
 def main() -> None:
     """Audit LLM KV caches: per-block checksums that add up across tensor-parallel ranks

@@ -2,7 +2,8 @@
 records gathered to rank 0, differences located by asking the rank that holds the blocks
 (docs/scale.md).
 
-``spread()`` reads only the environment, so the single-process path never imports torch;
+``spread()`` reads only the environment, so the single-process path never imports torch
+(nor does catching ``Settled``);
 ``comm`` (the process group and byte collectives), ``placement`` (SOURCE rank fields and
 which process reads which file), ``spread_source`` (the dump set spread over processes)
 and ``spread_locate`` (locating across processes) import it.
@@ -29,4 +30,18 @@ def is_writer() -> bool:
     return not spread() or os.environ.get("RANK", "0") == "0"
 
 
-__all__ = ["RANK_FIELDS", "is_writer", "spread"]
+class Settled(BaseException):
+    """Another process ended its command while this one was exchanging with it: every
+    process ends now with ``status``, rank 0 printing ``line`` (when not None).
+
+    Not an ``Exception``: nothing that reports an error and carries on may catch it, for
+    no further exchange may follow.
+    """
+
+    def __init__(self, status: int, line: str | None) -> None:
+        super().__init__(status, line)
+        self.status = status
+        self.line = line
+
+
+__all__ = ["RANK_FIELDS", "Settled", "is_writer", "spread"]

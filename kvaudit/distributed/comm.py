@@ -1,10 +1,17 @@
 """The process group of a spread command and the collectives it needs, on bytes only.
 
 Every message is JSON text or a dump file's bytes in a uint8 tensor: nothing is pickled.
-Collectives run under the process group's timeout (``KVAUDIT_DIST_TIMEOUT`` seconds,
-default 600), so a lost or stuck process makes the others fail with exit status 2 instead
-of waiting for ever. Local work that may fail runs through ``Comm.outcomes``: every process
-learns of a failure on any of them and raises the same one-line error, naming its rank.
+The process group is gloo's, on the CPU; a command that computes on CUDA adds an NCCL group
+for its data (``Comm.compute_on``). Collectives run under the process group's timeout
+(``KVAUDIT_DIST_TIMEOUT`` seconds, default 600), so a lost or stuck process makes the
+others fail with exit status 2 instead of waiting for ever; the backend's own text of the
+failure is shown only with ``kvaudit --debug``.
+
+Local work that may fail runs through ``Comm.outcomes``: every process learns of a failure
+on any of them and raises the same one-line error, naming its rank. A process that ends
+its command (``Comm.settle``) sends its exit status in the same exchange: the others, at
+their next exchange or at their own end, all end with the status of the lowest rank that
+ended (rank 0's when all end together).
 """
 
 from __future__ import annotations
@@ -22,9 +29,13 @@ import torch.distributed as dist
 
 from ..errors import KvauditError
 from ..sources.raw import one_line
+from . import Settled
 
 TIMEOUT_ENV = "KVAUDIT_DIST_TIMEOUT"
 DEFAULT_TIMEOUT = 600.0
+EXIT_BAD_INPUT = 2
+"""The bad-input status (``kvaudit.cli.group``'s), which an uneven end of the processes
+takes."""
 
 
 @dataclass(frozen=True)
@@ -86,38 +97,66 @@ def timeout_seconds() -> float:
 
 class Comm:
     """This process's part in the process group: byte collectives with rank 0, and local
-    work whose failure every process learns of."""
+    work whose failure every process learns of.
 
-    def __init__(self, place: Place, device: torch.device, timeout: float) -> None:
+    ``debug``: whether a failed collective's line carries the backend's own text;
+    ``group``: the NCCL group of a command that computes on CUDA (None: the gloo group);
+    ``ended``: whether no exchange may follow (the processes settled, or one failed).
+    """
+
+    def __init__(self, place: Place, timeout: float, debug: bool = False) -> None:
         self.place = place
-        self.device = device
         self.timeout = timeout
+        self.debug = debug
+        self.device = torch.device("cpu")
+        self.group: dist.ProcessGroup | None = None
+        self.device_chosen = False
+        self.ended = False
 
     @classmethod
-    def start(cls, use_cuda: bool) -> Comm:
-        """Join the process group torchrun's variables describe: NCCL on this process's
-        GPU (``LOCAL_RANK``) when ``use_cuda``, else gloo on the CPU.
+    def start(cls, debug: bool = False) -> Comm:
+        """Join the gloo process group torchrun's variables describe, on the CPU.
 
         Raises:
             KvauditError: Bad variables, or the others not found within the timeout.
 
         """
-        place = place_from_env()
-        timeout = timeout_seconds()
-        if use_cuda:
-            device = torch.device("cuda", place.local_rank % max(torch.cuda.device_count(), 1))
-            torch.cuda.set_device(device)
-        else:
-            device = torch.device("cpu")
-        comm = cls(place, device, timeout)
+        comm = cls(place_from_env(), timeout_seconds(), debug)
         with comm.guard("joining the process group"):
             dist.init_process_group(
-                "nccl" if use_cuda else "gloo",
-                rank=place.rank,
-                world_size=place.world,
-                timeout=timedelta(seconds=timeout),
+                "gloo",
+                rank=comm.place.rank,
+                world_size=comm.place.world,
+                timeout=timedelta(seconds=comm.timeout),
             )
         return comm
+
+    def compute_on(self, use_cuda: bool) -> None:
+        """Exchange the command's data on this process's GPU (``LOCAL_RANK``) through an
+        NCCL group when ``use_cuda``, else on the CPU through gloo; the first call decides.
+
+        Raises:
+            KvauditError: On every process, when the processes do not all compute on the
+                same kind of device.
+
+        """
+        if self.device_chosen:
+            return
+        self.device_chosen = True
+        kinds = self.outcomes(lambda: "cuda" if use_cuda else "cpu")
+        for rank, kind in enumerate(kinds):
+            if kind != kinds[0]:
+                raise KvauditError(
+                    f"rank {rank} computes on {kind}, rank 0 on {kinds[0]}: give every "
+                    "process the same --device, or the same GPUs"
+                )
+        if not use_cuda:
+            return
+        device = torch.device("cuda", self.place.local_rank % max(torch.cuda.device_count(), 1))
+        torch.cuda.set_device(device)
+        with self.guard("starting NCCL"):
+            self.group = dist.new_group(backend="nccl", timeout=timedelta(seconds=self.timeout))
+        self.device = device
 
     def close(self) -> None:
         """Leave the process group."""
@@ -126,15 +165,18 @@ class Comm:
 
     @contextmanager
     def guard(self, what: str) -> Iterator[None]:
-        """Report a failed or timed-out collective as one line naming this rank."""
+        """Report a failed or timed-out collective as one line naming this rank and the
+        cause, with the backend's own text only under ``--debug``."""
         try:
             yield
         except KvauditError:
             raise
         except Exception as error:  # the backends raise several types (timeouts, resets)
+            self.ended = True
+            detail = f" ({one_line(error)})" if self.debug else ""
             raise KvauditError(
                 f"rank {self.place.rank}: {what} failed: another process was lost or did not "
-                f"answer within {self.timeout:g} s ({one_line(error)})"
+                f"answer within {self.timeout:g} s{detail}"
             ) from None
 
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
@@ -143,13 +185,13 @@ class Comm:
         with self.guard("exchanging results"):
             size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
             sizes = [torch.zeros_like(size) for _ in range(world)]
-            dist.all_gather(sizes, size)
+            dist.all_gather(sizes, size, group=self.group)
             longest = max(int(item.item()) for item in sizes)
             padded = torch.zeros(max(longest, 1), dtype=torch.uint8, device=self.device)
             if data:
                 padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             gathered = [torch.empty_like(padded) for _ in range(world)]
-            dist.all_gather(gathered, padded)
+            dist.all_gather(gathered, padded, group=self.group)
         return [
             bytes(item[: int(n.item())].cpu().numpy().tobytes()) for item, n in zip(gathered, sizes)
         ]
@@ -157,20 +199,21 @@ class Comm:
     def send_bytes(self, data: bytes, dst: int) -> None:
         """Send ``data`` to process ``dst`` (which calls ``recv_bytes``)."""
         with self.guard(f"sending blocks to rank {dst}"):
-            dist.send(torch.tensor([len(data)], dtype=torch.int64, device=self.device), dst)
+            size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+            dist.send(size, dst, group=self.group)
             if data:
                 payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
-                dist.send(payload, dst)
+                dist.send(payload, dst, group=self.group)
 
     def recv_bytes(self, src: int) -> bytes:
         """The bytes process ``src`` sends with ``send_bytes``."""
         with self.guard(f"receiving blocks from rank {src}"):
             size = torch.zeros(1, dtype=torch.int64, device=self.device)
-            dist.recv(size, src)
+            dist.recv(size, src, group=self.group)
             if not int(size.item()):
                 return b""
             payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-            dist.recv(payload, src)
+            dist.recv(payload, src, group=self.group)
         return payload.cpu().numpy().tobytes()
 
     def outcomes(self, work: Callable[[], Any]) -> list[Any]:
@@ -179,6 +222,7 @@ class Comm:
         Raises:
             KvauditError: On every process, when ``work`` failed on any: the first failing
                 rank's error, naming that rank.
+            Settled: When another process ended its command instead.
 
         """
         try:
@@ -188,24 +232,82 @@ class Comm:
         except OSError as error:
             where = f"{error.filename}: " if error.filename else ""
             message = {"error": f"{where}{error.strerror or one_line(error)}"}
-        gathered = self.all_gather_bytes(json.dumps(message).encode())
-        results = []
-        for rank, data in enumerate(gathered):
-            item = json.loads(data)
+        gathered = self._exchange(message)
+        if any("end" in item for item in gathered):
+            self.ended = True
+            raise Settled(*self._verdict(gathered))
+        for rank, item in enumerate(gathered):
             if "error" in item:
                 raise KvauditError(f"rank {rank}: {item['error']}")
-            results.append(item["ok"])
-        return results
+        return [item["ok"] for item in gathered]
+
+    def settle(self, status: int, line: str | None) -> tuple[int, str | None]:
+        """This process's end: its exit status and error line (None: none) sent to the
+        others; the status every process ends with and what more to print (None: nothing).
+
+        The status is that of the lowest rank that ended (rank 0's when all end together,
+        ``Settled`` for those that were not ending). A process that ended with 0 or 1 while
+        others still ran took another path through the command: all end with status 2. No
+        exchange is tried after a failed one.
+        """
+        if self.ended:
+            return status, None
+        self.ended = True
+        try:
+            gathered = self._exchange({"end": status, "line": line})
+        except KvauditError as error:
+            return EXIT_BAD_INPUT, f"kvaudit: error: {error}"
+        return self._verdict(gathered)
+
+    def _exchange(self, message: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every process's JSON ``message``, in rank order."""
+        return [json.loads(data) for data in self.all_gather_bytes(json.dumps(message).encode())]
+
+    def _verdict(self, gathered: list[dict[str, Any]]) -> tuple[int, str | None]:
+        """The status of an exchange where some processes ended, and the line this process
+        prints besides its own (None: nothing)."""
+        ending = [rank for rank, item in enumerate(gathered) if "end" in item]
+        first = ending[0]
+        status, line = int(gathered[first]["end"]), gathered[first]["line"]
+        if len(ending) < len(gathered) and status < EXIT_BAD_INPUT:
+            return EXIT_BAD_INPUT, (
+                f"kvaudit: error: rank {first} ended its command while the others still ran "
+                "it: every process must run the same kvaudit command and version"
+            )
+        if first == self.place.rank or line is None:
+            return status, None
+        head = "kvaudit: error: " if line.startswith("kvaudit: error: ") else "kvaudit: "
+        return status, f"{head}rank {first}: {line.removeprefix(head)}"
 
 
 _CURRENT: list[Comm] = []
+_TRIED: list[bool] = []
 
 
-def join(use_cuda: bool) -> Comm:
-    """This process's ``Comm``, started on first use."""
+def join(debug: bool = False) -> Comm:
+    """This process's ``Comm``, started on first use (``debug``: whether a failed
+    collective's line carries the backend's text).
+
+    Raises:
+        KvauditError: Joining failed (it is not tried again).
+
+    """
     if not _CURRENT:
-        _CURRENT.append(Comm.start(use_cuda))
+        if _TRIED:
+            raise KvauditError("this process could not join the process group")
+        _TRIED.append(True)
+        _CURRENT.append(Comm.start(debug))
     return _CURRENT[0]
+
+
+def joined() -> Comm | None:
+    """This process's ``Comm``; None before it joined or when joining failed."""
+    return _CURRENT[0] if _CURRENT else None
+
+
+def tried() -> bool:
+    """Whether this process tried to join the process group."""
+    return bool(_TRIED)
 
 
 def leave() -> None:

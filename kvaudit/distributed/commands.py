@@ -1,11 +1,14 @@
-"""What the commands do differently under torchrun: join the process group, open
-SOURCEs spread over the processes, locate and trace across them, and stamp the JSON with the
-number of processes. Only rank 0 writes; the others' stdout and stderr go to /dev/null
-(every process's errors reach rank 0, which reports them).
+"""What the commands do differently under torchrun: join the process group and check
+that every process runs the same command, open SOURCEs spread over the processes, locate
+and trace across them, stamp the JSON with the number of processes, and end every process
+with the same exit status. Only rank 0 writes; the others' stdout and stderr go to
+/dev/null (every process's errors reach rank 0, which reports them).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -17,7 +20,7 @@ from ..description import CacheDescription
 from ..diffing import shared_tokens
 from ..errors import KvauditError
 from ..sources import Source, resolve_device
-from .comm import join, leave
+from .comm import EXIT_BAD_INPUT, join, joined, leave, tried
 from .spread_locate import locate_spread
 from .spread_source import SpreadSource, open_spread
 from .spread_trace import trace_spread
@@ -33,14 +36,35 @@ def _silence() -> None:
     os.close(null)
 
 
+def begin(command: Sequence[str], debug: bool) -> None:
+    """Join the process group (silencing every process but rank 0) and check that every
+    process was given the same ``command`` (its arguments, rank fields unfilled);
+    ``debug``: whether a failed collective's line carries the backend's text.
+
+    Raises:
+        KvauditError: On every process, when joining failed or the commands differ.
+
+    """
+    comm = join(debug)
+    if comm.place.rank != 0:
+        _silence()
+    digest = hashlib.sha256(json.dumps(list(command)).encode()).hexdigest()
+    digests = comm.outcomes(lambda: digest)
+    for rank, other in enumerate(digests):
+        if other != digests[0]:
+            raise KvauditError(
+                f"rank {rank} was given another command than rank 0: every process must run "
+                "the same kvaudit command"
+            )
+
+
 def open_spread_source(
     names: Sequence[str], config: CacheDescription | None, device: str | None
 ) -> Source:
-    """SOURCE arguments opened by this process's share (joining the process group on
-    first use, on this process's GPU when the command computes on CUDA)."""
-    comm = join(resolve_device(device or "auto").device == "cuda")
-    if comm.place.rank != 0:
-        _silence()
+    """SOURCE arguments opened by this process's share (joining the process group if this
+    process has not, on this process's GPU when the command computes on CUDA)."""
+    comm = join()
+    comm.compute_on(resolve_device(device or "auto").device == "cuda")
     return open_spread(names, config, comm, device_given=device is not None)
 
 
@@ -93,6 +117,26 @@ def stamped(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "processes": int(os.environ.get("WORLD_SIZE", "1"))}
 
 
-def finish() -> None:
-    """Leave the process group, if this process joined it."""
-    leave()
+def finish(
+    command: Sequence[str], debug: bool, status: int, line: str | None
+) -> tuple[int, str | None]:
+    """End this process's part (``status``, and ``line``, the error line it printed; None:
+    none): the status every process ends with, rank 0's when all end together, and what
+    more to print (None: nothing). A process whose command ended before it joined joins
+    now, so that the others learn how it ended; the process group is left.
+    """
+    extra = None
+    try:
+        if not tried():
+            try:
+                begin(command, debug)
+            except KvauditError as error:
+                status = EXIT_BAD_INPUT
+                line = extra = f"kvaudit: error: {error}"
+        comm = joined()
+        if comm is None:
+            return status, extra
+        status, more = comm.settle(status, line)
+        return status, more or extra
+    finally:
+        leave()
