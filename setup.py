@@ -27,21 +27,21 @@ def extension(
 
 
 EXTENSIONS = [
-    extension("kvaudit.kernels._native", "kvaudit/kernels/_native.c"),
+    extension("kvaudit._native._row_sums", "kvaudit/_native/_row_sums.c"),
     extension(
-        "kvaudit._element_errors",
-        "kvaudit/_element_errors.c",
+        "kvaudit._native._element_errors",
+        "kvaudit/_native/_element_errors.c",
         depends=(
-            "kvaudit/_element_errors_copies.h",
-            "kvaudit/_element_errors_fused.h",
-            "kvaudit/_element_errors_row.h",
-            "kvaudit/_element_values.h",
-            "kvaudit/_mapped_rows.h",
+            "kvaudit/_native/_element_errors_copies.h",
+            "kvaudit/_native/_element_errors_fused.h",
+            "kvaudit/_native/_element_errors_row.h",
+            "kvaudit/_native/_element_values.h",
+            "kvaudit/_native/_mapped_rows.h",
         ),
         # No fused multiply-adds: the tolerance test rounds as numpy's does (bit for bit).
         flags=("-ffp-contract=off",),
     ),
-    extension("kvaudit._value_reads", "kvaudit/_value_reads.c"),
+    extension("kvaudit._native._value_reads", "kvaudit/_native/_value_reads.c"),
 ]
 
 setup(ext_modules=EXTENSIONS)

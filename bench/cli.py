@@ -87,9 +87,11 @@ def env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def c_loop_built() -> bool:
-    """Whether the checksum's C loop (``kvaudit.kernels._native``) built, in a child that
+    """Whether the checksum's C loop (``kvaudit._native._row_sums``) built, in a child that
     runs as the timed commands do."""
-    probe = "import importlib.util as u; print(u.find_spec('kvaudit.kernels._native') is not None)"
+    probe = (
+        "import importlib.util as u; print(u.find_spec('kvaudit._native._row_sums') is not None)"
+    )
     done = subprocess.run(
         [PYTHON, "-c", probe], env=env(), capture_output=True, text=True, check=True
     )
@@ -235,7 +237,7 @@ def main() -> None:
         compileall.compile_dir(os.path.join(ROOT, "kvaudit"), quiet=1)
         built = c_loop_built()
         print(
-            "the checksum's C loop (kvaudit.kernels._native) "
+            "the checksum's C loop (kvaudit._native._row_sums) "
             + ("built" if built else "did not build: the numpy code runs"),
             flush=True,
         )

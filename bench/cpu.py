@@ -6,7 +6,7 @@ Prints GB/s of: hashlib.sha256 (the issue's baseline), numpy's sum (about memory
 bandwidth), and kvaudit's CPU backends on a Llama-shaped cache (8 KV heads, head size 128,
 bf16, 16-token blocks) in two layouts, its blocks in random order (gathered) and in order
 (read in place), with the ratios of kvaudit to each baseline. The backends: numpy (the
-default) with its C loop (``kvaudit.kernels._native``, where it built) and with its numpy
+default) with its C loop (``kvaudit._native._row_sums``, where it built) and with its numpy
 code (``KVAUDIT_NATIVE=0``), and torch.
 
 With ``--dump-mib N`` it instead writes an N MiB dump of such a cache (bench/llama_set.py)
@@ -29,11 +29,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from kvaudit import native
 from kvaudit.checksummer import Checksummer, RequestBlocks
+from kvaudit.core import native
 from kvaudit.description import parse_description
 
-C_LOOP = "kvaudit.kernels._native"
+C_LOOP = "kvaudit._native._row_sums"
 
 
 def paths() -> dict[str, bool]:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .lazy import lazy_exports
+from .core.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from .checksummer import Checksummer, RequestBlocks
+    from .core.errors import KvauditError
     from .description import CacheDescription, load_description, parse_description
-    from .errors import KvauditError
     from .records import Record, WorkerInfo, WorkerRecord, combine_workers
 
 _EXPORTS = {

@@ -26,7 +26,7 @@ def run() -> None:
     except KeyboardInterrupt:
         sys.stderr.write("kvaudit: interrupted\n")
         sys.exit(EXIT_INTERRUPTED)
-    from .exits import end_process
+    from .cli.exits import end_process
 
     try:
         status = main(prog_name="kvaudit", standalone_mode=False)

@@ -12,18 +12,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .description import CacheDescription
-from .errors import KvauditError
-from .inputs import LayerTensors, RequestBlocks, plain_requests, tensors_by_name
-from .plans import GroupPlan
-from .records import (
-    GroupChecksums,
-    RequestChecksums,
-    WorkerInfo,
-    WorkerRecord,
-)
-from .scheme import valid_tokens
-from .validation import (
+from .core.errors import KvauditError
+from .core.scheme import valid_tokens
+from .core.validation import (
     MAX_POSITION_TOKEN,
     MAX_TOKENS,
     POSITION_NUMBERINGS,
@@ -33,12 +24,21 @@ from .validation import (
     is_int,
     short,
 )
+from .description import CacheDescription
+from .plans import GroupPlan
+from .records import (
+    GroupChecksums,
+    RequestChecksums,
+    WorkerInfo,
+    WorkerRecord,
+)
 from .views import GroupViews, build_group_views
+from .views.inputs import LayerTensors, RequestBlocks, plain_requests, tensors_by_name
 
 if TYPE_CHECKING:
     import torch
 
-    from .arrays import Array
+    from .core.arrays import Array
 
 
 class Checksummer:

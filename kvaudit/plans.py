@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .arrays import Array, data_ptr, device_type, element_size, is_numpy, strides
+from .core.arrays import Array, data_ptr, device_type, element_size, is_numpy, strides
+from .core.scheme import ReplicaKey
 from .kernels import BackendChoice, Launch, LaunchPart, resolve_backend
-from .scheme import ReplicaKey
 from .views import LayerView
 
 if TYPE_CHECKING:

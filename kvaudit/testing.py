@@ -32,10 +32,10 @@ from .compare import DiffReport
 from .description import CacheDescription, load_description
 from .diffing import diff_sources
 from .dumps import DumpSet
-from .inputs import LayerTensors, RequestBlocks
 from .records import Record
 from .report import print_diff, render_text
 from .sources import ChecksummerSource, Source, register_object, source_of
+from .views.inputs import LayerTensors, RequestBlocks
 
 
 @dataclass

@@ -31,9 +31,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .compare.model import DiffReport, StaleSource
+from .core.scheme import valid_tokens
 from .description import CacheDescription
 from .locate import SliceReader
-from .scheme import valid_tokens
 from .sources.raw import RawWorker
 
 Slice = tuple[str, int]

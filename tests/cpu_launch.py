@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from kernel_cases import MASK64, Case
 
-from kvaudit import native
+from kvaudit.core import native
 from kvaudit.kernels import LaunchPart, numpy_cpu
 
 

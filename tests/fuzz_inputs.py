@@ -33,15 +33,15 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from kvaudit.compare import compare_records, verify_received
+from kvaudit.core.errors import KvauditError
 from kvaudit.description import load_description, parse_description
 from kvaudit.dumps import open_dump_set, write_dump
 from kvaudit.dumps.safetensors_io import read_header
-from kvaudit.errors import KvauditError
 from kvaudit.formats import record_to_json
-from kvaudit.inputs import RequestBlocks
 from kvaudit.records import WorkerInfo
+from kvaudit.records.wire import encode_wire
 from kvaudit.sources import checksum_dump_set, load_record
-from kvaudit.wire import encode_wire
+from kvaudit.views.inputs import RequestBlocks
 
 DESCRIPTION: dict[str, Any] = {
     "kvaudit": 1,

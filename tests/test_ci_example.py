@@ -18,7 +18,7 @@ import pytest
 import yaml
 from example_module import example
 
-from kvaudit import native
+from kvaudit.core import native
 
 ROOT = Path(__file__).resolve().parent.parent
 CI = ROOT / "examples" / "ci"

@@ -25,7 +25,7 @@ from kvaudit.compare import (
     verify_received,
     verify_stored_blocks,
 )
-from kvaudit.errors import KvauditError, WireFormatError
+from kvaudit.core.errors import KvauditError, WireFormatError
 from kvaudit.formats import diff_junit, diff_to_json
 from kvaudit.records import (
     GroupChecksums,
@@ -35,7 +35,7 @@ from kvaudit.records import (
     WorkerRecord,
     combine_workers,
 )
-from kvaudit.wire import WireChecksums, WireGroup, encode_wire
+from kvaudit.records.wire import WireChecksums, WireGroup, encode_wire
 
 MOD = 2**64
 FP = {0: 0x9F0C2A61D3B47E18, 1: 0x1A2B3C4D5E6F7081}

@@ -35,9 +35,9 @@ from dumped_sets import (
     with_file,
 )
 
+from kvaudit.core.errors import KvauditError
 from kvaudit.corrupt import MODES, PlantedFault, corrupt_dump
 from kvaudit.dumps import open_dump_set
-from kvaudit.errors import KvauditError
 from kvaudit.locate import locate_differences
 
 # (mode, side, worker, request, group, position in the side's block size, layer, head, token)

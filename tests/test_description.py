@@ -12,6 +12,8 @@ import pytest
 import torch
 import yaml
 
+from kvaudit.core.dtypes import dtype_name, dtype_size, parse_dtype, safetensors_dtype_name
+from kvaudit.core.errors import DescriptionError, KvauditError
 from kvaudit.description import (
     CacheDescription,
     GroupDescription,
@@ -22,8 +24,6 @@ from kvaudit.description import (
     load_description,
     parse_description,
 )
-from kvaudit.dtypes import dtype_name, dtype_size, parse_dtype, safetensors_dtype_name
-from kvaudit.errors import DescriptionError, KvauditError
 
 L0 = "model.layers.0.self_attn.attn"
 L1 = "model.layers.1.self_attn.attn"

@@ -37,8 +37,8 @@ from kvaudit.checksummer import RequestBlocks
 from kvaudit.cli import main
 from kvaudit.corrupt import MODES
 from kvaudit.description import description_to_dict, parse_description
+from kvaudit.description.fingerprint import block_checksum_tag
 from kvaudit.dumps import open_dump, write_dump
-from kvaudit.fingerprint import block_checksum_tag
 from kvaudit.records import WorkerInfo
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -48,8 +48,8 @@ from kvaudit.distributed.placement import Unit, assign, fill
 from kvaudit.dumps import open_dump
 from kvaudit.formats import diff_to_json, inventory_to_json, record_to_json
 from kvaudit.formats.json import located_to_json
+from kvaudit.records.wire import encode_wire
 from kvaudit.sources import Runtime, open_source
-from kvaudit.wire import encode_wire
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU = Runtime("torch", "cpu")

@@ -10,11 +10,11 @@ import sys
 import pytest
 from dumped_sets import Sets
 
+from kvaudit.core.validation import Positions
 from kvaudit.dumps import open_dump_set
 from kvaudit.formats import record_to_json
 from kvaudit.sources import checksum_dump_set
 from kvaudit.sources.dump_staging import StagedBatches
-from kvaudit.validation import Positions
 
 
 @pytest.mark.parametrize("positions", ["request", "block"])

@@ -1,8 +1,8 @@
-"""The C extension of ``diff --numeric`` (``kvaudit/_element_errors.c``): one layer's batch
+"""The C extension of ``diff --numeric`` (``kvaudit/_native/_element_errors.c``): one layer's batch
 of raw element bits against the independent numpy computation (valued_sets.errors_reference,
 and below the same with NaN and Inf) for every dtype, fp8 with scales, NaN and Inf on one
 side and on both, denormals, -0.0, values exactly at the tolerance, rows not held, ragged
-shapes; equal to the numpy path (``kvaudit.element_errors``) on random batches (hypothesis),
+shapes; equal to the numpy path (``kvaudit.numeric.value_errors``) on random batches (hypothesis),
 batch after batch; the GIL released. Where the extension did not build these tests skip
 (the numpy path runs everywhere), unless ``KVAUDIT_REQUIRE_NATIVE=1``."""
 
@@ -18,12 +18,12 @@ from hypothesis import strategies as st
 from native_builds import assert_built_where_required, built, skip_unless_built
 from valued_sets import errors_reference
 
-from kvaudit.dtypes import DType, parse_dtype, torch_dtype
-from kvaudit.element_errors import LayerErrors, add_batch
-from kvaudit.elements import decode, work_dtype
-from kvaudit.native_errors import SCALES, add_raw_batch, native_module, raw_dtype, reads
+from kvaudit.core.dtypes import DType, parse_dtype, torch_dtype
+from kvaudit.core.elements import decode, work_dtype
+from kvaudit.numeric.native import SCALES, add_raw_batch, native_module, raw_dtype, reads
+from kvaudit.numeric.value_errors import LayerErrors, add_batch
 
-NAME = "kvaudit._element_errors"
+NAME = "kvaudit._native._element_errors"
 NATIVE = built(NAME)
 pytestmark = skip_unless_built(NATIVE, NAME, "the numpy path of diff --numeric runs instead")
 DTYPES = ["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"]

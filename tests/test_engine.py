@@ -34,8 +34,8 @@ from engine_runs import (
 )
 
 from kvaudit import Checksummer
+from kvaudit.core.errors import KvauditError
 from kvaudit.description import parse_description
-from kvaudit.errors import KvauditError
 
 
 @pytest.fixture(autouse=True, params=["numpy", "torch"])

@@ -14,9 +14,9 @@ import reference as ref
 import torch
 
 from kvaudit.checksummer import Checksummer, RequestBlocks
+from kvaudit.core.errors import KvauditError
 from kvaudit.description import CacheDescription, parse_description
 from kvaudit.dumps import open_dump, write_dump
-from kvaudit.errors import KvauditError
 from kvaudit.records import WorkerInfo, combine_workers
 
 L = "model.layers.{}.self_attn.attn"

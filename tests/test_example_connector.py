@@ -25,9 +25,9 @@ from safetensors.torch import save_file
 
 from kvaudit.checksummer import RequestBlocks
 from kvaudit.cli import main
+from kvaudit.core.errors import KvauditError
 from kvaudit.description import parse_description
 from kvaudit.dumps import open_dump_set, write_dump
-from kvaudit.errors import KvauditError
 from kvaudit.formats import record_to_json
 from kvaudit.records import WorkerInfo
 from kvaudit.sources import checksum_dump_set

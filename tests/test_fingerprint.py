@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from kvaudit.description import GroupDescription, LayerEntry, LayerSpec, StateSplit
-from kvaudit.fingerprint import (
+from kvaudit.description.fingerprint import (
     block_checksum_tag,
     block_checksum_tags,
     group_fingerprint,

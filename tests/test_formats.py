@@ -337,7 +337,7 @@ def test_stale_block_from_an_unlisted_row() -> None:
 # Layering.
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvaudit"
-WRITERS = ("kvaudit.formats", "kvaudit.report", "kvaudit.progress", "kvaudit.cli")
+WRITERS = ("kvaudit.formats", "kvaudit.report", "kvaudit.cli.progress", "kvaudit.cli")
 
 
 def imported_modules(path: Path) -> set[str]:

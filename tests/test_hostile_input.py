@@ -21,19 +21,19 @@ from fuzz_inputs import DESCRIPTION, REQUESTS, Seeds, safetensors_bytes, seed_te
 from kvaudit.checksummer import Checksummer
 from kvaudit.cli import main
 from kvaudit.compare import compare_records
-from kvaudit.description import load_description, parse_description
-from kvaudit.dumps import open_dump, open_dump_set, write_dump
-from kvaudit.errors import DescriptionError, KvauditError, WireFormatError
-from kvaudit.inputs import RequestBlocks
-from kvaudit.records import GroupChecksums, Record, RequestChecksums, WorkerInfo, WorkerSummary
-from kvaudit.validation import (
+from kvaudit.core.errors import DescriptionError, KvauditError, WireFormatError
+from kvaudit.core.validation import (
     MAX_BLOCK_SIZE,
     MAX_DEPTH,
     MAX_TOKENS,
     MAX_WORKERS,
     worker_layout,
 )
-from kvaudit.wire import WireChecksums, WireGroup, decode_wire, encode_wire
+from kvaudit.description import load_description, parse_description
+from kvaudit.dumps import open_dump, open_dump_set, write_dump
+from kvaudit.records import GroupChecksums, Record, RequestChecksums, WorkerInfo, WorkerSummary
+from kvaudit.records.wire import WireChecksums, WireGroup, decode_wire, encode_wire
+from kvaudit.views.inputs import RequestBlocks
 
 MIB = 1 << 20
 

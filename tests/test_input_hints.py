@@ -20,9 +20,9 @@ from safetensors.torch import save_file
 
 from kvaudit.checksummer import Checksummer, RequestBlocks
 from kvaudit.cli import main
+from kvaudit.core.errors import KvauditError
 from kvaudit.description import parse_description
 from kvaudit.dumps import open_dump, write_dump
-from kvaudit.errors import KvauditError
 from kvaudit.records import WorkerInfo
 
 HINT = "looks like a cache description: pass it with -c"

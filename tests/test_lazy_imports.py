@@ -18,8 +18,8 @@ import pytest
 from click.testing import CliRunner
 from dumped_sets import Sets
 
-from kvaudit import native
 from kvaudit.cli import main
+from kvaudit.core import native
 
 HEAVY = ("torch", "triton")
 """Never imported by the commands below."""
@@ -112,7 +112,7 @@ def test_help_imports_click_and_little_else() -> None:
     assert among(modules, ("kvaudit.formats", "kvaudit.dumps", "kvaudit.records")) == []
 
 
-NATIVE = ("kvaudit.native", "kvaudit.kernels._native")
+NATIVE = ("kvaudit.core.native", "kvaudit._native._row_sums")
 """The C extensions' loader and the checksum's C loop: loaded only by a path that
 checksums."""
 
@@ -196,7 +196,7 @@ def test_each_path_imports_what_it_needs(
     csv = imported("checksum", *sets.consumer.paths, "--device", "cpu", "--format", "csv", "-q")
     assert among(csv, ("kvaudit.formats.csv",)) == ["kvaudit.formats.csv"]
     # The checksum loads the C loop where it built and may run (tests/test_native_kernel.py).
-    loads = native.enabled() and importlib.util.find_spec("kvaudit.kernels._native") is not None
+    loads = native.enabled() and importlib.util.find_spec("kvaudit._native._row_sums") is not None
     assert among(table, NATIVE) == list(NATIVE if loads else NATIVE[:1])
     record = imported("inspect", records[0], "--format", "json")
     assert among(record, ("kvaudit.sources.record_source",)) == ["kvaudit.sources.record_source"]
@@ -210,7 +210,7 @@ def test_each_path_imports_what_it_needs(
 
 BAR = """
 import sys, time
-from kvaudit.progress import PROGRESS_DELAY_S, progress_bar
+from kvaudit.cli.progress import PROGRESS_DELAY_S, progress_bar
 with progress_bar(1 << 30, "checksumming", enabled=True) as advance:
     time.sleep(PROGRESS_DELAY_S + 0.5)
     advance(1 << 29)

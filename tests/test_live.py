@@ -26,8 +26,8 @@ from click.testing import CliRunner, Result
 
 from kvaudit import Checksummer, RequestBlocks, combine_workers
 from kvaudit.cli import main
+from kvaudit.core.errors import KvauditError
 from kvaudit.description import parse_description
-from kvaudit.errors import KvauditError
 from kvaudit.formats import record_to_json
 from kvaudit.live import Agent, call
 from kvaudit.live.server import MAX_CONNECTIONS

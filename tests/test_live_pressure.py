@@ -24,8 +24,8 @@ from click.testing import CliRunner
 
 from kvaudit import RequestBlocks
 from kvaudit.cli import main
+from kvaudit.core.errors import KvauditError
 from kvaudit.description import parse_description
-from kvaudit.errors import KvauditError
 from kvaudit.live import Agent, call
 from kvaudit.live.protocol import MAX_IDS
 

@@ -19,12 +19,12 @@ import pytest
 import torch
 from native_builds import built, skip_unless_built
 
-from kvaudit.dtypes import parse_dtype, torch_dtype
-from kvaudit.element_errors import LayerErrors
-from kvaudit.mapping import FileMap
-from kvaudit.native_errors import PARTS, SCALES, add_mapped_batch, add_raw_batch
+from kvaudit.core.dtypes import parse_dtype, torch_dtype
+from kvaudit.core.mapping import FileMap
+from kvaudit.numeric.native import PARTS, SCALES, add_mapped_batch, add_raw_batch
+from kvaudit.numeric.value_errors import LayerErrors
 
-NAME = "kvaudit._element_errors"
+NAME = "kvaudit._native._element_errors"
 NATIVE = built(NAME)
 pytestmark = skip_unless_built(NATIVE, NAME, "diff --numeric reads rows in Python instead")
 HEADS, TOKENS, ELEMENTS, HEAD_SIZE = 3, 11, 12, 5

@@ -1,4 +1,4 @@
-"""The C loop of the numpy backend (``kvaudit/kernels/_native.c``): against the plain
+"""The C loop of the numpy backend (``kvaudit/_native/_row_sums.c``): against the plain
 numpy reference of the kernel contract for every layout case (tests/kernel_cases.py), tiles
 of heads and pieces, rows cut short, gathered and consecutive blocks; bit-identical to the
 numpy code on random views of every piece size and memory order (hypothesis); checked
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from kernel_cases import CASES, Case, Entry, random_rows, reference
 from native_builds import assert_built_where_required, built, skip_unless_built
 
-from kvaudit import native
+from kvaudit.core import native
 from kvaudit.kernels import LaunchPart, numpy_cpu
 
 NATIVE = built(numpy_cpu.NATIVE)

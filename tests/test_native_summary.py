@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kvaudit import native
 from kvaudit.cli import main
+from kvaudit.core import native
 
 SETUP = Path(__file__).resolve().parents[1] / "setup.py"
 
@@ -46,7 +46,7 @@ def test_version_names_the_loops_that_load(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_version_says_what_did_not_build(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(native.ENVIRONMENT, raising=False)
-    monkeypatch.setattr(native, "_LOADED", {"kvaudit._value_reads": None})
+    monkeypatch.setattr(native, "_LOADED", {"kvaudit._native._value_reads": None})
     monkeypatch.setattr(native.importlib, "import_module", lambda name: object())
     _, loops = version_lines()
     assert loops == (

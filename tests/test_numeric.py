@@ -29,11 +29,11 @@ from valued_sets import (
 )
 
 from kvaudit.cli import main
+from kvaudit.core.elements import FP8_E4M3FN, FP8_E5M2
+from kvaudit.core.errors import DescriptionError, KvauditError
 from kvaudit.description import parse_description
-from kvaudit.elements import FP8_E4M3FN, FP8_E5M2
-from kvaudit.errors import DescriptionError, KvauditError
 from kvaudit.formats.heatmaps import layer_head_errors, layer_token_errors
-from kvaudit.numeric import numeric_diff
+from kvaudit.numeric.scheduling import numeric_diff
 from kvaudit.sources import open_source
 
 

@@ -1,4 +1,4 @@
-"""``diff --numeric`` reading both sides' dumps in place (``kvaudit.mapped_rows`` and the C
+"""``diff --numeric`` reading both sides' dumps in place (``kvaudit.numeric.mapped_rows`` and the C
 extension's ``compare_mapped``): the same report, bit for bit, as rows read with
 ``pread`` and staged, and the same as the numpy path (but the sums of squares' last
 digits) and the independent reference, over dumps of several layouts (NHTC with kernel
@@ -28,14 +28,14 @@ from valued_sets import (
     to_cells,
 )
 
-import kvaudit.mapped_rows
-import kvaudit.numeric
-import kvaudit.numeric_layers
-from kvaudit.compare.numeric import NumericReport
-from kvaudit.numeric import numeric_diff
+import kvaudit.numeric.layers
+import kvaudit.numeric.mapped_rows
+import kvaudit.numeric.scheduling
+from kvaudit.numeric.model import NumericReport
+from kvaudit.numeric.scheduling import numeric_diff
 from kvaudit.sources import open_source
 
-NAME = "kvaudit._element_errors"
+NAME = "kvaudit._native._element_errors"
 pytestmark = skip_unless_built(built(NAME), NAME, "diff --numeric reads rows in numpy")
 
 ENGINES = {
@@ -69,7 +69,7 @@ def three_ways(
     requests compared together: a call per layer), read with pread and staged, and by
     the numpy path."""
     calls = []
-    in_place = kvaudit.mapped_rows.add_mapped_batch
+    in_place = kvaudit.numeric.mapped_rows.add_mapped_batch
 
     def counted(*args: object, **kwargs: object) -> np.ndarray:
         calls.append(kwargs.get("by_head", False))
@@ -79,13 +79,13 @@ def three_ways(
         raise AssertionError("a row was staged")
 
     with monkeypatch.context() as patch:
-        patch.setattr(kvaudit.mapped_rows, "add_mapped_batch", counted)
-        patch.setattr(kvaudit.numeric_layers, "decode_layer", staged_read)
+        patch.setattr(kvaudit.numeric.mapped_rows, "add_mapped_batch", counted)
+        patch.setattr(kvaudit.numeric.layers, "decode_layer", staged_read)
         mapped = compare(left, right, rtol)
     assert calls, "the rows were not read in place"
     assert calls == [True] * len(calls), "the requests were compared one by one"
     with monkeypatch.context() as patch:
-        patch.setattr(kvaudit.mapped_rows.MappedRows, "add", lambda *_: None)
+        patch.setattr(kvaudit.numeric.mapped_rows.MappedRows, "add", lambda *_: None)
         staged = compare(left, right, rtol)
     with monkeypatch.context() as patch:
         patch.setenv("KVAUDIT_NATIVE", "0")
@@ -178,9 +178,9 @@ def test_pieces_and_chunks_of_any_size_agree(
     left = dump(tmp_path / "p", the_model, produced, producer, "producer")
     right = dump(tmp_path / "c", the_model, consumed, consumer, "consumer")
     whole = compare(left, right, 0.05)
-    monkeypatch.setattr(kvaudit.numeric_layers, "MAPPED_PIECE_ELEMENTS", 1)
-    monkeypatch.setattr(kvaudit.numeric_layers, "CHUNK_TOKENS", 1)
-    monkeypatch.setattr(kvaudit.numeric_layers, "MAPPED_BYTES", 1)  # released after each chunk
+    monkeypatch.setattr(kvaudit.numeric.layers, "MAPPED_PIECE_ELEMENTS", 1)
+    monkeypatch.setattr(kvaudit.numeric.layers, "CHUNK_TOKENS", 1)
+    monkeypatch.setattr(kvaudit.numeric.layers, "MAPPED_BYTES", 1)  # released after each chunk
     small = compare(left, right, 0.05)
     assert whole.requests["req-b"].groups[0].slices[8].nonfinite_mismatches == 1
     for rid in TOKENS:
@@ -206,7 +206,7 @@ def test_requests_compared_together_or_one_by_one_agree(
     comparing them one by one gives: every figure, token bin and note in order."""
     counts = TOKENS if tokens == "two" else MANY
     if tokens != "two":
-        monkeypatch.setattr(kvaudit.numeric_layers, "MAPPED_PIECE_ELEMENTS", 72 * HEADS * 16)
+        monkeypatch.setattr(kvaudit.numeric.layers, "MAPPED_PIECE_ELEMENTS", 72 * HEADS * 16)
     the_model = model("bfloat16")
     produced = draw(26, the_model, counts)
     rng = np.random.default_rng(27)
@@ -219,18 +219,18 @@ def test_requests_compared_together_or_one_by_one_agree(
     right = dump(tmp_path / "c", the_model, consumed, consumer, "consumer")
     sources = [open_source([str(path)], None) for path in (left, right)]
     calls: list[int] = []
-    in_place = kvaudit.mapped_rows.add_mapped_batch
+    in_place = kvaudit.numeric.mapped_rows.add_mapped_batch
 
     def counted(*args: object, **kwargs: object) -> np.ndarray:
         calls.append(args[5].shape[0])  # type: ignore[attr-defined]
         return in_place(*args, **kwargs)  # type: ignore[arg-type]
 
     with monkeypatch.context() as patch:
-        patch.setattr(kvaudit.mapped_rows, "add_mapped_batch", counted)
+        patch.setattr(kvaudit.numeric.mapped_rows, "add_mapped_batch", counted)
         together = numeric_diff(sources[0].raw_kv(), sources[1].raw_kv(), counts, rtol=0.05)
     stacks = [3, 3, 1, 1, 2] if tokens != "two" else [2]
     assert calls == [HEADS * size for size in stacks for _ in range(3)]  # 3 layers
-    monkeypatch.setattr(kvaudit.numeric._GroupPlan, "stackable", lambda *_: False)
+    monkeypatch.setattr(kvaudit.numeric.scheduling._GroupPlan, "stackable", lambda *_: False)
     alone = numeric_diff(sources[0].raw_kv(), sources[1].raw_kv(), counts, rtol=0.05)
     assert together.not_compared == alone.not_compared
     assert list(together.requests) == list(alone.requests) == sorted(counts)

@@ -25,14 +25,14 @@ from valued_sets import (
     to_cells,
 )
 
-import kvaudit.element_errors
-import kvaudit.mapped_rows
-import kvaudit.numeric_layers
-import kvaudit.value_reads
-from kvaudit.compare.numeric import NumericReport, SliceErrors
-from kvaudit.element_errors import counts
-from kvaudit.errors import KvauditError
-from kvaudit.numeric import numeric_diff
+import kvaudit.numeric.layers
+import kvaudit.numeric.mapped_rows
+import kvaudit.numeric.reads
+import kvaudit.numeric.value_errors
+from kvaudit.core.errors import KvauditError
+from kvaudit.numeric.model import NumericReport, SliceErrors
+from kvaudit.numeric.scheduling import numeric_diff
+from kvaudit.numeric.value_errors import counts
 from kvaudit.sources import open_source
 
 
@@ -125,10 +125,10 @@ def test_one_head_at_a_time_in_small_pieces_agrees(
     left = dump(tmp_path / "p", the_model, produced, PRODUCER, "producer")
     right = dump(tmp_path / "c", the_model, consumed, CONSUMER, "consumer")
     whole = compare(left, right, rtol=0.01)
-    monkeypatch.setattr(kvaudit.element_errors, "CHUNK_ELEMENTS", 1)
-    monkeypatch.setattr(kvaudit.numeric_layers, "PIECE_ELEMENTS", 1)
-    monkeypatch.setattr(kvaudit.numeric_layers, "NATIVE_PIECE_ELEMENTS", 1)
-    monkeypatch.setattr(kvaudit.numeric_layers, "MAPPED_PIECE_ELEMENTS", 1)
+    monkeypatch.setattr(kvaudit.numeric.value_errors, "CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(kvaudit.numeric.layers, "PIECE_ELEMENTS", 1)
+    monkeypatch.setattr(kvaudit.numeric.layers, "NATIVE_PIECE_ELEMENTS", 1)
+    monkeypatch.setattr(kvaudit.numeric.layers, "MAPPED_PIECE_ELEMENTS", 1)
     chunked = compare(left, right, rtol=0.01)
     assert by_slice(chunked, "req-a")[ATTN.format(1), 2].nonfinite_mismatches == 1
     for rid in TOKENS:
@@ -209,14 +209,14 @@ def test_rows_read_from_files_mappings_or_tensors_agree(
     right = dump(tmp_path / "c", the_model, consumed, CONSUMER, "consumer")
     in_place = compare(left, right, rtol=0.05)
     # Staged: rows read with pread (the C extension's, else numpy's), or from the mappings.
-    monkeypatch.setattr(kvaudit.mapped_rows.MappedRows, "add", lambda *_: None)
+    monkeypatch.setattr(kvaudit.numeric.mapped_rows.MappedRows, "add", lambda *_: None)
     from_files = compare(left, right, rtol=0.05)
     # Torch tensors over the same mappings (as live workers hold them): rows gathered.
     raw = [open_source([str(path)], None).raw_kv() for path in (left, right)]
     for worker in raw[0] + raw[1]:
         worker.__dict__["array_views"] = worker.group_views
     gathered = numeric_diff(raw[0], raw[1], TOKENS, rtol=0.05)
-    monkeypatch.setattr(kvaudit.value_reads.RowFiles, "layout", lambda *_: None)
+    monkeypatch.setattr(kvaudit.numeric.reads.RowFiles, "layout", lambda *_: None)
     mapped = compare(left, right, rtol=0.05)
     assert not from_files.ok
     for other in (mapped, gathered, in_place):

@@ -1,4 +1,4 @@
-"""How a ``kvaudit`` process ends (kvaudit.exits.end_process): with the command's status,
+"""How a ``kvaudit`` process ends (kvaudit.cli.exits.end_process): with the command's status,
 all its output written, every exit handler run, and any thread that is not a daemon
 waited for, though the interpreter's teardown of its modules is skipped; an interruption
 near the end, or one a library turns into another error, still ends it with status 130."""
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from dumped_sets import Sets
 
-from kvaudit import interrupts
-from kvaudit.errors import Interrupted
-from kvaudit.files import atomic_path
+from kvaudit.core import interrupts
+from kvaudit.core.errors import Interrupted
+from kvaudit.core.files import atomic_path
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,8 +64,8 @@ PROBE = textwrap.dedent(
     if mode == "interrupted in a finalizer":
         import click
         from kvaudit.cli import main
-        from kvaudit.files import atomic_path
-        from kvaudit.interrupts import _raise_interrupted  # what SIGTERM runs
+        from kvaudit.core.files import atomic_path
+        from kvaudit.core.interrupts import _raise_interrupted  # what SIGTERM runs
 
         @main.command("probe")
         @click.argument("output")

@@ -10,7 +10,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from kvaudit.errors import KvauditError
+from kvaudit.core.errors import KvauditError
 from kvaudit.formats import record_csv_rows, record_to_json
 from kvaudit.records import (
     GroupChecksums,

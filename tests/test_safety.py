@@ -21,9 +21,9 @@ from safety_dumps import description, make_dump
 
 import kvaudit.report
 from kvaudit.cli import main
+from kvaudit.core.errors import ECHO_LIMIT, KvauditError, capped, one_line, printable
+from kvaudit.core.files import atomic_path, check_input, check_output, output_place
 from kvaudit.dumps import open_dump
-from kvaudit.errors import ECHO_LIMIT, KvauditError, capped, one_line, printable
-from kvaudit.files import atomic_path, check_input, check_output, output_place
 from kvaudit.report.text import render_text
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from safety_dumps import BLOCK_BYTES, make_dump
 
+from kvaudit.core.errors import KvauditError
+from kvaudit.core.files import atomic_path, remove_stale_temporaries
 from kvaudit.dumps import open_dump_set
-from kvaudit.errors import KvauditError
-from kvaudit.files import atomic_path, remove_stale_temporaries
 from kvaudit.sources import checksum_dump_set
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -140,7 +140,7 @@ def test_sigbus_while_reading_is_one_line(tmp_path: Path) -> None:
         f"""
         import os
         from kvaudit.dumps import open_dump
-        from kvaudit.mapping import catch_bus_errors
+        from kvaudit.core.mapping import catch_bus_errors
         catch_bus_errors()
         dump = open_dump({str(path)!r})
         os.truncate({str(path)!r}, 4096)

@@ -16,12 +16,11 @@ import pytest
 import torch
 
 import kvaudit.testing  # noqa: F401  (registers LiveSide)
+from kvaudit.core.errors import KvauditError
 from kvaudit.description import parse_description
 from kvaudit.diffing import diff_sources
 from kvaudit.dumps import open_dump_set, write_dump
-from kvaudit.errors import KvauditError
 from kvaudit.formats import record_to_json
-from kvaudit.inputs import RequestBlocks
 from kvaudit.locate import locate_differences
 from kvaudit.records import Record, WorkerInfo
 from kvaudit.sources import (
@@ -39,6 +38,7 @@ from kvaudit.sources import (
     source_of,
 )
 from kvaudit.sources.raw import checksum_each
+from kvaudit.views.inputs import RequestBlocks
 
 LAYERS = ["model.layers.0.attn", "model.layers.1.attn"]
 DESCRIPTION = parse_description(

@@ -37,8 +37,8 @@ from click.testing import CliRunner, Result
 from safetensors.numpy import save_file
 
 from kvaudit.cli import main
-from kvaudit.errors import UnsupportedGroupError
-from kvaudit.scheme import layer_module
+from kvaudit.core.errors import UnsupportedGroupError
+from kvaudit.core.scheme import layer_module
 
 GOOD = tuple(f"model.layers.{i}.self_attn.attn" for i in range(2))
 ODD = "model.layers.2.self_attn.attn"

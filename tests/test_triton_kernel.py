@@ -182,7 +182,7 @@ def test_launch_config_ignores_rows_and_depends_on_layout() -> None:
     ["template_dtype", "table_shape", "rows_mismatch", "out_dtype", "out_layout"],
 )
 def test_bad_arguments_raise_one_line_errors(change: str) -> None:
-    from kvaudit.errors import KvauditError
+    from kvaudit.core.errors import KvauditError
     from kvaudit.kernels.triton_kernel import accumulate_triton
 
     template = torch.zeros((2, 1, 2, 2, 2), dtype=torch.int64)

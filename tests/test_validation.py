@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from kvaudit.checksummer import Checksummer
+from kvaudit.core.errors import DescriptionError, KvauditError
+from kvaudit.core.validation import Checker, check_worker, is_int, short, worker_layout
 from kvaudit.description import parse_description
-from kvaudit.errors import DescriptionError, KvauditError
 from kvaudit.records import WorkerInfo
-from kvaudit.validation import Checker, check_worker, is_int, short, worker_layout
 
 
 def workers(tp_size: int, pp_size: int) -> list[WorkerInfo]:

@@ -1,5 +1,5 @@
 """The C extension that reads a dump's rows for ``diff --numeric``
-(``kvaudit/_value_reads.c``): rows of any cell strides scattered into ``[heads, tokens,
+(``kvaudit/_native/_value_reads.c``): rows of any cell strides scattered into ``[heads, tokens,
 elements]`` order as numpy would gather them, whole or cut short; a file that ends early;
 layouts and outputs out of bounds refused; a failed read an OSError. Skipped where the
 extension did not build, unless ``KVAUDIT_REQUIRE_NATIVE=1``."""
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from native_builds import assert_built_where_required, built, skip_unless_built
 
-NAME = "kvaudit._value_reads"
+NAME = "kvaudit._native._value_reads"
 NATIVE = built(NAME)
 pytestmark = skip_unless_built(NATIVE, NAME, "diff --numeric reads rows in Python instead")
 

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 
 from kvaudit.checksummer import Checksummer, RequestBlocks
 from kvaudit.cli import main
+from kvaudit.core.errors import KvauditError
 from kvaudit.description import parse_description
-from kvaudit.errors import KvauditError
 from kvaudit.integrations.vllm.config import AuditConfig, parse_config
 from kvaudit.integrations.vllm.jobs import AuditJob, AuditStep
 from kvaudit.integrations.vllm.output import read_output_folder

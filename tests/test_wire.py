@@ -9,9 +9,9 @@ import struct
 import numpy as np
 import pytest
 
-from kvaudit.errors import KvauditError, WireFormatError
+from kvaudit.core.errors import KvauditError, WireFormatError
 from kvaudit.records import GroupChecksums, RequestChecksums
-from kvaudit.wire import (
+from kvaudit.records.wire import (
     WireChecksums,
     WireGroup,
     decode_wire,

@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from ..core.errors import KvauditError
+from ..core.files import check_output, output_identity
 from ..distributed import is_writer, spread
-from ..errors import KvauditError
-from ..files import check_output, output_identity
 
 if TYPE_CHECKING:
     from ..description import CacheDescription

@@ -7,8 +7,8 @@ from typing import get_args
 
 import click
 
-from ..errors import printable
-from ..validation import POSITION_NUMBERINGS
+from ..core.errors import printable
+from ..core.validation import POSITION_NUMBERINGS
 from .arguments import check_outputs, load_config, open_sources, wanted_ids
 from .group import EXIT_INCOMPLETE, EXIT_OK, main
 from .options import (
@@ -47,8 +47,8 @@ def checksum(
 ) -> int:
     """Per-block checksums summed over the workers: per request, group and position, per
     replica key, and the total."""
-    from ..progress import progress_bar
     from ..sources import resolve_device
+    from .progress import progress_bar
 
     check_outputs({"-o": output}, [*sources, config_path])
     runtime = resolve_device(device or "auto")

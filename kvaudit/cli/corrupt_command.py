@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, get_args
 
 import click
 
+from ..core.errors import KvauditError
 from ..corrupt.mode_names import MODES
-from ..errors import KvauditError
 from .arguments import check_outputs, load_config
 from .group import EXIT_OK, main
 from .options import CORRUPT_EXIT_HELP, PlantedFormat, common_options, format_option

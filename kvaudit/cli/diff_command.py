@@ -104,9 +104,9 @@ def diff(
     CONSUMER are each a dump file, a directory of one engine's dumps, a record (JSON) or a
     live handle. Differing blocks are located down to layers, heads, tokens and bytes."""
     from ..diffing import diff_sources, diff_work
-    from ..progress import progress_bar
     from ..report import DIFF_SIDES
     from ..sources import resolve_device
+    from .progress import progress_bar
 
     check_outputs(
         {"-o": output, "--json": json_path, "--junit": junit_path, "--html": html_path},
@@ -166,12 +166,13 @@ def diff_numeric(
     """``diff --numeric``: compare by value, print or write the report (``outputs``: -o,
     --json and --html files), the exit status; ``allowed``: --allow-missing and
     --allow-empty."""
-    from ..diffing import diff_work, numeric_sources
+    from ..diffing import diff_work
     from ..formats import json_text
     from ..formats.html import numeric_html
     from ..formats.numeric import numeric_to_json
-    from ..progress import progress_bar
+    from ..numeric import numeric_sources
     from ..report.numeric import print_numeric
+    from .progress import progress_bar
 
     if output_format == "junit":
         raise click.UsageError("--numeric reports as --format table or json")

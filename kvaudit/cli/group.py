@@ -11,16 +11,16 @@ from typing import Any
 
 import click
 
+from ..core.errors import KvauditError, one_line
+from ..core.interrupts import check_interrupted, interrupt_received, interrupt_signals
 from ..distributed import Settled, spread
-from ..errors import KvauditError, one_line
-from ..exits import (
+from .exits import (
     EXIT_INTERNAL,
     EXIT_INTERRUPTED,
     INTERRUPTED_LINE,
     internal_error_line,
     tolerant_streams,
 )
-from ..interrupts import check_interrupted, interrupt_received, interrupt_signals
 
 EXIT_OK = 0
 EXIT_INCOMPLETE = 1
@@ -64,7 +64,7 @@ class KvauditGroup(click.Group):
         **extra: Any,
     ) -> Any:
         tolerant_streams()
-        from ..mapping import catch_bus_errors
+        from ..core.mapping import catch_bus_errors
 
         catch_bus_errors()
         self.debug = False
@@ -144,7 +144,7 @@ def _version() -> str:
 def _print_version(ctx: click.Context) -> None:
     """``kvaudit, version X`` and which C loops run, looked up only when asked for
     (importlib.metadata is slow to import)."""
-    from ..native import summary
+    from ..core.native import summary
 
     click.echo(f"kvaudit, version {_version()}\n{summary()}")
     ctx.exit()

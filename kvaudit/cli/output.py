@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from ..core.errors import KvauditError, printable
 from ..distributed import is_writer, spread
-from ..errors import KvauditError, printable
 from .options import ReportFormat
 
 if TYPE_CHECKING:
@@ -130,7 +130,7 @@ def emit(text: str, output: str | None) -> None:
     rank 0 only)."""
     if not is_writer():
         return
-    from ..files import atomic_path
+    from ..core.files import atomic_path
 
     if output is None:
         _to_stdout(lambda: click.echo(text, nl=False))

@@ -53,9 +53,9 @@ def verify(
     producer checksums its dumps received (--received), or the stored checksums of its
     offloaded blocks (--stored)."""
     from ..diffing import verify_sources, verify_work
-    from ..progress import progress_bar
     from ..report import Sides
     from ..sources import resolve_device
+    from .progress import progress_bar
 
     chosen = [
         name

@@ -18,9 +18,9 @@ from collections import defaultdict
 
 import numpy as np
 
+from ..core.scheme import valid_tokens
 from ..records import Record
 from ..records.model import replica_zero_totals
-from ..scheme import valid_tokens
 from .model import DiffReport, StaleSource
 from .sides import Side, coarsen
 

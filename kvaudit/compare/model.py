@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from ..scheme import ReplicaKey
-from ..validation import Positions
+from ..core.scheme import ReplicaKey
+from ..core.validation import Positions
 
 NO_RECEIVED = "no producer checksums received"
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ..errors import KvauditError
+from ..core.errors import KvauditError
 from ..records import GroupChecksums, Record, RequestChecksums, WorkerInfo, WorkerSummary
-from ..wire import WireChecksums, decode_wire
+from ..records.wire import WireChecksums, decode_wire
 from .model import NO_RECEIVED, DiffReport, GroupComparison
 from .record_diff import compare
 from .sides import Window

@@ -21,8 +21,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from ..core.errors import KvauditError
 from ..description import LEFT_OUT_BY_DESCRIPTION
-from ..errors import KvauditError
 from ..records import GroupChecksums, Record
 from .model import DiffReport, GroupComparison
 from .sides import Side, Window, compare_sides, held_positions, missing_and_expected

@@ -40,9 +40,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.scheme import ReplicaKey, to_hex, valid_tokens
+from ..core.validation import Positions
 from ..records import GroupChecksums, replica_zero_totals
-from ..scheme import ReplicaKey, to_hex, valid_tokens
-from ..validation import Positions
 from .model import GroupComparison
 
 

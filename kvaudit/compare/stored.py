@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import KvauditError
-from ..fingerprint import block_checksum_tags
-from ..validation import Positions
+from ..core.errors import KvauditError
+from ..core.validation import Positions
+from ..description.fingerprint import block_checksum_tags
 from .model import DiffReport, GroupComparison
 
 

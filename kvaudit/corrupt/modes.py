@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..core.errors import KvauditError
 from ..dumps import Dump
-from ..errors import KvauditError
 from ..locate import block_row, counted_slots, group_views, layer_specs, read_block
 from ..views import LayerView
 from .result import CorruptMode, FlippedBit, StaleOrigin, SwappedHeads, SwappedTokens

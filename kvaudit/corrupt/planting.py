@@ -15,11 +15,11 @@ import shutil
 
 import numpy as np
 
-from ..arrays import data_ptr
+from ..core.arrays import data_ptr
+from ..core.errors import KvauditError
+from ..core.files import atomic_path
 from ..description import CacheDescription
 from ..dumps import Dump, open_dump
-from ..errors import KvauditError
-from ..files import atomic_path
 from ..locate import cell_addresses
 from ..views import LayerView
 from .modes import MODE_FAULTS, WHOLE_BLOCK_MODES, Block, Fault, open_block

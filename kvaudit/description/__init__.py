@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..lazy import lazy_exports
+from ..core.lazy import lazy_exports
 from .model import (
     ATTENTION_TYPES,
     FORMAT_VERSION,

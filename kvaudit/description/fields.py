@@ -8,9 +8,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ..dtypes import DType, parse_dtype
-from ..errors import DescriptionError
-from ..validation import MAX_COUNT, Checker, join, short_text
+from ..core.dtypes import DType, parse_dtype
+from ..core.errors import DescriptionError
+from ..core.validation import MAX_COUNT, Checker, join, short_text
 from .model import LAYOUT_AXES, SPEC_TYPES
 
 TOP_KEYS = ("kvaudit", "num_blocks", "model_kv_heads", "draft_layers", "groups")

@@ -11,9 +11,9 @@ from typing import Any
 
 import yaml
 
-from ..errors import DescriptionError, KvauditError
-from ..files import check_input
-from ..validation import MAX_DEPTH, MAX_YAML_BYTES, MAX_YAML_NODES, short_text
+from ..core.errors import DescriptionError, KvauditError
+from ..core.files import check_input
+from ..core.validation import MAX_DEPTH, MAX_YAML_BYTES, MAX_YAML_NODES, short_text
 from .model import CacheDescription
 from .validator import parse_description
 

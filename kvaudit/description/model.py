@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..dtypes import BFLOAT16, DType
+from ..core.dtypes import BFLOAT16, DType
 
 ATTENTION_TYPES = (
     "full_attention",

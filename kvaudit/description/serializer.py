@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..dtypes import dtype_name
+from ..core.dtypes import dtype_name
 from .model import FORMAT_VERSION, CacheDescription, LayerEntry, LayerSpec
 
 

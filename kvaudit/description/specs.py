@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from ..validation import MAX_BLOCK_SIZE, join
+from ..core.validation import MAX_BLOCK_SIZE, join
 from .fields import (
     ATTENTION_SPEC_KEYS,
     SPLIT_KEYS,

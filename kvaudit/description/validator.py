@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import DescriptionError
-from ..validation import check_plain, join
+from ..core.errors import DescriptionError
+from ..core.validation import check_plain, join
 from .fields import GROUP_KEYS, GROUP_WIDE_KEYS, LAYER_KEYS, TOP_KEYS, is_list
 from .model import (
     FORMAT_VERSION,

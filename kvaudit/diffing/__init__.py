@@ -10,12 +10,11 @@ against the stored checksums of its offloaded blocks.
 
 Modules, each using only those above it: ``sides`` (requested ids, the tokens both sides
 hold, a side trimmed and checksummed), ``diff`` (``diff_sources``: comparing, locating,
-tracing), ``received`` and ``stored`` (the checksums dumps carry, checked), ``numeric``
-(``numeric_sources``: by value), ``verify`` (``verify_sources``: one of three ways).
+tracing), ``received`` and ``stored`` (the checksums dumps carry, checked), ``verify``
+(``verify_sources``: one of three ways). The comparison by value is ``kvaudit.numeric``.
 """
 
 from .diff import diff_sources, diff_work, locate_report
-from .numeric import numeric_sources
 from .received import carried_wires, received_wires, verify_wire
 from .sides import shared_tokens
 from .stored import stored_checks, verify_stored
@@ -26,7 +25,6 @@ __all__ = [
     "diff_sources",
     "diff_work",
     "locate_report",
-    "numeric_sources",
     "received_wires",
     "shared_tokens",
     "stored_checks",

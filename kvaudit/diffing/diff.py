@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 
 from ..compare import DiffReport, compare_records
 from ..compare.checksum_trace import partial_note, trace_by_checksums
-from ..errors import KvauditError
+from ..core.errors import KvauditError
 from ..locate import locate_differences
 from ..pairing import group_windows, side_warnings
 from ..sources import Progress, Runtime, Source, resolve_device

@@ -8,11 +8,11 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from ..compare import DiffReport, verify_received
 from ..compare.received import received_numbering
+from ..core.errors import KvauditError
 from ..dumps import DumpSet
-from ..errors import KvauditError
 from ..pairing import group_windows
+from ..records.wire import WireChecksums, decode_wire
 from ..sources import Progress, Runtime, Source
-from ..wire import WireChecksums, decode_wire
 from .sides import trim_to
 
 

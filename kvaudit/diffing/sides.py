@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ..errors import KvauditError
+from ..core.errors import KvauditError
 from ..records import Record
 from ..sources import Progress, Runtime, Source
 

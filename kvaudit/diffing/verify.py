@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from ..compare import DiffReport, verify_against_record
 from ..compare.checksum_trace import partial_note, trace_by_checksums
-from ..errors import KvauditError
+from ..core.errors import KvauditError
 from ..pairing import group_windows
 from ..sources import Progress, Runtime, Source, resolve_device
 from .diff import diff_work

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import KvauditError
+from ..core.errors import KvauditError
 from ..sources.raw import one_line
 from . import Settled
 

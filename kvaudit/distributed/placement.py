@@ -13,9 +13,9 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..core.errors import KvauditError
+from ..core.files import check_input
 from ..dumps.dump_sets import expand_dump_paths
-from ..errors import KvauditError
-from ..files import check_input
 from . import RANK_FIELDS
 from .comm import Place
 

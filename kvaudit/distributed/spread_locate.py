@@ -15,10 +15,10 @@ import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 
 from ..compare import DiffReport
+from ..core.errors import KvauditError
 from ..dumps import Dump, open_dump, write_dump
-from ..errors import KvauditError
-from ..inputs import RequestBlocks
 from ..locate import locate_differences
+from ..views.inputs import RequestBlocks
 from .comm import Comm
 from .spread_source import Held, SpreadSource
 

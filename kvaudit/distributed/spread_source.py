@@ -16,12 +16,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.errors import KvauditError
+from ..core.validation import worker_layout
 from ..description import CacheDescription, description_to_dict, parse_description
 from ..dumps import Dump, DumpSet, open_dump
 from ..dumps.example_connector import open_example_connectors
-from ..errors import KvauditError
 from ..formats import record_to_json
-from ..inputs import RequestBlocks
 from ..records import Record, WorkerInfo, WorkerRecord, combine_workers
 from ..sources import Progress, Runtime, Source, checksum_dump_set, open_source
 from ..sources.base import request_ids_of, token_counts_of, trim
@@ -33,7 +33,7 @@ from ..sources.inventory import (
     request_inventory,
 )
 from ..sources.registry import source_kind
-from ..validation import worker_layout
+from ..views.inputs import RequestBlocks
 from .comm import Comm
 from .placement import Unit, assign, fill, units
 

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 from ..compare import DiffReport, StoredCheck, stored_report
 from ..diffing import carried_wires, stored_checks, verify_sources, verify_wire
+from ..records.wire import WireChecksums
 from ..sources import Progress, Runtime, Source, resolve_device
-from ..wire import WireChecksums
 from .spread_source import SpreadSource
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..lazy import lazy_exports
+from ..core.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from .dump import COPY_BYTES, FORMAT, STORED_CHECKSUMS, Dump, DumpRequest, DumpSet

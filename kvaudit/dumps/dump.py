@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..arrays import data_ptr, element_size, strides
+from ..core.arrays import data_ptr, element_size, strides
+from ..core.dtypes import DType
+from ..core.errors import KvauditError
+from ..core.mapping import FileMap
 from ..description import CacheDescription
-from ..dtypes import DType
-from ..errors import KvauditError
-from ..mapping import FileMap
 from ..records import WorkerInfo
 from ..views import GroupViews, LayerTensor, build_group_views
 from .layers import layer_parts
@@ -89,7 +89,7 @@ class Dump:
     row ``i`` is engine block ``block_ids[i]``, or block ``i`` when ``block_ids`` is None
     (the whole cache). The tensors view the file's pages: never write to them.
     ``arrays`` holds the same bytes as numpy arrays of integers of the element's size
-    (``kvaudit.arrays``): what the CPU path reads without importing torch.
+    (``kvaudit.core.arrays``): what the CPU path reads without importing torch.
     """
 
     path: str

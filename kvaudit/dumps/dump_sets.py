@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from ..core.errors import KvauditError
+from ..core.validation import fail, worker_layout
 from ..description import CacheDescription
-from ..errors import KvauditError
-from ..validation import fail, worker_layout
 from .dump import DumpSet
 from .reading import open_dump
 

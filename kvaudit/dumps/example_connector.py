@@ -18,12 +18,12 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from ..core.dtypes import dtype_name
+from ..core.errors import KvauditError
+from ..core.files import check_input
+from ..core.validation import fail
 from ..description import CacheDescription, LayerEntry, LayerSpec
-from ..dtypes import dtype_name
-from ..errors import KvauditError
-from ..files import check_input
 from ..records import WorkerInfo
-from ..validation import fail
 from .dump import META_FORMAT, Dump, DumpRequest
 from .layers import kv_apart, owner_layers
 from .safetensors_io import Entry, map_file, read_header, tensor_view

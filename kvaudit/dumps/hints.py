@@ -10,7 +10,7 @@ import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..validation import Role
+    from ..core.validation import Role
 
 DESCRIPTION_HINT = (
     "looks like a cache description: pass it with -c (--config), not as a dump or record"

@@ -9,9 +9,9 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from ..core.dtypes import dtype_name, dtype_size
+from ..core.validation import fail
 from ..description import CacheDescription, LayerEntry, LayerSpec
-from ..dtypes import dtype_name, dtype_size
-from ..validation import fail
 from ..views import LayerTensor
 
 if TYPE_CHECKING:

@@ -12,13 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from ..description import CacheDescription, LayerEntry
-from ..description import parse_description as _parse_description
-from ..dtypes import INT64, UINT8, dtype_name
-from ..errors import KvauditError
-from ..files import check_input
-from ..records import WorkerInfo
-from ..validation import (
+from ..core.dtypes import INT64, UINT8, dtype_name
+from ..core.errors import KvauditError
+from ..core.files import check_input
+from ..core.validation import (
     MAX_TOKENS,
     Checker,
     check_positions,
@@ -28,6 +25,9 @@ from ..validation import (
     load_json,
     short,
 )
+from ..description import CacheDescription, LayerEntry
+from ..description import parse_description as _parse_description
+from ..records import WorkerInfo
 from ..views import LayerTensor
 from .dump import (
     FORMAT,

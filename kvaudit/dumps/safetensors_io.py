@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
-from ..arrays import integer_array
-from ..dtypes import DType, dtype_size, parse_dtype, safetensors_dtype_name, torch_dtype
-from ..files import atomic_path, check_input
-from ..mapping import FileMap
-from ..validation import (
+from ..core.arrays import integer_array
+from ..core.dtypes import DType, dtype_size, parse_dtype, safetensors_dtype_name, torch_dtype
+from ..core.files import atomic_path, check_input
+from ..core.mapping import FileMap
+from ..core.validation import (
     MAX_DEPTH,
     MAX_HEADER_BYTES,
     DuplicateKeyError,
@@ -194,7 +194,7 @@ def map_file(path: str) -> FileMap:
 
 def array_view(mapped: FileMap, entry: Entry) -> np.ndarray:
     """A read-only numpy array over a mapped file's bytes (no copy): the tensor's shape,
-    its elements as integers of their size (``kvaudit.arrays``)."""
+    its elements as integers of their size (``kvaudit.core.arrays``)."""
     if entry.nbytes == 0:
         raw = np.zeros(0, dtype=np.uint8)
     else:

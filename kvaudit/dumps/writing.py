@@ -15,18 +15,18 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
+from ..core.dtypes import safetensors_dtype_name
+from ..core.validation import check_worker, fail, is_int, short
 from ..description import CacheDescription, description_to_dict
-from ..dtypes import safetensors_dtype_name
-from ..inputs import (
+from ..records import WorkerInfo
+from ..views import LayerTensor
+from ..views.inputs import (
     LayerTensors,
     RequestBlocks,
     description_layer_names,
     plain_requests,
     tensors_by_name,
 )
-from ..records import WorkerInfo
-from ..validation import check_worker, fail, is_int, short
-from ..views import LayerTensor
 from .dump import (
     COPY_BYTES,
     FORMAT,

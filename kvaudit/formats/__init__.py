@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..lazy import lazy_exports
+from ..core.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from .csv import CSV_HEADER, record_csv, record_csv_rows

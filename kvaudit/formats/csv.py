@@ -5,8 +5,8 @@ from __future__ import annotations
 import csv
 import io
 
+from ..core.scheme import to_hex
 from ..records import Record
-from ..scheme import to_hex
 
 CSV_HEADER = ("request", "group", "position", "replica_key", "value")
 

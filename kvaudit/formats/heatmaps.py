@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..compare import DiffReport
-from ..compare.numeric import GroupNumeric
+from ..numeric.model import GroupNumeric
 
 MAX_TOKEN_BINS = 256
 """At most this many token columns in a bitwise diff's layers x tokens picture."""

@@ -11,8 +11,8 @@ import math
 import numpy as np
 
 from ..compare import DiffReport
-from ..compare.numeric import NumericReport, SliceErrors
-from ..errors import printable
+from ..core.errors import printable
+from ..numeric.model import NumericReport, SliceErrors
 from .heatmaps import (
     Heatmap,
     layer_head_errors,

@@ -10,8 +10,8 @@ import json
 import math
 from typing import TYPE_CHECKING, Any
 
+from ..core.scheme import to_hex
 from ..records import RECORD_FORMAT, GroupChecksums, Record, WorkerSummary
-from ..scheme import to_hex
 
 # The results are only read here: writing a record imports no comparison.
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..compare.numeric import GroupNumeric, NumericReport, SliceErrors
+from ..numeric.model import GroupNumeric, NumericReport, SliceErrors
 
 NUMERIC_FORMAT = "kvaudit.numeric"
 NUMERIC_VERSION = 1

@@ -15,9 +15,9 @@ weights only meet the ``U`` times smaller ``Y`` and ``Z``. numpy's int64 arithme
 modulo 2**64, which gives the uint64 bits, and releases the GIL, so chunks of rows run on
 a small thread pool.
 
-Where the C extension ``kvaudit.kernels._native`` built (``setup.py``), each chunk's row
+Where the C extension ``kvaudit._native._row_sums`` built (``setup.py``), each chunk's row
 sums come from its loop instead: the same sums, in one pass over the row with the running
-sums in L1, the GIL released. ``KVAUDIT_NATIVE=0`` runs the numpy code (kvaudit.native).
+sums in L1, the GIL released. ``KVAUDIT_NATIVE=0`` runs the numpy code (kvaudit.core.native).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..arrays import Array, is_numpy
-from ..interrupts import deferred_interrupts
-from ..native import extension
+from ..core.arrays import Array, is_numpy
+from ..core.interrupts import deferred_interrupts
+from ..core.native import extension
 from . import LaunchPart
 
 _T = TypeVar("_T")
@@ -47,7 +47,7 @@ NATIVE_CHUNK_BYTES = 16 << 20
 """The same for the C loop, whose running sums stay in cache whatever the chunk: only
 large enough that the calls' own cost is small, small enough that every thread gets one."""
 
-NATIVE = "kvaudit.kernels._native"
+NATIVE = "kvaudit._native._row_sums"
 """The C extension with the row sums' loop."""
 
 THREADS = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..errors import KvauditError
+from ..core.errors import KvauditError
 from . import LaunchPart
 from .triton_tiling import (
     MAX_GRID_YZ,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..lazy import lazy_exports
+from ..core.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from .agent import Agent, BlockTables, socket_path

@@ -22,12 +22,12 @@ from collections.abc import Callable, Mapping
 from typing import Any, BinaryIO
 
 from ..checksummer import Checksummer
+from ..core.errors import KvauditError
+from ..core.validation import MAX_TOKENS, Role, check_int, short
 from ..description import CacheDescription, description_to_dict
 from ..dumps.writing import write_dump, write_dump_into
-from ..errors import KvauditError
-from ..inputs import LayerTensors, RequestBlocks, plain_requests, tensors_by_name
 from ..records import WorkerInfo
-from ..validation import MAX_TOKENS, Role, check_int, short
+from ..views.inputs import LayerTensors, RequestBlocks, plain_requests, tensors_by_name
 from .protocol import OPS, PROTOCOL, request_id_list, token_limits
 from .records_wire import group_infos, listing_to_json, worker_record_to_json
 from .server import Reply, Server

@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, BinaryIO
 
-from ..errors import KvauditError
+from ..core.errors import KvauditError
 from .protocol import HEADER, MAX_PAYLOAD, MAX_REPLY_JSON, decode_json, encode_frame, frame_sizes
 
 TIMEOUT_VARIABLE = "KVAUDIT_LIVE_TIMEOUT"

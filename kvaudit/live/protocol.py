@@ -4,7 +4,7 @@ A frame is a 12-byte header (the JSON's length as a big-endian uint32, the paylo
 as a big-endian uint64), the JSON text (UTF-8, an object) and the payload bytes. A
 client sends one request frame on a fresh connection; the agent answers with one reply
 frame and closes it. Nothing received is ever unpickled or executed: JSON is parsed
-strictly (``kvaudit.validation.load_json``) and every size is bounded before reading.
+strictly (``kvaudit.core.validation.load_json``) and every size is bounded before reading.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import struct
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import KvauditError
-from ..validation import MAX_TOKENS, check_int, load_json, short
+from ..core.errors import KvauditError
+from ..core.validation import MAX_TOKENS, check_int, load_json, short
 
 PROTOCOL = 1
 """The protocol version an agent states in its ``hello`` reply."""

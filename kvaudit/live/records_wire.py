@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..inputs import RequestBlocks
+from ..core.scheme import to_hex
+from ..core.validation import worker_layout
 from ..records import RECORD_FORMAT, WorkerRecord
-from ..scheme import to_hex
-from ..validation import worker_layout
 from ..views import GroupViews, LayerTensor
+from ..views.inputs import RequestBlocks
 
 
 def listing_to_json(requests: Mapping[str, RequestBlocks]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from ..errors import KvauditError
+from ..core.errors import KvauditError
 from .protocol import (
     HEADER,
     MAX_REQUEST_JSON,

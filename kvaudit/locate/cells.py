@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..arrays import data_ptr, element_size, host_array, permute, strides
+from ..core.arrays import data_ptr, element_size, host_array, permute, strides
+from ..core.dtypes import DType, dtype_size
+from ..core.errors import KvauditError
+from ..core.scheme import valid_tokens
 from ..description import CacheDescription, LayerSpec
-from ..dtypes import DType, dtype_size
-from ..errors import KvauditError
-from ..scheme import valid_tokens
 from ..sources.raw import RawWorker
 from ..views import GroupViews, LayerView
 

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..compare.model import LocatedDifference
-from ..dtypes import DType, dtype_name, dtype_size
-from ..elements import decode
-from ..errors import KvauditError
-from ..scheme import valid_tokens
+from ..core.dtypes import DType, dtype_name, dtype_size
+from ..core.elements import decode
+from ..core.errors import KvauditError
+from ..core.scheme import valid_tokens
 from ..sources.raw import RawWorker
 from .cells import CellSegment
 from .slices import SliceCells, SliceReader

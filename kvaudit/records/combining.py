@@ -9,9 +9,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ..errors import KvauditError
-from ..scheme import MASK64
-from ..validation import POSITION_NUMBERINGS, describe_worker, worker_layout
+from ..core.errors import KvauditError
+from ..core.scheme import MASK64
+from ..core.validation import POSITION_NUMBERINGS, describe_worker, worker_layout
 from .model import GroupChecksums, RequestChecksums, WorkerRecord, WorkerSummary
 from .record import Record
 

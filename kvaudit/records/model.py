@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..scheme import ReplicaKey
-from ..validation import Positions, Role
-from ..wire import WireChecksums, WireGroup
+from ..core.scheme import ReplicaKey
+from ..core.validation import Positions, Role
+from .wire import WireChecksums, WireGroup
 
 RECORD_FORMAT = "kvaudit.record/1"
 

@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ..scheme import ReplicaKey, from_hex, to_hex
-from ..validation import (
+from ..core.scheme import ReplicaKey, from_hex, to_hex
+from ..core.validation import (
     MAX_BLOCK_SIZE,
     MAX_COUNT,
     MAX_TOKENS,

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..errors import KvauditError
-from ..validation import POSITION_NUMBERINGS, Positions, check_plain, worker_layout
+from ..core.errors import KvauditError
+from ..core.validation import POSITION_NUMBERINGS, Positions, check_plain, worker_layout
 from .model import RECORD_FORMAT, RequestChecksums, WorkerSummary
 
 

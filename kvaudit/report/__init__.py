@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..lazy import lazy_exports
+from ..core.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from .diff import LOCATED_ROWS, diff_verdict, print_diff

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..scheme import to_hex
+from ..core.scheme import to_hex
 from .text import (
     completeness,
     filled_table,

@@ -8,7 +8,7 @@ import math
 from rich.console import Console
 from rich.table import Table
 
-from ..compare.numeric import NumericReport
+from ..numeric.model import NumericReport
 
 NUMERIC_ROWS = 20
 """At most this many (layer, head) rows per group; the JSON carries them all."""

@@ -6,8 +6,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ..core.scheme import to_hex, valid_tokens
 from ..records import Record
-from ..scheme import to_hex, valid_tokens
 from .text import completeness, layout_line, print_missing, print_table, worker_name
 
 

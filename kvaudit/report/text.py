@@ -13,7 +13,7 @@ from rich.segment import Segment, Segments
 from rich.table import Table
 from rich.text import Text
 
-from ..errors import printable
+from ..core.errors import printable
 from ..records import WorkerInfo
 
 PLAIN_WIDTH = 160

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..lazy import lazy_exports
+from ..core.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from . import dump_source, live_source, record_source, socket_source, vllm_output_source

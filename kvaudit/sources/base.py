@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from ..errors import KvauditError
+from ..core.errors import KvauditError
 
 if TYPE_CHECKING:
     from ..description import CacheDescription

@@ -10,16 +10,16 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from ..checksummer import Checksummer
-from ..errors import KvauditError
-from ..inputs import RequestBlocks, tensors_by_name
+from ..core.errors import KvauditError
+from ..core.validation import worker_layout
 from ..records import Record
-from ..validation import worker_layout
+from ..views.inputs import RequestBlocks, tensors_by_name
 from .base import Progress, Runtime, Source, request_ids_of, token_counts_of, trim
 from .inventory import Inventory, WorkerInventory, group_info, request_inventory
 from .raw import FetchingWorker, LiveWorker, RawWorker, checksum_each
 
 if TYPE_CHECKING:
-    from ..inputs import LayerTensors
+    from ..views.inputs import LayerTensors
 
 
 class ChecksummerSource(Source):

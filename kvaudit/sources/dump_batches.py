@@ -16,18 +16,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..checksummer import Checksummer
+from ..core.scheme import valid_tokens
+from ..core.validation import Positions
 from ..description import LayerEntry
 from ..dumps import Dump
 from ..dumps.layers import kernel_blocks_per_block, layer_parts
 from ..dumps.safetensors_io import tensor_nbytes
 from ..records import GroupChecksums, RequestChecksums, WorkerRecord
-from ..scheme import valid_tokens
-from ..validation import Positions
 from .base import Progress
 from .raw import request_rows
 
 if TYPE_CHECKING:
-    from ..arrays import Array
+    from ..core.arrays import Array
 
 
 def batch_rows(dump: Dump, batch_bytes: int) -> int:

@@ -14,11 +14,11 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from ..core.errors import KvauditError
+from ..core.validation import POSITION_NUMBERINGS, Positions
 from ..dumps import DumpSet
-from ..errors import KvauditError
 from ..kernels import resolve_backend
 from ..records import Record, combine_workers
-from ..validation import POSITION_NUMBERINGS, Positions
 from .base import Progress
 from .dump_batches import DumpBatches, MappedBatches
 

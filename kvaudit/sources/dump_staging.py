@@ -18,7 +18,7 @@ from .dump_batches import DumpBatches, Finish, Table, batch_rows, row_axis
 if TYPE_CHECKING:
     import torch
 
-    from ..arrays import Array
+    from ..core.arrays import Array
     from ..views import LayerTensor
 
 

@@ -29,12 +29,19 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..core.errors import KvauditError
+from ..core.files import check_input
+from ..core.validation import (
+    MAX_TOKENS,
+    check_int,
+    check_plain,
+    check_positions,
+    check_worker,
+    short,
+)
 from ..description import CacheDescription, parse_description
-from ..errors import KvauditError
-from ..files import check_input
-from ..inputs import RequestBlocks, is_tensor, plain_requests
 from ..records import Record, WorkerInfo
-from ..validation import MAX_TOKENS, check_int, check_plain, check_positions, check_worker, short
+from ..views.inputs import RequestBlocks, is_tensor, plain_requests
 from .base import Progress, Runtime
 from .raw import LiveWorker, RawKVSource, checksum_each, one_line, one_line_errors
 from .registry import OpenOptions

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ..checksummer import Checksummer
+from ..core.errors import KvauditError
+from ..core.scheme import valid_tokens
+from ..core.validation import worker_layout
 from ..description import CacheDescription
-from ..errors import KvauditError
-from ..inputs import RequestBlocks
 from ..records import Record, WorkerInfo, WorkerRecord, combine_workers
-from ..scheme import valid_tokens
-from ..validation import worker_layout
 from ..views import GroupViews, build_group_views
+from ..views.inputs import RequestBlocks
 from .base import Listing, Runtime, Source, request_ids_of, token_counts_of, trim
 
 if TYPE_CHECKING:

@@ -11,12 +11,12 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..core.errors import KvauditError
+from ..core.files import check_input
+from ..core.validation import MAX_DEPTH, DuplicateKeyError, short, short_text, unique_keys
 from ..description import CacheDescription
 from ..dumps.hints import DESCRIPTION_HINT, is_description_data, looks_like_description
-from ..errors import KvauditError
-from ..files import check_input
 from ..records import Record, WorkerInfo
-from ..validation import MAX_DEPTH, DuplicateKeyError, short, short_text, unique_keys
 from .base import Progress, Runtime, Source
 from .inventory import GroupInfo, Inventory, RequestInventory, WorkerInventory, add_request
 from .registry import OpenOptions

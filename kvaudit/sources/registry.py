@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from ..core.errors import KvauditError
+from ..core.files import check_input
 from ..description import CacheDescription
-from ..errors import KvauditError
-from ..files import check_input
 from .base import Source
 from .sniffing import PY_PREFIX, is_output_folder, is_python_handle, is_record, is_socket
 

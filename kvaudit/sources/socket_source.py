@@ -18,14 +18,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.errors import KvauditError
+from ..core.validation import MAX_COUNT, Checker, check_int, check_positions, worker_layout
 from ..description import CacheDescription, parse_description
 from ..dumps import open_dump
-from ..errors import KvauditError
-from ..inputs import RequestBlocks
 from ..live.client import call, sockets_of
 from ..live.protocol import MAX_IDS, PROTOCOL
 from ..records import Record, WorkerInfo, WorkerRecord, combine_workers
-from ..validation import MAX_COUNT, Checker, check_int, check_positions, worker_layout
+from ..views.inputs import RequestBlocks
 from .base import Progress, Runtime, Source, request_ids_of, token_counts_of, trim
 from .inventory import GroupInfo, Inventory, WorkerInventory, request_inventory
 from .raw import FetchingWorker, RawWorker

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..errors import KvauditError
+from ..core.errors import KvauditError
 from ..integrations.vllm.output import read_output_folder
 from .record_source import RecordSource
 from .registry import OpenOptions

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from ..arrays import (
+from ..core.arrays import (
     Array,
     element_size,
     matches_dtype,
@@ -14,9 +14,9 @@ from ..arrays import (
     unflatten,
     unsqueeze,
 )
+from ..core.dtypes import dtype_name
+from ..core.errors import UnsupportedGroupError
 from ..description import LayerSpec
-from ..dtypes import dtype_name
-from ..errors import UnsupportedGroupError
 from .model import LayerTensor, PieceView
 
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 
-from ..arrays import data_ptr, strides
+from ..core.arrays import data_ptr, strides
+from ..core.errors import UnsupportedGroupError
+from ..core.scheme import MAX_KV_HEADS_PER_LAYER, layer_module
+from ..core.validation import Checker
 from ..description import (
     HOST_RESIDENT,
     NOT_TRANSFERRED,
@@ -16,10 +19,7 @@ from ..description import (
     GroupDescription,
     LayerSpec,
 )
-from ..errors import UnsupportedGroupError
-from ..fingerprint import group_fingerprint
-from ..scheme import MAX_KV_HEADS_PER_LAYER, layer_module
-from ..validation import Checker
+from ..description.fingerprint import group_fingerprint
 from .attention import attention_parts
 from .model import GroupViews, LayerTensor, LayerView, LocalCache
 from .replicas import check_model_kv_heads, tp_replicas

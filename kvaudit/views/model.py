@@ -8,14 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
-from ..arrays import Array
+from ..core.arrays import Array
+from ..core.dtypes import DType
+from ..core.scheme import ReplicaKey, slice_number
 from ..description import GroupDescription
-from ..dtypes import DType
-from ..scheme import ReplicaKey, slice_number
 
 LayerTensor: TypeAlias = "Array | tuple[Array, Array]"
 """A layer's cache: one tensor in its layout, or K and V tensors for layouts without ``K``
-(torch tensors, or numpy arrays of the elements' bytes as integers: ``kvaudit.arrays``)."""
+(torch tensors, or numpy arrays of the elements' bytes as integers: ``kvaudit.core.arrays``)."""
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ layer, and the description's ``model_kv_heads`` checked against every layer's he
 
 from __future__ import annotations
 
+from ..core.errors import KvauditError, UnsupportedGroupError
 from ..description import CacheDescription, LayerSpec
-from ..errors import KvauditError, UnsupportedGroupError
 
 
 def check_model_kv_heads(description: CacheDescription, tp_size: int) -> None:

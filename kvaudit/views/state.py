@@ -7,10 +7,10 @@ from __future__ import annotations
 import itertools
 import math
 
-from ..arrays import Array, as_strided, data_ptr, movedim, reinterpret, strides, unflatten
+from ..core.arrays import Array, as_strided, data_ptr, movedim, reinterpret, strides, unflatten
+from ..core.dtypes import UINT8, dtype_name, dtype_size
+from ..core.errors import UnsupportedGroupError
 from ..description import LayerSpec
-from ..dtypes import UINT8, dtype_name, dtype_size
-from ..errors import UnsupportedGroupError
 from .model import LocalCache, PieceView
 
 

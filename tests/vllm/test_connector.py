@@ -24,7 +24,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 from kvaudit import RequestBlocks
 from kvaudit.description import load_description
 from kvaudit.integrations.vllm.output import read_output_folder
-from kvaudit.wire import decode_wire_base64
+from kvaudit.records.wire import decode_wire_base64
 
 Plant = Callable[[h.Engine, SchedulerOutput], None]
 PROMPT = list(range(500, 534))  # 34 tokens: two full 16-token blocks and 2 tokens

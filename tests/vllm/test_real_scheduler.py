@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiCo
 
 from kvaudit.integrations.vllm import plugin
 from kvaudit.integrations.vllm.output import read_output_folder
-from kvaudit.wire import decode_wire_base64
+from kvaudit.records.wire import decode_wire_base64
 
 ROOT = Path(__file__).parent.parent.parent
 STORE = {"kv_connector": "AsyncStoreConnector", "kv_connector_module_path": "async_store"}

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import KvauditError
+from ...core.errors import KvauditError
 
 POLICIES = ("log", "fail")
 _KEYS = (

@@ -23,8 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import KvauditError
-from ...files import atomic_path
+from ...core.errors import KvauditError
+from ...core.files import atomic_path
+from ...core.scheme import from_hex, to_hex
+from ...core.validation import unique_keys
 from ...records import (
     GroupChecksums,
     Record,
@@ -33,8 +35,6 @@ from ...records import (
     WorkerRecord,
     combine_workers,
 )
-from ...scheme import from_hex, to_hex
-from ...validation import unique_keys
 
 MARKER = "kvaudit-vllm.json"
 FORMAT = "kvaudit.vllm-output/1"

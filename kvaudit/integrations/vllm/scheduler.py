@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import KvauditError
+from ...core.errors import KvauditError
+from ...core.scheme import valid_tokens
 from ...records import RequestChecksums, WorkerRecord, combine_workers
-from ...scheme import valid_tokens
-from ...wire import decode_wire, decode_wire_base64, encode_wire_base64
+from ...records.wire import decode_wire, decode_wire_base64, encode_wire_base64
 from .config import AuditConfig
 from .jobs import CONSUMER, PRODUCER, AuditJob, AuditStep, WorkerPartials
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from ...checksummer import Checksummer, RequestBlocks
+from ...core.errors import KvauditError
 from ...description import CacheDescription
 from ...dumps import write_dump
-from ...errors import KvauditError
 from ...live import Agent
 from ...records import WorkerInfo
 from ...views import LayerTensor

@@ -1,5 +1,5 @@
 """How the ``kvaudit`` command ends when something goes wrong: an interruption (status 130,
-``kvaudit.interrupts``), an escaping exception reported as one line naming it a bug and
+``kvaudit.core.interrupts``), an escaping exception reported as one line naming it a bug and
 where (status 3, the traceback with ``--debug``), and streams that print what they cannot
 encode as escapes instead of raising half-way through a table."""
 
@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from types import FrameType, TracebackType
 from typing import NoReturn
 
-from .errors import one_line
-from .interrupts import INTERRUPTING
+from ..core.errors import one_line
+from ..core.interrupts import INTERRUPTING
 
 EXIT_INTERNAL = 3
 EXIT_INTERRUPTED = 130

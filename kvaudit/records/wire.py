@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import WireFormatError
-from .scheme import MASK64
-from .validation import MAX_TOKENS, Positions, check_positions
+from ..core.errors import WireFormatError
+from ..core.scheme import MASK64
+from ..core.validation import MAX_TOKENS, Positions, check_positions
 
 MAGIC = b"KVC2"
 RETIRED_MAGIC = b"KVC1"
@@ -179,7 +179,7 @@ def decode_wire(data: bytes, source: str = "<wire>") -> WireChecksums:
         WireFormatError: A wrong magic (KVC1 named as retired), an unknown numbering, a
             truncated or over-long buffer, a count that does not fit in the bytes left, a
             zero block size or a duplicate group id, a token count or block size past the
-            limits (``kvaudit.validation``) or a start beyond the token count; the message
+            limits (``kvaudit.core.validation``) or a start beyond the token count; the message
             names the source and the byte offset.
 
     """

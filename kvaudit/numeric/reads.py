@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .arrays import element_size, is_numpy
-from .description import LayerSpec
-from .dtypes import DType
-from .elements import copy_bits, decode
-from .errors import KvauditError
-from .locate import layer_specs
-from .mapping import CHANGED, FileMap
-from .sources.raw import RawWorker
-from .views import GroupViews, LayerView
+from ..core.arrays import element_size, is_numpy
+from ..core.dtypes import DType
+from ..core.elements import copy_bits, decode
+from ..core.errors import KvauditError
+from ..core.mapping import CHANGED, FileMap
+from ..description import LayerSpec
+from ..locate import layer_specs
+from ..sources.raw import RawWorker
+from ..views import GroupViews, LayerView
 
 if TYPE_CHECKING:
     import torch
@@ -319,9 +319,9 @@ def decode_layer(
 def _reader() -> ModuleType | None:
     """The C extension that reads rows into place, or None (not built, or
     ``KVAUDIT_NATIVE=0``)."""
-    from . import native  # only when comparing by value: other commands load no extension
+    from ..core import native  # only when comparing by value: other commands load no extension
 
-    return native.extension(f"{__package__}._value_reads")
+    return native.extension("kvaudit._native._value_reads")
 
 
 def _scattered(

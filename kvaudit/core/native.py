@@ -12,9 +12,9 @@ ENVIRONMENT = "KVAUDIT_NATIVE"
 """Set to ``0`` to run the numpy code instead of every C extension."""
 
 EXTENSIONS = {
-    "kvaudit.kernels._native": "checksum",
-    "kvaudit._element_errors": "numeric errors",
-    "kvaudit._value_reads": "numeric reads",
+    "kvaudit._native._row_sums": "checksum",
+    "kvaudit._native._element_errors": "numeric errors",
+    "kvaudit._native._value_reads": "numeric reads",
 }
 """Each C extension (the ``EXTENSIONS`` of setup.py) and what it computes."""
 
@@ -27,7 +27,7 @@ def enabled() -> bool:
 
 
 def extension(name: str) -> ModuleType | None:
-    """The C extension module ``name`` (``kvaudit.kernels._native``) where it built and
+    """The C extension module ``name`` (``kvaudit._native._row_sums``) where it built and
     :func:`enabled`, else None. The import is tried once per process."""
     if not enabled():
         return None

@@ -3,11 +3,11 @@ errors are and where (docs/numeric.md).
 
 ``numeric_diff`` reads a producer's and a consumer's ``RawWorker``s (dumps or live
 tensors, any TP sizes, layouts and block ids) batch by batch over the tokens both hold,
-each layer of a batch on a thread, piece by piece (``kvaudit.numeric_layers``), short
+each layer of a batch on a thread, piece by piece (``kvaudit.numeric.layers``), short
 requests of the same workers together: every element decoded in its layer's
 dtype times the layer's scale and accumulated, in one pass by the C extension where it is
-built (``kvaudit.native_errors``), else in numpy (``kvaudit.elements``,
-``kvaudit.element_errors``), per (layer, global head): the largest absolute and relative
+built (``kvaudit.numeric.native``), else in numpy (``kvaudit.core.elements``,
+``kvaudit.numeric.value_errors``), per (layer, global head): the largest absolute and relative
 errors, the RMS error, the elements over ``atol + rtol * |producer|``, the NaN or Inf on
 one side only and the worst token positions; per layer and token bin, the largest
 relative error.
@@ -23,11 +23,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .compare.numeric import GroupNumeric, NumericReport, RequestNumeric, SliceErrors
-from .element_errors import LayerErrors
-from .errors import KvauditError
-from .native_errors import native_module, reads
-from .numeric_layers import (
+from ..core.errors import KvauditError
+from ..sources.raw import RawWorker
+from .layers import (
     ThreadFiles,
     Threads,
     chunk_tokens,
@@ -35,8 +33,9 @@ from .numeric_layers import (
     layer_plan,
     piece_tokens,
 )
-from .sources.raw import RawWorker
-from .value_reads import (
+from .model import GroupNumeric, NumericReport, RequestNumeric, SliceErrors
+from .native import native_module, reads
+from .reads import (
     LayerValues,
     SideWorker,
     attention_views,
@@ -46,11 +45,12 @@ from .value_reads import (
     side_layers,
     side_workers,
 )
+from .value_errors import LayerErrors
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
-    from .views import LayerView
+    from ..views import LayerView
 
 MAX_BINS = 256
 """At most this many token bins per layer in the layers x tokens picture."""

@@ -1,4 +1,4 @@
-/* kvaudit._value_reads: a dump's block rows read from its file into the [heads, tokens,
+/* kvaudit._native._value_reads: a dump's block rows read from its file into the [heads, tokens,
  * elements] order diff --numeric compares in (docs/numeric.md), without a step in Python
  * per row.
  *

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .description import GroupDescription, LayerEntry
-from .scheme import MASK64
+from ..core.scheme import MASK64
+from . import GroupDescription, LayerEntry
 
 _U64 = struct.Struct("<Q")
 

@@ -1,6 +1,6 @@
-"""One layer's batch compared by the C extension ``kvaudit._element_errors``: both sides'
+"""One layer's batch compared by the C extension ``kvaudit._native._element_errors``: both sides'
 raw element bits decoded, scaled and reduced in one pass (docs/numeric.md), then added to
-the layer's ``LayerErrors``. The figures are those of ``kvaudit.element_errors``'s numpy
+the layer's ``LayerErrors``. The figures are those of ``kvaudit.numeric.value_errors``'s numpy
 path (the sums of squares in float64 throughout), which runs instead where the extension
 is not built, a dtype is not one it reads, or ``KVAUDIT_NATIVE=0``."""
 
@@ -10,8 +10,8 @@ from types import ModuleType
 
 import numpy as np
 
-from .dtypes import DType, dtype_name
-from .element_errors import LayerErrors
+from ..core.dtypes import DType, dtype_name
+from .value_errors import LayerErrors
 
 SCALES = tuple[float | None, float | None]
 """A side's K and V scales (None: none)."""
@@ -21,9 +21,9 @@ PARTS = tuple[tuple[int, int], ...]
 
 def native_module() -> ModuleType | None:
     """The C extension, or None where it is not built or ``KVAUDIT_NATIVE=0``."""
-    from . import native  # only when comparing by value: other commands load no extension
+    from ..core import native  # only when comparing by value: other commands load no extension
 
-    return native.extension(f"{__package__}._element_errors")
+    return native.extension("kvaudit._native._element_errors")
 
 
 def reads(module: ModuleType, *dtypes: DType) -> bool:
@@ -86,7 +86,7 @@ def add_mapped_batch(
     by_head: bool = False,
 ) -> np.ndarray:
     """``add_raw_batch`` with both sides' rows read where they lie in the dumps' mappings
-    ``maps`` (their buffers): each side's ``(where, parts)`` as ``kvaudit.mapped_rows``
+    ``maps`` (their buffers): each side's ``(where, parts)`` as ``kvaudit.numeric.mapped_rows``
     locates them, ``held`` ``[heads, tokens]`` the rows both hold. ``order = (chunk,
     release, heads_inner)``: the rows go ``chunk`` tokens at a time (0: all at once),
     token by token within a chunk where ``heads_inner`` (else head by head); the 2 MiB

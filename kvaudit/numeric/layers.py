@@ -12,18 +12,18 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .element_errors import LayerErrors, add_batch, scratch
-from .elements import work_dtype
+from ..core.elements import work_dtype
 from .mapped_rows import MappedRows
-from .native_errors import add_raw_batch, native_module, raw_dtype, reads
-from .value_reads import LayerValues, RowFiles, WorkerRows, decode_layer
+from .native import add_raw_batch, native_module, raw_dtype, reads
+from .reads import LayerValues, RowFiles, WorkerRows, decode_layer
+from .value_errors import LayerErrors, add_batch, scratch
 
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
 
 PIECE_ELEMENTS = 1 << 18
 """About how many elements of a side one layer decodes at once (compared in cache-sized
-chunks of heads: ``kvaudit.element_errors.CHUNK_ELEMENTS``)."""
+chunks of heads: ``kvaudit.numeric.value_errors.CHUNK_ELEMENTS``)."""
 NATIVE_PIECE_ELEMENTS = 1 << 20
 """The same where the C extension compares (one pass over a piece: larger pieces, fewer
 steps in Python; 2 MiB of bf16 bits a side)."""

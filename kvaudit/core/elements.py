@@ -98,7 +98,7 @@ def decode(raw: np.ndarray, dtype: DType | torch.dtype, out: np.ndarray) -> None
 def copy_bits(raw: np.ndarray, dtype: DType | torch.dtype, out: np.ndarray) -> None:
     """Copy elements given as their little-endian bytes (uint8, last axis a whole number
     of elements of ``dtype``) into ``out``, an unsigned array of their size: the bits
-    unchanged, for ``kvaudit._element_errors`` to decode."""
+    unchanged, for ``kvaudit._native._element_errors`` to decode."""
     if out.dtype.itemsize != dtype_size(dtype):
         raise ValueError(f"{dtype_name(dtype)} elements do not fit {out.dtype} bits")
     np.copyto(out, raw.view(out.dtype.newbyteorder("<")))

@@ -9,14 +9,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..compare import DiffReport
-from ..compare.numeric import NumericReport
-from ..errors import KvauditError
-from ..numeric import numeric_diff
+from ..core.errors import KvauditError
+from ..core.validation import worker_layout
+from ..diffing.diff import diff_sources
+from ..diffing.sides import check_wanted, shared_tokens, unique_ids
 from ..sources import Progress, Source
 from ..sources.raw import RawWorker
-from ..validation import worker_layout
-from .diff import diff_sources
-from .sides import check_wanted, shared_tokens, unique_ids
+from .model import NumericReport
+from .scheduling import numeric_diff
 
 
 def numeric_sources(

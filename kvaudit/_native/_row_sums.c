@@ -295,13 +295,13 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "kvaudit.kernels._native",
+    .m_name = "kvaudit._native._row_sums",
     .m_doc = "The numpy backend's row sums in C (kvaudit/kernels/numpy_cpu.py).",
     .m_size = 0,
     .m_methods = methods,
 };
 
-PyMODINIT_FUNC PyInit__native(void)
+PyMODINIT_FUNC PyInit__row_sums(void)
 {
     return PyModuleDef_Init(&module);
 }

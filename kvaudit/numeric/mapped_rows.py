@@ -12,13 +12,13 @@ from types import ModuleType
 
 import numpy as np
 
-from .arrays import is_numpy
-from .element_errors import LayerErrors, scratch
-from .mapping import FileMap
-from .native_errors import add_mapped_batch
-from .sources.raw import RawWorker
-from .value_reads import LayerValues, WorkerRows
-from .views import LayerView
+from ..core.arrays import is_numpy
+from ..core.mapping import FileMap
+from ..sources.raw import RawWorker
+from ..views import LayerView
+from .native import add_mapped_batch
+from .reads import LayerValues, WorkerRows
+from .value_errors import LayerErrors, scratch
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-/* kvaudit._element_errors: the errors between two sides' values of one layer's batch in
+/* kvaudit._native._element_errors: the errors between two sides' values of one layer's batch in
  * one pass (docs/numeric.md), the fused form of kvaudit/element_errors.py's numpy path.
  *
  * Each side is given as the raw bits of its elements, [heads, tokens, elements] in its

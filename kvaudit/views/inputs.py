@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .description import CacheDescription
-from .errors import KvauditError
-from .views import LayerTensor
+from ..core.errors import KvauditError
+from ..description import CacheDescription
+from . import LayerTensor
 
 if TYPE_CHECKING:
     import torch

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .compare.numeric import SliceErrors
+from .model import SliceErrors
 
 WORST_TOKENS = 5
 """How many worst token positions each (layer, head) keeps."""
@@ -187,7 +187,7 @@ def exact_errors(p: np.ndarray, c: np.ndarray, atol: float, rtol: float) -> Chun
 class LayerErrors:
     """One layer's errors per global head, batch after batch (``SliceErrors`` at the end):
     ``figures`` and ``counts`` hold the per-head arrays (updated in place, by numpy or by
-    ``kvaudit._element_errors``)."""
+    ``kvaudit._native._element_errors``)."""
 
     def __init__(self, heads: int) -> None:
         self.figures = np.zeros((4, heads))

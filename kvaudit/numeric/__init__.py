@@ -1,0 +1,31 @@
+"""The by-value comparison (``diff --numeric``, docs/numeric.md), whole.
+
+``model`` (the report: errors per request, group, layer and head), ``driver``
+(``numeric_sources``: two sources compared, with the bitwise diff's checks),
+``scheduling`` (``numeric_diff``: requests, layers and threads over two sides' raw KV),
+``layers`` (one layer's batch, piece by piece), ``reads`` (one side's rows as values),
+``mapped_rows`` (where rows lie in the dumps' mappings, compared in place),
+``value_errors`` (the errors between two sides' values, in numpy) and ``native`` (the same
+in the C extension).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..core.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from .driver import numeric_sources
+    from .model import NumericReport
+    from .scheduling import numeric_diff
+
+_EXPORTS = {
+    "NumericReport": ".model",
+    "numeric_diff": ".scheduling",
+    "numeric_sources": ".driver",
+}
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)
+
+__all__ = ["NumericReport", "numeric_diff", "numeric_sources"]
