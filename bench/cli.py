@@ -158,7 +158,7 @@ def write_one_block(path: str) -> None:
     """A dump of one 16-token block of two Llama-shaped layers."""
     import torch
 
-    from kvaudit.checksummer import RequestBlocks
+    from kvaudit.checksum.checksummer import RequestBlocks
     from kvaudit.description import parse_description
     from kvaudit.dumps import write_dump
     from kvaudit.records import WorkerInfo

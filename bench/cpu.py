@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from kvaudit.checksummer import Checksummer, RequestBlocks
+from kvaudit.checksum.checksummer import Checksummer, RequestBlocks
 from kvaudit.core import native
 from kvaudit.description import parse_description
 
@@ -61,8 +61,8 @@ def numpy_path(c_loop: bool) -> Iterator[None]:
 
 def checksum_dump(folder: str, c_loop: bool) -> None:
     """``checksum_dump_set`` of the dump in ``folder`` by the C loop or the numpy code."""
+    from kvaudit.checksum import checksum_dump_set
     from kvaudit.dumps import open_dump_set
-    from kvaudit.sources import checksum_dump_set
 
     with numpy_path(c_loop):
         checksum_dump_set(open_dump_set([folder]))

@@ -46,9 +46,9 @@ def evict(folder: str) -> None:
 
 def child(folder: str) -> None:
     """Checksum the set in this process and print what it took, as JSON."""
+    from kvaudit.checksum import checksum_dump_set
+    from kvaudit.checksum.kernels.numpy_cpu import THREADS
     from kvaudit.dumps import open_dump_set
-    from kvaudit.kernels.numpy_cpu import THREADS
-    from kvaudit.sources import checksum_dump_set
 
     after_import = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     done = 0

@@ -14,7 +14,7 @@ On one CUDA GPU, in one run of a few minutes (docs/gpu.md):
    (d) a torch gather-multiply-sum of the same blocks (index_select, int64 mul, sum);
    (e) the library end to end (``Checksummer.checksum``, host time included);
    (f) the compiled variants' registers, spills and programs per SM for this GPU
-       (kvaudit/kernels/triton_compile.py, as bench/kernel_resources.py prints them).
+       (tests/triton_compile.py, as bench/kernel_resources.py prints them).
    It checks that (b), (c), (d) and (e) agree and prints GB/s and the ratios.
 3. (g) A ``--dump-gib`` dump (bench/dump_memory.py's Llama-shaped layers) checksummed with
    ``--device cuda`` (rows staged through two pinned buffers, host-to-device copies on
@@ -127,8 +127,8 @@ def make_cache(layout: str, blocks: int, generator: torch.Generator) -> Cache:
 
 def entry_table(cache: Cache) -> torch.Tensor:
     """The kernel's table: every layer's K and V, offsets from the first K view."""
-    from kvaudit.kernels import LaunchPart
-    from kvaudit.kernels.triton_kernel import entry_table as kernel_table
+    from kvaudit.checksum.kernels import LaunchPart
+    from kvaudit.checksum.kernels.triton_kernel import entry_table as kernel_table
 
     parts = []
     for index, view in enumerate(cache.planes):
@@ -204,7 +204,8 @@ def back_to_back_ms(run: Callable[[], object], count: int) -> float:
 def kernel_report(template: torch.Tensor, aligned: bool) -> str:
     """Registers, spills and resident programs of the variant this layout compiles, as
     bench/kernel_resources.py works them out for this GPU's architecture."""
-    from kvaudit.kernels.triton_compile import Variant, compile_variant
+    sys.path.insert(0, str(REPO / "tests"))  # the compile tooling lives with the tests
+    from triton_compile import Variant, compile_variant
 
     major, minor = torch.cuda.get_device_capability()
     variant = Variant(
@@ -219,7 +220,7 @@ def kernel_report(template: torch.Tensor, aligned: bool) -> str:
 
 def end_to_end(cache: Cache, block_ids: list[int]) -> tuple[float, torch.Tensor]:
     """Checksummer.checksum of one request over this cache: wall seconds and totals."""
-    from kvaudit.checksummer import Checksummer, RequestBlocks
+    from kvaudit.checksum.checksummer import Checksummer, RequestBlocks
     from kvaudit.description import parse_description
 
     description = parse_description(
@@ -259,8 +260,8 @@ def bench_layout(
     cache: Cache, order: torch.Tensor, args: argparse.Namespace, flush: torch.Tensor
 ) -> bool:
     """Measures (a) to (e) on one layout's cache; prints them; True when all results agree."""
-    from kvaudit.kernels.triton_kernel import accumulate_triton, warm_up
-    from kvaudit.kernels.triton_tiling import launch_config
+    from kvaudit.checksum.kernels.triton_kernel import accumulate_triton, warm_up
+    from kvaudit.checksum.kernels.triton_tiling import launch_config
 
     blocks = order.numel()
     request_blocks = args.request_tokens // BLOCK
@@ -367,9 +368,9 @@ def bench_dump(size_gib: float) -> bool:
     sys.path.insert(0, str(REPO / "bench"))
     from llama_set import write_llama_set
 
+    from kvaudit.checksum import checksum_dump_set
     from kvaudit.dumps import open_dump_set
     from kvaudit.formats import record_to_json
-    from kvaudit.sources import checksum_dump_set
 
     folder = tempfile.mkdtemp(prefix="kvaudit-gpu-dump-")
     try:
@@ -417,8 +418,8 @@ def movement_seconds(dump: Dump, device: str) -> float:
     """Seconds to move every row of a dump as ``--device DEVICE`` stages it, batch by
     batch, with no checksums: on CUDA into pinned buffers and on to the GPU; on the CPU
     into the staging buffers alone (what the path costs before any kernel runs)."""
-    from kvaudit.sources import BATCH_BYTES
-    from kvaudit.sources.dump_staging import StagedBatches
+    from kvaudit.checksum import BATCH_BYTES
+    from kvaudit.checksum.dump_staging import StagedBatches
 
     backend = "auto" if device == "cuda" else "torch"
     batches = StagedBatches(dump, device, backend, BATCH_BYTES)

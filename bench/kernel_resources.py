@@ -21,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from kvaudit.kernels.triton_compile import (  # noqa: E402
+from triton_compile import (  # noqa: E402
     ARCHES,
     Resources,
     Variant,

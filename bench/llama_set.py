@@ -45,7 +45,7 @@ def write_llama_set(
     the blocks."""
     import torch
 
-    from kvaudit.checksummer import RequestBlocks
+    from kvaudit.checksum.checksummer import RequestBlocks
     from kvaudit.description import parse_description
     from kvaudit.dumps import write_dump
     from kvaudit.records import WorkerInfo

@@ -35,8 +35,9 @@ MIB = 1 << 20
 def child(mode: str, producer: str, consumer: str) -> None:
     """Checksum both sets, or compare them by value, in this process; print seconds and
     peak RSS as JSON."""
+    from kvaudit.checksum import checksum_dump_set
     from kvaudit.numeric import numeric_sources
-    from kvaudit.sources import checksum_dump_set, open_source
+    from kvaudit.sources import open_source
 
     start, cpu = time.perf_counter(), time.process_time()
     if mode == "checksum":

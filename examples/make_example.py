@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvaudit.checksummer import RequestBlocks
+from kvaudit.checksum.checksummer import RequestBlocks
 from kvaudit.corrupt import PlantedFault, corrupt_dump
 from kvaudit.description import parse_description
 from kvaudit.dumps import write_dump

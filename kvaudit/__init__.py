@@ -13,18 +13,18 @@ from typing import TYPE_CHECKING
 from .core.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from .checksummer import Checksummer, RequestBlocks
+    from .checksum.checksummer import Checksummer, RequestBlocks
     from .core.errors import KvauditError
     from .description import CacheDescription, load_description, parse_description
     from .records import Record, WorkerInfo, WorkerRecord, combine_workers
 
 _EXPORTS = {
-    "Checksummer": ".checksummer",
-    "RequestBlocks": ".checksummer",
+    "Checksummer": ".checksum.checksummer",
+    "RequestBlocks": ".checksum.checksummer",
     "CacheDescription": ".description",
     "load_description": ".description",
     "parse_description": ".description",
-    "KvauditError": ".errors",
+    "KvauditError": ".core.errors",
     "Record": ".records",
     "WorkerInfo": ".records",
     "WorkerRecord": ".records",

@@ -27,7 +27,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .checksummer import Checksummer
+from .checksum.checksummer import Checksummer
 from .compare import DiffReport
 from .description import CacheDescription, load_description
 from .diffing import diff_sources

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from kernel_cases import MASK64, Case
 
+from kvaudit.checksum.kernels import LaunchPart, numpy_cpu
 from kvaudit.core import native
-from kvaudit.kernels import LaunchPart, numpy_cpu
 
 
 def numpy_launch(

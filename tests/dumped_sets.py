@@ -20,7 +20,7 @@ import reference as ref
 import torch
 from safetensors import safe_open
 
-from kvaudit.checksummer import RequestBlocks
+from kvaudit.checksum.checksummer import RequestBlocks
 from kvaudit.compare import LocatedDifference
 from kvaudit.description import parse_description
 from kvaudit.dumps import write_dump

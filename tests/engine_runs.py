@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import reference as ref
 
-from kvaudit.checksummer import Checksummer, RequestBlocks
+from kvaudit.checksum.checksummer import Checksummer, RequestBlocks
 from kvaudit.description import parse_description
 from kvaudit.records import Record, combine_workers
 

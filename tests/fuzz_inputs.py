@@ -32,6 +32,7 @@ import yaml
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
+from kvaudit.checksum import checksum_dump_set
 from kvaudit.compare import compare_records, verify_received
 from kvaudit.core.errors import KvauditError
 from kvaudit.description import load_description, parse_description
@@ -40,7 +41,7 @@ from kvaudit.dumps.safetensors_io import read_header
 from kvaudit.formats import record_to_json
 from kvaudit.records import WorkerInfo
 from kvaudit.records.wire import encode_wire
-from kvaudit.sources import checksum_dump_set, load_record
+from kvaudit.sources import load_record
 from kvaudit.views.inputs import RequestBlocks
 
 DESCRIPTION: dict[str, Any] = {

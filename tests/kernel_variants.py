@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import kvbuild as kb
+from triton_compile import Variant
 
+from kvaudit.checksum.kernels.triton_kernel import TritonLaunch
+from kvaudit.checksum.plans import GroupPlan
 from kvaudit.description import parse_description
-from kvaudit.kernels.triton_compile import Variant
-from kvaudit.kernels.triton_kernel import TritonLaunch
-from kvaudit.plans import GroupPlan
 from kvaudit.views import build_group_views
 
 ALL_LAYOUTS = ("NTHC", "NHTC", "KNTHD", "KNHTD", "NKTHD", "NKHTD", "NTHD", "NHTD")

@@ -652,7 +652,7 @@ def write_workers(workers: list[Worker], folder: Path, role: str, source: str = 
     """Each worker's dump in ``folder`` (``pp{P}-tp{T}.safetensors``) with its own
     description and every request's blocks, ``role`` and ``source`` in its worker info;
     the folder."""
-    from kvaudit.checksummer import RequestBlocks
+    from kvaudit.checksum.checksummer import RequestBlocks
     from kvaudit.description import parse_description
     from kvaudit.dumps import write_dump
     from kvaudit.records import WorkerInfo

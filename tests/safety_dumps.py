@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from kvaudit.checksummer import RequestBlocks
+from kvaudit.checksum.checksummer import RequestBlocks
 from kvaudit.description import parse_description
 from kvaudit.dumps import write_dump
 from kvaudit.records import WorkerInfo

@@ -25,10 +25,10 @@ import torch
 from click.testing import CliRunner, Result
 from example_module import example
 
+from kvaudit.checksum import checksum_dump_set
 from kvaudit.cli import main
 from kvaudit.dumps import open_dump_set
 from kvaudit.formats import record_to_json
-from kvaudit.sources import checksum_dump_set
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "make_example.py"

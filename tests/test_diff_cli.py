@@ -33,7 +33,7 @@ from example_module import example
 from report_keys import DIFF_KEYS, GROUP_KEYS
 from safetensors import safe_open
 
-from kvaudit.checksummer import RequestBlocks
+from kvaudit.checksum.checksummer import RequestBlocks
 from kvaudit.cli import main
 from kvaudit.corrupt import MODES
 from kvaudit.description import description_to_dict, parse_description

@@ -10,11 +10,11 @@ import sys
 import pytest
 from dumped_sets import Sets
 
+from kvaudit.checksum import checksum_dump_set
+from kvaudit.checksum.dump_staging import StagedBatches
 from kvaudit.core.validation import Positions
 from kvaudit.dumps import open_dump_set
 from kvaudit.formats import record_to_json
-from kvaudit.sources import checksum_dump_set
-from kvaudit.sources.dump_staging import StagedBatches
 
 
 @pytest.mark.parametrize("positions", ["request", "block"])
@@ -49,7 +49,7 @@ def test_the_cpu_path_reads_dumps_without_torch(sets: Sets) -> None:
     code = (
         "import sys\n"
         "from kvaudit.dumps import open_dump_set\n"
-        "from kvaudit.sources import checksum_dump_set\n"
+        "from kvaudit.checksum import checksum_dump_set\n"
         f"record = checksum_dump_set(open_dump_set({sets.producer.paths!r}), batch_bytes=3000)\n"
         "assert record.requests\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"

@@ -18,14 +18,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kvaudit.checksummer import Checksummer, RequestBlocks
+from kvaudit.checksum import checksum_dump_set, total_bytes
+from kvaudit.checksum.checksummer import Checksummer, RequestBlocks
 from kvaudit.core.errors import DescriptionError, KvauditError
 from kvaudit.description import CacheDescription, parse_description
 from kvaudit.dumps import open_dump, open_dump_set, write_dump
 from kvaudit.dumps.safetensors_io import read_header
 from kvaudit.formats import record_to_json
 from kvaudit.records import WorkerInfo, combine_workers
-from kvaudit.sources import checksum_dump_set, total_bytes
 from kvaudit.sources.raw import request_rows
 
 NUM_BLOCKS = 16

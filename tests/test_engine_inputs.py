@@ -13,7 +13,7 @@ import pytest
 import reference as ref
 import torch
 
-from kvaudit.checksummer import Checksummer, RequestBlocks
+from kvaudit.checksum.checksummer import Checksummer, RequestBlocks
 from kvaudit.core.errors import KvauditError
 from kvaudit.description import CacheDescription, parse_description
 from kvaudit.dumps import open_dump, write_dump

@@ -23,14 +23,14 @@ import yaml
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from kvaudit.checksummer import RequestBlocks
+from kvaudit.checksum import checksum_dump_set
+from kvaudit.checksum.checksummer import RequestBlocks
 from kvaudit.cli import main
 from kvaudit.core.errors import KvauditError
 from kvaudit.description import parse_description
 from kvaudit.dumps import open_dump_set, write_dump
 from kvaudit.formats import record_to_json
 from kvaudit.records import WorkerInfo
-from kvaudit.sources import checksum_dump_set
 
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 NUM_BLOCKS = 12

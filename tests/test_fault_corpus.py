@@ -34,7 +34,7 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from kvaudit.checksummer import Checksummer, RequestBlocks
+from kvaudit.checksum.checksummer import Checksummer, RequestBlocks
 from kvaudit.cli import main
 from kvaudit.description import parse_description
 from kvaudit.formats import diff_to_json

@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner, Result
 from fuzz_inputs import DESCRIPTION, REQUESTS, Seeds, safetensors_bytes, seed_tensors
 
-from kvaudit.checksummer import Checksummer
+from kvaudit.checksum.checksummer import Checksummer
 from kvaudit.cli import main
 from kvaudit.compare import compare_records
 from kvaudit.core.errors import DescriptionError, KvauditError, WireFormatError

@@ -18,7 +18,7 @@ from example_module import example
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kvaudit.checksummer import Checksummer, RequestBlocks
+from kvaudit.checksum.checksummer import Checksummer, RequestBlocks
 from kvaudit.cli import main
 from kvaudit.core.errors import KvauditError
 from kvaudit.description import parse_description

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvaudit.kernels import (
+from kvaudit.checksum.kernels import (
     BackendChoice,
     BackendName,
     Launch,
@@ -49,9 +49,9 @@ def test_unknown_backend_names_the_choices() -> None:
 def test_plans_import_no_backend_until_used() -> None:
     """A backend's module (and Triton) is imported only when a launch of it is made."""
     code = (
-        "import sys, kvaudit.plans\n"
+        "import sys, kvaudit.checksum.plans\n"
         "assert 'triton' not in sys.modules, 'triton imported'\n"
-        "assert 'kvaudit.kernels.triton_kernel' not in sys.modules\n"
+        "assert 'kvaudit.checksum.kernels.triton_kernel' not in sys.modules\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
@@ -91,7 +91,7 @@ def test_numpy_backend_imports_no_torch() -> None:
     """Checksumming numpy views on the CPU path never imports torch."""
     code = (
         "import sys, numpy as np\n"
-        "from kvaudit.kernels import LaunchPart, resolve_backend\n"
+        "from kvaudit.checksum.kernels import LaunchPart, resolve_backend\n"
         "pieces = np.ones((4, 2, 3, 4, 2), dtype=np.int64)\n"
         "launch = resolve_backend('auto', 'cpu').launch([LaunchPart(pieces, 0, 0, 0, 2)])\n"
         "out = np.zeros((2, 1), dtype=np.int64)\n"

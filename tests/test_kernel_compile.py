@@ -20,7 +20,7 @@ import torch
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compiling needs Triton without its interpreter", allow_module_level=True)
 
-from kvaudit.kernels.triton_compile import ARCHES, Variant, compile_variant
+from triton_compile import ARCHES, Variant, compile_variant
 
 # The least a main variant keeps in flight per SM: 4 programs with a 32 KB tile (a Llama
 # block's K), about 4x what Little's law asks of an H200 at 4.8 TB/s and 750 ns (27 KB).
@@ -83,7 +83,7 @@ def test_variants_follow_the_layout() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_launch_compiles_what_the_compile_test_checks() -> None:
     """On a GPU, a launch's own compiled variant uses the registers found ahead of time."""
-    from kvaudit.kernels.triton_kernel import _accumulate_kernel, warm_up
+    from kvaudit.checksum.kernels.triton_kernel import _accumulate_kernel, warm_up
 
     cache = torch.zeros((64, 2, 16, 8, 128), dtype=torch.bfloat16, device="cuda")
     template = cache.view(torch.int64)[:, 0].permute(0, 2, 1, 3).unsqueeze(1)

@@ -38,7 +38,7 @@ ELSEWHERE = (
     "kvaudit.sources.vllm_output_source",
     "kvaudit.dumps.example_connector",
     "kvaudit.corrupt.result",
-    "kvaudit.sources.dump_staging",
+    "kvaudit.checksum.dump_staging",
     "kvaudit.sources.inventory",
     "kvaudit.records.reading",
     "numpy.ma",

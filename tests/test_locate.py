@@ -38,10 +38,10 @@ from dumped_sets import (
     with_file,
 )
 
+from kvaudit.checksum import checksum_dump_set
 from kvaudit.corrupt import PlantedFault, corrupt_dump
 from kvaudit.dumps import open_dump_set
 from kvaudit.locate import CellSegment, element_errors, locate_differences
-from kvaudit.sources import checksum_dump_set
 
 
 def locate(producer_paths: list[str], consumer_paths: list[str], rid: str, gid: int, positions):

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from kernel_cases import CASES, Case, Entry, random_rows, reference
 from native_builds import assert_built_where_required, built, skip_unless_built
 
+from kvaudit.checksum.kernels import LaunchPart, numpy_cpu
 from kvaudit.core import native
-from kvaudit.kernels import LaunchPart, numpy_cpu
 
 NATIVE = built(numpy_cpu.NATIVE)
 needs_native = skip_unless_built(NATIVE, numpy_cpu.NATIVE, "the numpy code runs instead")

@@ -13,7 +13,7 @@ import pytest
 from cpu_launch import in_order, numpy_launch
 from kernel_cases import CASES, reference
 
-from kvaudit.kernels import numpy_cpu
+from kvaudit.checksum.kernels import numpy_cpu
 
 # Rows per chunk: the default (from CHUNK_BYTES), one, and three (so that chunks end
 # inside runs of consecutive rows and hold rows of several counts).

@@ -84,7 +84,7 @@ PROBE = textwrap.dedent(
                     file.write("a result")
     if mode == "interrupted pool":
         from kvaudit.cli import main
-        from kvaudit.kernels.numpy_cpu import _pool
+        from kvaudit.checksum.kernels.numpy_cpu import _pool
 
         @main.command("probe")
         def probe():

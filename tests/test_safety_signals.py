@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from safety_dumps import BLOCK_BYTES, make_dump
 
+from kvaudit.checksum import checksum_dump_set
 from kvaudit.core.errors import KvauditError
 from kvaudit.core.files import atomic_path, remove_stale_temporaries
 from kvaudit.dumps import open_dump_set
-from kvaudit.sources import checksum_dump_set
 
 ROOT = Path(__file__).resolve().parent.parent
 BIG_BLOCKS = (200 << 20) // BLOCK_BYTES
@@ -165,7 +165,7 @@ def test_many_open_dumps_hold_no_descriptors(tmp_path: Path) -> None:
         import resource
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
         from kvaudit.dumps import open_dump
-        from kvaudit.sources import checksum_dump_set
+        from kvaudit.checksum import checksum_dump_set
         from kvaudit.dumps import DumpSet
         dumps = [open_dump({str(tmp_path)!r} + f"/d{{n}}.safetensors") for n in range({count})]
         first = checksum_dump_set(DumpSet(dumps[:1], True))
@@ -184,7 +184,7 @@ def test_many_open_dumps_hold_no_descriptors(tmp_path: Path) -> None:
 POOL_UNDER_INTERRUPTIONS = textwrap.dedent(
     """
     import faulthandler, random, signal, time
-    from kvaudit.kernels.numpy_cpu import _pool
+    from kvaudit.checksum.kernels.numpy_cpu import _pool
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt  # as Python's own Ctrl-C handler: kvaudit as a library

@@ -19,12 +19,12 @@ import yaml
 from click.testing import CliRunner
 from example_module import example
 
-from kvaudit.checksummer import Checksummer, RequestBlocks
+from kvaudit.checksum import checksum_dump_set
+from kvaudit.checksum.checksummer import Checksummer, RequestBlocks
 from kvaudit.cli import main
 from kvaudit.core.errors import KvauditError
 from kvaudit.description import parse_description
 from kvaudit.dumps import open_dump_set
-from kvaudit.sources import checksum_dump_set
 from kvaudit.testing import LiveSide, assert_kv_equal, diff_kv
 
 ROOT = Path(__file__).resolve().parent.parent

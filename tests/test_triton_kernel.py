@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def launch(case: Case) -> list[list[int]]:
     """The kernel's result for a case, as unsigned 64-bit integers."""
-    from kvaudit.kernels.triton_kernel import accumulate_triton
+    from kvaudit.checksum.kernels.triton_kernel import accumulate_triton
 
     device = case.template.device
     itemsize = case.template.element_size()
@@ -83,8 +83,8 @@ LOOPED = {"long_cell": 3, "many_cell_rows": 1}
 
 def _interpreter_main() -> None:
     """Runs every case on the CPU under the interpreter and prints the results as JSON."""
-    from kvaudit.kernels import triton_tiling
-    from kvaudit.kernels.triton_kernel import warm_up
+    from kvaudit.checksum.kernels import triton_tiling
+    from kvaudit.checksum.kernels.triton_kernel import warm_up
 
     results = {name: launch(build("cpu", False)) for name, build in CASES.items()}
     looped = {}
@@ -140,7 +140,7 @@ def test_warm_up_runs(interpreted: dict) -> None:
 
 def test_cases_cover_the_tilings() -> None:
     """The small cases reach several piece tiles, chunks and row tiles, and both row orders."""
-    from kvaudit.kernels.triton_tiling import launch_config
+    from kvaudit.checksum.kernels.triton_tiling import launch_config
 
     def config(name: str, max_chunks: int | None = None):
         template = CASES[name]("cpu", False).template
@@ -164,7 +164,7 @@ def test_cases_cover_the_tilings() -> None:
 def test_launch_config_ignores_rows_and_depends_on_layout() -> None:
     """The tiling (hence the compiled variant) follows the layout alone, so warm-up compiles
     what later launches use, and a Llama-shaped block is one program's single tile."""
-    from kvaudit.kernels.triton_tiling import launch_config
+    from kvaudit.checksum.kernels.triton_tiling import launch_config
 
     shape = (1000, 1, 8, 16, 32)
     strides = (2 * 16 * 8 * 32, 16 * 8 * 32, 32, 8 * 32, 1)
@@ -182,8 +182,8 @@ def test_launch_config_ignores_rows_and_depends_on_layout() -> None:
     ["template_dtype", "table_shape", "rows_mismatch", "out_dtype", "out_layout"],
 )
 def test_bad_arguments_raise_one_line_errors(change: str) -> None:
+    from kvaudit.checksum.kernels.triton_kernel import accumulate_triton
     from kvaudit.core.errors import KvauditError
-    from kvaudit.kernels.triton_kernel import accumulate_triton
 
     template = torch.zeros((2, 1, 2, 2, 2), dtype=torch.int64)
     table = torch.zeros((1, 5), dtype=torch.int64)

@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from kvaudit.checksummer import Checksummer
+from kvaudit.checksum.checksummer import Checksummer
 from kvaudit.core.errors import DescriptionError, KvauditError
 from kvaudit.core.validation import Checker, check_worker, is_int, short, worker_layout
 from kvaudit.description import parse_description

@@ -31,7 +31,7 @@ from click.testing import CliRunner, Result
 from example_module import example
 from safetensors import safe_open
 
-from kvaudit.checksummer import RequestBlocks
+from kvaudit.checksum.checksummer import RequestBlocks
 from kvaudit.cli import main
 from kvaudit.description import parse_description
 from kvaudit.dumps import write_dump

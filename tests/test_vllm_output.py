@@ -13,7 +13,7 @@ import pytest
 import reference as ref
 from click.testing import CliRunner
 
-from kvaudit.checksummer import Checksummer, RequestBlocks
+from kvaudit.checksum.checksummer import Checksummer, RequestBlocks
 from kvaudit.cli import main
 from kvaudit.core.errors import KvauditError
 from kvaudit.description import parse_description

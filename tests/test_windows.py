@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from kvaudit.checksummer import RequestBlocks
+from kvaudit.checksum.checksummer import RequestBlocks
 from kvaudit.cli import main
 from kvaudit.compare import AttentionWindow, compare_records
 from kvaudit.compare.model import GroupComparison

@@ -10,7 +10,7 @@ import kvbuild as kb
 import numpy as np
 import torch
 
-from kvaudit.checksummer import RequestBlocks
+from kvaudit.checksum.checksummer import RequestBlocks
 from kvaudit.description import parse_description
 from kvaudit.dumps import write_dump
 from kvaudit.records import WorkerInfo

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..checksum.dump_set import checksum_dump_set
 from ..compare import DiffReport, StoredCheck, stored_report, verify_stored_blocks
 from ..description import LEFT_OUT_BY_DESCRIPTION
 from ..dumps import Dump, DumpSet
 from ..records import Record
-from ..sources import Progress, Runtime, checksum_dump_set, resolve_device
+from ..sources import Progress, Runtime, resolve_device
 
 NO_STORED = "a dump of the set holds no stored checksums"
 

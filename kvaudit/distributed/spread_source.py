@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..checksum.dump_set import checksum_dump_set
 from ..core.errors import KvauditError
 from ..core.validation import worker_layout
 from ..description import CacheDescription, description_to_dict, parse_description
@@ -23,7 +24,7 @@ from ..dumps import Dump, DumpSet, open_dump
 from ..dumps.example_connector import open_example_connectors
 from ..formats import record_to_json
 from ..records import Record, WorkerInfo, WorkerRecord, combine_workers
-from ..sources import Progress, Runtime, Source, checksum_dump_set, open_source
+from ..sources import Progress, Runtime, Source, open_source
 from ..sources.base import request_ids_of, token_counts_of, trim
 from ..sources.inventory import (
     GroupInfo,

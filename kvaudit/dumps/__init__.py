@@ -3,7 +3,7 @@
 ``open_dump`` and ``open_dump_set`` read dumps strictly (every problem is one line naming
 the file) and memory-map their tensors, so nothing is loaded whole; ``write_dump`` writes a
 worker's live tensors atomically, every tensor 64-byte aligned (docs/dump-format.md). This
-package is file I/O only: checksumming a dump set is ``kvaudit.sources.checksum_dump_set``.
+package is file I/O only: checksumming a dump set is ``kvaudit.checksum.checksum_dump_set``.
 
 Modules, each using only those above it: ``safetensors_io`` (the file format), ``layers``
 (the tensors a description's layers have), ``dump`` (the dataclasses and the format's

@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, BinaryIO
 
-from ..checksummer import Checksummer
+from ..checksum.checksummer import Checksummer
 from ..core.errors import KvauditError
 from ..core.validation import MAX_TOKENS, Role, check_int, short
 from ..description import CacheDescription, description_to_dict

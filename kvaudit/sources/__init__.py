@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from . import dump_source, live_source, record_source, socket_source, vllm_output_source
     from .base import Progress, Runtime, Source, resolve_device
     from .checksummer_source import ChecksummerSource
-    from .dump_checksums import BATCH_BYTES, checksum_dump_set, total_bytes
     from .dump_source import DumpSource
     from .inventory import GroupInfo, Inventory, RequestInventory, WorkerInventory
     from .live_source import LiveSource
@@ -46,7 +45,6 @@ if TYPE_CHECKING:
     from .socket_source import SocketSource
 
 _EXPORTS = {
-    "BATCH_BYTES": ".dump_checksums",
     "ChecksummerSource": ".checksummer_source",
     "DumpSource": ".dump_source",
     "GroupInfo": ".inventory",
@@ -63,7 +61,6 @@ _EXPORTS = {
     "Source": ".base",
     "SourceKind": ".registry",
     "WorkerInventory": ".inventory",
-    "checksum_dump_set": ".dump_checksums",
     "dump_source": ".dump_source",
     "live_source": ".live_source",
     "load_record": ".record_source",
@@ -74,14 +71,12 @@ _EXPORTS = {
     "resolve_device": ".base",
     "socket_source": ".socket_source",
     "source_of": ".registry",
-    "total_bytes": ".dump_checksums",
     "vllm_output_source": ".vllm_output_source",
 }
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
-    "BATCH_BYTES",
     "ChecksummerSource",
     "DumpSource",
     "GroupInfo",
@@ -98,7 +93,6 @@ __all__ = [
     "Source",
     "SourceKind",
     "WorkerInventory",
-    "checksum_dump_set",
     "dump_source",
     "live_source",
     "load_record",
@@ -109,6 +103,5 @@ __all__ = [
     "resolve_device",
     "socket_source",
     "source_of",
-    "total_bytes",
     "vllm_output_source",
 ]

@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from ..checksummer import Checksummer
+from ..checksum.checksummer import Checksummer
 from ..core.errors import KvauditError
 from ..core.validation import worker_layout
 from ..records import Record

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from ..checksum.dump_set import checksum_dump_set, total_bytes
 from ..description import CacheDescription
 from ..dumps import DumpSet, open_dump_set
 from ..records import Record, WorkerInfo
 from .base import Progress, Runtime
-from .dump_checksums import checksum_dump_set, total_bytes
 from .raw import RawKVSource
 from .registry import OpenOptions
 

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from ..checksummer import Checksummer
+from ..checksum.checksummer import Checksummer
 from ..core.errors import KvauditError
 from ..core.scheme import valid_tokens
 from ..core.validation import worker_layout

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...checksummer import PendingChecksums
+from ...checksum.checksummer import PendingChecksums
 from ...records import WorkerRecord
 
 PRODUCER = "producer"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ...checksummer import Checksummer, RequestBlocks
+from ...checksum.checksummer import Checksummer, RequestBlocks
 from ...core.errors import KvauditError
 from ...description import CacheDescription
 from ...dumps import write_dump

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol, get_args, runtime_checkable
 
 if TYPE_CHECKING:
-    from ..core.arrays import Array
+    from ...core.arrays import Array
 
 BackendName = Literal["numpy", "torch", "triton"]
 """A registered backend."""

@@ -9,10 +9,10 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..checksummer import Checksummer, launch_torch
 from ..dumps import Dump
 from ..dumps.layers import layer_parts, owner_layers
 from ..dumps.safetensors_io import as_integers
+from .checksummer import Checksummer, launch_torch
 from .dump_batches import DumpBatches, Finish, Table, batch_rows, row_axis
 
 if TYPE_CHECKING:

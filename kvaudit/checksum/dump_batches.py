@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..checksummer import Checksummer
 from ..core.scheme import valid_tokens
 from ..core.validation import Positions
 from ..description import LayerEntry
@@ -23,8 +22,9 @@ from ..dumps import Dump
 from ..dumps.layers import kernel_blocks_per_block, layer_parts
 from ..dumps.safetensors_io import tensor_nbytes
 from ..records import GroupChecksums, RequestChecksums, WorkerRecord
-from .base import Progress
-from .raw import request_rows
+from ..sources.base import Progress
+from ..sources.raw import request_rows
+from .checksummer import Checksummer
 
 if TYPE_CHECKING:
     from ..core.arrays import Array

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.errors import KvauditError
+from ...core.errors import KvauditError
 from . import LaunchPart
 from .triton_tiling import (
     MAX_GRID_YZ,
@@ -286,7 +286,7 @@ def entry_table(parts: list[LaunchPart]) -> torch.Tensor:
 
 class TritonLaunch:
     """Parts that share one layout, each adding into its column in one Triton launch over
-    their table (the Triton backend's :class:`~kvaudit.kernels.Launch`)."""
+    their table (the Triton backend's :class:`~kvaudit.checksum.kernels.Launch`)."""
 
     def __init__(self, parts: list[LaunchPart]) -> None:
         self.template = parts[0].pieces

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .core.errors import KvauditError
-from .core.scheme import valid_tokens
-from .core.validation import (
+from ..core.errors import KvauditError
+from ..core.scheme import valid_tokens
+from ..core.validation import (
     MAX_POSITION_TOKEN,
     MAX_TOKENS,
     POSITION_NUMBERINGS,
@@ -24,21 +24,21 @@ from .core.validation import (
     is_int,
     short,
 )
-from .description import CacheDescription
-from .plans import GroupPlan
-from .records import (
+from ..description import CacheDescription
+from ..records import (
     GroupChecksums,
     RequestChecksums,
     WorkerInfo,
     WorkerRecord,
 )
-from .views import GroupViews, build_group_views
-from .views.inputs import LayerTensors, RequestBlocks, plain_requests, tensors_by_name
+from ..views import GroupViews, build_group_views
+from ..views.inputs import LayerTensors, RequestBlocks, plain_requests, tensors_by_name
+from .plans import GroupPlan
 
 if TYPE_CHECKING:
     import torch
 
-    from .core.arrays import Array
+    from ..core.arrays import Array
 
 
 class Checksummer:

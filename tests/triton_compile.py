@@ -23,8 +23,14 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from .triton_kernel import TABLE_FIELDS, TritonLaunch, _accumulate_kernel
-from .triton_tiling import LaunchConfig, Shape, kernel_arguments, launch_config, layout_is_aligned
+from kvaudit.checksum.kernels.triton_kernel import TABLE_FIELDS, TritonLaunch, _accumulate_kernel
+from kvaudit.checksum.kernels.triton_tiling import (
+    LaunchConfig,
+    Shape,
+    kernel_arguments,
+    launch_config,
+    layout_is_aligned,
+)
 
 ARCHES = (80, 90, 100)
 """The compute capabilities checked: A100 (sm_80), H100/H200 (sm_90), B200 (sm_100)."""

@@ -2,7 +2,7 @@
 
 A plan has one output column per replica key and fuses the parts that share one layout
 (dtype, shape, strides, device) into one launch: one launch of the backend that
-``kvaudit.kernels`` resolves (the Triton kernel, the numpy or torch CPU path), whichever it
+``kvaudit.checksum.kernels`` resolves (the Triton kernel, the numpy or torch CPU path), whichever it
 is. A plan of the numpy backend takes and returns numpy arrays and never imports torch;
 the others take and return torch tensors on the plan's device.
 """
@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .core.arrays import Array, data_ptr, device_type, element_size, is_numpy, strides
-from .core.scheme import ReplicaKey
+from ..core.arrays import Array, data_ptr, device_type, element_size, is_numpy, strides
+from ..core.scheme import ReplicaKey
+from ..views import LayerView
 from .kernels import BackendChoice, Launch, LaunchPart, resolve_backend
-from .views import LayerView
 
 if TYPE_CHECKING:
     import torch

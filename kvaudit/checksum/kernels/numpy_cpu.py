@@ -31,9 +31,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..core.arrays import Array, is_numpy
-from ..core.interrupts import deferred_interrupts
-from ..core.native import extension
+from ...core.arrays import Array, is_numpy
+from ...core.interrupts import deferred_interrupts
+from ...core.native import extension
 from . import LaunchPart
 
 _T = TypeVar("_T")
@@ -252,7 +252,7 @@ class NumpyPart:
 
 class NumpyLaunch:
     """Parts that share one layout, adding into their columns (the numpy backend's
-    :class:`~kvaudit.kernels.Launch`); inputs and output are numpy arrays."""
+    :class:`~kvaudit.checksum.kernels.Launch`); inputs and output are numpy arrays."""
 
     def __init__(self, parts: list[LaunchPart]) -> None:
         self.parts = [NumpyPart(part) for part in parts]

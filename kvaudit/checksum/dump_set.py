@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 from ..core.errors import KvauditError
 from ..core.validation import POSITION_NUMBERINGS, Positions
 from ..dumps import DumpSet
-from ..kernels import resolve_backend
 from ..records import Record, combine_workers
-from .base import Progress
+from ..sources.base import Progress
 from .dump_batches import DumpBatches, MappedBatches
+from .kernels import resolve_backend
 
 if TYPE_CHECKING:
     import torch

@@ -143,7 +143,7 @@ class TorchPart:
 
 class TorchLaunch:
     """Parts that share one layout, adding into their columns with one shared gather buffer
-    (the torch backend's :class:`~kvaudit.kernels.Launch`)."""
+    (the torch backend's :class:`~kvaudit.checksum.kernels.Launch`)."""
 
     def __init__(self, parts: list[LaunchPart]) -> None:
         self.parts = [TorchPart(part) for part in parts]
