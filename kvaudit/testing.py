@@ -28,9 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .checksum.checksummer import Checksummer
-from .compare import DiffReport
+from .compare import DiffReport, diff_sources
 from .description import CacheDescription, load_description
-from .diffing import diff_sources
 from .dumps import DumpSet
 from .records import Record
 from .report import print_diff, render_text

@@ -40,9 +40,9 @@ from dumped_sets import (
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kvaudit.compare import diff_sources
 from kvaudit.corrupt import corrupt_dump
 from kvaudit.description import description_to_dict
-from kvaudit.diffing import diff_sources
 from kvaudit.distributed.comm import Comm, Place
 from kvaudit.distributed.placement import Unit, assign, fill
 from kvaudit.dumps import open_dump

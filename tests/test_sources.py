@@ -16,9 +16,10 @@ import pytest
 import torch
 
 import kvaudit.testing  # noqa: F401  (registers LiveSide)
+from kvaudit.checksum import checksum_dump_set
+from kvaudit.compare import diff_sources
 from kvaudit.core.errors import KvauditError
 from kvaudit.description import parse_description
-from kvaudit.diffing import diff_sources
 from kvaudit.dumps import open_dump_set, write_dump
 from kvaudit.formats import record_to_json
 from kvaudit.locate import locate_differences
@@ -31,7 +32,6 @@ from kvaudit.sources import (
     RecordSource,
     Runtime,
     SourceKind,
-    checksum_dump_set,
     open_source,
     registry,
     resolve_device,

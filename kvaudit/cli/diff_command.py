@@ -103,7 +103,7 @@ def diff(
     """Compare a producer's KV with a consumer's, request by request: PRODUCER and
     CONSUMER are each a dump file, a directory of one engine's dumps, a record (JSON) or a
     live handle. Differing blocks are located down to layers, heads, tokens and bytes."""
-    from ..diffing import diff_sources, diff_work
+    from ..compare import diff_sources, diff_work
     from ..report import DIFF_SIDES
     from ..sources import resolve_device
     from .progress import progress_bar
@@ -166,7 +166,7 @@ def diff_numeric(
     """``diff --numeric``: compare by value, print or write the report (``outputs``: -o,
     --json and --html files), the exit status; ``allowed``: --allow-missing and
     --allow-empty."""
-    from ..diffing import diff_work
+    from ..compare import diff_work
     from ..formats import json_text
     from ..formats.html import numeric_html
     from ..formats.numeric import numeric_to_json

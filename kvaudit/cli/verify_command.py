@@ -52,7 +52,7 @@ def verify(
     """Check a dump set (or record) one way: against a saved record (--against), the
     producer checksums its dumps received (--received), or the stored checksums of its
     offloaded blocks (--stored)."""
-    from ..diffing import verify_sources, verify_work
+    from ..compare import verify_sources, verify_work
     from ..report import Sides
     from ..sources import resolve_device
     from .progress import progress_bar

@@ -1,20 +1,60 @@
-"""Comparing checksums: a producer with a consumer, a dump set with a saved record or
-with the producer totals it received, and offloaded blocks with their stored checksums.
+"""Comparisons, one module per verb, each with its pure part and its driver: sources (or
+records) in, a ``DiffReport`` out.
 
-Every comparison produces a ``DiffReport`` (``model.py``): per request and group, the
-block positions compared, those whose totals differ, the replicas that disagree, and the
-reason a group could not be compared at all. ``sides.py`` compares one group,
-``record_diff.py`` two records (``diff``, ``verify --against``), ``received.py`` the wire
-checksums a consumer received (``verify --received``), ``stored.py`` stored checksums of
-offloaded blocks (``verify --stored``). Reports are written by ``kvaudit.formats`` and
-``kvaudit.report``.
+``model`` (the ``DiffReport``: per request and group, the block positions compared, those
+whose totals differ, the replicas that disagree, why a group could not be compared),
+``groups`` (one request's group compared between two sides), ``records`` (two records:
+``diff``, ``verify --against``), ``sides`` (what a comparison learns of its two sides: the
+requested ids, the tokens both hold, warnings, attention windows), ``diff``
+(``diff_sources``: checksummed, compared, located, traced), ``trace`` (differing consumer
+blocks traced to the producer blocks they hold), ``received`` (``verify --received``),
+``stored`` (``verify --stored``) and ``verify`` (``verify_sources``: one of three ways).
+The comparison by value is ``kvaudit.numeric``; reports are written by
+``kvaudit.formats`` and ``kvaudit.report``. The drivers are imported on first use: the
+model's users (formats, reports) load no source.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..core.lazy import lazy_exports
+from .groups import AttentionWindow
 from .model import NO_RECEIVED, DiffReport, GroupComparison, LocatedDifference, StaleSource
-from .received import verify_received
-from .record_diff import compare_records, verify_against_record
-from .sides import AttentionWindow
-from .stored import StoredCheck, stored_report, verify_stored_blocks
+from .records import compare_records, verify_against_record
+
+if TYPE_CHECKING:
+    from .diff import diff_sources, diff_work, locate_report
+    from .received import carried_wires, received_wires, verify_received, verify_wire
+    from .sides import shared_tokens
+    from .stored import (
+        StoredCheck,
+        stored_checks,
+        stored_report,
+        verify_stored,
+        verify_stored_blocks,
+    )
+    from .verify import verify_sources, verify_work
+
+_EXPORTS = {
+    "StoredCheck": ".stored",
+    "stored_report": ".stored",
+    "verify_received": ".received",
+    "verify_stored_blocks": ".stored",
+    "carried_wires": ".received",
+    "diff_sources": ".diff",
+    "diff_work": ".diff",
+    "locate_report": ".diff",
+    "received_wires": ".received",
+    "shared_tokens": ".sides",
+    "stored_checks": ".stored",
+    "verify_sources": ".verify",
+    "verify_stored": ".stored",
+    "verify_wire": ".received",
+    "verify_work": ".verify",
+}
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
     "NO_RECEIVED",
@@ -24,9 +64,20 @@ __all__ = [
     "LocatedDifference",
     "StaleSource",
     "StoredCheck",
+    "carried_wires",
     "compare_records",
+    "diff_sources",
+    "diff_work",
+    "locate_report",
+    "received_wires",
+    "shared_tokens",
+    "stored_checks",
     "stored_report",
     "verify_against_record",
     "verify_received",
+    "verify_sources",
+    "verify_stored",
     "verify_stored_blocks",
+    "verify_wire",
+    "verify_work",
 ]

@@ -1,24 +1,28 @@
-"""A consumer's checksums against the producer totals it received on the wire
-(``verify --received``).
+"""``verify --received``: a consumer's checksums against the producer totals it received on
+the wire, which its dumps carry.
 
 The wire says the producer's token count and position numbering: the consumer's
 checksums must cover at most the producer's tokens (its last, partly filled block over
 the producer's tokens) under that numbering, and positions the producer held that the
 consumer lacks are missing. A consumer request whose bytes never arrived leaves each of
 its groups unverified, and a received request the consumer lacks is a failure, as in a
-diff.
+diff. ``verify_received`` compares a record with decoded wires; ``verify_wire`` drives it
+from a source.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from ..core.errors import KvauditError
+from ..dumps import DumpSet
 from ..records import GroupChecksums, Record, RequestChecksums, WorkerInfo, WorkerSummary
 from ..records.wire import WireChecksums, decode_wire
+from ..sources import Progress, Runtime, Source
+from .groups import Window
 from .model import NO_RECEIVED, DiffReport, GroupComparison
-from .record_diff import compare
-from .sides import Window
+from .records import compare
+from .sides import group_windows, trim_to
 
 
 def decode_received(
@@ -71,7 +75,7 @@ def verify_received(
     decoded checksums, per request).
 
     ``consumer`` must be checksummed under the wire's numbering and over at most the
-    producer's tokens of each request (``kvaudit.diffing`` does so); ``consumer_tokens``
+    producer's tokens of each request (``kvaudit.compare`` does so); ``consumer_tokens``
     are the tokens the consumer holds where that is more (default: the record's own).
     Each group of a consumer request without received checksums is unverified (``"no
     producer checksums received"``); received requests the consumer lacks are listed in
@@ -125,3 +129,73 @@ def verify_received(
         }
     report.only_in_consumer = []
     return report
+
+
+def received_wires(
+    dump_set: DumpSet, request_ids: Sequence[str] | None = None
+) -> dict[str, WireChecksums]:
+    """Per request, the producer's wire checksums the set's dumps carry, decoded
+    (``carried_wires``)."""
+    carriers = [
+        (dump.path, {rid: r.received for rid, r in dump.requests.items() if r.received is not None})
+        for dump in dump_set.dumps
+    ]
+    return carried_wires(carriers, request_ids)
+
+
+def carried_wires(
+    carriers: Iterable[tuple[str, Mapping[str, bytes]]], request_ids: Sequence[str] | None
+) -> dict[str, WireChecksums]:
+    """Per request, the wire bytes that dump files carry (each file's name with its bytes
+    per request), decoded; only ``request_ids`` where given.
+
+    Raises:
+        KvauditError: Two workers carry different bytes for one request.
+        WireFormatError: Malformed bytes; the message names the dump file and the request.
+
+    """
+    found: dict[str, tuple[bytes, str]] = {}
+    for name, carried in carriers:
+        for request_id, data in carried.items():
+            if request_ids is not None and request_id not in request_ids:
+                continue
+            seen = found.get(request_id)
+            if seen is None:
+                found[request_id] = (data, name)
+            elif seen[0] != data:
+                raise KvauditError(
+                    f"request {request_id!r}: the received checksums differ from those "
+                    f"{seen[1]} carries; the workers of one consumer receive the same",
+                    name,
+                )
+    return {
+        request_id: decode_wire(data, source=f"{name}: request {request_id!r}: received")
+        for request_id, (data, name) in found.items()
+    }
+
+
+def verify_wire(
+    source: Source,
+    wires: Mapping[str, WireChecksums],
+    ids: list[str] | None,
+    runtime: Runtime,
+    progress: Progress | None,
+) -> DiffReport:
+    """The source checked against the producer checksums its dumps carry (per request, as
+    ``received_wires`` reads them)."""
+    name = ", ".join(source.names)
+    numbering = received_numbering(wires, name)
+    counts = source.token_counts()
+    # The consumer's checksums cover only the producer's tokens, as a diff's do.
+    sent = {
+        rid: min(int(wire.num_tokens), counts[rid]) for rid, wire in wires.items() if rid in counts
+    }
+    record = trim_to(source, sent).checksum(ids, numbering, runtime, progress)
+    return verify_received(
+        record,
+        wires,
+        source=name,
+        request_ids=ids,
+        consumer_tokens=counts,
+        windows=group_windows(source),
+    )

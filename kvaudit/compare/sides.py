@@ -1,311 +1,158 @@
-"""One request's group compared between two sides, once both are known to hold it.
-
-- A group is unverified when the fingerprints differ or the block sizes cannot be brought
-  to one size.
-- Different block sizes are compared at the coarser one: the finer side's totals are summed
-  (mod 2**64) into coarse blocks. A coarse block is formed only when every fine position of
-  it that has valid tokens is held; fine positions past ``num_tokens`` contribute nothing by
-  definition and may be absent. With ``block`` numbering checksums do not add up across
-  block sizes, so differing sizes leave the group unverified.
-- A position is compared only when both sides hold it and both give it the same, non-zero,
-  number of valid tokens (each side with the ``num_tokens`` its checksums cover).
-- A position is expected when the producer holds it with valid tokens (its full token
-  count, ``tokens``) and, for a windowed group (``AttentionWindow``: a sliding window or
-  chunked local attention), each side keeps it: after ``tokens`` tokens a side keeps the
-  blocks from the one holding the first token its next token attends to. A coarse
-  position that the window or the producer's first block starts inside is expected over
-  its tokens from there.
-  An expected position is missing when the consumer's blocks do not cover the producer's
-  tokens of it (its block list stops early or skips it, or its token count is smaller).
-  A position is compared over the tokens both sides hold, so a position the consumer
-  holds in part is compared there and listed as missing. An expected position that is
-  neither missing nor compared (a record holds other valid tokens of it and cannot be
-  checksummed again, or a side holds only its last fine blocks of it) leaves the group
-  unverified.
-- The producer contributes its totals (the sums of its replica index 0 columns); a compared
-  position whose consumer total differs is listed in ``mismatched_positions``.
-- Each consumer replica column ``(R, r)`` must equal its ``(R, 0)`` column (0 where the
-  consumer has none) at every position the consumer holds. That check runs at the
-  consumer's own block size; each difference adds ``(position, R, r)`` to
-  ``replica_mismatches``, the position in the compared (coarser) numbering.
-- With ``per_key`` and the same replica keys on both sides, every column is compared: a
-  differing replica-0 column lists the position as mismatched, another column adds it to
-  ``replica_mismatches``.
+"""What a comparison learns of its two sides before comparing them: the requested ids
+(each once, those a side holds, none on neither side), the tokens both sides hold, a side
+trimmed to them and its checksums under one position numbering; warnings about the sides
+themselves (the same files on both, roles swapped) and the attention window of each
+windowed group (sliding-window or chunked local attention), from their descriptions.
 """
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
+import os
+from collections.abc import Mapping, Sequence
 
-import numpy as np
-
-from ..core.scheme import ReplicaKey, to_hex, valid_tokens
-from ..core.validation import Positions
-from ..records import GroupChecksums, replica_zero_totals
-from .model import GroupComparison
-
-
-@dataclass(frozen=True)
-class AttentionWindow:
-    """The tokens a group's next token attends to: the last ``tokens`` (a sliding window)
-    or, ``chunked``, those of its own ``tokens``-token chunk (chunked local attention)."""
-
-    tokens: int
-    chunked: bool = False
-
-    def first_token(self, held: int) -> int:
-        """The first token that the next token, at position ``held``, attends to."""
-        if self.chunked:
-            return held // self.tokens * self.tokens
-        return max(0, held - self.tokens + 1)
+from ..core.errors import KvauditError
+from ..description.model import SLIDING_TYPES, LayerSpec
+from ..records import Record
+from ..sources import Progress, Runtime, Source
+from ..sources.record_source import RecordSource
+from .groups import AttentionWindow
 
 
-Window = int | AttentionWindow
-"""A group's window: an ``AttentionWindow``, or a sliding window's size in tokens."""
+def unique_ids(request_ids: Sequence[str] | None) -> list[str] | None:
+    """The requested ids, each once (None: all)."""
+    return None if request_ids is None else list(dict.fromkeys(request_ids))
 
 
-def as_window(window: Window | None) -> AttentionWindow | None:
-    """``window`` as an ``AttentionWindow`` (an int is a sliding window's size)."""
-    if window is None or isinstance(window, AttentionWindow):
-        return window
-    return AttentionWindow(int(window))
+def held_ids(source: Source, request_ids: Sequence[str] | None) -> list[str] | None:
+    """The requested ids the source holds (None: all of them)."""
+    if request_ids is None:
+        return None
+    known = set(source.request_ids)
+    return [rid for rid in request_ids if rid in known]
 
 
-@dataclass
-class Side:
-    """One side's checksums of one request's group: ``columns[i, k]`` is position
-    ``start + i`` under ``keys[k]``, checksummed over ``num_tokens`` tokens of a request
-    the side holds ``tokens`` of (``num_tokens`` when not cut)."""
-
-    block_size: int
-    start: int
-    num_tokens: int
-    fingerprint: int
-    columns: np.ndarray
-    keys: list[ReplicaKey]
-    tokens: int = -1
-
-    def __post_init__(self) -> None:
-        if self.tokens < 0:
-            self.tokens = self.num_tokens
-
-    @classmethod
-    def of(cls, group: GroupChecksums, num_tokens: int, tokens: int | None = None) -> Side:
-        """A record's group checksummed over ``num_tokens`` tokens of a request the side
-        holds ``tokens`` of (default ``num_tokens``)."""
-        keys = [(int(r), int(i)) for r, i in group.replica_keys]
-        columns = np.asarray(group.values, dtype=np.uint64).reshape(group.count, len(keys))
-        held = num_tokens if tokens is None else tokens
-        return cls(
-            group.block_size, group.start, num_tokens, group.fingerprint, columns, keys, held
+def check_wanted(
+    producer: Source,
+    consumer: Source,
+    request_ids: Sequence[str],
+    labels: tuple[str, str] = ("the producer", "the consumer"),
+) -> None:
+    """Reject a requested id that neither side holds."""
+    known = set(producer.request_ids) | set(consumer.request_ids)
+    absent = [rid for rid in request_ids if rid not in known]
+    if absent:
+        raise KvauditError(
+            f"request {', '.join(absent)} is on neither {labels[0]} "
+            f"({', '.join(producer.names)}) nor {labels[1]} ({', '.join(consumer.names)})"
         )
 
-    def covers(self, lo: int, hi: int) -> bool:
-        """Whether the side holds tokens ``lo .. hi - 1``: its token count reaches ``hi``
-        and its blocks list every position holding them."""
-        if hi <= lo:
-            return True
-        first, last = lo // self.block_size, (hi - 1) // self.block_size
-        return self.tokens >= hi and self.start <= first and last < self.start + len(self.columns)
 
-    @functools.cached_property
-    def column_of(self) -> dict[ReplicaKey, int]:
-        """The column of each replica key."""
-        return {key: k for k, key in enumerate(self.keys)}
+def shared_numbering(*sources: Source) -> str:
+    """The position numbering to checksum with: one a source is fixed to (a record's),
+    else ``request``."""
+    fixed = [source.positions for source in sources if source.positions is not None]
+    return fixed[0] if fixed else "request"
 
 
-def coarsen(side: Side, coarse: int) -> tuple[np.ndarray, np.ndarray]:
-    """The coarse positions the side can form and their columns summed mod 2**64.
-
-    A coarse block is formed when each of its fine positions is held or has no valid token
-    (a position past ``num_tokens`` contributes nothing, whether held or not).
-    """
-    ratio = coarse // side.block_size
-    count, width = side.columns.shape
-    if count == 0:
-        return np.zeros(0, dtype=np.int64), np.zeros((0, width), dtype=np.uint64)
-    if ratio == 1:
-        return np.arange(side.start, side.start + count, dtype=np.int64), side.columns
-    # Memory in the rows held, not in the ratio: the held rows are consecutive, so each
-    # coarse block's rows are one slice and its valid fine positions one range.
-    end = side.start + count
-    positions = np.arange(side.start // ratio, (end - 1) // ratio + 1, dtype=np.int64)
-    lo = positions * ratio
-    edges = np.maximum(lo - side.start, 0)
-    # uint64 addition wraps modulo 2**64, as block-size additivity requires.
-    sums = np.add.reduceat(side.columns, edges, axis=0, dtype=np.uint64)
-    with_tokens = -(-side.num_tokens // side.block_size)
-    hi = np.minimum(lo + ratio, with_tokens)
-    formed = (hi <= lo) | ((side.start <= lo) & (end >= hi))
-    return positions[formed], sums[formed]
+def shared_tokens(
+    producer: Source, consumer: Source, request_ids: Sequence[str] | None = None
+) -> dict[str, int]:
+    """Per request both sides hold, the tokens both hold: the smaller token count."""
+    left, right = producer.token_counts(), consumer.token_counts()
+    ids = left if request_ids is None else request_ids
+    return {rid: min(left[rid], right[rid]) for rid in ids if rid in left and rid in right}
 
 
-def _replica_differences(side: Side, coarse: int) -> set[tuple[int, int, int]]:
-    """``(coarse position, R, r)`` wherever a column ``(R, r)``, ``r > 0``, differs from
-    ``(R, 0)`` (from 0 where the side has no such column), checked at the side's own
-    block size."""
-    found: set[tuple[int, int, int]] = set()
-    for k, (replicas, index) in enumerate(side.keys):
-        if index == 0:
-            continue
-        base = side.column_of.get((replicas, 0))
-        reference = side.columns[:, base] if base is not None else np.uint64(0)
-        for row in np.flatnonzero(side.columns[:, k] != reference).tolist():
-            found.add(((side.start + row) * side.block_size // coarse, replicas, index))
+def trim_to(source: Source, num_tokens: Mapping[str, int]) -> Source:
+    """The source cut to ``num_tokens`` where it can be checksummed again."""
+    counts = source.token_counts()
+    if all(counts.get(rid, n) <= n for rid, n in num_tokens.items()):
+        return source
+    return source.trimmed(num_tokens) or source
+
+
+def checksum_held(
+    source: Source,
+    request_ids: Sequence[str] | None,
+    positions: str,
+    runtime: Runtime,
+    progress: Progress | None,
+) -> Record:
+    """The source's record of those requested ids it holds (all when None)."""
+    return source.checksum(held_ids(source, request_ids), positions, runtime, progress)
+
+
+def _roles(source: Source) -> set[str]:
+    """The roles the source's workers state (none for live workers without one)."""
+    if isinstance(source, RecordSource):
+        return {summary.worker.role for summary in source.record.workers}
+    raw = source.raw_kv()
+    return set() if raw is None else {worker.worker.role for worker in raw}
+
+
+def _files(source: Source) -> set[tuple[int, int]]:
+    """The files the source reads, as (device, inode); empty for live workers."""
+    raw = source.raw_kv()
+    names = source.names if raw is None else [worker.name for worker in raw]
+    found = set()
+    for name in names:
+        try:
+            info = os.stat(name)
+        except (OSError, ValueError):
+            return set()
+        found.add((info.st_dev, info.st_ino))
     return found
 
 
-def _positions_text(positions: list[int]) -> str:
-    """``position 2`` or ``positions 0-3``, for a message."""
-    if len(positions) == 1:
-        return f"position {positions[0]}"
-    first, last = positions[0], positions[-1]
-    if last - first + 1 == len(positions):
-        return f"positions {first}-{last}"
-    return "positions " + ", ".join(str(q) for q in positions)
+def side_warnings(producer: Source, consumer: Source) -> list[str]:
+    """What a diff should warn about: both sides are the same files (a set compared with
+    itself), or the dumps say the PRODUCER is a consumer and the CONSUMER a producer."""
+    warnings = []
+    files = _files(producer)
+    if files and files == _files(consumer):
+        warnings.append(
+            f"PRODUCER and CONSUMER are the same files ({', '.join(producer.names)}): the "
+            "set is compared with itself"
+        )
+    elif _roles(producer) == {"consumer"} and _roles(consumer) == {"producer"}:
+        warnings.append(
+            f"the roles look swapped: PRODUCER {', '.join(producer.names)} says it is a "
+            f"consumer and CONSUMER {', '.join(consumer.names)} a producer; pass the "
+            "producer first"
+        )
+    return warnings
 
 
-def _incomparable(producer: Side, consumer: Side, numbering: Positions) -> str | None:
-    """Why the two sides cannot be compared position by position (their fingerprints or
-    block sizes), or None."""
-    if producer.fingerprint != consumer.fingerprint:
-        return (
-            f"fingerprints differ (producer {to_hex(producer.fingerprint)}, consumer "
-            f"{to_hex(consumer.fingerprint)}): the layers, specs or dtypes differ"
-        )
-    fine, coarse = sorted((producer.block_size, consumer.block_size))
-    if fine == coarse:
-        return None
-    sizes = f"producer {producer.block_size}, consumer {consumer.block_size}"
-    if fine <= 0 or coarse % fine:
-        return f"block sizes differ and neither divides the other ({sizes})"
-    if numbering == "block":
-        return (
-            f"block sizes differ ({sizes}) and positions are numbered per block: "
-            "the checksums do not add up across block sizes"
-        )
+def _group_window(specs: list[LayerSpec]) -> AttentionWindow | None:
+    """The window of a group whose layers are all sliding-window layers (the largest
+    window) or all chunked local attention with a known chunk size (the same size)."""
+    if all(spec.type in SLIDING_TYPES and spec.sliding_window for spec in specs):
+        return AttentionWindow(max(int(spec.sliding_window or 0) for spec in specs))
+    if all(spec.type == "chunked_local_attention" and spec.attention_chunk_size for spec in specs):
+        sizes = {int(spec.attention_chunk_size or 0) for spec in specs}
+        return AttentionWindow(sizes.pop(), chunked=True) if len(sizes) == 1 else None
     return None
 
 
-def window_start(producer: Side, consumer: Side, window: Window | None) -> int:
-    """The first token both sides keep: each side keeps its blocks from the one holding
-    the first token its next token (at position ``tokens``) attends to, as vLLM frees the
-    blocks before it; 0 without a window."""
-    rule = as_window(window)
-    if rule is None:
-        return 0
-    return max(
-        rule.first_token(side.tokens) // side.block_size * side.block_size
-        for side in (producer, consumer)
-    )
+def group_windows(*sources: Source) -> dict[int, AttentionWindow]:
+    """The window of each windowed group (sliding-window or chunked local attention),
+    from the sides' descriptions: where they differ, the sliding window that expects
+    fewer positions (the smaller), and no window for chunk sizes that disagree; groups
+    of a record side are not known."""
+    found: dict[int, list[AttentionWindow | None]] = {}
+    for source in sources:
+        for description in source.descriptions():
+            for group in description.groups:
+                specs = [entry.spec for entry in group.layers] or [group.spec]
+                found.setdefault(group.id, []).append(_group_window(specs))
+    windows: dict[int, AttentionWindow] = {}
+    for gid, rules in found.items():
+        known = {rule for rule in rules if rule is not None}
+        if len(known) == 1:
+            windows[gid] = known.pop()
+        elif known and not any(rule.chunked for rule in known):
+            windows[gid] = min(known, key=lambda rule: rule.tokens)
+    return windows
 
 
-def expected_from(producer: Side, consumer: Side, window: Window | None) -> int:
-    """The first token a diff expects: from the producer's first block, in the window."""
-    return max(window_start(producer, consumer, window), producer.start * producer.block_size)
-
-
-def held_positions(side: Side, coarse: int) -> range:
-    """The positions (at ``coarse``) with valid tokens whose tokens the side holds: one
-    range, as the side's blocks are consecutive (so its length is bounded by the blocks
-    held, whatever the token count)."""
-    with_tokens = -(-side.tokens // coarse)
-    if len(side.columns) == 0:
-        return range(0)
-    first = -(-side.start * side.block_size // coarse)
-    listed_end = (side.start + len(side.columns)) * side.block_size
-    end = with_tokens if side.tokens <= listed_end else min(with_tokens, listed_end // coarse)
-    return range(first, max(first, end))
-
-
-def missing_and_expected(
-    producer: Side, consumer: Side, coarse: int, window: Window | None
-) -> tuple[list[int], list[int]]:
-    """The expected positions the consumer lacks in whole or in part, and all expected
-    positions (the producer's with valid tokens, inside the window on both sides: a
-    coarse position that the window or the producer's blocks start inside is expected
-    over its tokens from there)."""
-    first = expected_from(producer, consumer, window)
-    held = held_positions(producer, coarse)
-    expected = list(range(first // coarse, held.stop)) if held else []
-    missing = [
-        q
-        for q in expected
-        if not consumer.covers(max(q * coarse, first), min((q + 1) * coarse, producer.tokens))
-    ]
-    return missing, expected
-
-
-def compare_sides(
-    producer: Side,
-    consumer: Side,
-    numbering: Positions,
-    *,
-    per_key: bool,
-    window: Window | None = None,
-) -> GroupComparison:
-    """One group compared by the module's rules, both sides complete and holding it;
-    ``window`` is the group's attention window (None: every position)."""
-    coarse = max(producer.block_size, consumer.block_size)
-    reason = _incomparable(producer, consumer, numbering)
-    if reason is not None:
-        return GroupComparison(unverified=reason, block_size=coarse)
-
-    producer_positions, producer_columns = coarsen(producer, coarse)
-    consumer_positions, consumer_columns = coarsen(consumer, coarse)
-    common, in_producer, in_consumer = np.intersect1d(
-        producer_positions, consumer_positions, assume_unique=True, return_indices=True
-    )
-    producer_valid = valid_tokens(producer.num_tokens, coarse, common)
-    consumer_valid = valid_tokens(consumer.num_tokens, coarse, common)
-    usable = (producer_valid == consumer_valid) & (producer_valid > 0)
-    positions = common[usable]
-    left = producer_columns[in_producer[usable]]
-    right = consumer_columns[in_consumer[usable]]
-
-    totals_differ = replica_zero_totals(left, producer.keys) != replica_zero_totals(
-        right, consumer.keys
-    )
-    mismatched = set(positions[totals_differ].tolist())
-    replicas = _replica_differences(consumer, coarse)
-    if per_key and set(producer.keys) == set(consumer.keys):
-        # Same engine layout: every column must match the saved one, not only the totals.
-        for k, key in enumerate(producer.keys):
-            differing = positions[left[:, k] != right[:, consumer.column_of[key]]].tolist()
-            if key[1] == 0:
-                mismatched.update(differing)
-            else:
-                replicas.update((position, *key) for position in differing)
-
-    missing, expected = missing_and_expected(producer, consumer, coarse, window)
-    compared = set(positions.tolist())
-    unchecked = [q for q in expected if q not in compared and q not in missing]
-    formed = set(common.tolist())
-    # Expected from inside a coarse block (the window's start, the producer's first
-    # block): a side holds only its last fine blocks there.
-    cut = [q for q in unchecked if q not in formed]
-    unverified = None
-    if cut:
-        fine = min(producer.block_size, consumer.block_size)
-        unverified = (
-            f"not compared at {_positions_text(cut)}: a side holds only its last {fine}-token "
-            f"blocks from token {expected_from(producer, consumer, window)}, and the "
-            f"{coarse}-token block's checksum cannot be formed from them"
-        )
-    elif unchecked:
-        unverified = (
-            f"not compared at {_positions_text(unchecked)}: the sides hold different valid "
-            f"tokens there (producer {producer.num_tokens} tokens, consumer "
-            f"{consumer.num_tokens}, block size {coarse}) and a record cannot be "
-            "checksummed again over fewer"
-        )
-    return GroupComparison(
-        compared=int(positions.size),
-        mismatched_positions=sorted(mismatched),
-        replica_mismatches=sorted(replicas),
-        unverified=unverified,
-        block_size=coarse,
-        missing_positions=missing,
-        held=(len(held_positions(producer, coarse)), len(held_positions(consumer, coarse))),
-    )
+__all__ = ["group_windows", "side_warnings"]

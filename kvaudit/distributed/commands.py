@@ -14,11 +14,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..compare import DiffReport
-from ..compare.checksum_trace import partial_note
+from ..compare import DiffReport, shared_tokens
+from ..compare.trace import partial_note
 from ..core.errors import KvauditError
 from ..description import CacheDescription
-from ..diffing import shared_tokens
 from ..sources import Source, resolve_device
 from .comm import EXIT_BAD_INPUT, join, joined, leave, tried
 from .spread_locate import locate_spread

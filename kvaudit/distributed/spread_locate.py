@@ -137,7 +137,7 @@ def locate_spread(
     consumer: SpreadSource,
     num_tokens: Mapping[str, int],
 ) -> None:
-    """Fill each differing group's ``located`` on rank 0, as ``kvaudit.diffing``'s
+    """Fill each differing group's ``located`` on rank 0, as ``kvaudit.compare``'s
     ``locate_report`` does in one process; every process takes part.
 
     Raises:

@@ -2,11 +2,11 @@
 dumps hold, and only digests and matches travel.
 
 Rank 0, which holds the located entries, gives every process the blocks to trace
-(``kvaudit.trace.trace_units``). Each process digests the slices of those consumer blocks
+(``kvaudit.compare.trace.trace_units``). Each process digests the slices of those consumer blocks
 that its consumer dumps hold; the digests, gathered, are the targets. Each process then
 lists the producer blocks of its own dumps whose slices it holds match their targets; a
 producer block is a source when every slice of the unit matched on some process
-(``kvaudit.trace.stale_sources``), as one process decides over all the dumps. A slice two
+(``kvaudit.compare.trace.stale_sources``), as one process decides over all the dumps. A slice two
 processes give different digests of is never matched.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..compare import DiffReport
-from ..trace import (
+from ..compare.trace import (
     Matches,
     ProducerBlocks,
     Slice,

@@ -6,8 +6,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from ..compare import DiffReport, StoredCheck, stored_report
-from ..diffing import carried_wires, stored_checks, verify_sources, verify_wire
+from ..compare import (
+    DiffReport,
+    StoredCheck,
+    carried_wires,
+    stored_checks,
+    stored_report,
+    verify_sources,
+    verify_wire,
+)
 from ..records.wire import WireChecksums
 from ..sources import Progress, Runtime, Source, resolve_device
 from .spread_source import SpreadSource
@@ -56,7 +63,7 @@ def verify_spread(
     allow_missing: bool = False,
     allow_empty: bool = False,
 ) -> DiffReport:
-    """``kvaudit.diffing.verify_sources`` for a source spread among processes (every
+    """``kvaudit.compare.verify_sources`` for a source spread among processes (every
     process calls it): ``received`` and ``stored`` read the carried checksums where the
     dumps are; anything else is checked as in one process."""
     if against is not None or not isinstance(source, SpreadSource) or received == stored:

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..compare import DiffReport
+from ..compare.diff import diff_sources
+from ..compare.sides import check_wanted, shared_tokens, unique_ids
 from ..core.errors import KvauditError
 from ..core.validation import worker_layout
-from ..diffing.diff import diff_sources
-from ..diffing.sides import check_wanted, shared_tokens, unique_ids
 from ..sources import Progress, Source
 from ..sources.raw import RawWorker
 from .model import NumericReport

@@ -12,10 +12,9 @@ import dataclasses
 import logging
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     CopyBlocksOp,
@@ -36,34 +35,29 @@ from .config import AuditConfig, parse_config
 from .describe import describe_vllm_cache
 from .engine import (
     AUDIT_KEY,
-    WRAPPED_KEY,
     group_layouts,
     model_kv_heads,
     multiconnector_siblings,
     refuse_sync_loading,
     with_transfer_config,
     worker_ranks,
-    wrapped_transfer_config,
 )
 from .messages import (
     STATS_KEY,
     KVAuditMetadata,
-    KVAuditPromMetrics,
     KVAuditStats,
     KVAuditWorkerMetadata,
     class_path,
 )
 from .scheduler import SchedulerAudit
 from .worker import WorkerAudit
+from .wrapped_class import WrappedClassQueries
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-        KVConnectorPromMetrics,
         KVConnectorStats,
-        PromMetric,
-        PromMetricT,
     )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.block_pool import BlockPool
@@ -74,7 +68,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvaudit.vllm")
 
 
-class KVAuditConnector(KVConnectorBase_V1):
+class KVAuditConnector(WrappedClassQueries, KVConnectorBase_V1):
     """Audits the KV a wrapped connector moves: checksums on the producer when the KV is
     complete, on the consumer once loaded; the producer's wire in ``kv_transfer_params``
     under ``"kvaudit"``; mismatches logged, counted and (policy ``fail``) reported as load
@@ -84,8 +78,6 @@ class KVAuditConnector(KVConnectorBase_V1):
     under the name of the vLLM connector it audits (``kvaudit.integrations.vllm.audited``
     makes one such class per name: ``audited_name``), so that vLLM's own checks of that
     connector still apply."""
-
-    audited_name: ClassVar[str | None] = None
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -171,66 +163,6 @@ class KVAuditConnector(KVConnectorBase_V1):
         if self.wrapped is None:
             return super().requires_kv_delivery
         return self.wrapped.requires_kv_delivery
-
-    @classmethod
-    def inner_transfer_config(cls, config: KVTransferConfig) -> KVTransferConfig | None:
-        """The wrapped connector's ``KVTransferConfig`` (None: nothing wrapped)."""
-        return wrapped_transfer_config(config, cls.audited_name)
-
-    @classmethod
-    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
-        inner = cls.inner_transfer_config(kv_transfer_config)
-        if inner is None:
-            return True
-        return KVConnectorFactory.get_connector_class(inner).supports_sleep_mode(inner)
-
-    @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        assert vllm_config.kv_transfer_config is not None
-        inner = cls.inner_transfer_config(vllm_config.kv_transfer_config)
-        if inner is None:
-            return None
-        wrapped = KVConnectorFactory.get_connector_class(inner)
-        return wrapped.get_required_kvcache_layout(with_transfer_config(vllm_config, inner))
-
-    @classmethod
-    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        if cls.audited_name is not None:
-            own = {k: v for k, v in extra_config.items() if k != AUDIT_KEY}
-            wrapped_cls = KVConnectorFactory.get_connector_class_by_name(cls.audited_name)
-            return wrapped_cls.requires_piecewise_for_cudagraph(own)
-        wrapped = extra_config.get(WRAPPED_KEY)
-        if not wrapped:
-            return False
-        # The role only satisfies the config's validation: the class is what is asked.
-        inner = KVTransferConfig(**{"kv_role": "kv_both", **wrapped})
-        return KVConnectorFactory.get_connector_class(inner).requires_piecewise_for_cudagraph(
-            inner.kv_connector_extra_config
-        )
-
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
-        return KVAuditStats.from_dict(data)
-
-    @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: VllmConfig,
-        metric_types: dict[type[PromMetric], type[PromMetricT]],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> KVConnectorPromMetrics | None:
-        assert vllm_config.kv_transfer_config is not None
-        inner = cls.inner_transfer_config(vllm_config.kv_transfer_config)
-        wrapped = None
-        if inner is not None:
-            wrapped = KVConnectorFactory.get_connector_class(inner).build_prom_metrics(
-                with_transfer_config(vllm_config, inner), metric_types, labelnames,
-                per_engine_labelvalues,
-            )  # fmt: skip
-        return KVAuditPromMetrics(
-            wrapped, vllm_config, metric_types, labelnames, per_engine_labelvalues
-        )
 
     # Worker side.
 

@@ -18,7 +18,7 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from .scheduler import GroupLayout
+from .checks import GroupLayout
 
 AUDIT_KEY = "kvaudit"
 WRAPPED_KEY = "wrapped"

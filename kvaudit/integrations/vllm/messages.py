@@ -17,8 +17,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from .checks import AuditCounters
 from .jobs import AuditStep, WorkerPartials
-from .scheduler import AuditCounters
 
 STATS_KEY = "kvaudit"
 

@@ -19,9 +19,16 @@ from typing import Any
 import numpy as np
 
 from ...core.errors import KvauditError
-from ...core.scheme import valid_tokens
 from ...records import RequestChecksums, WorkerRecord, combine_workers
 from ...records.wire import decode_wire, decode_wire_base64, encode_wire_base64
+from .checks import (
+    AuditCounters,
+    GroupLayout,
+    compared_positions,
+    compared_text,
+    position_span,
+    replica_differences,
+)
 from .config import AuditConfig
 from .jobs import CONSUMER, PRODUCER, AuditJob, AuditStep, WorkerPartials
 
@@ -31,44 +38,6 @@ PARAM_WIRE = "kvaudit"
 PARAM_ID = "kvaudit_id"
 _STALE_INDEX_SIZE = 1 << 16
 NULL_BLOCK = 0  # vLLM's block pool keeps block 0 as the null block of skipped positions
-
-
-@dataclass(frozen=True)
-class GroupLayout:
-    """What the scheduler needs of a KV cache group: its block size and whether it may
-    hold null blocks for positions out of its window."""
-
-    block_size: int
-    windowed: bool = False
-
-
-@dataclass
-class AuditCounters:
-    """Counts since the last report, for vLLM's connector stats and Prometheus.
-
-    Blocks are the consumer's loaded block positions (per group): ``checked`` compared
-    with the producer's, ``mismatched`` of those differing, ``unverified`` loaded but not
-    compared (no producer checksums, a group not comparable, other valid tokens);
-    ``local`` held in the consumer's prefix cache, so not transferred and not compared.
-    ``declined_sync_loads``: synchronous loads declined under policy ``fail``.
-    The workers add ``dumps_written`` and ``overhead_seconds`` (host time in kvaudit).
-    """
-
-    producer_requests: int = 0
-    consumer_requests: int = 0
-    mismatched_requests: int = 0
-    mismatched_blocks: int = 0
-    not_comparable_groups: int = 0
-    unverified_requests: int = 0
-    checked_blocks: int = 0
-    unverified_blocks: int = 0
-    local_blocks: int = 0
-    declined_sync_loads: int = 0
-    dumps_written: int = 0
-    overhead_seconds: float = 0.0
-
-    def as_dict(self) -> dict[str, int | float]:
-        return dict(self.__dict__)
 
 
 @dataclass
@@ -166,7 +135,9 @@ class SchedulerAudit:
     def _nothing_loaded(self, state: _Request, local_tokens: int) -> None:
         held = {g: -(-local_tokens // layout.block_size) for g, layout in self.groups.items()}
         self.counters.local_blocks += sum(held.values())
-        where = ", ".join(f"group {g} positions {_span(0, n)}" for g, n in held.items() if n)
+        where = ", ".join(
+            f"group {g} positions {position_span(0, n)}" for g, n in held.items() if n
+        )
         logger.info(
             "kvaudit: request %s: nothing loaded (%s), computed here: not compared",
             state.audit_id,
@@ -405,15 +376,15 @@ class SchedulerAudit:
                     state.audit_id, group.group_id, mine.fingerprint, group.fingerprint,
                 )  # fmt: skip
                 continue
-            compared, positions = _compare(group, mine, wire.num_tokens, job.num_tokens)
-            positions += [p for p in _replica_differences(mine) if p not in positions]
+            compared, positions = compared_positions(group, mine, wire.num_tokens, job.num_tokens)
+            positions += [p for p in replica_differences(mine) if p not in positions]
             self._index(state.audit_id, group.group_id, group.start, group.totals)
             self.counters.checked_blocks += len(compared)
             skipped = mine.end - mine.start - len(compared)
             self.counters.unverified_blocks += skipped
             unverified |= skipped > 0
             held = local.get(group.group_id, 0)
-            where = _where(compared, held, skipped)
+            where = compared_text(compared, held, skipped)
             if not positions:
                 logger.info("kvaudit: request %s group %d: %s: match", state.audit_id,
                             group.group_id, where)  # fmt: skip
@@ -469,53 +440,3 @@ class SchedulerAudit:
         """The counters since the last call."""
         counters, self.counters = self.counters, AuditCounters()
         return counters
-
-
-def _compare(
-    group: Any, mine: Any, producer_tokens: int, consumer_tokens: int
-) -> tuple[list[int], list[int]]:
-    """The positions compared (both sides hold them with the same valid tokens) and,
-    of those, the ones whose totals differ."""
-    totals = mine.totals()
-    compared, differing = [], []
-    for offset, value in enumerate(group.totals.tolist()):
-        p = group.start + offset
-        if not mine.start <= p < mine.end:
-            continue
-        size = group.block_size
-        if valid_tokens(producer_tokens, size, p) != valid_tokens(consumer_tokens, size, p):
-            continue
-        compared.append(p)
-        if int(totals[p - mine.start]) != value:
-            differing.append(p)
-    return compared, differing
-
-
-def _span(first: int, end: int) -> str:
-    """Positions ``first .. end - 1`` as text."""
-    return str(first) if end - first == 1 else f"{first}-{end - 1}"
-
-
-def _where(compared: list[int], held: int, skipped: int) -> str:
-    """What of a group was compared, as the log lines say it."""
-    noun = "position" if len(compared) == 1 else "positions"
-    parts = [f"{noun} {_span(compared[0], compared[-1] + 1)} compared" if compared
-             else "no position compared"]  # fmt: skip
-    if held:
-        parts.append(f"{_span(0, held)} held locally (prefix cache), not compared")
-    if skipped:
-        parts.append(f"{skipped} loaded not compared (the producer's valid tokens differ)")
-    return "; ".join(parts)
-
-
-def _replica_differences(mine: Any) -> list[int]:
-    """Positions where a consumer replica ``(R, r)`` differs from ``(R, 0)``."""
-    keys = [tuple(k) for k in mine.replica_keys]
-    out = set()
-    for k, (replicas, index) in enumerate(keys):
-        if index == 0 or (replicas, 0) not in keys:
-            continue
-        base = keys.index((replicas, 0))
-        for row in np.nonzero(mine.values[:, k] != mine.values[:, base])[0].tolist():
-            out.add(mine.start + row)
-    return sorted(out)

@@ -7,23 +7,24 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ..compare import DiffReport, compare_records
-from ..compare.checksum_trace import partial_note, trace_by_checksums
 from ..core.errors import KvauditError
 from ..locate import locate_differences
-from ..pairing import group_windows, side_warnings
 from ..sources import Progress, Runtime, Source, resolve_device
 from ..sources.raw import RawWorker, fetched, fetches
-from ..trace import trace_report
+from .model import DiffReport
+from .records import compare_records
 from .sides import (
     check_wanted,
     checksum_held,
+    group_windows,
     held_ids,
     shared_numbering,
     shared_tokens,
+    side_warnings,
     trim_to,
     unique_ids,
 )
+from .trace import partial_note, trace_by_checksums, trace_report
 
 
 def diff_work(producer: Source, consumer: Source, request_ids: Sequence[str] | None = None) -> int:

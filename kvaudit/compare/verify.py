@@ -6,15 +6,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..compare import DiffReport, verify_against_record
-from ..compare.checksum_trace import partial_note, trace_by_checksums
 from ..core.errors import KvauditError
-from ..pairing import group_windows
 from ..sources import Progress, Runtime, Source, resolve_device
 from .diff import diff_work
+from .model import DiffReport
 from .received import received_wires, verify_wire
-from .sides import check_wanted, checksum_held, shared_numbering, shared_tokens, trim_to, unique_ids
+from .records import verify_against_record
+from .sides import (
+    check_wanted,
+    checksum_held,
+    group_windows,
+    shared_numbering,
+    shared_tokens,
+    trim_to,
+    unique_ids,
+)
 from .stored import verify_stored
+from .trace import partial_note, trace_by_checksums
 
 
 def verify_work(

@@ -6,7 +6,7 @@ Per request present on both sides and per group either side holds:
 - Both records must number positions the same way (``request`` or ``block``), else
   ``KvauditError``.
 - A group is unverified when a worker of either side is missing or only one side holds
-  it; otherwise it is compared by the rules of ``kvaudit.compare.sides``. A group that
+  it; otherwise it is compared by the rules of ``kvaudit.compare.groups``. A group that
   neither side checksums is unverified in every request when a worker leaves it out for a
   reason other than its description's (``transfer: false``, ``host_resident: true``):
   KV that moves went unchecked. A group the consumer's workers checksum but hold no
@@ -24,8 +24,8 @@ import numpy as np
 from ..core.errors import KvauditError
 from ..description import LEFT_OUT_BY_DESCRIPTION
 from ..records import GroupChecksums, Record
+from .groups import Side, Window, compare_sides, held_positions, missing_and_expected
 from .model import DiffReport, GroupComparison
-from .sides import Side, Window, compare_sides, held_positions, missing_and_expected
 
 TokenCounts = Mapping[str, int]
 """Request id to the token count a side holds (where its checksums cover fewer)."""

@@ -21,6 +21,15 @@ The steps are separate so that processes holding parts of the sides can each do 
 (the consumer's content of each), ``ProducerBlocks.matching`` (the producer blocks whose
 slices held here match) and ``stale_sources`` (the sources, from every part's matches,
 finer blocks only where the whole finds none).
+
+Where the raw KV is not read (a record on one side, ``--no-locate``, a ``verify
+--against``: ``trace_by_checksums``), the producer blocks of the same group whose totals equal the
+consumer block's total, over the same number of valid tokens, are its stale sources: the
+literal rule of the spec (docs/cli.md). Under ``block`` numbering a block's checksum does
+not depend on its position, so a block delivered anywhere is found; under ``request``
+numbering each token is weighed by its position in the request, so only a producer block
+at the same position (of another request) can match, and the report says so where a
+block found no source.
 """
 
 from __future__ import annotations
@@ -30,16 +39,26 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .compare.model import DiffReport, StaleSource
-from .core.scheme import valid_tokens
-from .description import CacheDescription
-from .locate import SliceReader
-from .sources.raw import RawWorker
+import numpy as np
+
+from ..core.scheme import valid_tokens
+from ..description import CacheDescription
+from ..locate import SliceReader
+from ..records import Record
+from ..records.model import replica_zero_totals
+from ..sources.raw import RawWorker
+from .groups import Side, coarsen
+from .model import DiffReport, StaleSource
 
 Slice = tuple[str, int]
+
+
 """``(layer name, global head)``: a slice of replica 0."""
 
+
 Matches = dict[tuple[str, int], set[Slice]]
+
+
 """Producer blocks ``(request, position)`` with the unit's slices found to match there."""
 
 
@@ -241,12 +260,20 @@ def _sources(
 
 
 Traced = dict[tuple[str, int], dict[int, list[StaleSource]]]
+
+
 """Per (request, group), each traced position's sources."""
 
+
 Digest = Callable[[list[TraceUnit]], list[dict[Slice, bytes]]]
+
+
 """The consumer's digests of each unit's slices (complete where the content is known)."""
 
+
 Match = Callable[[list[TraceUnit], list[dict[Slice, bytes]]], list[Matches]]
+
+
 """Each unit's matching producer blocks, with the slices matched (over every part)."""
 
 
@@ -307,3 +334,89 @@ __all__ = [
     "unit_digests",
     "unit_layers",
 ]
+
+
+Content = tuple[int, int]
+
+
+"""A block's content as its checksums see it: ``(total, valid tokens)``."""
+
+
+def partial_note(why: str) -> str:
+    """What a report says of a trace by request-numbered checksums that left a differing
+    block without a source: a block from another position cannot be found that way."""
+    return (
+        f"traced by checksums only ({why}): request-numbered checksums match only a block "
+        "at the same position; a record checksummed with --positions block, or both sides' "
+        "raw KV, traces any position"
+    )
+
+
+def _contents(
+    record: Record, gid: int, block_size: int, fingerprint: int
+) -> dict[Content, list[tuple[str, int]]]:
+    """Every block of group ``gid`` in ``record`` at ``block_size`` (finer blocks summed,
+    as a diff compares them), by content: ``(request, position)`` pairs."""
+    found: dict[Content, list[tuple[str, int]]] = defaultdict(list)
+    for request_id, request in record.requests.items():
+        group = request.groups.get(gid)
+        if group is None or group.fingerprint != fingerprint or block_size % group.block_size:
+            continue
+        positions, columns = coarsen(Side.of(group, request.num_tokens), block_size)
+        totals = replica_zero_totals(columns, group.replica_keys).tolist()
+        valid = valid_tokens(request.num_tokens, block_size, positions).tolist()
+        for position, total, tokens in zip(positions.tolist(), totals, valid, strict=True):
+            if tokens > 0:
+                found[total, tokens].append((request_id, position))
+    return found
+
+
+def _consumer_contents(
+    record: Record, request_id: str, gid: int, block_size: int, positions: list[int]
+) -> dict[int, Content]:
+    """The content of each of the consumer's ``positions`` (at ``block_size``) that it
+    forms there."""
+    request = record.requests[request_id]
+    group = request.groups[gid]
+    if block_size % group.block_size:
+        return {}
+    formed, columns = coarsen(Side.of(group, request.num_tokens), block_size)
+    totals = replica_zero_totals(columns, group.replica_keys)
+    at = {int(q): k for k, q in enumerate(formed.tolist())}
+    wanted = [q for q in positions if q in at]
+    valid = valid_tokens(request.num_tokens, block_size, np.array(wanted, dtype=np.int64))
+    return {
+        q: (int(totals[at[q]]), int(tokens))
+        for q, tokens in zip(wanted, valid.tolist(), strict=True)
+    }
+
+
+def trace_by_checksums(report: DiffReport, producer: Record, consumer: Record) -> bool:
+    """Fill the ``stale_sources`` of every differing group of ``report`` from the two
+    records' checksums (a position no producer block matches maps to an empty list).
+    Returns whether the trace is partial: some position found no source under
+    ``request`` numbering, where only sources at its own position can be found."""
+    index: dict[tuple[int, int, int], dict[Content, list[tuple[str, int]]]] = {}
+    unmatched = False
+    for request_id, gid, group in report.groups():
+        if not group.mismatched_positions or request_id not in consumer.requests:
+            continue
+        consumed = consumer.requests[request_id].groups.get(gid)
+        if consumed is None:
+            continue
+        key = (gid, group.block_size, consumed.fingerprint)
+        if key not in index:
+            index[key] = _contents(producer, *key)
+        held = _consumer_contents(
+            consumer, request_id, gid, group.block_size, group.mismatched_positions
+        )
+        for position in group.mismatched_positions:
+            content = held.get(position)
+            matches = index[key].get(content, []) if content is not None else []
+            group.stale_sources[position] = [
+                StaleSource(source, gid, at)
+                for source, at in matches
+                if (source, at) != (request_id, position)
+            ]
+            unmatched = unmatched or not group.stale_sources[position]
+    return unmatched and consumer.positions == "request"
