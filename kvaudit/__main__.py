@@ -8,7 +8,7 @@ import signal
 import sys
 from types import FrameType
 
-EXIT_INTERRUPTED = 130
+from .core.exit_status import ExitStatus
 
 
 def _interrupted(signum: int, frame: FrameType | None) -> None:
@@ -25,14 +25,14 @@ def run() -> None:
         from .cli import main
     except KeyboardInterrupt:
         sys.stderr.write("kvaudit: interrupted\n")
-        sys.exit(EXIT_INTERRUPTED)
+        sys.exit(ExitStatus.INTERRUPTED)
     from .cli.exits import end_process
 
     try:
         status = main(prog_name="kvaudit", standalone_mode=False)
     except KeyboardInterrupt:
         sys.stderr.write("kvaudit: interrupted\n")
-        status = EXIT_INTERRUPTED
+        status = ExitStatus.INTERRUPTED
     end_process(status if isinstance(status, int) else 0)
 
 

@@ -50,7 +50,7 @@ from kvaudit.records import (
     combine_workers,
 )
 from kvaudit.report import (
-    Sides,
+    SideNames,
     print_corrupted,
     print_diff,
     print_inventory,
@@ -297,7 +297,7 @@ def test_diff_junit_says_nothing_was_compared_where_no_case_does() -> None:
 
 def test_diff_tables() -> None:
     assert render_text(print_diff, report()) == golden("diff_table")
-    stored = Sides("stored checksums", "dumps", "checked")
+    stored = SideNames("stored checksums", "dumps", "checked")
     text = render_text(
         lambda console, report: print_diff(
             console, report, title="verify the stored checksums of x", sides=stored

@@ -33,7 +33,7 @@ ELSEWHERE = (
     "kvaudit.formats.csv",
     "kvaudit.formats.junit",
     "kvaudit.sources.record_source",
-    "kvaudit.sources.live_source",
+    "kvaudit.sources.handle_source",
     "kvaudit.sources.socket_source",
     "kvaudit.sources.vllm_output_source",
     "kvaudit.dumps.example_connector",

@@ -26,12 +26,12 @@ from kvaudit.locate import locate_differences
 from kvaudit.records import Record, WorkerInfo
 from kvaudit.sources import (
     DumpSource,
-    LiveWorker,
     Progress,
     RawKVSource,
     RecordSource,
     Runtime,
     SourceKind,
+    TensorWorker,
     open_source,
     registry,
     resolve_device,
@@ -103,7 +103,8 @@ def open_memory(
     names: Sequence[str], claimed: Sequence[str], options: registry.OpenOptions
 ) -> MemorySource:
     workers = [
-        LiveWorker(name, CONSUMER, DESCRIPTION, CACHES[name], 6, dict(REQUESTS)) for name in claimed
+        TensorWorker(name, CONSUMER, DESCRIPTION, CACHES[name], 6, dict(REQUESTS))
+        for name in claimed
     ]
     return MemorySource(names, workers)
 
@@ -150,11 +151,11 @@ def test_a_registered_kind_is_opened_checksummed_and_located(memory_kind: None, 
 def test_locate_reads_dumps_and_live_tensors_alike(dump: Path) -> None:
     broken = cache()
     broken[LAYERS[0]].view(torch.int16)[3, 0, 0, 0] ^= 4  # block 3: position 2, token 8
-    live = [LiveWorker("live", CONSUMER, DESCRIPTION, broken, 6, dict(REQUESTS))]
+    live = [TensorWorker("live", CONSUMER, DESCRIPTION, broken, 6, dict(REQUESTS))]
     dumps = open_dump_set([dump]).dumps
     found = locate_differences(dumps, live, "r", 0, [0, 1, 2], 4, 10)
     assert [(e.position, e.layer, e.head, e.tokens) for e in found] == [(2, LAYERS[0], 0, [8])]
-    clean = [LiveWorker("live", CONSUMER, DESCRIPTION, cache(), 6, dict(REQUESTS))]
+    clean = [TensorWorker("live", CONSUMER, DESCRIPTION, cache(), 6, dict(REQUESTS))]
     assert locate_differences(dumps, clean, "r", 0, [0, 1, 2], 4, 10) == []
 
 

@@ -8,9 +8,10 @@ from typing import get_args
 import click
 
 from ..core.errors import printable
+from ..core.exit_status import ExitStatus
 from ..core.validation import POSITION_NUMBERINGS
 from .arguments import check_outputs, load_config, open_sources, wanted_ids
-from .group import EXIT_INCOMPLETE, EXIT_OK, main
+from .group import main
 from .options import (
     EXIT_HELP,
     RecordFormat,
@@ -80,7 +81,7 @@ def checksum(
                 err=True,
             )
     if record.complete:
-        return EXIT_INCOMPLETE if partial else EXIT_OK
+        return ExitStatus.INCOMPLETE if partial else ExitStatus.OK
     if output_format != "table" and not quiet:
         from ..report import missing_workers_text
 
@@ -89,4 +90,4 @@ def checksum(
             f"{missing_workers_text(record.missing_workers)}: checksums are partial",
             err=True,
         )
-    return EXIT_INCOMPLETE
+    return ExitStatus.INCOMPLETE

@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, get_args
 import click
 
 from ..core.errors import KvauditError
+from ..core.exit_status import ExitStatus
 from ..corrupt.mode_names import MODES
 from .arguments import check_outputs, load_config
-from .group import EXIT_OK, main
+from .group import main
 from .options import CORRUPT_EXIT_HELP, PlantedFormat, common_options, format_option
 from .output import emit, emit_table
 
@@ -95,4 +96,4 @@ def corrupt(
         emit(json_text(planted_to_json(fault)) + "\n", None)
     else:
         emit_table(functools.partial(print_corrupted, fault=fault), None)
-    return EXIT_OK
+    return ExitStatus.OK

@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from ..core.exit_status import ExitStatus
 from ..distributed import spread
 from .arguments import check_outputs, load_config, open_sources, wanted_ids
-from .group import EXIT_MISMATCH, EXIT_OK, main
+from .group import main
 from .options import DIFF_EXIT_HELP, ReportFormat, common_options, report_options, request_option
 from .output import ReportOutputs, emit, emit_report, emit_table, warn
 
@@ -104,7 +105,7 @@ def diff(
     CONSUMER are each a dump file, a directory of one engine's dumps, a record (JSON) or a
     live handle. Differing blocks are located down to layers, heads, tokens and bytes."""
     from ..compare import diff_sources, diff_work
-    from ..report import DIFF_SIDES
+    from ..report import DIFF_SIDE_NAMES
     from ..sources import resolve_device
     from .progress import progress_bar
 
@@ -145,12 +146,12 @@ def diff(
         locate_across(report, left, right, wanted, locate)
     title = f"diff: producer {left.describe()}, consumer {right.describe()}"
     outputs = ReportOutputs(output_format, output, json_path, junit_path)
-    emit_report(report, outputs, title, DIFF_SIDES, "kvaudit.diff")
+    emit_report(report, outputs, title, DIFF_SIDE_NAMES, "kvaudit.diff")
     if html_path is not None:
         from ..formats.html import diff_html
 
         emit(diff_html(report, title), html_path)
-    return EXIT_OK if report.ok else EXIT_MISMATCH
+    return ExitStatus.OK if report.ok else ExitStatus.MISMATCH
 
 
 def diff_numeric(
@@ -200,4 +201,4 @@ def diff_numeric(
         emit(text, json_path)
     if html_path is not None:
         emit(numeric_html(report, title), html_path)
-    return EXIT_OK if report.ok else EXIT_MISMATCH
+    return ExitStatus.OK if report.ok else ExitStatus.MISMATCH

@@ -15,10 +15,9 @@ from types import FrameType, TracebackType
 from typing import NoReturn
 
 from ..core.errors import one_line
+from ..core.exit_status import ExitStatus
 from ..core.interrupts import INTERRUPTING
 
-EXIT_INTERNAL = 3
-EXIT_INTERRUPTED = 130
 INTERRUPTED_LINE = "kvaudit: interrupted"
 
 
@@ -95,7 +94,7 @@ def end_process(status: int) -> NoReturn:
 
 
 def _exit_interrupted(signum: int, frame: FrameType | None) -> None:
-    os._exit(EXIT_INTERRUPTED)
+    os._exit(ExitStatus.INTERRUPTED)
 
 
 def _flush_streams() -> None:

@@ -12,20 +12,11 @@ from typing import Any
 import click
 
 from ..core.errors import KvauditError, one_line
+from ..core.exit_status import ExitStatus
 from ..core.interrupts import check_interrupted, interrupt_received, interrupt_signals
 from ..distributed import Settled, spread
-from .exits import (
-    EXIT_INTERNAL,
-    EXIT_INTERRUPTED,
-    INTERRUPTED_LINE,
-    internal_error_line,
-    tolerant_streams,
-)
+from .exits import INTERRUPTED_LINE, internal_error_line, tolerant_streams
 
-EXIT_OK = 0
-EXIT_INCOMPLETE = 1
-EXIT_MISMATCH = 1
-EXIT_BAD_INPUT = 2
 # click >= 8.2 raises this for a bare `kvaudit`; its message is the help text.
 _NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
@@ -106,27 +97,27 @@ class KvauditGroup(click.Group):
         except Settled as settled:  # another process ended first, under torchrun
             return settled.status, None if settled.line is None else one_line(settled.line)
         except KvauditError as error:
-            return EXIT_BAD_INPUT, error_line(str(error))
+            return ExitStatus.BAD_INPUT, error_line(str(error))
         except _NO_ARGS_IS_HELP as error:
             click.echo(error.format_message())
-            return EXIT_BAD_INPUT, None
+            return ExitStatus.BAD_INPUT, None
         except click.UsageError as error:
             hint = f" (try '{error.ctx.command_path} --help')" if error.ctx is not None else ""
-            return EXIT_BAD_INPUT, error_line(error.format_message() + hint)
+            return ExitStatus.BAD_INPUT, error_line(error.format_message() + hint)
         except click.ClickException as error:
-            return EXIT_BAD_INPUT, error_line(error.format_message())
+            return ExitStatus.BAD_INPUT, error_line(error.format_message())
         except (click.Abort, KeyboardInterrupt, _CommandInterrupted):
-            return EXIT_INTERRUPTED, INTERRUPTED_LINE
+            return ExitStatus.INTERRUPTED, INTERRUPTED_LINE
         except BrokenPipeError:
             # The reader of our output went away (`kvaudit checksum ... | head`): point
             # stdout at /dev/null so that flushing it at exit raises nothing more.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return EXIT_INCOMPLETE, None
+            return ExitStatus.INCOMPLETE, None
         except Exception as error:  # any bug that escapes: status 3, not a traceback
             if interrupt_received():
-                return EXIT_INTERRUPTED, INTERRUPTED_LINE
-            return EXIT_INTERNAL, internal_error_line(error, self.debug)
-        return (status if isinstance(status, int) else EXIT_OK), None
+                return ExitStatus.INTERRUPTED, INTERRUPTED_LINE
+            return ExitStatus.INTERNAL, internal_error_line(error, self.debug)
+        return (status if isinstance(status, int) else ExitStatus.OK), None
 
 
 def _version() -> str:

@@ -7,8 +7,9 @@ from typing import get_args
 
 import click
 
+from ..core.exit_status import ExitStatus
 from .arguments import load_config, open_sources
-from .group import EXIT_INCOMPLETE, EXIT_OK, main
+from .group import main
 from .options import EXIT_HELP, InventoryFormat, common_options, format_option
 from .output import emit, emit_table, stamp
 
@@ -35,4 +36,4 @@ def inspect(
         emit(json_text(stamp(inventory_to_json(inventory))) + "\n", None)
     else:
         emit_table(functools.partial(print_inventory, inventory=inventory), None)
-    return EXIT_OK if inventory.complete else EXIT_INCOMPLETE
+    return ExitStatus.OK if inventory.complete else ExitStatus.INCOMPLETE

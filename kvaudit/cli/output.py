@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from ..compare import DiffReport
-    from ..report import Sides
+    from ..report import SideNames
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ def warn(warnings: Sequence[str]) -> None:
 
 
 def emit_report(
-    report: DiffReport, outputs: ReportOutputs, title: str, sides: Sides, suite: str
+    report: DiffReport, outputs: ReportOutputs, title: str, sides: SideNames, suite: str
 ) -> None:
     """Warn on stderr, write the ``--json`` and ``--junit`` files, then print or write
     the report in the chosen format. A reader of stdout that went away (``| head``)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import click
 
+from ..core.exit_status import ExitStatus
 from ..distributed import spread
 from .arguments import check_outputs, load_config, open_sources, wanted_ids
-from .group import EXIT_MISMATCH, EXIT_OK, main
+from .group import main
 from .options import DIFF_EXIT_HELP, ReportFormat, common_options, report_options, request_option
 from .output import ReportOutputs, emit_report
 
@@ -53,7 +54,7 @@ def verify(
     producer checksums its dumps received (--received), or the stored checksums of its
     offloaded blocks (--stored)."""
     from ..compare import verify_sources, verify_work
-    from ..report import Sides
+    from ..report import SideNames
     from ..sources import resolve_device
     from .progress import progress_bar
 
@@ -92,14 +93,14 @@ def verify(
             allow_empty=allow_empty,
         )
     if saved is not None:
-        sides = Sides("saved record", "source")
+        sides = SideNames("saved record", "source")
         title = f"verify {source.describe()} against {saved.describe()}"
     elif received:
-        sides = Sides("received producer checksums", "consumer")
+        sides = SideNames("received producer checksums", "consumer")
         title = f"verify {source.describe()} against the producer checksums it received"
     else:
-        sides = Sides("stored checksums", "dumps", "checked")
+        sides = SideNames("stored checksums", "dumps", "checked")
         title = f"verify the stored checksums of {source.describe()}"
     outputs = ReportOutputs(output_format, output, json_path, junit_path)
     emit_report(report, outputs, title, sides, "kvaudit.verify")
-    return EXIT_OK if report.ok else EXIT_MISMATCH
+    return ExitStatus.OK if report.ok else ExitStatus.MISMATCH

@@ -73,7 +73,7 @@ def as_window(window: Window | None) -> AttentionWindow | None:
 
 
 @dataclass
-class Side:
+class SideChecksums:
     """One side's checksums of one request's group: ``columns[i, k]`` is position
     ``start + i`` under ``keys[k]``, checksummed over ``num_tokens`` tokens of a request
     the side holds ``tokens`` of (``num_tokens`` when not cut)."""
@@ -91,7 +91,7 @@ class Side:
             self.tokens = self.num_tokens
 
     @classmethod
-    def of(cls, group: GroupChecksums, num_tokens: int, tokens: int | None = None) -> Side:
+    def of(cls, group: GroupChecksums, num_tokens: int, tokens: int | None = None) -> SideChecksums:
         """A record's group checksummed over ``num_tokens`` tokens of a request the side
         holds ``tokens`` of (default ``num_tokens``)."""
         keys = [(int(r), int(i)) for r, i in group.replica_keys]
@@ -115,7 +115,7 @@ class Side:
         return {key: k for k, key in enumerate(self.keys)}
 
 
-def coarsen(side: Side, coarse: int) -> tuple[np.ndarray, np.ndarray]:
+def coarsen(side: SideChecksums, coarse: int) -> tuple[np.ndarray, np.ndarray]:
     """The coarse positions the side can form and their columns summed mod 2**64.
 
     A coarse block is formed when each of its fine positions is held or has no valid token
@@ -141,7 +141,7 @@ def coarsen(side: Side, coarse: int) -> tuple[np.ndarray, np.ndarray]:
     return positions[formed], sums[formed]
 
 
-def _replica_differences(side: Side, coarse: int) -> set[tuple[int, int, int]]:
+def _replica_differences(side: SideChecksums, coarse: int) -> set[tuple[int, int, int]]:
     """``(coarse position, R, r)`` wherever a column ``(R, r)``, ``r > 0``, differs from
     ``(R, 0)`` (from 0 where the side has no such column), checked at the side's own
     block size."""
@@ -166,7 +166,9 @@ def _positions_text(positions: list[int]) -> str:
     return "positions " + ", ".join(str(q) for q in positions)
 
 
-def _incomparable(producer: Side, consumer: Side, numbering: Positions) -> str | None:
+def _incomparable(
+    producer: SideChecksums, consumer: SideChecksums, numbering: Positions
+) -> str | None:
     """Why the two sides cannot be compared position by position (their fingerprints or
     block sizes), or None."""
     if producer.fingerprint != consumer.fingerprint:
@@ -188,7 +190,7 @@ def _incomparable(producer: Side, consumer: Side, numbering: Positions) -> str |
     return None
 
 
-def window_start(producer: Side, consumer: Side, window: Window | None) -> int:
+def window_start(producer: SideChecksums, consumer: SideChecksums, window: Window | None) -> int:
     """The first token both sides keep: each side keeps its blocks from the one holding
     the first token its next token (at position ``tokens``) attends to, as vLLM frees the
     blocks before it; 0 without a window."""
@@ -201,12 +203,12 @@ def window_start(producer: Side, consumer: Side, window: Window | None) -> int:
     )
 
 
-def expected_from(producer: Side, consumer: Side, window: Window | None) -> int:
+def expected_from(producer: SideChecksums, consumer: SideChecksums, window: Window | None) -> int:
     """The first token a diff expects: from the producer's first block, in the window."""
     return max(window_start(producer, consumer, window), producer.start * producer.block_size)
 
 
-def held_positions(side: Side, coarse: int) -> range:
+def held_positions(side: SideChecksums, coarse: int) -> range:
     """The positions (at ``coarse``) with valid tokens whose tokens the side holds: one
     range, as the side's blocks are consecutive (so its length is bounded by the blocks
     held, whatever the token count)."""
@@ -220,7 +222,7 @@ def held_positions(side: Side, coarse: int) -> range:
 
 
 def missing_and_expected(
-    producer: Side, consumer: Side, coarse: int, window: Window | None
+    producer: SideChecksums, consumer: SideChecksums, coarse: int, window: Window | None
 ) -> tuple[list[int], list[int]]:
     """The expected positions the consumer lacks in whole or in part, and all expected
     positions (the producer's with valid tokens, inside the window on both sides: a
@@ -238,8 +240,8 @@ def missing_and_expected(
 
 
 def compare_sides(
-    producer: Side,
-    consumer: Side,
+    producer: SideChecksums,
+    consumer: SideChecksums,
     numbering: Positions,
     *,
     per_key: bool,

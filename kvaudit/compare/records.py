@@ -24,7 +24,7 @@ import numpy as np
 from ..core.errors import KvauditError
 from ..description import LEFT_OUT_BY_DESCRIPTION
 from ..records import GroupChecksums, Record
-from .groups import Side, Window, compare_sides, held_positions, missing_and_expected
+from .groups import SideChecksums, Window, compare_sides, held_positions, missing_and_expected
 from .model import DiffReport, GroupComparison
 
 TokenCounts = Mapping[str, int]
@@ -135,11 +135,13 @@ def _checksums_group(record: Record, gid: int) -> bool:
     return any(gid in summary.fingerprints for summary in record.workers)
 
 
-def _none_held(producer: Side, consumer_tokens: int, window: Window | None) -> GroupComparison:
+def _none_held(
+    producer: SideChecksums, consumer_tokens: int, window: Window | None
+) -> GroupComparison:
     """A group the consumer checksums but holds no block of: every expected position of
     the producer is missing."""
     empty = GroupChecksums(producer.block_size, 0, [(1, 0)], np.zeros((0, 1), np.uint64), 0)
-    consumer = Side.of(empty, min(consumer_tokens, producer.num_tokens), consumer_tokens)
+    consumer = SideChecksums.of(empty, min(consumer_tokens, producer.num_tokens), consumer_tokens)
     missing, _ = missing_and_expected(producer, consumer, producer.block_size, window)
     return GroupComparison(
         block_size=producer.block_size,
@@ -179,8 +181,8 @@ def _compare_request(
         whole = missing is None and not partial  # every worker's part is in both sums
         if whole and left is not None and right is not None:
             result[gid] = compare_sides(
-                Side.of(left, produced.num_tokens, tokens[0]),
-                Side.of(right, consumed.num_tokens, tokens[1]),
+                SideChecksums.of(left, produced.num_tokens, tokens[0]),
+                SideChecksums.of(right, consumed.num_tokens, tokens[1]),
                 consumer.positions,
                 per_key=per_key,
                 window=windows.get(gid),
@@ -192,7 +194,7 @@ def _compare_request(
             and _not_covered_reason(consumer, gid) is None
         )
         if whole and left is not None and consumer_holds_none:
-            side = Side.of(left, produced.num_tokens, tokens[0])
+            side = SideChecksums.of(left, produced.num_tokens, tokens[0])
             result[gid] = _none_held(side, tokens[1], windows.get(gid))
             continue
         if missing is not None:

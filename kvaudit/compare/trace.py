@@ -47,7 +47,7 @@ from ..locate import SliceReader
 from ..records import Record
 from ..records.model import replica_zero_totals
 from ..sources.raw import RawWorker
-from .groups import Side, coarsen
+from .groups import SideChecksums, coarsen
 from .model import DiffReport, StaleSource
 
 Slice = tuple[str, int]
@@ -362,7 +362,7 @@ def _contents(
         group = request.groups.get(gid)
         if group is None or group.fingerprint != fingerprint or block_size % group.block_size:
             continue
-        positions, columns = coarsen(Side.of(group, request.num_tokens), block_size)
+        positions, columns = coarsen(SideChecksums.of(group, request.num_tokens), block_size)
         totals = replica_zero_totals(columns, group.replica_keys).tolist()
         valid = valid_tokens(request.num_tokens, block_size, positions).tolist()
         for position, total, tokens in zip(positions.tolist(), totals, valid, strict=True):
@@ -380,7 +380,7 @@ def _consumer_contents(
     group = request.groups[gid]
     if block_size % group.block_size:
         return {}
-    formed, columns = coarsen(Side.of(group, request.num_tokens), block_size)
+    formed, columns = coarsen(SideChecksums.of(group, request.num_tokens), block_size)
     totals = replica_zero_totals(columns, group.replica_keys)
     at = {int(q): k for k, q in enumerate(formed.tolist())}
     wanted = [q for q in positions if q in at]

@@ -28,14 +28,12 @@ import torch
 import torch.distributed as dist
 
 from ..core.errors import KvauditError
+from ..core.exit_status import ExitStatus
 from ..sources.raw import one_line
 from . import Settled
 
 TIMEOUT_ENV = "KVAUDIT_DIST_TIMEOUT"
 DEFAULT_TIMEOUT = 600.0
-EXIT_BAD_INPUT = 2
-"""The bad-input status (``kvaudit.cli.group``'s), which an uneven end of the processes
-takes."""
 
 
 @dataclass(frozen=True)
@@ -256,7 +254,7 @@ class Comm:
         try:
             gathered = self._exchange({"end": status, "line": line})
         except KvauditError as error:
-            return EXIT_BAD_INPUT, f"kvaudit: error: {error}"
+            return ExitStatus.BAD_INPUT, f"kvaudit: error: {error}"
         return self._verdict(gathered)
 
     def _exchange(self, message: dict[str, Any]) -> list[dict[str, Any]]:
@@ -269,8 +267,8 @@ class Comm:
         ending = [rank for rank, item in enumerate(gathered) if "end" in item]
         first = ending[0]
         status, line = int(gathered[first]["end"]), gathered[first]["line"]
-        if len(ending) < len(gathered) and status < EXIT_BAD_INPUT:
-            return EXIT_BAD_INPUT, (
+        if len(ending) < len(gathered) and status < ExitStatus.BAD_INPUT:
+            return ExitStatus.BAD_INPUT, (
                 f"kvaudit: error: rank {first} ended its command while the others still ran "
                 "it: every process must run the same kvaudit command and version"
             )

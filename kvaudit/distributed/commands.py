@@ -17,9 +17,10 @@ from typing import Any
 from ..compare import DiffReport, shared_tokens
 from ..compare.trace import partial_note
 from ..core.errors import KvauditError
+from ..core.exit_status import ExitStatus
 from ..description import CacheDescription
 from ..sources import Source, resolve_device
-from .comm import EXIT_BAD_INPUT, join, joined, leave, tried
+from .comm import join, joined, leave, tried
 from .spread_locate import locate_spread
 from .spread_source import SpreadSource, open_spread
 from .spread_trace import trace_spread
@@ -130,7 +131,7 @@ def finish(
             try:
                 begin(command, debug)
             except KvauditError as error:
-                status = EXIT_BAD_INPUT
+                status = ExitStatus.BAD_INPUT
                 line = extra = f"kvaudit: error: {error}"
         comm = joined()
         if comm is None:

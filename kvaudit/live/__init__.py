@@ -2,7 +2,7 @@
 questions on a local unix socket (docs/live.md).
 
 ``Agent`` serves one worker (``agent``); ``protocol`` is the wire form (length-prefixed
-JSON and bytes), ``server`` the socket thread, ``records_wire`` what the agent sends
+JSON and bytes), ``server`` the socket thread, ``messages`` what the agent sends
 about its cache, ``client`` the side the command line uses (``live:PATH`` sources).
 Names are imported on first use, so that the command line's client loads no torch.
 """

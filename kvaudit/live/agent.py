@@ -28,8 +28,8 @@ from ..description import CacheDescription, description_to_dict
 from ..dumps.writing import write_dump, write_dump_into
 from ..records import WorkerInfo
 from ..views.inputs import LayerTensors, RequestBlocks, plain_requests, tensors_by_name
+from .messages import group_infos, listing_to_json, worker_record_to_json
 from .protocol import OPS, PROTOCOL, request_id_list, token_limits
-from .records_wire import group_infos, listing_to_json, worker_record_to_json
 from .server import Reply, Server
 
 BlockTables = Callable[[], Mapping[str, RequestBlocks]]

@@ -156,10 +156,17 @@ def _row_source(
     return pieces.index_select(0, index).cpu().numpy(), list(range(len(rows)))
 
 
-SideWorker = tuple[RawWorker, GroupViews, dict[str, LayerSpec]]
+@dataclass(frozen=True)
+class GroupWorker:
+    """A worker of one side that holds a request's group and covers it: its raw KV, its
+    views of the group and the group's layer specs by layer name."""
+
+    raw: RawWorker
+    views: GroupViews
+    specs: dict[str, LayerSpec]
 
 
-def side_workers(raw: Sequence[RawWorker], request_id: str, group_id: int) -> list[SideWorker]:
+def side_workers(raw: Sequence[RawWorker], request_id: str, group_id: int) -> list[GroupWorker]:
     """The workers that list the request's group and cover it."""
     found = []
     for worker in raw:
@@ -168,16 +175,16 @@ def side_workers(raw: Sequence[RawWorker], request_id: str, group_id: int) -> li
         if request is None or group_id not in request.groups or views is None:
             continue
         if views.covered:
-            found.append((worker, views, layer_specs(worker.description, group_id)))
+            found.append(GroupWorker(worker, views, layer_specs(worker.description, group_id)))
     return found
 
 
-def side_layers(side: list[SideWorker]) -> dict[str, LayerValues]:
+def side_layers(side: list[GroupWorker]) -> dict[str, LayerValues]:
     """The attention layers a side's workers hold (states are compared by checksum only)."""
     layers: dict[str, LayerValues] = {}
-    for _, views, specs in side:
-        for view in views.views:
-            spec = specs[view.name]
+    for held in side:
+        for view in held.views.views:
+            spec = held.specs[view.name]
             if spec.is_state:
                 continue
             heads = view.first_head + view.heads
@@ -228,21 +235,21 @@ class WorkerRows:
         return found
 
 
-def attention_views(side: list[SideWorker]) -> list[dict[str, LayerView]]:
+def attention_views(side: list[GroupWorker]) -> list[dict[str, LayerView]]:
     """Per worker of a side, its attention views of replica 0 by layer name (copies of a
     head are read once; states are compared by checksum only)."""
     return [
         {
             view.name: view
-            for view in views.views
-            if view.replica_key[1] == 0 and not specs[view.name].is_state
+            for view in held.views.views
+            if view.replica_key[1] == 0 and not held.specs[view.name].is_state
         }
-        for _, views, specs in side
+        for held in side
     ]
 
 
 def plan_rows(
-    side: list[SideWorker],
+    side: list[GroupWorker],
     chosen: list[dict[str, LayerView]],
     request: tuple[str, int],
     lo: int,
@@ -253,7 +260,8 @@ def plan_rows(
     (``attention_views``)."""
     request_id, group_id = request
     plan = []
-    for (worker, views, _), named in zip(side, chosen):
+    for held, named in zip(side, chosen):
+        worker, views = held.raw, held.views
         start, block_ids = worker.requests[request_id].groups[group_id]
         block_size = views.group.block_size
         first = max(lo // block_size, start)
@@ -406,17 +414,17 @@ def _decode_part(
                 write(cells[:, block, a - first : b - first], dtype, out[:, a - begin : b - begin])
 
 
-def block_unit(sides: Sequence[list[SideWorker]]) -> int:
+def block_unit(sides: Sequence[list[GroupWorker]]) -> int:
     """The least multiple of every block size of both sides."""
-    return math.lcm(*(views.group.block_size for side in sides for _, views, _ in side))
+    return math.lcm(*(held.views.group.block_size for side in sides for held in side))
 
 
-def batch_tokens(sides: Sequence[list[SideWorker]], batch_bytes: int) -> int:
+def batch_tokens(sides: Sequence[list[GroupWorker]], batch_bytes: int) -> int:
     """Tokens per batch: a multiple of every block size of both sides, about
     ``batch_bytes`` of cells on the larger side."""
     unit = block_unit(sides)
     per_token = max(
-        sum(view.heads * _cell_bytes(view) for _, views, _ in side for view in views.views)
+        sum(view.heads * _cell_bytes(view) for held in side for view in held.views.views)
         for side in sides
     )
     return max(unit, batch_bytes // max(per_token, 1) // unit * unit)

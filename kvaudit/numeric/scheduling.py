@@ -36,8 +36,8 @@ from .layers import (
 from .model import GroupNumeric, NumericReport, RequestNumeric, SliceErrors
 from .native import native_module, reads
 from .reads import (
+    GroupWorker,
     LayerValues,
-    SideWorker,
     attention_views,
     batch_tokens,
     block_unit,
@@ -76,11 +76,11 @@ class _GroupPlan:
     stacks: bool
 
     @classmethod
-    def of(cls, sides: tuple[list[SideWorker], list[SideWorker]]) -> _GroupPlan:
+    def of(cls, sides: tuple[list[GroupWorker], list[GroupWorker]]) -> _GroupPlan:
         layers = (side_layers(sides[0]), side_layers(sides[1]))
         common, reasons = layer_plan(*layers)
         unit = block_unit(sides)
-        mapped = all(getattr(worker, "maps", None) for side in sides for worker, _, _ in side)
+        mapped = all(getattr(held.raw, "maps", None) for side in sides for held in side)
         piece = piece_tokens(unit, layers[0], common, mapped)
         chosen = (attention_views(sides[0]), attention_views(sides[1]))
         native = native_module()
@@ -106,7 +106,7 @@ class _Unit:
     request_id: str
     group_id: int
     num_tokens: int
-    sides: tuple[list[SideWorker], list[SideWorker]]
+    sides: tuple[list[GroupWorker], list[GroupWorker]]
     result: RequestNumeric
     plan: _GroupPlan
 
@@ -388,7 +388,7 @@ def _compare_requests(
                 report.not_compared.append((rid, gid, why))
                 continue
             # Groups of the same workers share a plan.
-            ids_p, ids_c = (tuple(id(worker) for worker, _, _ in side) for side in sides)
+            ids_p, ids_c = (tuple(id(held.raw) for held in side) for side in sides)
             plan = plans.get((gid, ids_p, ids_c))
             if plan is None:
                 plan = plans[gid, ids_p, ids_c] = _GroupPlan.of(sides)

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from .inventory import print_inventory
     from .planted import print_corrupted
     from .record import print_record
-    from .sides import DIFF_SIDES, Sides
+    from .side_names import DIFF_SIDE_NAMES, SideNames
     from .text import (
         PLAIN_WIDTH,
         error_text,
@@ -31,7 +31,7 @@ _EXPORTS = {
     "print_inventory": ".inventory",
     "print_corrupted": ".planted",
     "print_record": ".record",
-    **dict.fromkeys(("DIFF_SIDES", "Sides"), ".sides"),
+    **dict.fromkeys(("DIFF_SIDE_NAMES", "SideNames"), ".side_names"),
     **dict.fromkeys(
         (
             "PLAIN_WIDTH",
@@ -48,10 +48,10 @@ _EXPORTS = {
 __getattr__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
-    "DIFF_SIDES",
+    "DIFF_SIDE_NAMES",
     "LOCATED_ROWS",
     "PLAIN_WIDTH",
-    "Sides",
+    "SideNames",
     "diff_verdict",
     "error_text",
     "human_bytes",

@@ -8,14 +8,14 @@ from rich.table import Table
 from rich.text import Text
 
 from ..compare.model import DiffReport, GroupComparison
-from .sides import DIFF_SIDES, Sides
+from .side_names import DIFF_SIDE_NAMES, SideNames
 from .text import error_text, filled_table, plural, ranges
 
 LOCATED_ROWS = 40
 """Located differences a table shows per request and group; JSON holds them all."""
 
 
-def diff_verdict(report: DiffReport, sides: Sides = DIFF_SIDES) -> str:
+def diff_verdict(report: DiffReport, sides: SideNames = DIFF_SIDE_NAMES) -> str:
     """One line: ``OK: ...`` when the report is ok, else ``MISMATCH: ...`` (blocks,
     replicas or requests differ or are missing) or ``UNVERIFIED: ...`` (only groups that
     could not be compared)."""
@@ -115,7 +115,11 @@ def _replica_text(mismatches: list[tuple[int, int, int]]) -> str:
 
 
 def print_diff(
-    console: Console, report: DiffReport, *, title: str | None = None, sides: Sides = DIFF_SIDES
+    console: Console,
+    report: DiffReport,
+    *,
+    title: str | None = None,
+    sides: SideNames = DIFF_SIDE_NAMES,
 ) -> None:
     """The ``diff`` and ``verify`` tables: a row per request and group (blocks compared,
     blocks and replicas that differ, the result or why it could not be compared), the

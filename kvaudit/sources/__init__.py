@@ -7,7 +7,7 @@ A command's SOURCEs are one of (docs/cli.md):
 - one record, the JSON ``kvaudit checksum --format json`` writes (a ``.json`` file, or any
   file whose content starts with ``{``);
 - Python handles ``py:PATH``, each one worker of this process
-  (``kvaudit.sources.live_source``; ``live:FILE.py`` and ``live:module`` too);
+  (``kvaudit.sources.handle_source``; ``live:FILE.py`` and ``live:module`` too);
 - running engines ``live:PATH``: a live agent's socket or a folder of them
   (``kvaudit.sources.socket_source``);
 - one output folder of kvaudit's vLLM connector (``kvaudit.sources.vllm_output_source``).
@@ -19,7 +19,7 @@ Modules: ``base`` (the ``Source`` interface, ``Runtime``), ``inventory`` (what `
 shows), ``raw`` (the raw-KV protocol dumps and live tensors share, for checksumming and
 locating), ``registry`` (kinds by prefix or sniffing, objects by type), then one module per
 kind: ``record_source``, ``vllm_output_source``, ``dump_source`` (with ``dump_checksums``,
-the bounded-memory checksums of a dump set), ``live_source``, ``socket_source``,
+the bounded-memory checksums of a dump set), ``handle_source``, ``socket_source``,
 ``checksummer_source``, and ``sniffing`` (how the built-in kinds are recognised). A new
 kind is one module and its ``register_kind`` line in ``registry`` (docs/architecture.md).
 The names below are imported on first use, and a kind's module when it opens its
@@ -33,13 +33,13 @@ from typing import TYPE_CHECKING
 from ..core.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from . import dump_source, live_source, record_source, socket_source, vllm_output_source
+    from . import dump_source, handle_source, record_source, socket_source, vllm_output_source
     from .base import Progress, Runtime, Source, resolve_device
     from .checksummer_source import ChecksummerSource
     from .dump_source import DumpSource
+    from .handle_source import HandleSource
     from .inventory import GroupInfo, Inventory, RequestInventory, WorkerInventory
-    from .live_source import LiveSource
-    from .raw import LiveWorker, RawKVSource, RawWorker
+    from .raw import RawKVSource, RawWorker, TensorWorker
     from .record_source import RecordSource, load_record
     from .registry import SourceKind, open_source, register_kind, register_object, source_of
     from .socket_source import SocketSource
@@ -49,8 +49,8 @@ _EXPORTS = {
     "DumpSource": ".dump_source",
     "GroupInfo": ".inventory",
     "Inventory": ".inventory",
-    "LiveSource": ".live_source",
-    "LiveWorker": ".raw",
+    "HandleSource": ".handle_source",
+    "TensorWorker": ".raw",
     "Progress": ".base",
     "RawKVSource": ".raw",
     "RawWorker": ".raw",
@@ -62,7 +62,7 @@ _EXPORTS = {
     "SourceKind": ".registry",
     "WorkerInventory": ".inventory",
     "dump_source": ".dump_source",
-    "live_source": ".live_source",
+    "handle_source": ".handle_source",
     "load_record": ".record_source",
     "open_source": ".registry",
     "record_source": ".record_source",
@@ -80,9 +80,8 @@ __all__ = [
     "ChecksummerSource",
     "DumpSource",
     "GroupInfo",
+    "HandleSource",
     "Inventory",
-    "LiveSource",
-    "LiveWorker",
     "Progress",
     "RawKVSource",
     "RawWorker",
@@ -92,9 +91,10 @@ __all__ = [
     "SocketSource",
     "Source",
     "SourceKind",
+    "TensorWorker",
     "WorkerInventory",
     "dump_source",
-    "live_source",
+    "handle_source",
     "load_record",
     "open_source",
     "record_source",

@@ -16,7 +16,7 @@ from ..records import Record
 from ..views.inputs import RequestBlocks, tensors_by_name
 from .base import Progress, Runtime, Source, request_ids_of, token_counts_of, trim
 from .inventory import Inventory, WorkerInventory, group_info, request_inventory
-from .raw import FetchingWorker, LiveWorker, RawWorker, checksum_each
+from .raw import FetchingWorker, RawWorker, TensorWorker, checksum_each
 
 if TYPE_CHECKING:
     from ..views.inputs import LayerTensors
@@ -106,7 +106,7 @@ class ChecksummerSource(Source):
                 f"{self.names[0]} pp{summer.worker.pp_rank} tp{summer.worker.tp_rank}"
             )
             workers.append(
-                LiveWorker(
+                TensorWorker(
                     name=name,
                     worker=dataclasses.replace(summer.worker, source=name),
                     description=summer.description,

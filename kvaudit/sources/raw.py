@@ -2,7 +2,7 @@
 for checksumming and for locating differences.
 
 A ``RawWorker`` is a dump (``kvaudit.dumps.Dump``: memory-mapped rows of a file) or a
-``LiveWorker`` (a whole cache in memory, on the CPU or a GPU). A source that holds raw KV
+``TensorWorker`` (a whole cache in memory, on the CPU or a GPU). A source that holds raw KV
 derives from ``RawKVSource``: its inventory, token counts and ``raw_kv`` come from its
 workers, and it says only how to checksum them (dumps in bounded batches, live tensors in
 place).
@@ -141,7 +141,7 @@ def fetched(
 
 
 @dataclass
-class LiveWorker:
+class TensorWorker:
     """One worker's whole cache in memory (``num_rows`` blocks, engine block ids; any
     strides, any device), with who it is and its requests' blocks: a ``RawWorker``."""
 

@@ -194,6 +194,6 @@ register_kind(
 )
 register_kind(SourceKind("dumps", ".dump_source:open_dumps"), fallback=True)
 register_kind(
-    SourceKind("live", ".live_source:open_handles", prefix=PY_PREFIX, sniff=is_python_handle)
+    SourceKind("live", ".handle_source:open_handles", prefix=PY_PREFIX, sniff=is_python_handle)
 )
 register_kind(SourceKind("live", ".socket_source:open_sockets", sniff=is_socket))

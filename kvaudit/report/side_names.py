@@ -9,7 +9,7 @@ from typing import Literal
 
 
 @dataclass(frozen=True)
-class Sides:
+class SideNames:
     """What a report's two sides are called: the side that plays the producer, the one
     that plays the consumer, and what a compared block is (``compared``, ``checked``)."""
 
@@ -18,4 +18,4 @@ class Sides:
     compared: Literal["compared", "checked"] = "compared"
 
 
-DIFF_SIDES = Sides()
+DIFF_SIDE_NAMES = SideNames()

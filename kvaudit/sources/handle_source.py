@@ -43,7 +43,7 @@ from ..description import CacheDescription, parse_description
 from ..records import Record, WorkerInfo
 from ..views.inputs import RequestBlocks, is_tensor, plain_requests
 from .base import Progress, Runtime
-from .raw import LiveWorker, RawKVSource, checksum_each, one_line, one_line_errors
+from .raw import RawKVSource, TensorWorker, checksum_each, one_line, one_line_errors
 from .registry import OpenOptions
 from .sniffing import LIVE_PREFIX, PY_PREFIX
 
@@ -51,13 +51,13 @@ LIVE_FUNCTION = "kvaudit_live"
 _RANK_KEYS = ("tp_rank", "tp_size", "pp_rank", "pp_size", "role", "engine", "num_blocks")
 
 
-class LiveSource(RawKVSource):
+class HandleSource(RawKVSource):
     """Workers of a running process, each from its ``live:PATH`` handle."""
 
     kind = "live"
-    workers: list[LiveWorker]
+    workers: list[TensorWorker]
 
-    def __init__(self, workers: Sequence[LiveWorker], device_given: bool) -> None:
+    def __init__(self, workers: Sequence[TensorWorker], device_given: bool) -> None:
         super().__init__([worker.name for worker in workers], workers)
         self.device_given = device_given
 
@@ -72,19 +72,21 @@ class LiveSource(RawKVSource):
         workers = ((live.checksummer(placement), live.requests) for live in self.workers)
         return checksum_each(workers, request_ids, positions)
 
-    def trimmed(self, num_tokens: Mapping[str, int]) -> LiveSource:
-        return LiveSource(self.trimmed_workers(num_tokens), self.device_given)
+    def trimmed(self, num_tokens: Mapping[str, int]) -> HandleSource:
+        return HandleSource(self.trimmed_workers(num_tokens), self.device_given)
 
 
-def open_handles(names: Sequence[str], handles: Sequence[str], options: OpenOptions) -> LiveSource:
+def open_handles(
+    names: Sequence[str], handles: Sequence[str], options: OpenOptions
+) -> HandleSource:
     """The Python-handle kind's opener: every argument a handle."""
     if len(handles) != len(names):
         raise KvauditError("live: handles cannot be mixed with dumps or records")
     workers = [_load_live(name, options.config) for name in names]
-    return LiveSource(workers, options.device_given)
+    return HandleSource(workers, options.device_given)
 
 
-def _load_live(name: str, config: CacheDescription | None) -> LiveWorker:
+def _load_live(name: str, config: CacheDescription | None) -> TensorWorker:
     """Import a ``live:PATH`` handle and call its ``kvaudit_live()``."""
     prefix = PY_PREFIX if name.startswith(PY_PREFIX) else LIVE_PREFIX
     target = name[len(prefix) :]
@@ -136,7 +138,7 @@ def _load_live(name: str, config: CacheDescription | None) -> LiveWorker:
     num_blocks = rank.get("num_blocks")
     if num_blocks is not None:
         check_int(num_blocks, name, f"{LIVE_FUNCTION}(): rank num_blocks", 1)
-    return LiveWorker(
+    return TensorWorker(
         name=name,
         description=description,
         tensors=tensors,
