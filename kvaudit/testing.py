@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .checksum.checksummer import Checksummer
-from .compare import DiffReport, diff_sources
+from .compare import CompareOptions, DiffReport, diff_sources
 from .description import CacheDescription, load_description
 from .dumps import DumpSet
 from .records import Record
@@ -103,7 +103,8 @@ def diff_kv(
     description = _description(config)
     left = as_source(producer, description, "producer")
     right = as_source(consumer, description, "consumer")
-    return diff_sources(left, right, request_ids=request_ids, locate=None if locate else False)
+    options = CompareOptions(request_ids)
+    return diff_sources(left, right, options, locate=None if locate else False)
 
 
 def report_text(report: DiffReport, title: str | None = None) -> str:

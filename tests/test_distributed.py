@@ -40,7 +40,7 @@ from dumped_sets import (
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kvaudit.compare import diff_sources
+from kvaudit.compare import CompareOptions, diff_sources
 from kvaudit.corrupt import corrupt_dump
 from kvaudit.description import description_to_dict
 from kvaudit.distributed.comm import Comm, Place
@@ -307,7 +307,9 @@ def test_diff_locates_the_faults_as_one_process(split: tuple[Sets, Path, list[st
     data = json.loads(done.stdout)
     assert data.pop("processes") == 2
     one = diff_to_json(
-        diff_sources(open_source(sets.producer.paths), open_source(faulty), runtime=CPU)
+        diff_sources(
+            open_source(sets.producer.paths), open_source(faulty), CompareOptions(runtime=CPU)
+        )
     )
     for _, _, group in _groups(data, one):
         for entry in group["located"]:

@@ -20,6 +20,7 @@ from valued_sets import errors_reference
 
 from kvaudit.core.dtypes import DType, parse_dtype, torch_dtype
 from kvaudit.core.elements import decode, work_dtype
+from kvaudit.numeric.budget import DEFAULT_BUDGET
 from kvaudit.numeric.native import SCALES, add_raw_batch, native_module, raw_dtype, reads
 from kvaudit.numeric.value_errors import LayerErrors, add_batch
 
@@ -99,7 +100,7 @@ def numpy_errors(
     held = np.ones((heads, tokens), dtype=bool) if held is None else held
     errors = LayerErrors(heads) if errors is None else errors
     with np.errstate(all="ignore"):
-        row = add_batch(errors, lo, p, c, held.copy(), tolerance)
+        row = add_batch(errors, lo, p, c, held.copy(), tolerance, DEFAULT_BUDGET.chunk_elements)
     return errors, row
 
 

@@ -31,6 +31,7 @@ from valued_sets import (
 import kvaudit.numeric.layers
 import kvaudit.numeric.mapped_rows
 import kvaudit.numeric.scheduling
+from kvaudit.numeric.budget import DEFAULT_BUDGET, NumericBudget
 from kvaudit.numeric.model import NumericReport
 from kvaudit.numeric.scheduling import numeric_diff
 from kvaudit.sources import open_source
@@ -57,9 +58,11 @@ ENGINES = {
 }
 
 
-def compare(left: Path, right: Path, rtol: float) -> NumericReport:
+def compare(
+    left: Path, right: Path, rtol: float, budget: NumericBudget = DEFAULT_BUDGET
+) -> NumericReport:
     sources = [open_source([str(path)], None) for path in (left, right)]
-    return numeric_diff(sources[0].raw_kv(), sources[1].raw_kv(), TOKENS, rtol=rtol)
+    return numeric_diff(sources[0].raw_kv(), sources[1].raw_kv(), TOKENS, rtol=rtol, budget=budget)
 
 
 def three_ways(
@@ -178,10 +181,9 @@ def test_pieces_and_chunks_of_any_size_agree(
     left = dump(tmp_path / "p", the_model, produced, producer, "producer")
     right = dump(tmp_path / "c", the_model, consumed, consumer, "consumer")
     whole = compare(left, right, 0.05)
-    monkeypatch.setattr(kvaudit.numeric.layers, "MAPPED_PIECE_ELEMENTS", 1)
-    monkeypatch.setattr(kvaudit.numeric.layers, "CHUNK_TOKENS", 1)
-    monkeypatch.setattr(kvaudit.numeric.layers, "MAPPED_BYTES", 1)  # released after each chunk
-    small = compare(left, right, 0.05)
+    # Mapped pages released after each chunk of one token.
+    tiny = NumericBudget(mapped_piece_elements=1, chunk_tokens=1, mapped_bytes=1)
+    small = compare(left, right, 0.05, budget=tiny)
     assert whole.requests["req-b"].groups[0].slices[8].nonfinite_mismatches == 1
     for rid in TOKENS:
         for item, that in zip(
@@ -205,8 +207,9 @@ def test_requests_compared_together_or_one_by_one_agree(
     """Short requests compared together (a call per layer) give the very report that
     comparing them one by one gives: every figure, token bin and note in order."""
     counts = TOKENS if tokens == "two" else MANY
+    budget = DEFAULT_BUDGET
     if tokens != "two":
-        monkeypatch.setattr(kvaudit.numeric.layers, "MAPPED_PIECE_ELEMENTS", 72 * HEADS * 16)
+        budget = NumericBudget(mapped_piece_elements=72 * HEADS * 16)
     the_model = model("bfloat16")
     produced = draw(26, the_model, counts)
     rng = np.random.default_rng(27)
@@ -227,11 +230,13 @@ def test_requests_compared_together_or_one_by_one_agree(
 
     with monkeypatch.context() as patch:
         patch.setattr(kvaudit.numeric.mapped_rows, "add_mapped_batch", counted)
-        together = numeric_diff(sources[0].raw_kv(), sources[1].raw_kv(), counts, rtol=0.05)
+        together = numeric_diff(
+            sources[0].raw_kv(), sources[1].raw_kv(), counts, rtol=0.05, budget=budget
+        )
     stacks = [3, 3, 1, 1, 2] if tokens != "two" else [2]
     assert calls == [HEADS * size for size in stacks for _ in range(3)]  # 3 layers
     monkeypatch.setattr(kvaudit.numeric.scheduling._GroupPlan, "stackable", lambda *_: False)
-    alone = numeric_diff(sources[0].raw_kv(), sources[1].raw_kv(), counts, rtol=0.05)
+    alone = numeric_diff(sources[0].raw_kv(), sources[1].raw_kv(), counts, rtol=0.05, budget=budget)
     assert together.not_compared == alone.not_compared
     assert list(together.requests) == list(alone.requests) == sorted(counts)
     for rid in counts:

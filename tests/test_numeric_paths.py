@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -30,13 +31,14 @@ import kvaudit.numeric.mapped_rows
 import kvaudit.numeric.reads
 import kvaudit.numeric.value_errors
 from kvaudit.core.errors import KvauditError
+from kvaudit.numeric.budget import NumericBudget
 from kvaudit.numeric.model import NumericReport, SliceErrors
 from kvaudit.numeric.scheduling import numeric_diff
 from kvaudit.numeric.value_errors import counts
 from kvaudit.sources import open_source
 
 
-def compare(left: Path, right: Path, **options: float) -> NumericReport:
+def compare(left: Path, right: Path, **options: Any) -> NumericReport:
     sources = [open_source([str(path)], None) for path in (left, right)]
     return numeric_diff(sources[0].raw_kv(), sources[1].raw_kv(), TOKENS, **options)
 
@@ -75,7 +77,7 @@ def test_equal_sides_and_one_differing_element(tmp_path: Path) -> None:
     right = dump(tmp_path / "c", the_model, consumed, CONSUMER, "consumer")
     # One batch, and batches of the least tokens (every slice spans several).
     for batch_bytes in (8 << 20, 1):
-        report = compare(left, right, rtol=1e-3, batch_bytes=batch_bytes)
+        report = compare(left, right, rtol=1e-3, budget=NumericBudget(batch_bytes=batch_bytes))
         assert_matches_reference(report, produced, consumed, "bfloat16", 0.0, 1e-3)
         assert report.failed_slices == 1
         item = by_slice(report, "req-a")[ATTN.format(1), 2]
@@ -98,7 +100,10 @@ def test_many_small_batches_match_one(dtype: str, tmp_path: Path) -> None:
     }
     left = dump(tmp_path / "p", the_model, produced, PRODUCER, "producer")
     right = dump(tmp_path / "c", the_model, consumed, CONSUMER, "consumer")
-    whole, small = (compare(left, right, atol=1e-3, rtol=0.01, batch_bytes=b) for b in (8 << 20, 1))
+    whole, small = (
+        compare(left, right, atol=1e-3, rtol=0.01, budget=NumericBudget(batch_bytes=b))
+        for b in (8 << 20, 1)
+    )
     assert_matches_reference(small, produced, consumed, dtype, 1e-3, 0.01)
     for rid in TOKENS:
         for key, item in by_slice(whole, rid).items():
@@ -125,11 +130,10 @@ def test_one_head_at_a_time_in_small_pieces_agrees(
     left = dump(tmp_path / "p", the_model, produced, PRODUCER, "producer")
     right = dump(tmp_path / "c", the_model, consumed, CONSUMER, "consumer")
     whole = compare(left, right, rtol=0.01)
-    monkeypatch.setattr(kvaudit.numeric.value_errors, "CHUNK_ELEMENTS", 1)
-    monkeypatch.setattr(kvaudit.numeric.layers, "PIECE_ELEMENTS", 1)
-    monkeypatch.setattr(kvaudit.numeric.layers, "NATIVE_PIECE_ELEMENTS", 1)
-    monkeypatch.setattr(kvaudit.numeric.layers, "MAPPED_PIECE_ELEMENTS", 1)
-    chunked = compare(left, right, rtol=0.01)
+    tiny = NumericBudget(
+        chunk_elements=1, piece_elements=1, native_piece_elements=1, mapped_piece_elements=1
+    )
+    chunked = compare(left, right, rtol=0.01, budget=tiny)
     assert by_slice(chunked, "req-a")[ATTN.format(1), 2].nonfinite_mismatches == 1
     for rid in TOKENS:
         for key, item in by_slice(whole, rid).items():

@@ -17,7 +17,7 @@ import torch
 
 import kvaudit.testing  # noqa: F401  (registers LiveSide)
 from kvaudit.checksum import checksum_dump_set
-from kvaudit.compare import diff_sources
+from kvaudit.compare import CompareOptions, diff_sources
 from kvaudit.core.errors import KvauditError
 from kvaudit.description import parse_description
 from kvaudit.dumps import open_dump_set, write_dump
@@ -132,10 +132,10 @@ def test_a_registered_kind_is_opened_checksummed_and_located(memory_kind: None, 
     producer = open_source([str(dump)])
     runtime = resolve_device("cpu")
 
-    report = diff_sources(producer, clean, runtime=runtime)
+    report = diff_sources(producer, clean, CompareOptions(runtime=runtime))
     assert report.ok
 
-    report = diff_sources(producer, open_source(["mem:broken"]), runtime=runtime)
+    report = diff_sources(producer, open_source(["mem:broken"]), CompareOptions(runtime=runtime))
     assert not report.ok
     group = report.requests["r"][0]
     assert group.mismatched_positions == [1]

@@ -104,7 +104,7 @@ def diff(
     """Compare a producer's KV with a consumer's, request by request: PRODUCER and
     CONSUMER are each a dump file, a directory of one engine's dumps, a record (JSON) or a
     live handle. Differing blocks are located down to layers, heads, tokens and bytes."""
-    from ..compare import diff_sources, diff_work
+    from ..compare import CompareOptions, diff_sources, diff_work
     from ..report import DIFF_SIDE_NAMES
     from ..sources import resolve_device
     from .progress import progress_bar
@@ -130,16 +130,8 @@ def diff(
     if atol is not None or rtol is not None:
         raise click.UsageError("--atol and --rtol go with --numeric")
     with progress_bar(diff_work(left, right, wanted), "diff", enabled=not quiet) as advance:
-        report = diff_sources(
-            left,
-            right,
-            request_ids=wanted,
-            locate=False if spread() else locate,
-            runtime=runtime,
-            progress=advance,
-            allow_missing=allow_missing,
-            allow_empty=allow_empty,
-        )
+        options = CompareOptions(wanted, runtime, advance, allow_missing, allow_empty)
+        report = diff_sources(left, right, options, locate=False if spread() else locate)
     if spread():
         from ..distributed.commands import locate_across
 
@@ -167,7 +159,7 @@ def diff_numeric(
     """``diff --numeric``: compare by value, print or write the report (``outputs``: -o,
     --json and --html files), the exit status; ``allowed``: --allow-missing and
     --allow-empty."""
-    from ..compare import diff_work
+    from ..compare import CompareOptions, diff_work
     from ..formats import json_text
     from ..formats.html import numeric_html
     from ..formats.numeric import numeric_to_json
@@ -180,16 +172,8 @@ def diff_numeric(
     output, json_path, html_path = outputs
     atol, rtol = tolerance
     with progress_bar(diff_work(left, right, wanted), "diff", enabled=not quiet) as advance:
-        report = numeric_sources(
-            left,
-            right,
-            atol=atol,
-            rtol=rtol,
-            request_ids=wanted,
-            progress=advance,
-            allow_missing=allowed[0],
-            allow_empty=allowed[1],
-        )
+        options = CompareOptions(wanted, None, advance, *allowed)
+        report = numeric_sources(left, right, options, atol=atol, rtol=rtol)
     warn(report.warnings)
     title = f"diff --numeric: producer {left.describe()}, consumer {right.describe()}"
     text = json_text(numeric_to_json(report, left.describe(), right.describe())) + "\n"

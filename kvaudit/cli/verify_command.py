@@ -53,7 +53,7 @@ def verify(
     """Check a dump set (or record) one way: against a saved record (--against), the
     producer checksums its dumps received (--received), or the stored checksums of its
     offloaded blocks (--stored)."""
-    from ..compare import verify_sources, verify_work
+    from ..compare import CompareOptions, verify_sources, verify_work
     from ..report import SideNames
     from ..sources import resolve_device
     from .progress import progress_bar
@@ -81,17 +81,8 @@ def verify(
     if spread():
         from ..distributed.spread_verify import verify_spread as check
     with progress_bar(work, "verify", enabled=not quiet) as advance:
-        report = check(
-            source,
-            against=saved,
-            received=received,
-            stored=stored,
-            request_ids=wanted,
-            runtime=runtime,
-            progress=advance,
-            allow_missing=allow_missing,
-            allow_empty=allow_empty,
-        )
+        options = CompareOptions(wanted, runtime, advance, allow_missing, allow_empty)
+        report = check(source, options, against=saved, received=received, stored=stored)
     if saved is not None:
         sides = SideNames("saved record", "source")
         title = f"verify {source.describe()} against {saved.describe()}"

@@ -25,6 +25,7 @@ from .records import compare_records, verify_against_record
 
 if TYPE_CHECKING:
     from .diff import diff_sources, diff_work, locate_report
+    from .options import DEFAULT_OPTIONS, CompareOptions
     from .received import carried_wires, received_wires, verify_received, verify_wire
     from .sides import shared_tokens
     from .stored import (
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
     from .verify import verify_sources, verify_work
 
 _EXPORTS = {
+    "CompareOptions": ".options",
+    "DEFAULT_OPTIONS": ".options",
     "StoredCheck": ".stored",
     "stored_report": ".stored",
     "verify_received": ".received",
@@ -57,8 +60,10 @@ _EXPORTS = {
 __getattr__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
+    "DEFAULT_OPTIONS",
     "NO_RECEIVED",
     "AttentionWindow",
+    "CompareOptions",
     "DiffReport",
     "GroupComparison",
     "LocatedDifference",

@@ -9,9 +9,10 @@ from collections.abc import Mapping, Sequence
 
 from ..core.errors import KvauditError
 from ..locate import locate_differences
-from ..sources import Progress, Runtime, Source, resolve_device
+from ..sources import Source
 from ..sources.raw import RawWorker, fetched, fetches
 from .model import DiffReport
+from .options import DEFAULT_OPTIONS, CompareOptions
 from .records import compare_records
 from .sides import (
     check_wanted,
@@ -37,25 +38,29 @@ def diff_work(producer: Source, consumer: Source, request_ids: Sequence[str] | N
 def diff_sources(
     producer: Source,
     consumer: Source,
+    options: CompareOptions = DEFAULT_OPTIONS,
     *,
-    request_ids: Sequence[str] | None = None,
     locate: bool | None = None,
-    runtime: Runtime | None = None,
-    progress: Progress | None = None,
-    allow_missing: bool = False,
-    allow_empty: bool = False,
 ) -> DiffReport:
     """The producer compared with the consumer, request by request (docs/cli.md, diff).
 
     A side that can be checksummed again (dumps, live workers) is checksummed over the
     tokens both sides hold (the smaller token count), so a consumer that decoded further
     is compared up to the last shared token; a record is compared as it is. Positions the
-    producer holds that the consumer lacks are missing (accepted with
-    ``allow_missing``); a report in which nothing was compared fails unless
-    ``allow_empty``. ``locate``: None locates differences when both sides hold the raw
-    KV, True requires it, False never locates. Located entries fill each group's
+    producer holds that the consumer lacks are missing. Located entries fill each group's
     ``located``; only the differing blocks are read again. The report warns when the
     sides' roles are swapped or both sides are the same files.
+
+    Args:
+        producer: The side that sent the KV.
+        consumer: The side that received it.
+        options: The requests compared, the runtime, progress, and what a pass accepts
+            (``allow_missing``, ``allow_empty``).
+        locate: None locates differences when both sides hold the raw KV, True requires
+            it, False never locates.
+
+    Returns:
+        The report: per request and group, what was compared and what differs.
 
     Raises:
         KvauditError: A requested id on neither side, ``locate=True`` with a side that
@@ -63,8 +68,8 @@ def diff_sources(
             input met while checksumming.
 
     """
-    runtime = runtime or resolve_device("auto")
-    ids = unique_ids(request_ids)
+    runtime, progress = options.device(), options.progress
+    ids = unique_ids(options.request_ids)
     if ids is not None:
         check_wanted(producer, consumer, ids)
     warnings = side_warnings(producer, consumer)
@@ -79,7 +84,7 @@ def diff_sources(
     left = checksum_held(producer, ids, positions, runtime, progress)
     right = checksum_held(consumer, ids, positions, runtime, progress)
     report = compare_records(left, right, request_ids=ids, token_counts=counts, windows=windows)
-    report.allow_missing, report.allow_empty = allow_missing, allow_empty
+    options.judge(report)
     report.warnings = warnings
     if raw is not None:
         locate_report(report, *raw, shared)

@@ -7,9 +7,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..core.errors import KvauditError
-from ..sources import Progress, Runtime, Source, resolve_device
+from ..sources import Progress, Runtime, Source
 from .diff import diff_work
 from .model import DiffReport
+from .options import DEFAULT_OPTIONS, CompareOptions
 from .received import received_wires, verify_wire
 from .records import verify_against_record
 from .sides import (
@@ -45,21 +46,25 @@ def verify_work(
 
 def verify_sources(
     source: Source,
+    options: CompareOptions = DEFAULT_OPTIONS,
     *,
     against: Source | None = None,
     received: bool = False,
     stored: bool = False,
-    request_ids: Sequence[str] | None = None,
-    runtime: Runtime | None = None,
-    progress: Progress | None = None,
-    allow_missing: bool = False,
-    allow_empty: bool = False,
 ) -> DiffReport:
-    """One source checked one way (docs/cli.md, verify): ``against`` a saved record (it
-    plays the producer; every replica key must match when the layouts agree), the
-    producer checksums its dumps ``received`` (over the producer's tokens, under its
-    numbering), or the ``stored`` checksums of its offloaded blocks. Exactly one of the
-    three is given. ``allow_missing`` and ``allow_empty`` as for ``diff_sources``.
+    """One source checked one way (docs/cli.md, verify).
+
+    Args:
+        source: What is checked.
+        options: As for ``diff_sources``.
+        against: A saved record (it plays the producer; every replica key must match
+            when the layouts agree).
+        received: Check the producer checksums the source's dumps received (over the
+            producer's tokens, under its numbering).
+        stored: Check the stored checksums of its offloaded blocks.
+
+    Returns:
+        The report, as ``diff_sources`` makes it.
 
     Raises:
         KvauditError: None or several ways given, a requested id the source does not
@@ -71,10 +76,9 @@ def verify_sources(
     chosen = [against is not None, received, stored]
     if sum(chosen) != 1:
         raise KvauditError("verify needs exactly one of --against RECORD, --received, --stored")
-    runtime = runtime or resolve_device("auto")
-    ids = unique_ids(request_ids)
-    report = _verify_one_way(source, against, received, ids, runtime, progress)
-    report.allow_missing, report.allow_empty = allow_missing, allow_empty
+    ids = unique_ids(options.request_ids)
+    report = _verify_one_way(source, against, received, ids, options.device(), options.progress)
+    options.judge(report)
     if received:
         report.untraced = "no trace possible: the producer sent only its checksums"
     return report

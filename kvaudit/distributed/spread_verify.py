@@ -15,8 +15,9 @@ from ..compare import (
     verify_sources,
     verify_wire,
 )
+from ..compare.options import DEFAULT_OPTIONS, CompareOptions
 from ..records.wire import WireChecksums
-from ..sources import Progress, Runtime, Source, resolve_device
+from ..sources import Progress, Runtime, Source
 from .spread_source import SpreadSource
 
 
@@ -53,33 +54,19 @@ def spread_stored(
 
 def verify_spread(
     source: Source,
+    options: CompareOptions = DEFAULT_OPTIONS,
     *,
     against: Source | None = None,
     received: bool = False,
     stored: bool = False,
-    request_ids: Sequence[str] | None = None,
-    runtime: Runtime | None = None,
-    progress: Progress | None = None,
-    allow_missing: bool = False,
-    allow_empty: bool = False,
 ) -> DiffReport:
     """``kvaudit.compare.verify_sources`` for a source spread among processes (every
     process calls it): ``received`` and ``stored`` read the carried checksums where the
     dumps are; anything else is checked as in one process."""
     if against is not None or not isinstance(source, SpreadSource) or received == stored:
-        return verify_sources(
-            source,
-            against=against,
-            received=received,
-            stored=stored,
-            request_ids=request_ids,
-            runtime=runtime,
-            progress=progress,
-            allow_missing=allow_missing,
-            allow_empty=allow_empty,
-        )
-    runtime = runtime or resolve_device("auto")
-    ids = None if request_ids is None else list(dict.fromkeys(request_ids))
+        return verify_sources(source, options, against=against, received=received, stored=stored)
+    runtime, progress = options.device(), options.progress
+    ids = None if options.request_ids is None else list(dict.fromkeys(options.request_ids))
     if ids is not None:
         source.check_request_ids(ids)
     if stored:
@@ -87,5 +74,5 @@ def verify_spread(
     else:
         report = verify_wire(source, received_wires(source, ids), ids, runtime, progress)
         report.untraced = "no trace possible: the producer sent only its checksums"
-    report.allow_missing, report.allow_empty = allow_missing, allow_empty
+    options.judge(report)
     return report

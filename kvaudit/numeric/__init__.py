@@ -5,8 +5,8 @@
 ``scheduling`` (``numeric_diff``: requests, layers and threads over two sides' raw KV),
 ``layers`` (one layer's batch, piece by piece), ``reads`` (one side's rows as values),
 ``mapped_rows`` (where rows lie in the dumps' mappings, compared in place),
-``value_errors`` (the errors between two sides' values, in numpy) and ``native`` (the same
-in the C extension).
+``value_errors`` (the errors between two sides' values, in numpy), ``native`` (the same
+in the C extension) and ``budget`` (``NumericBudget``: what it reads and holds at once).
 """
 
 from __future__ import annotations
@@ -16,11 +16,14 @@ from typing import TYPE_CHECKING
 from ..core.lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from .budget import DEFAULT_BUDGET, NumericBudget
     from .driver import numeric_sources
     from .model import NumericReport
     from .scheduling import numeric_diff
 
 _EXPORTS = {
+    "DEFAULT_BUDGET": ".budget",
+    "NumericBudget": ".budget",
     "NumericReport": ".model",
     "numeric_diff": ".scheduling",
     "numeric_sources": ".driver",
@@ -28,4 +31,4 @@ _EXPORTS = {
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)
 
-__all__ = ["NumericReport", "numeric_diff", "numeric_sources"]
+__all__ = ["DEFAULT_BUDGET", "NumericBudget", "NumericReport", "numeric_diff", "numeric_sources"]

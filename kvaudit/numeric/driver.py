@@ -10,11 +10,13 @@ from collections.abc import Sequence
 
 from ..compare import DiffReport
 from ..compare.diff import diff_sources
+from ..compare.options import DEFAULT_OPTIONS, CompareOptions
 from ..compare.sides import check_wanted, shared_tokens, unique_ids
 from ..core.errors import KvauditError
 from ..core.validation import worker_layout
-from ..sources import Progress, Source
+from ..sources import Source
 from ..sources.raw import RawWorker
+from .budget import DEFAULT_BUDGET, NumericBudget
 from .model import NumericReport
 from .scheduling import numeric_diff
 
@@ -22,25 +24,35 @@ from .scheduling import numeric_diff
 def numeric_sources(
     producer: Source,
     consumer: Source,
+    options: CompareOptions = DEFAULT_OPTIONS,
     *,
     atol: float = 0.0,
     rtol: float = 0.0,
-    request_ids: Sequence[str] | None = None,
-    progress: Progress | None = None,
-    allow_missing: bool = False,
-    allow_empty: bool = False,
+    budget: NumericBudget = DEFAULT_BUDGET,
 ) -> NumericReport:
     """The producer compared with the consumer by value over the tokens both hold
-    (docs/numeric.md). Both sides are also checksummed, as ``diff`` does, for what the
-    values cannot show: positions the consumer lacks (accepted with ``allow_missing``) and
-    consumer copies of replicated heads that differ from the copy compared by value. A
-    report in which nothing was compared fails unless ``allow_empty``.
+    (docs/numeric.md).
+
+    Both sides are also checksummed, as ``diff`` does, for what the values cannot show:
+    positions the consumer lacks and consumer copies of replicated heads that differ from
+    the copy compared by value.
+
+    Args:
+        producer: The side that sent the KV.
+        consumer: The side that received it.
+        options: As for ``diff_sources`` (``progress`` counts the bytes compared).
+        atol: The absolute tolerance of an element.
+        rtol: The tolerance relative to the producer's element.
+        budget: What the comparison reads, decodes and holds at once.
+
+    Returns:
+        The report: per request, group, layer and head, the errors and where they are.
 
     Raises:
         KvauditError: A requested id on neither side, or a side that holds only checksums.
 
     """
-    ids = unique_ids(request_ids)
+    ids = unique_ids(options.request_ids)
     if ids is not None:
         check_wanted(producer, consumer, ids)
     shared = shared_tokens(producer, consumer, ids)
@@ -54,13 +66,23 @@ def numeric_sources(
             )
         raw.append(workers)
     structure = diff_sources(
-        producer, consumer, request_ids=ids, locate=False, allow_missing=True, allow_empty=True
+        producer,
+        consumer,
+        CompareOptions(ids, options.runtime, allow_missing=True, allow_empty=True),
+        locate=False,
     )
     left, right = raw
     report = numeric_diff(
-        left, right, shared, atol=atol, rtol=rtol, request_ids=ids, progress=progress
+        left,
+        right,
+        shared,
+        atol=atol,
+        rtol=rtol,
+        request_ids=ids,
+        progress=options.progress,
+        budget=budget,
     )
-    report.allow_missing, report.allow_empty = allow_missing, allow_empty
+    options.judge(report)
     report.warnings = structure.warnings
     report.missing = _missing(structure)
     report.copies_differing = [

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..core.elements import work_dtype
+from .budget import DEFAULT_BUDGET, NumericBudget
 from .mapped_rows import MappedRows
 from .native import add_raw_batch, native_module, raw_dtype, reads
 from .reads import LayerValues, RowFiles, WorkerRows, decode_layer
@@ -20,23 +21,6 @@ from .value_errors import LayerErrors, add_batch, scratch
 
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
-
-PIECE_ELEMENTS = 1 << 18
-"""About how many elements of a side one layer decodes at once (compared in cache-sized
-chunks of heads: ``kvaudit.numeric.value_errors.CHUNK_ELEMENTS``)."""
-NATIVE_PIECE_ELEMENTS = 1 << 20
-"""The same where the C extension compares (one pass over a piece: larger pieces, fewer
-steps in Python; 2 MiB of bf16 bits a side)."""
-MAPPED_PIECE_ELEMENTS = 1 << 22
-"""The same where it reads both sides' dumps in place (nothing staged: only 16 bytes of
-location per row and side are held; a piece is then usually a whole batch)."""
-CHUNK_TOKENS = 256
-"""Rows read in place go a block of tokens (at most this many) at a time
-(kvaudit/_mapped_rows.h)."""
-MAPPED_BYTES = 256 << 20
-"""About how many bytes of the dumps' mapped pages the threads reading rows in place hold
-at most, together: each releases the 2 MiB regions it read once they reach its share (a
-chunk's regions more at most), and at the end of each piece."""
 
 
 def layer_plan(
@@ -67,11 +51,13 @@ class ThreadFiles:
     """Each pool thread's ``RowFiles`` for a whole comparison (a dump's files opened and
     its rows' layout found once, not per layer batch), all closed at its end (``with``)."""
 
-    def __init__(self, threads: int = 1) -> None:
+    def __init__(self, threads: int = 1, budget: NumericBudget = DEFAULT_BUDGET) -> None:
         self._local = threading.local()
         self._opened: list[RowFiles] = []
         self._lock = threading.Lock()
-        self.places = MappedRows(max(1, MAPPED_BYTES // threads))
+        self.budget = budget
+        """The comparison's sizes, which every thread's work follows."""
+        self.places = MappedRows(max(1, budget.mapped_bytes // threads))
         """Where dumps' rows lie in their mappings (shared: one dict, set once a part), and
         each of the ``threads``' share of mapped pages."""
 
@@ -144,7 +130,9 @@ def compare_layer(
             held = np.zeros(shape[:2], dtype=bool)
             read += decode_layer(plan, name, layer, (buffer, held), files, raw=native is not None)
             values.append((buffer, held))
-        token_row = _add_piece(native, errors, lo, values, layers, tolerance)
+        token_row = _add_piece(
+            native, errors, lo, values, layers, (tolerance, thread_files.budget.chunk_elements)
+        )
         np.fmax.at(row, np.arange(lo, hi) // width, token_row)
     if not staged:
         return read  # the C extension released the mapped pages it read
@@ -164,11 +152,13 @@ def _add_piece(
     lo: int,
     values: list[tuple[np.ndarray, np.ndarray]],
     layers: tuple[LayerValues, LayerValues],
-    tolerance: tuple[float, float],
+    tolerance_chunk: tuple[tuple[float, float], int],
 ) -> np.ndarray:
     """Add a piece of a layer's batch to its errors: both sides' element bits in the C
     extension (``native``), else their decoded values in numpy (one float type for
-    both); returns its token row (``add_batch``)."""
+    both, ``tolerance_chunk = ((atol, rtol), chunk_elements)``); returns its token row
+    (``add_batch``)."""
+    tolerance, chunk_elements = tolerance_chunk
     (p, held_p), (c, held_c) = values
     held = held_p & held_c
     if native is not None:
@@ -176,23 +166,24 @@ def _add_piece(
         return add_raw_batch(native, errors, lo, (p, c), held, (left, right), tolerance)
     if p.dtype != c.dtype:
         p, c = p.astype(np.float64), c.astype(np.float64)
-    return add_batch(errors, lo, p, c, held, tolerance)
+    return add_batch(errors, lo, p, c, held, tolerance, chunk_elements)
 
 
 def piece_tokens(
-    unit: int, layers: Mapping[str, LayerValues], common: Sequence[str], mapped: bool
+    unit: int,
+    layers: Mapping[str, LayerValues],
+    common: Sequence[str],
+    mapped: bool,
+    budget: NumericBudget,
 ) -> int:
-    """Tokens per piece: a multiple of ``unit``, about ``PIECE_ELEMENTS`` per side
-    (``NATIVE_PIECE_ELEMENTS`` where the C extension is there, ``MAPPED_PIECE_ELEMENTS``
-    where it reads both sides' rows in place: ``mapped``)."""
+    """Tokens per piece: a multiple of ``unit``, about the budget's piece elements per
+    side for the path that compares (numpy, the C extension, or the C extension reading
+    both sides' rows in place: ``mapped``)."""
     per_token = max((layers[name].heads * layers[name].elements for name in common), default=1)
-    if native_module() is None:
-        elements = PIECE_ELEMENTS
-    else:
-        elements = MAPPED_PIECE_ELEMENTS if mapped else NATIVE_PIECE_ELEMENTS
+    elements = budget.piece_elements_for(native_module() is not None, mapped)
     return max(unit, elements // max(per_token, 1) // unit * unit)
 
 
-def chunk_tokens(unit: int) -> int:
+def chunk_tokens(unit: int, budget: NumericBudget) -> int:
     """Tokens per block of rows read in place, for a block unit of ``unit`` tokens."""
-    return min(unit, CHUNK_TOKENS)
+    return min(unit, budget.chunk_tokens)

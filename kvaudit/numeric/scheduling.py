@@ -25,6 +25,7 @@ import numpy as np
 
 from ..core.errors import KvauditError
 from ..sources.raw import RawWorker
+from .budget import DEFAULT_BUDGET, NumericBudget
 from .layers import (
     ThreadFiles,
     Threads,
@@ -56,8 +57,6 @@ MAX_BINS = 256
 """At most this many token bins per layer in the layers x tokens picture."""
 THREADS = 4
 """At most this many threads read the sides and compare layers."""
-BATCH_BYTES = 8 << 20
-"""About how many raw bytes each side reads per batch (memory stays bounded)."""
 
 
 @dataclass(frozen=True)
@@ -76,12 +75,14 @@ class _GroupPlan:
     stacks: bool
 
     @classmethod
-    def of(cls, sides: tuple[list[GroupWorker], list[GroupWorker]]) -> _GroupPlan:
+    def of(
+        cls, sides: tuple[list[GroupWorker], list[GroupWorker]], budget: NumericBudget
+    ) -> _GroupPlan:
         layers = (side_layers(sides[0]), side_layers(sides[1]))
         common, reasons = layer_plan(*layers)
         unit = block_unit(sides)
         mapped = all(getattr(held.raw, "maps", None) for side in sides for held in side)
-        piece = piece_tokens(unit, layers[0], common, mapped)
+        piece = piece_tokens(unit, layers[0], common, mapped, budget)
         chosen = (attention_views(sides[0]), attention_views(sides[1]))
         native = native_module()
         stacks = (
@@ -115,7 +116,6 @@ def _compare_group(
     unit: _Unit,
     tolerance: tuple[float, float],
     progress: Callable[[int], None] | None,
-    batch_bytes: int,
     threads: Threads,
 ) -> tuple[GroupNumeric, list[str]]:
     """One request's group compared by value, and why parts of it are not compared: the
@@ -127,7 +127,8 @@ def _compare_group(
     layer_tokens, width = _token_bins(num_tokens, len(common))
     errors = {name: LayerErrors(info[name].heads) for name in common}
     piece = plan.piece
-    step = max(piece, batch_tokens(unit.sides, batch_bytes) // piece * piece)
+    budget = threads[1].budget
+    step = max(piece, batch_tokens(unit.sides, budget.batch_bytes) // piece * piece)
     request = (unit.request_id, unit.group_id)
     for lo in range(0, num_tokens, step):
         hi = min(num_tokens, lo + step)
@@ -152,7 +153,7 @@ def _compare_group(
                 tolerance,
                 (layer_tokens[index], width),
                 threads[1],
-                chunk_tokens(plan.unit),
+                chunk_tokens(plan.unit, budget),
             )
             for index, name in enumerate(common)
         ]
@@ -223,7 +224,7 @@ class _Stack:
             for s in (0, 1)
         )
         stacked = {name: LayerErrors(len(units) * info[name].heads) for name in common}
-        chunk = chunk_tokens(plan.unit)
+        chunk = chunk_tokens(plan.unit, threads[1].budget)
         jobs = [
             threads[0].submit(
                 threads[1].places.add,
@@ -279,7 +280,7 @@ def numeric_diff(
     rtol: float = 0.0,
     request_ids: Sequence[str] | None = None,
     progress: Callable[[int], None] | None = None,
-    batch_bytes: int = BATCH_BYTES,
+    budget: NumericBudget = DEFAULT_BUDGET,
 ) -> NumericReport:
     """The producer's raw KV compared with the consumer's by value, request by request
     over the first ``num_tokens[id]`` tokens (those both hold), batch by batch.
@@ -287,7 +288,8 @@ def numeric_diff(
     An element fails when ``|consumer - producer| > atol + rtol * |producer|`` or when a
     NaN or Inf is on one side only. Requests one side lacks, layers one side lacks (or
     holds in another shape) and heads no token of which both sides hold are listed as
-    not compared; Mamba state layers are compared by checksum only.
+    not compared; Mamba state layers are compared by checksum only. ``budget`` bounds
+    what is read, decoded and held at once.
     """
     from concurrent.futures import ThreadPoolExecutor  # only when comparing (start-up)
 
@@ -297,7 +299,7 @@ def numeric_diff(
             raise KvauditError(f"{name}: expected a finite number >= 0, got {value}")
     report = NumericReport(atol, rtol)
     threads = min(THREADS, os.cpu_count() or 1)
-    with ThreadPoolExecutor(threads) as pool, ThreadFiles(threads) as files:
+    with ThreadPoolExecutor(threads) as pool, ThreadFiles(threads, budget) as files:
         _compare_requests(
             report,
             producer,
@@ -305,7 +307,6 @@ def numeric_diff(
             num_tokens,
             request_ids,
             progress,
-            batch_bytes,
             (pool, files),
         )
     return report
@@ -318,7 +319,6 @@ def _compare_requests(
     num_tokens: Mapping[str, int],
     request_ids: Sequence[str] | None,
     progress: Callable[[int], None] | None,
-    batch_bytes: int,
     threads: Threads,
 ) -> None:
     """Fill the report request by request: consecutive short requests of the same
@@ -337,7 +337,7 @@ def _compare_requests(
         unit.result.groups[unit.group_id] = group
 
     def compare_alone(unit: _Unit) -> None:
-        done(unit, *_compare_group(unit, tolerance, progress, batch_bytes, threads))
+        done(unit, *_compare_group(unit, tolerance, progress, threads))
 
     def finish_running() -> None:
         nonlocal running
@@ -391,7 +391,7 @@ def _compare_requests(
             ids_p, ids_c = (tuple(id(held.raw) for held in side) for side in sides)
             plan = plans.get((gid, ids_p, ids_c))
             if plan is None:
-                plan = plans[gid, ids_p, ids_c] = _GroupPlan.of(sides)
+                plan = plans[gid, ids_p, ids_c] = _GroupPlan.of(sides, threads[1].budget)
             unit = _Unit(rid, gid, count, sides, result, plan)
             if plan.stackable(count):
                 tokens = max([count, *(other.num_tokens for other in stack)])

@@ -15,8 +15,6 @@ from .model import SliceErrors
 
 WORST_TOKENS = 5
 """How many worst token positions each (layer, head) keeps."""
-CHUNK_ELEMENTS = 1 << 17
-"""At most about this many elements of a side are compared at once (cache-sized)."""
 _INTEGERS = {4: np.int32, 8: np.int64}
 """Integers of a float's size: non-negative floats order as their bits do."""
 _SCRATCH = threading.local()
@@ -264,16 +262,17 @@ def add_batch(
     c: np.ndarray,
     mask: np.ndarray,
     tolerance: tuple[float, float],
+    chunk_elements: int,
 ) -> np.ndarray:
     """Add one layer's batch (``[heads, tokens, elements]`` from request position ``lo``,
-    compared where ``mask``; ``p`` and ``c`` are overwritten) to its errors; returns per
-    token the largest over heads of ``max |c - p| / max |p|`` (NaN where no head compared
-    it)."""
+    compared where ``mask``; ``p`` and ``c`` are overwritten) to its errors, about
+    ``chunk_elements`` of a side at a time; returns per token the largest over heads of
+    ``max |c - p| / max |p|`` (NaN where no head compared it)."""
     heads, tokens, elements = p.shape
     if not mask.all():
         p[~mask] = 0
         c[~mask] = 0
-    step = max(1, CHUNK_ELEMENTS // max(tokens * elements, 1))
+    step = max(1, chunk_elements // max(tokens * elements, 1))
     chunks = []
     for h in range(0, heads, step):
         left, right = p[h : h + step], c[h : h + step]

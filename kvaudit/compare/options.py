@@ -1,0 +1,46 @@
+"""What every comparison driver is asked besides its sides: which requests, where to
+checksum, whom to tell of progress, and what a pass may accept."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..sources.base import Progress, Runtime, resolve_device
+
+if TYPE_CHECKING:
+    from ..numeric.model import NumericReport
+    from .model import DiffReport
+
+
+@dataclass(frozen=True)
+class CompareOptions:
+    """The options ``diff_sources``, ``verify_sources``, ``numeric_sources`` and
+    ``verify_spread`` share (docs/api.md).
+
+    ``request_ids``: the requests compared (None: every request either side holds);
+    ``runtime``: where checksums are computed (None: the best device at hand);
+    ``progress``: called with the bytes checksummed since its last call;
+    ``allow_missing``: positions the producer holds that the consumer lacks do not fail
+    the report; ``allow_empty``: a report that compared nothing does not fail.
+    """
+
+    request_ids: Sequence[str] | None = None
+    runtime: Runtime | None = None
+    progress: Progress | None = None
+    allow_missing: bool = False
+    allow_empty: bool = False
+
+    def device(self) -> Runtime:
+        """The runtime checksums are computed on: the one given, else the best at hand."""
+        return self.runtime or resolve_device("auto")
+
+    def judge(self, report: DiffReport | NumericReport) -> None:
+        """Tell the report what its verdict may accept (missing positions, nothing
+        compared)."""
+        report.allow_missing, report.allow_empty = self.allow_missing, self.allow_empty
+
+
+DEFAULT_OPTIONS = CompareOptions()
+"""Every request, the best device, no progress, nothing accepted that fails."""
