@@ -15,7 +15,7 @@ from ..distributed import spread
 from .arguments import check_outputs, load_config, open_sources, wanted_ids
 from .group import main
 from .options import DIFF_EXIT_HELP, ReportFormat, common_options, report_options, request_option
-from .output import ReportOutputs, emit, emit_report, emit_table, warn
+from .output import ReportOutputs, diff_forms, emit_report, numeric_forms
 
 if TYPE_CHECKING:
     from ..sources import Source
@@ -118,15 +118,15 @@ def diff(
     left = open_sources([producer], config(producer_config or config_path), device)
     right = open_sources([consumer], config(consumer_config or config_path), device)
     wanted = wanted_ids(request_ids)
+    outputs = ReportOutputs(output_format, output, json_path, junit_path, html_path)
     if numeric:
-        if junit_path is not None:
+        if junit_path is not None or output_format == "junit":
             raise click.UsageError("--numeric reports as table or JSON, not JUnit")
         if locate is not None:
             raise click.UsageError("--locate and --no-locate go without --numeric")
-        outputs = (output, json_path, html_path)
         tolerance = (atol or 0.0, rtol or 0.0)
         allowed = (allow_missing, allow_empty)
-        return diff_numeric(left, right, wanted, tolerance, allowed, output_format, outputs, quiet)
+        return diff_numeric(left, right, wanted, tolerance, allowed, outputs, quiet)
     if atol is not None or rtol is not None:
         raise click.UsageError("--atol and --rtol go with --numeric")
     with progress_bar(diff_work(left, right, wanted), "diff", enabled=not quiet) as advance:
@@ -137,12 +137,7 @@ def diff(
 
         locate_across(report, left, right, wanted, locate)
     title = f"diff: producer {left.describe()}, consumer {right.describe()}"
-    outputs = ReportOutputs(output_format, output, json_path, junit_path)
-    emit_report(report, outputs, title, DIFF_SIDE_NAMES, "kvaudit.diff")
-    if html_path is not None:
-        from ..formats.html import diff_html
-
-        emit(diff_html(report, title), html_path)
+    emit_report(diff_forms(report, title, DIFF_SIDE_NAMES, "kvaudit.diff"), outputs)
     return ExitStatus.OK if report.ok else ExitStatus.MISMATCH
 
 
@@ -152,37 +147,19 @@ def diff_numeric(
     wanted: list[str] | None,
     tolerance: tuple[float, float],
     allowed: tuple[bool, bool],
-    output_format: ReportFormat,
-    outputs: tuple[str | None, str | None, str | None],
+    outputs: ReportOutputs,
     quiet: bool,
 ) -> int:
-    """``diff --numeric``: compare by value, print or write the report (``outputs``: -o,
-    --json and --html files), the exit status; ``allowed``: --allow-missing and
-    --allow-empty."""
+    """``diff --numeric``: compare by value, print or write the report, the exit status;
+    ``allowed``: --allow-missing and --allow-empty."""
     from ..compare import CompareOptions, diff_work
-    from ..formats import json_text
-    from ..formats.html import numeric_html
-    from ..formats.numeric import numeric_to_json
     from ..numeric import numeric_sources
-    from ..report.numeric import print_numeric
     from .progress import progress_bar
 
-    if output_format == "junit":
-        raise click.UsageError("--numeric reports as --format table or json")
-    output, json_path, html_path = outputs
     atol, rtol = tolerance
     with progress_bar(diff_work(left, right, wanted), "diff", enabled=not quiet) as advance:
         options = CompareOptions(wanted, None, advance, *allowed)
         report = numeric_sources(left, right, options, atol=atol, rtol=rtol)
-    warn(report.warnings)
     title = f"diff --numeric: producer {left.describe()}, consumer {right.describe()}"
-    text = json_text(numeric_to_json(report, left.describe(), right.describe())) + "\n"
-    if output_format == "json":
-        emit(text, output)
-    else:
-        emit_table(functools.partial(print_numeric, report=report, title=title), output)
-    if json_path is not None:
-        emit(text, json_path)
-    if html_path is not None:
-        emit(numeric_html(report, title), html_path)
+    emit_report(numeric_forms(report, title, (left.describe(), right.describe())), outputs)
     return ExitStatus.OK if report.ok else ExitStatus.MISMATCH

@@ -1,10 +1,10 @@
 """Where a command's result goes: JSON stamped under torchrun, tables on stdout's console
 or as plain text in a file, files written whole or not at all, and the ``diff`` and
-``verify`` report in its ``--format`` with its ``--json`` and ``--junit`` files."""
+``verify`` report (bitwise or by value) in its ``--format`` with its ``--json``, ``--junit``
+and ``--html`` files: one pipeline for every report."""
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -21,18 +21,32 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from ..compare import DiffReport
+    from ..numeric import NumericReport
     from ..report import SideNames
 
 
 @dataclass(frozen=True)
 class ReportOutputs:
-    """Where a ``diff`` or ``verify`` report goes: ``--format`` on stdout or ``-o``, and
-    the ``--json`` and ``--junit`` files beside it."""
+    """Where a report goes: ``--format`` on stdout or ``-o``, and the ``--json``,
+    ``--junit`` and ``--html`` files beside it."""
 
     output_format: ReportFormat
-    output: str | None
-    json_path: str | None
-    junit_path: str | None
+    output: str | None = None
+    json_path: str | None = None
+    junit_path: str | None = None
+    html_path: str | None = None
+
+
+@dataclass(frozen=True)
+class ReportForms:
+    """One report in each of its forms, each made only when an output asks for it: its
+    JSON data, its tables, its JUnit XML (None: it has none) and its HTML page."""
+
+    warnings: Sequence[str]
+    json: Callable[[], dict[str, Any]]
+    table: Callable[[Console], None]
+    junit: Callable[[], str] | None
+    html: Callable[[], str]
 
 
 def warn(warnings: Sequence[str]) -> None:
@@ -41,43 +55,82 @@ def warn(warnings: Sequence[str]) -> None:
         click.echo(f"kvaudit: warning: {printable(warning, newlines=False)}", err=True)
 
 
-def emit_report(
-    report: DiffReport, outputs: ReportOutputs, title: str, sides: SideNames, suite: str
-) -> None:
-    """Warn on stderr, write the ``--json`` and ``--junit`` files, then print or write
-    the report in the chosen format. A reader of stdout that went away (``| head``)
-    loses the rest of the output, not the verdict's exit status."""
-    # Each format's writer imported only for its output: JSON imports no XML or rich.
-    from ..formats import diff_to_json, json_text
+def diff_forms(report: DiffReport, title: str, sides: SideNames, suite: str) -> ReportForms:
+    """The forms of a ``diff`` or ``verify`` report (``suite``: its JUnit suite's name)."""
 
-    warn(report.warnings)
-    if outputs.json_path is not None:
-        emit(json_text(stamp(diff_to_json(report))) + "\n", outputs.json_path)
-    if outputs.junit_path is not None:
-        from ..formats import diff_junit
+    # Each form's writer is imported only for its output: JSON imports no XML or rich.
+    def json() -> dict[str, Any]:
+        from ..formats import diff_to_json
 
-        emit(diff_junit(report, suite), outputs.junit_path)
-    output = outputs.output
-    if outputs.output_format == "json":
-        emit(json_text(stamp(diff_to_json(report))) + "\n", output)
-    elif outputs.output_format == "junit":
-        from ..formats import diff_junit
+        return diff_to_json(report)
 
-        emit(diff_junit(report, suite), output)
-    elif output is None:
-        from ..report import make_console, print_diff
-
-        def show() -> None:
-            console = make_console()
-            # rich exits with status 1 on a closed pipe; the verdict decides the status.
-            console.on_broken_pipe = _raise_broken_pipe  # type: ignore[method-assign]
-            print_diff(console, report=report, title=title, sides=sides)
-
-        _to_stdout(show)
-    else:
+    def table(console: Console) -> None:
         from ..report import print_diff
 
-        emit_table(functools.partial(print_diff, report=report, title=title, sides=sides), output)
+        print_diff(console, report=report, title=title, sides=sides)
+
+    def junit() -> str:
+        from ..formats import diff_junit
+
+        return diff_junit(report, suite)
+
+    def html() -> str:
+        from ..formats.html import diff_html
+
+        return diff_html(report, title)
+
+    return ReportForms(report.warnings, json, table, junit, html)
+
+
+def numeric_forms(report: NumericReport, title: str, names: tuple[str, str]) -> ReportForms:
+    """The forms of a ``diff --numeric`` report (``names``: its sides described); it has
+    no JUnit form."""
+
+    def json() -> dict[str, Any]:
+        from ..formats.numeric import numeric_to_json
+
+        return numeric_to_json(report, *names)
+
+    def table(console: Console) -> None:
+        from ..report.numeric import print_numeric
+
+        print_numeric(console, report=report, title=title)
+
+    def html() -> str:
+        from ..formats.html import numeric_html
+
+        return numeric_html(report, title)
+
+    return ReportForms(report.warnings, json, table, None, html)
+
+
+def emit_report(forms: ReportForms, outputs: ReportOutputs) -> None:
+    """Warn on stderr, write the ``--json``, ``--junit`` and ``--html`` files, then print
+    or write the report in the chosen format: every report the same way. A reader of
+    stdout that went away (``| head``) loses the rest of the output, not the verdict's
+    exit status.
+
+    Raises:
+        click.UsageError: JUnit asked of a report that has no JUnit form.
+
+    """
+    from ..formats import json_text
+
+    if forms.junit is None and (outputs.output_format == "junit" or outputs.junit_path):
+        raise click.UsageError("this report is written as a table, JSON or HTML, not JUnit")
+    warn(forms.warnings)
+    if outputs.json_path is not None:
+        emit(json_text(stamp(forms.json())) + "\n", outputs.json_path)
+    if outputs.junit_path is not None and forms.junit is not None:
+        emit(forms.junit(), outputs.junit_path)
+    if outputs.html_path is not None:
+        emit(forms.html(), outputs.html_path)
+    if outputs.output_format == "json":
+        emit(json_text(stamp(forms.json())) + "\n", outputs.output)
+    elif outputs.output_format == "junit" and forms.junit is not None:
+        emit(forms.junit(), outputs.output)
+    else:
+        emit_table(forms.table, outputs.output)
 
 
 def _to_stdout(write: Callable[[], None]) -> None:

@@ -10,7 +10,7 @@ from ..distributed import spread
 from .arguments import check_outputs, load_config, open_sources, wanted_ids
 from .group import main
 from .options import DIFF_EXIT_HELP, ReportFormat, common_options, report_options, request_option
-from .output import ReportOutputs, emit_report
+from .output import ReportOutputs, diff_forms, emit_report
 
 
 @main.command(epilog=DIFF_EXIT_HELP)
@@ -93,5 +93,5 @@ def verify(
         sides = SideNames("stored checksums", "dumps", "checked")
         title = f"verify the stored checksums of {source.describe()}"
     outputs = ReportOutputs(output_format, output, json_path, junit_path)
-    emit_report(report, outputs, title, sides, "kvaudit.verify")
+    emit_report(diff_forms(report, title, sides, "kvaudit.verify"), outputs)
     return ExitStatus.OK if report.ok else ExitStatus.MISMATCH
