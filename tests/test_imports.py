@@ -9,6 +9,7 @@ resolved to kvaudit modules. A new module must be placed in ``LAYERS``.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -187,3 +188,16 @@ def test_core_imports_no_other_package() -> None:
             targets = {target for target, _ in imports(name)}
             outside = {t for t in targets if t != "core" and not t.startswith("core.")}
             assert not outside, f"kvaudit.{name} imports {sorted(outside)}"
+
+
+def test_every_module_is_on_the_map() -> None:
+    # docs/architecture.md names every module and C file: a newcomer finds each there.
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"`([\w./]+)`", text))
+    words = {part for item in named for part in re.split(r"[./]", item)} | named
+    absent = sorted(
+        str(path.relative_to(PACKAGE))
+        for path in [*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.c"), *PACKAGE.rglob("*.h")]
+        if path.name != "__init__.py" and path.stem not in words and path.name not in words
+    )
+    assert absent == [], f"not named in docs/architecture.md: {absent}"

@@ -1,7 +1,7 @@
 """Every Triton kernel variant the plans produce compiles for real GPUs, without spilling.
 
 No GPU is needed: each variant is compiled ahead of time for sm_80, sm_90 and sm_100 with
-the ptxas that Triton's wheel ships (kvaudit/kernels/triton_compile.py), exactly as a launch
+the ptxas that Triton's wheel ships (tests/triton_compile.py), exactly as a launch
 specialises it, and its registers, stack and local memory are read from the cubin. Real
 model shapes (tests/kernel_variants.py's MODELS) are the main variants: they must also
 keep at least 4 programs resident per SM, or as many bytes of loads in flight (docs/gpu.md).

@@ -1,4 +1,4 @@
-"""The numpy CPU path (``kvaudit/kernels/numpy_cpu.py``) against the plain numpy reference
+"""The numpy CPU path (``kvaudit/checksum/kernels/numpy_cpu.py``) against the plain numpy reference
 of the kernel contract that the Triton kernel is held to (tests/test_triton_kernel.py):
 every layout case, rows in chunks of every size, consecutive rows read in place and
 scattered rows gathered, rows cut short mixed with full ones in one chunk. These run the

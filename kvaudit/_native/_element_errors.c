@@ -1,5 +1,5 @@
 /* kvaudit._native._element_errors: the errors between two sides' values of one layer's batch in
- * one pass (docs/numeric.md), the fused form of kvaudit/element_errors.py's numpy path.
+ * one pass (docs/numeric.md), the fused form of kvaudit/numeric/value_errors.py's numpy path.
  *
  * Each side is given as the raw bits of its elements, [heads, tokens, elements] in its
  * layer's dtype; every (head, token) row is decoded (exactly, times the side's K and V

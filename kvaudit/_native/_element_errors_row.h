@@ -9,7 +9,7 @@
  * loop, BF16_VALUES(raw) giving a vector of bf16 values), TARGET (the loop's instruction
  * set attribute) and NAME(x) (each copy's own names); they are undefined at the end.
  *
- * Every operation is the numpy path's (kvaudit/element_errors.py) in the same type, so the
+ * Every operation is the numpy path's (kvaudit/numeric/value_errors.py) in the same type, so the
  * figures come out bit for bit the same; only the sums of squares are kept in double. */
 
 #define WIDTH ((int)(sizeof(VREAL) / sizeof(REAL)))

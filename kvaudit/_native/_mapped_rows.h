@@ -1,6 +1,6 @@
 /* compare_mapped: one layer's batch compared with both sides' rows read where they lie in
  * the dumps' file mappings (included once by _element_errors.c, after compare). Python
- * (kvaudit/mapped_rows.py) says where each (head, token) row's parts are: a mapping and a
+ * (kvaudit/numeric/mapped_rows.py) says where each (head, token) row's parts are: a mapping and a
  * byte offset; every held row's parts are checked against their mapping's bounds here,
  * before the loop, so that a wrong location raises ValueError instead of reading outside.
  * No copy of the rows is made: the loop decodes them from the page cache. */

@@ -1,4 +1,4 @@
-/* The checksum's row sums on the CPU in C: the loop of kvaudit/kernels/numpy_cpu.py
+/* The checksum's row sums on the CPU in C: the loop of kvaudit/checksum/kernels/numpy_cpu.py
  * (NumpyPart.row_sums) at memory speed, for the numpy backend.
  *
  * A row is one block of a piece view [blocks, kernel_blocks, heads, tokens, pieces]; its
@@ -296,7 +296,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "kvaudit._native._row_sums",
-    .m_doc = "The numpy backend's row sums in C (kvaudit/kernels/numpy_cpu.py).",
+    .m_doc = "The numpy backend's row sums in C (kvaudit/checksum/kernels/numpy_cpu.py).",
     .m_size = 0,
     .m_methods = methods,
 };

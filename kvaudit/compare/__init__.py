@@ -38,23 +38,17 @@ if TYPE_CHECKING:
     from .verify import verify_sources, verify_work
 
 _EXPORTS = {
-    "CompareOptions": ".options",
-    "DEFAULT_OPTIONS": ".options",
-    "StoredCheck": ".stored",
-    "stored_report": ".stored",
-    "verify_received": ".received",
-    "verify_stored_blocks": ".stored",
-    "carried_wires": ".received",
-    "diff_sources": ".diff",
-    "diff_work": ".diff",
-    "locate_report": ".diff",
-    "received_wires": ".received",
+    **dict.fromkeys(("CompareOptions", "DEFAULT_OPTIONS"), ".options"),
+    **dict.fromkeys(("diff_sources", "diff_work", "locate_report"), ".diff"),
+    **dict.fromkeys(
+        ("carried_wires", "received_wires", "verify_received", "verify_wire"), ".received"
+    ),
+    **dict.fromkeys(
+        ("StoredCheck", "stored_checks", "stored_report", "verify_stored", "verify_stored_blocks"),
+        ".stored",
+    ),
+    **dict.fromkeys(("verify_sources", "verify_work"), ".verify"),
     "shared_tokens": ".sides",
-    "stored_checks": ".stored",
-    "verify_sources": ".verify",
-    "verify_stored": ".stored",
-    "verify_wire": ".received",
-    "verify_work": ".verify",
 }
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -22,8 +22,7 @@ if TYPE_CHECKING:
     from .scheduling import numeric_diff
 
 _EXPORTS = {
-    "DEFAULT_BUDGET": ".budget",
-    "NumericBudget": ".budget",
+    **dict.fromkeys(("DEFAULT_BUDGET", "NumericBudget"), ".budget"),
     "NumericReport": ".model",
     "numeric_diff": ".scheduling",
     "numeric_sources": ".driver",
