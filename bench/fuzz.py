@@ -1,4 +1,4 @@
-"""A longer fuzz run of kvaudit's readers than the suite's (``tests/fuzz_inputs.py``):
+"""A longer fuzz run of kvaudit's readers than the suite's (``tests/helpers/fuzz_inputs.py``):
 every input must end in a result or a one-line ``KvauditError``, within the per-example
 time cap and the process's memory cap.
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import fuzz_inputs  # tests/ holds the strategies and targets
+from helpers import fuzz_inputs
 
 
 def main() -> int:

@@ -14,7 +14,7 @@ On one CUDA GPU, in one run of a few minutes (docs/gpu.md):
    (d) a torch gather-multiply-sum of the same blocks (index_select, int64 mul, sum);
    (e) the library end to end (``Checksummer.checksum``, host time included);
    (f) the compiled variants' registers, spills and programs per SM for this GPU
-       (tests/triton_compile.py, as bench/kernel_resources.py prints them).
+       (tests/helpers/triton_compile.py, as bench/kernel_resources.py prints them).
    It checks that (b), (c), (d) and (e) agree and prints GB/s and the ratios.
 3. (g) A ``--dump-gib`` dump (bench/dump_memory.py's Llama-shaped layers) checksummed with
    ``--device cuda`` (rows staged through two pinned buffers, host-to-device copies on
@@ -205,7 +205,7 @@ def kernel_report(template: torch.Tensor, aligned: bool) -> str:
     """Registers, spills and resident programs of the variant this layout compiles, as
     bench/kernel_resources.py works them out for this GPU's architecture."""
     sys.path.insert(0, str(REPO / "tests"))  # the compile tooling lives with the tests
-    from triton_compile import Variant, compile_variant
+    from helpers.triton_compile import Variant, compile_variant
 
     major, minor = torch.cuda.get_device_capability()
     variant = Variant(

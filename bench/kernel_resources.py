@@ -21,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from triton_compile import (  # noqa: E402
+from helpers.triton_compile import (  # noqa: E402
     ARCHES,
     Resources,
     Variant,
@@ -65,7 +65,7 @@ def main() -> int:
     parser.add_argument("--arch", default=",".join(map(str, ARCHES)))
     parser.add_argument("--latency-ns", type=float, default=750.0, help="loaded DRAM latency")
     args = parser.parse_args()
-    import kernel_variants
+    from helpers import kernel_variants
 
     arches = [int(a) for a in args.arch.split(",")]
     cases = dict(kernel_variants.MODELS)

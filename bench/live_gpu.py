@@ -1,4 +1,4 @@
-"""Live caches on a GPU: toy engines (tests/live_engine.py) with CUDA tensors behind
+"""Live caches on a GPU: toy engines (tests/helpers/live_engine.py) with CUDA tensors behind
 ``kvaudit.live`` agents, read through the command line (docs/live.md).
 
     python bench/live_gpu.py
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-ENGINE = REPO / "tests" / "live_engine.py"
+ENGINE = REPO / "tests" / "helpers" / "live_engine.py"
 LIFETIME_S = 240
 
 
@@ -103,7 +103,7 @@ def _checks(root: Path) -> bool:
     if diff.returncode == 1:
         group = json.loads(diff.stdout)["requests"]["stable"]["groups"]["0"]
         located = [(item["layer"], item["head"], item["tokens"]) for item in group["located"]]
-    import live_engine as toy
+    from helpers import live_engine as toy
 
     want = [(toy.LAYERS[toy.FAULT["layer"]], toy.FAULT["head"], [toy.FAULT["token"]])]
     print(f"live: diff live:P live:C located {located} (expected {want})", flush=True)

@@ -1,7 +1,7 @@
-"""kvaudit: audit LLM KV caches with per-block checksums that add up across TP ranks and
-PP stages and ignore block ids and memory layout.
+"""kvaudit: audit LLM KV caches with per-block checksums.
 
-The library's main entry points: ``load_description``/``parse_description`` (the cache
+The checksums add up across TP ranks and PP stages and ignore block ids and memory
+layout. The library's main entry points: ``load_description``/``parse_description`` (the cache
 description), ``Checksummer`` (a worker's checksums of live tensors), ``combine_workers``
 (sum one engine's workers into a ``Record``).
 """

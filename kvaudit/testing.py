@@ -51,6 +51,7 @@ class LiveSide:
     (by layer name, or the ``kv_caches`` list);
     with them on both sides differences are located down to layers, heads, tokens and
     bytes, as for dumps.
+    ``name``: the side in messages, and in the names of workers that have no source.
     """
 
     checksummers: Sequence[Checksummer]
@@ -59,7 +60,16 @@ class LiveSide:
     name: str = "live"
 
     def source(self) -> ChecksummerSource:
-        """The side as a source the diff driver reads."""
+        """The side as a source the diff driver reads.
+
+        Returns:
+            A source over the checksummers, each with its requests (and tensors).
+
+        Raises:
+            KvauditError: No checksummers, or a list of requests or tensors whose length
+                is not the number of checksummers.
+
+        """
         if isinstance(self.requests, Mapping):
             requests = [self.requests] * len(self.checksummers)
         else:
@@ -81,8 +91,15 @@ def _description(config: CacheDescription | str | os.PathLike | None) -> CacheDe
 
 
 def as_source(side: Side, config: CacheDescription | None = None, label: str = "side") -> Source:
-    """A side of ``assert_kv_equal`` as a source (through the source registry); ``config``
-    applies to dumps.
+    """A side of ``assert_kv_equal`` as a source, through the source registry.
+
+    Args:
+        side: A path, a list of paths, a ``Record``, a ``DumpSet`` or a ``LiveSide``.
+        config: A description that applies to dumps.
+        label: Names the side in errors.
+
+    Returns:
+        The source.
 
     Raises:
         KvauditError: A path that cannot be read, or an object of another type.
@@ -99,7 +116,23 @@ def diff_kv(
     config: CacheDescription | str | os.PathLike | None = None,
     locate: bool = True,
 ) -> DiffReport:
-    """The diff report of two sides (see ``assert_kv_equal``), without asserting."""
+    """The diff report of two sides (see ``assert_kv_equal``), without asserting.
+
+    Args:
+        producer: The side that sent the KV.
+        consumer: The side that received it.
+        request_ids: The requests compared; None for every request.
+        config: A ``CacheDescription`` or a YAML path that supplies or overrides the
+            dumps' description.
+        locate: Narrow differences down where both sides hold the raw KV.
+
+    Returns:
+        The report, as ``diff_sources`` makes it.
+
+    Raises:
+        KvauditError: Bad input (a missing or malformed dump, an unknown request id).
+
+    """
     description = _description(config)
     left = as_source(producer, description, "producer")
     right = as_source(consumer, description, "consumer")
@@ -108,7 +141,16 @@ def diff_kv(
 
 
 def report_text(report: DiffReport, title: str | None = None) -> str:
-    """A diff report as plain text: what ``kvaudit diff`` prints as its table."""
+    """A diff report as plain text: what ``kvaudit diff`` prints as its table.
+
+    Args:
+        report: The report drawn.
+        title: A line printed above the table; None for none.
+
+    Returns:
+        The text, without colours.
+
+    """
     return render_text(functools.partial(print_diff, title=title), report)
 
 
@@ -127,7 +169,17 @@ def assert_kv_equal(
     block ids and block sizes. ``request_ids`` limits the comparison (default: every
     request); ``config`` (a ``CacheDescription`` or a YAML path) supplies or overrides
     the dumps' description; ``locate`` narrows differences down where both sides hold the
-    raw KV (dumps, or a ``LiveSide`` with tensors). Returns the report when it is ok.
+    raw KV (dumps, or a ``LiveSide`` with tensors).
+
+    Args:
+        producer: The side that sent the KV.
+        consumer: The side that received it.
+        request_ids: The requests compared; None for every request.
+        config: A ``CacheDescription`` or a YAML path.
+        locate: Narrow differences down where both sides hold the raw KV.
+
+    Returns:
+        The report, when it is ok.
 
     Raises:
         AssertionError: A block, replica or request differs or is missing, or a group

@@ -22,8 +22,8 @@ python3 -m venv .venv-triton-oldest
 .venv-triton-oldest/bin/pip install -q torch==2.13.0
 .venv-triton-oldest/bin/pip install -q "triton==${oldest_triton}" -e '.[test]'
 .venv-triton-oldest/bin/python -m pytest -q -m "not slow" \
-    tests/test_kernel_backends.py tests/test_triton_kernel.py tests/test_triton_engine.py \
-    tests/test_kernel_compile.py
+    tests/checksum/test_kernel_backends.py tests/checksum/test_triton_kernel.py \
+    tests/checksum/test_triton_engine.py tests/checksum/test_kernel_compile.py
 # --- End of stage: the oldest supported Triton ----------------------------------------
 
 # --- Stage: vLLM -----------------------------------------------------------------------

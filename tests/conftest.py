@@ -1,10 +1,14 @@
-"""Fixtures the test modules share; the helpers they share are modules beside it
-(``kvbuild``, ``reference``, ``engine_runs``, ``dumped_sets``)."""
+"""Fixtures the test modules share; the helpers they share are the package
+``tests/helpers/`` (this folder is on ``sys.path`` while the tests run).
+
+Test modules live in a folder per package they test (``tests/checksum/`` for
+``kvaudit/checksum/``...), ``tests/project/`` for checks of the whole project, and
+``tests/vllm/`` for the vLLM stage."""
 
 from __future__ import annotations
 
 import pytest
-from dumped_sets import Sets, build_sets
+from helpers.dumped_sets import Sets, build_sets
 
 
 @pytest.fixture(scope="module")

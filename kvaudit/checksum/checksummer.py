@@ -59,8 +59,24 @@ class Checksummer:
         num_blocks: int | None = None,
         source: str = "",
     ) -> Checksummer:
-        """A checksummer over ``tensors`` in ``worker``'s place (ranks, role, engine);
-        ``source`` names the tensors in errors and in the record."""
+        """A checksummer over ``tensors`` in ``worker``'s place (ranks, role, engine).
+
+        Args:
+            description: The worker's cache description.
+            tensors: The worker's layer tensors, as ``Checksummer`` takes them.
+            worker: The worker's ranks, sizes, role and engine.
+            backend: As ``Checksummer`` takes it.
+            num_blocks: As ``Checksummer`` takes it.
+            source: What names the tensors in errors and in the record.
+
+        Returns:
+            The checksummer, its views and plans built.
+
+        Raises:
+            KvauditError: As ``Checksummer`` raises it.
+            ValueError: As ``Checksummer`` raises it.
+
+        """
         return cls(
             description,
             tensors,
@@ -91,9 +107,40 @@ class Checksummer:
         source: str = "",
         left_out: Mapping[int, str] | None = None,
     ) -> None:
-        """``left_out``: the worker's groups that the description does not hold, with the
-        reason (an engine's group its integration cannot describe); every record reports
-        them as not covered."""
+        """Build the worker's views and plans once (and warm up their kernels).
+
+        A group whose tensors cannot be checksummed is not an error: ``not_covered``
+        gives the reason.
+
+        Args:
+            description: The worker's cache description.
+            tensors: ``{layer name: tensor}`` (or ``{name: (k, v)}``) in the layouts the
+                description gives, any strides, on the CPU or a GPU; or vLLM's
+                ``kv_caches`` list, one tensor per layer in the description's layer order.
+            tp_rank: The worker's TP rank.
+            tp_size: The engine's TP size.
+            pp_rank: The worker's PP rank.
+            pp_size: The engine's PP size.
+            role: ``"producer"`` checksums replica 0 of each layer; ``"consumer"`` and
+                ``"offload"`` checksum every replica.
+            backend: ``"auto"`` (Triton on CUDA tensors, numpy on the CPU), ``"numpy"``,
+                ``"torch"`` or ``"triton"``.
+            num_blocks: The number of manager blocks the tensors hold; None for the
+                description's ``num_blocks``.
+            engine: The engine's name, kept in the record.
+            source: What names the tensors in errors and in the record.
+            left_out: The worker's groups that the description does not hold, with the
+                reason (an engine's group its integration cannot describe); every record
+                reports them as not covered.
+
+        Raises:
+            KvauditError: An unknown role, a rank outside its size, a left-out group that
+                the description holds, a ``kv_caches`` list of the wrong length, tensors
+                that are neither a mapping nor a list, or a layer whose heads contradict
+                the description's ``model_kv_heads``.
+            ValueError: An unknown ``backend``, once a group can be checksummed.
+
+        """
         self.left_out = dict(left_out or {})
         self.worker = WorkerInfo(tp_rank, tp_size, pp_rank, pp_size, role, engine, source)
         check_worker(self.worker, role, source or None)
@@ -145,6 +192,21 @@ class Checksummer:
 
         ``positions="block"`` numbers pieces from each block's first token instead of the
         request's. Block ids may be lists of ints, numpy arrays or torch tensors.
+
+        Args:
+            requests: Per request id, its token count and, per group, the position of the
+                first listed block and the block ids of consecutive positions.
+            positions: ``"request"`` or ``"block"``: how pieces are numbered.
+
+        Returns:
+            The worker's record: per request, each covered group's checksums per block
+            position and replica key.
+
+        Raises:
+            KvauditError: An unknown position numbering, or a request whose token count,
+                group, start position or block ids cannot be right (a block id outside
+                the cache or listed twice).
+
         """
         if positions not in POSITION_NUMBERINGS:
             raise KvauditError(
@@ -155,9 +217,23 @@ class Checksummer:
     def launch(
         self, requests: Mapping[str, RequestBlocks], positions: Positions = "request"
     ) -> PendingChecksums:
-        """Queue the checksums of the requests' blocks on the current device stream and
-        start their asynchronous copy to the host; ``result()`` of what it returns waits
-        for that copy. On the CPU everything is computed before it returns."""
+        """Start the checksums of the requests' blocks without waiting for them.
+
+        The checksums are queued on the current device stream and their asynchronous
+        copy to the host started; ``result()`` of what it returns waits for that copy.
+        On the CPU everything is computed before it returns.
+
+        Args:
+            requests: As ``checksum`` takes them.
+            positions: As ``checksum`` takes it.
+
+        Returns:
+            The pending checksums, whose ``result()`` is what ``checksum`` returns.
+
+        Raises:
+            KvauditError: As ``checksum`` raises it.
+
+        """
         if positions not in POSITION_NUMBERINGS:
             raise KvauditError(
                 f"unknown position numbering {positions!r}, expected request or block"
@@ -216,8 +292,11 @@ def launch_torch(plan: GroupPlan, rows: np.ndarray) -> torch.Tensor:
 
 
 class PendingChecksums:
-    """A worker's checksums on their way to the host: ``ready()`` says whether the copy
-    finished, ``result()`` waits for it and gives the ``WorkerRecord``."""
+    """A worker's checksums on their way to the host.
+
+    ``ready()`` says whether the copy finished, ``result()`` waits for it and gives the
+    ``WorkerRecord``.
+    """
 
     def __init__(
         self,
@@ -237,7 +316,12 @@ class PendingChecksums:
         return self._result is not None or self._done is None or self._done.query()
 
     def result(self) -> WorkerRecord:
-        """The worker's record, once the values reached the host."""
+        """The worker's record, once the values reached the host.
+
+        Returns:
+            The record ``launch`` started; every call returns the same one.
+
+        """
         if self._result is not None:
             return self._result
         if self._done is not None:

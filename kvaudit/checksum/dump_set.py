@@ -52,8 +52,22 @@ def _selected(dump_set: DumpSet, request_ids: Sequence[str] | None) -> list[str]
 
 
 def total_bytes(dump_set: DumpSet, request_ids: Sequence[str] | None = None) -> int:
-    """The dumped bytes ``checksum_dump_set`` goes through for the requests (each listed
-    block row of each group, every worker): the total of its ``progress`` calls."""
+    """The dumped bytes ``checksum_dump_set`` goes through for the requests.
+
+    They are each listed block row of each group, on every worker: the total of its
+    ``progress`` calls.
+
+    Args:
+        dump_set: One engine's dumps.
+        request_ids: The requests counted; None for every request some dump lists.
+
+    Returns:
+        The number of bytes.
+
+    Raises:
+        KvauditError: A request no dump holds.
+
+    """
     ids = _selected(dump_set, request_ids)
     total = 0
     for dump in dump_set.dumps:
@@ -86,6 +100,18 @@ def checksum_dump_set(
     size, and the file is read once, in order. ``progress(n)`` is called with the bytes
     each step covered (an increment; ``total_bytes`` gives their sum). An incomplete set
     gives a record with ``complete`` False and its missing workers.
+
+    Args:
+        dump_set: One engine's dumps.
+        request_ids: The requests checksummed; None for every request some dump lists.
+        positions: ``"request"`` or ``"block"``: how pieces are numbered.
+        backend: As ``Checksummer`` takes it.
+        device: Where the checksums are computed (``"cpu"``, a CUDA device).
+        progress: Called with the bytes each step covered.
+        batch_bytes: About how many bytes of rows one batch reads.
+
+    Returns:
+        The engine's record, summed over its workers.
 
     Raises:
         KvauditError: A request no dump holds, an unknown position numbering, or workers

@@ -29,8 +29,19 @@ from .trace import partial_note, trace_by_checksums, trace_report
 
 
 def diff_work(producer: Source, consumer: Source, request_ids: Sequence[str] | None = None) -> int:
-    """The bytes ``diff_sources`` checksums (0 where a side holds only checksums): the
-    total of its ``progress`` calls."""
+    """The bytes ``diff_sources`` checksums: the total of its ``progress`` calls.
+
+    A side that holds only checksums counts 0.
+
+    Args:
+        producer: The side that sent the KV.
+        consumer: The side that received it.
+        request_ids: The requests compared; None for every request either side holds.
+
+    Returns:
+        The number of bytes.
+
+    """
     ids = unique_ids(request_ids)
     return sum(source.work(held_ids(source, ids)) for source in (producer, consumer))
 

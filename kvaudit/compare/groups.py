@@ -48,8 +48,11 @@ from .model import GroupComparison
 
 @dataclass(frozen=True)
 class AttentionWindow:
-    """The tokens a group's next token attends to: the last ``tokens`` (a sliding window)
-    or, ``chunked``, those of its own ``tokens``-token chunk (chunked local attention)."""
+    """The tokens a group's next token attends to, for a windowed group.
+
+    They are the last ``tokens`` (a sliding window) or, ``chunked``, those of its own
+    ``tokens``-token chunk (chunked local attention).
+    """
 
     tokens: int
     chunked: bool = False

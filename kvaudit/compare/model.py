@@ -41,11 +41,13 @@ class LocatedDifference:
 
 @dataclass(frozen=True)
 class StaleSource:
-    """A producer block whose content a differing consumer block holds: ``position`` in
-    the producer's numbering of the compared block size. A trace at a finer block size
-    (block sizes differ and only part of the compared block is stale) sets
-    ``block_size`` to it: ``position`` is then the producer's block at that size, and
-    ``consumer_position`` the consumer's block at that size holding its content."""
+    """A producer block whose content a differing consumer block holds.
+
+    ``position`` is in the producer's numbering of the compared block size. A trace at a
+    finer block size (block sizes differ and only part of the compared block is stale)
+    sets ``block_size`` to it: ``position`` is then the producer's block at that size,
+    and ``consumer_position`` the consumer's block at that size holding its content.
+    """
 
     request: str
     group: int
@@ -90,8 +92,18 @@ class GroupComparison:
         return bool(self.mismatched_positions or self.replica_mismatches)
 
     def passes(self, *, allow_missing: bool = False) -> bool:
-        """Whether every compared block matched, no replica differed, it was compared and
-        (unless ``allow_missing``) the consumer lacks no position."""
+        """Whether the group passes: nothing differs, it was compared, nothing is missing.
+
+        Every compared block matched, no replica differed, the group was compared and
+        (unless ``allow_missing``) the consumer lacks no position.
+
+        Args:
+            allow_missing: Positions the consumer lacks do not fail the group.
+
+        Returns:
+            Whether the group passes.
+
+        """
         missing = bool(self.missing_positions) and not allow_missing
         return not self.differs and self.unverified is None and not missing
 
@@ -126,7 +138,15 @@ class DiffReport:
     untraced: str | None = None
 
     def group_ok(self, group: GroupComparison) -> bool:
-        """Whether a group passes under the report's ``allow_missing``."""
+        """Whether a group passes under the report's ``allow_missing``.
+
+        Args:
+            group: One of the report's group comparisons.
+
+        Returns:
+            ``group.passes(allow_missing=self.allow_missing)``.
+
+        """
         return group.passes(allow_missing=self.allow_missing)
 
     @property
@@ -136,8 +156,11 @@ class DiffReport:
 
     @property
     def empty_reason(self) -> str | None:
-        """Why nothing was verified (nothing compared, or a request with no group to
-        compare), or None when something was or ``allow_empty`` accepts it."""
+        """Why nothing was verified, or None when something was or ``allow_empty`` accepts it.
+
+        Nothing is verified when no block was compared, the sides share no request, or a
+        request has no group to compare.
+        """
         if self.allow_empty:
             return None
         empty = [rid for rid, groups in self.requests.items() if not groups]
@@ -151,9 +174,12 @@ class DiffReport:
 
     @property
     def ok(self) -> bool:
-        """True exactly when the exit status is 0: every compared block matched, nothing
-        was left unverified or missing (unless allowed), something was compared (unless
-        allowed) and the consumer has every producer request."""
+        """True exactly when the exit status is 0.
+
+        Every compared block matched, nothing was left unverified or missing (unless
+        allowed), something was compared (unless allowed) and the consumer has every
+        producer request.
+        """
         if self.only_in_producer or self.empty_reason is not None:
             return False
         return all(self.group_ok(group) for _, _, group in self.groups())

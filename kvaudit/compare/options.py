@@ -16,10 +16,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class CompareOptions:
-    """The options ``diff_sources``, ``verify_sources``, ``numeric_sources`` and
-    ``verify_spread`` share (docs/api.md).
+    """The options that every comparison driver takes besides its sides (docs/api.md).
 
-    ``request_ids``: the requests compared (None: every request either side holds);
+    ``diff_sources``, ``verify_sources``, ``numeric_sources`` and ``verify_spread`` share
+    them. ``request_ids``: the requests compared (None: every request either side holds);
     ``runtime``: where checksums are computed (None: the best device at hand);
     ``progress``: called with the bytes checksummed since its last call;
     ``allow_missing``: positions the producer holds that the consumer lacks do not fail
@@ -37,8 +37,12 @@ class CompareOptions:
         return self.runtime or resolve_device("auto")
 
     def judge(self, report: DiffReport | NumericReport) -> None:
-        """Tell the report what its verdict may accept (missing positions, nothing
-        compared)."""
+        """Tell the report what its verdict may accept: missing positions, nothing compared.
+
+        Args:
+            report: The report whose ``allow_missing`` and ``allow_empty`` are set.
+
+        """
         report.allow_missing, report.allow_empty = self.allow_missing, self.allow_empty
 
 

@@ -71,15 +71,28 @@ def verify_received(
     consumer_tokens: Mapping[str, int] | None = None,
     windows: Mapping[int, Window] | None = None,
 ) -> DiffReport:
-    """The consumer checked against the producer totals it received (wire bytes, or
-    decoded checksums, per request).
+    """The consumer checked against the producer totals it received.
 
+    The totals are given per request as wire bytes or as decoded checksums.
     ``consumer`` must be checksummed under the wire's numbering and over at most the
     producer's tokens of each request (``kvaudit.compare`` does so); ``consumer_tokens``
     are the tokens the consumer holds where that is more (default: the record's own).
     Each group of a consumer request without received checksums is unverified (``"no
     producer checksums received"``); received requests the consumer lacks are listed in
     ``only_in_producer``; ``windows`` as for ``compare_records``.
+
+    Args:
+        consumer: The consumer's record.
+        received: Per request id, the producer checksums received.
+        source: What names the received checksums in errors.
+        request_ids: The requests checked; None for every request the consumer holds
+            or checksums were received for.
+        consumer_tokens: Per request, the tokens the consumer holds where that is more
+            than its record covers.
+        windows: Per windowed group id, its window.
+
+    Returns:
+        The report, with the received checksums as the producer.
 
     Raises:
         WireFormatError: Malformed bytes; the message names ``source`` and the request.

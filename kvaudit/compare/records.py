@@ -293,6 +293,17 @@ def compare_records(
     windowed group (``AttentionWindow``: sliding-window or chunked local attention; an
     int is a sliding window's size in tokens).
 
+    Args:
+        producer: The producer's record.
+        consumer: The consumer's record.
+        request_ids: The requests compared; None for every request either side holds.
+        token_counts: Per side (producer, consumer), the tokens it holds per request
+            where that is more than its record covers.
+        windows: Per windowed group id, its window.
+
+    Returns:
+        The report: per request and group, what was compared and what differs.
+
     Raises:
         KvauditError: The records number positions differently, or a requested id is on
             neither side.
@@ -318,6 +329,17 @@ def verify_against_record(
     replica-0 column marks the position mismatched, another column lists it under
     ``replicas_differing``. ``token_counts``: the tokens ``current`` holds where it was
     checksummed over fewer.
+
+    Args:
+        current: The record checked (it plays the consumer).
+        saved: The saved record (it plays the producer).
+        request_ids: The requests compared; None for every request either side holds.
+        token_counts: Per request, the tokens ``current`` holds where that is more than
+            its record covers.
+        windows: Per windowed group id, its window, as for ``compare_records``.
+
+    Returns:
+        The report, with ``saved`` as the producer.
 
     Raises:
         KvauditError: The records number positions differently, or a requested id is on

@@ -307,8 +307,19 @@ def trace_report(
     consumer: Sequence[RawWorker],
     num_tokens: Mapping[str, int],
 ) -> None:
-    """Fill each group's ``stale_sources`` from its located differences (positions
-    without located slices left out; a position nothing holds maps to an empty list)."""
+    """Fill each group's ``stale_sources`` from its located differences.
+
+    Positions without located slices are left out; a position whose content no producer
+    block holds maps to an empty list. Where a side's blocks are finer than the compared
+    ones and a whole compared block finds no source, its finer blocks are traced.
+
+    Args:
+        report: A located report (``diff_sources`` fills ``located`` first).
+        producer: The producer's raw KV, where the stale content may come from.
+        consumer: The consumer's raw KV, which holds the differing blocks.
+        num_tokens: Per request, the tokens compared.
+
+    """
     workers = [*producer, *consumer]
     units = trace_units(report, num_tokens, finest_sizes(w.description for w in workers))
     blocks = ProducerBlocks(producer, unit_layers(units))

@@ -29,8 +29,17 @@ from .trace import partial_note, trace_by_checksums
 def verify_work(
     source: Source, *, against: Source | None = None, request_ids: Sequence[str] | None = None
 ) -> int:
-    """The bytes ``verify_sources`` checksums (0 where it reads only checksums): the
-    total of its ``progress`` calls.
+    """The bytes ``verify_sources`` checksums: the total of its ``progress`` calls.
+
+    It counts 0 where it reads only checksums.
+
+    Args:
+        source: What is checked.
+        against: The saved record, as for ``verify_sources``.
+        request_ids: The requests checked; None for every request.
+
+    Returns:
+        The number of bytes.
 
     Raises:
         KvauditError: Without ``against``, a requested id the source does not hold.

@@ -40,10 +40,10 @@ def corrupt_dump(
     seed: int = 0,
     config: CacheDescription | None = None,
 ) -> PlantedFault:
-    """Write a copy of a dump with one fault in a request's block at ``position`` (in the
-    dump's block size of the group), and say what changed.
+    """Write a copy of a dump with one fault in one block of a request, and say what changed.
 
-    Modes: ``flip`` one bit of one valid token's cell; ``zero`` the block of ``layer``
+    The block is the request's block at ``position``, in the dump's block size of the
+    group. Modes: ``flip`` one bit of one valid token's cell; ``zero`` the block of ``layer``
     (default every layer of the group); ``swap-tokens`` ``token`` and the next valid token
     of one layer and head; ``swap-heads`` two local heads of one layer; ``stale`` the
     block's content replaced by another block of the dump (another request's, where there
@@ -54,10 +54,28 @@ def corrupt_dump(
     changed bytes of the output file (``byte_ranges``, ``[start, end)``) and the mode's
     own details. ``config`` stands in for (or overrides) the description the dump embeds.
 
+    Args:
+        source: The dump file copied (not changed).
+        out: The output path; the copy is written next to it, synced and renamed over it.
+        request_id: The request whose block is changed.
+        group_id: The group of the block.
+        position: The block's position in the request, in the dump's block size.
+        layer: The only layer changed; None to leave it open.
+        head: The only global head changed; None to leave it open.
+        token: For ``flip`` and ``swap-tokens``, the request position changed; None to
+            leave it open.
+        mode: One of ``MODES``.
+        seed: Chooses what is left open.
+        config: A description that stands in for (or overrides) the dump's.
+
+    Returns:
+        What was planted: where, the changed slices and bytes, and the mode's details.
+
     Raises:
-        KvauditError: One line naming the file: an unknown request, group, layer or
-            position, a token that is not valid, a head not on this worker, a mode that
-            does not apply to the block, or a file that cannot be written.
+        KvauditError: One line naming the file: an unknown mode, a directory or a dump
+            that cannot be read, an unknown request, group, layer or position, a token
+            that is not valid, a head not on this worker, a mode that does not apply to
+            the block, or a file that cannot be written.
 
     """
     path = os.fspath(source)

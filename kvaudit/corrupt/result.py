@@ -10,8 +10,11 @@ from .mode_names import CorruptMode
 
 @dataclass(frozen=True)
 class ChangedSlice:
-    """One (layer, global head) of the block whose cells changed: the request positions
-    below ``num_tokens`` and those at or past it."""
+    """One (layer, global head) of the block whose cells changed.
+
+    ``tokens`` are the changed request positions below ``num_tokens``,
+    ``tokens_past_end`` those at or past it.
+    """
 
     layer: str
     head: int
@@ -49,8 +52,11 @@ class SwappedHeads:
 
 @dataclass(frozen=True)
 class StaleOrigin:
-    """``stale``: the block the content came from: another request's block (its request
-    and position), or a row no request lists (``request`` and ``position`` None)."""
+    """``stale``: the block the content came from.
+
+    It is another request's block (its request and position), or a row no request lists
+    (``request`` and ``position`` None).
+    """
 
     request: str | None
     position: int | None
@@ -60,8 +66,10 @@ class StaleOrigin:
 
 @dataclass
 class PlantedFault:
-    """What ``corrupt_dump`` wrote: where the fault is (request, group, position, engine
-    block, dump row), the layers, global heads and request positions it changed
+    """What ``corrupt_dump`` wrote, and where the fault is.
+
+    The fields give where the fault is (request, group, position, engine block, dump
+    row), the layers, global heads and request positions it changed
     (``changes`` per slice), the changed bytes of the output file (``byte_ranges``,
     ``[start, end)``), and the mode's own details (``flip``, ``swap`` or ``origin``)."""
 

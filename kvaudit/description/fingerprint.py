@@ -67,6 +67,15 @@ def group_fingerprint(
     """The sum mod 2**64 of the fingerprints of the group's layers on this worker.
 
     Every layer counts, aliases (``shares``) included; drafter layers do not.
+
+    Args:
+        group: The group, as the cache description holds it.
+        tp_size: The worker's TP size (a TP-split state layer counts its global rows).
+        draft_layers: The names of the drafter's layers, left out of the sum.
+
+    Returns:
+        The group's fingerprint, an unsigned 64-bit integer.
+
     """
     total = 0
     for entry in group.layers:
@@ -77,8 +86,18 @@ def group_fingerprint(
 
 
 def block_checksum_tag(block_hash: bytes, fingerprint: int) -> int:
-    """``uint64_le(sha256(block_hash || uint64_le(fingerprint))[:8])``: binds a stored
-    checksum to the block it belongs to."""
+    """The tag that binds a stored checksum to the block it belongs to.
+
+    The tag is ``uint64_le(sha256(block_hash || uint64_le(fingerprint))[:8])``.
+
+    Args:
+        block_hash: The block's hash, as bytes.
+        fingerprint: The fingerprint of the block's group (taken mod 2**64).
+
+    Returns:
+        The tag, an unsigned 64-bit integer.
+
+    """
     message = bytes(block_hash) + _U64.pack(fingerprint & MASK64)
     return _uint64_le(hashlib.sha256(message).digest())
 
@@ -89,5 +108,15 @@ def block_checksum_tags(hashes: Sequence[bytes], fingerprint: int) -> np.ndarray
 
 
 def stored_checksum(partial_sum: int, block_hash: bytes, fingerprint: int) -> int:
-    """What a connector stores with an offloaded block: its partial sum XOR its tag."""
+    """What a connector stores with an offloaded block: its partial sum XOR its tag.
+
+    Args:
+        partial_sum: The block's partial checksum on this worker (taken mod 2**64).
+        block_hash: The block's hash, as bytes.
+        fingerprint: The fingerprint of the block's group on this worker.
+
+    Returns:
+        The stored checksum, an unsigned 64-bit integer.
+
+    """
     return (partial_sum & MASK64) ^ block_checksum_tag(block_hash, fingerprint)

@@ -213,6 +213,12 @@ def parse_yaml(text: str) -> Any:
 def load_description(path: str | os.PathLike[str]) -> CacheDescription:
     """Read and validate a cache description YAML file.
 
+    Args:
+        path: The YAML file (docs/cache-description.md).
+
+    Returns:
+        The validated description, its ``source`` the path.
+
     Raises:
         DescriptionError: One line naming the file and the problem (missing file, malformed
             YAML with its line, or an invalid description with its key path).

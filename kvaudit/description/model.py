@@ -147,6 +147,18 @@ class CacheDescription:
     source: str = field(default="<description>", compare=False)
 
     def group(self, group_id: int) -> GroupDescription:
+        """The group with this id.
+
+        Args:
+            group_id: The group's id.
+
+        Returns:
+            The group's description.
+
+        Raises:
+            KeyError: The description has no such group.
+
+        """
         for group in self.groups:
             if group.id == group_id:
                 return group

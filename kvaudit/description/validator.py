@@ -212,6 +212,13 @@ class _Validator(SpecChecker):
 def parse_description(data: Mapping[str, Any], source: str) -> CacheDescription:
     """Validate a description dict (from YAML or a dump's JSON) into a ``CacheDescription``.
 
+    Args:
+        data: The description's plain data: mappings, lists, strings and numbers.
+        source: What names the description in errors (a file, a dump).
+
+    Returns:
+        The validated description.
+
     Raises:
         DescriptionError: One line: the source, the key path and what is expected there.
 

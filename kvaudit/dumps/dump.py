@@ -70,9 +70,12 @@ class TorchViews(Mapping[str, "LayerTensor"]):
 
 @dataclass
 class DumpRequest:
-    """One request as a dump lists it: its token count and, per group, the position of
-    the first listed block and the ENGINE block ids of consecutive positions; the
-    block hashes of the leading listed blocks and the producer's wire bytes, if given."""
+    """One request as a dump lists it: its token count, blocks, hashes and wire bytes.
+
+    ``groups`` maps a group id to the position of the first listed block and the ENGINE
+    block ids of consecutive positions; ``block_hashes`` holds the hashes of the leading
+    listed blocks and ``received`` the producer's wire bytes, if given.
+    """
 
     num_tokens: int
     groups: dict[int, tuple[int, list[int]]]
@@ -148,8 +151,10 @@ class Dump:
         return result
 
     def drop_pages(self) -> None:
-        """Drop the mapped pages this process holds resident; they are read again from the
-        file (or the page cache) when next touched."""
+        """Drop the mapped pages this process holds resident.
+
+        They are read again from the file (or the page cache) when next touched.
+        """
         for mapped in self.maps:
             mapped.drop_pages()
 
@@ -170,9 +175,16 @@ class Dump:
         return self.arrays
 
     def file_offset(self, tensor: torch.Tensor | np.ndarray) -> int:
-        """The byte offset in the dump's file of a tensor's first element (for an
-        ExampleConnector folder: in the file of the tensor's layer). ``tensor`` is one of
-        ``tensors`` or any view of one (a row, a slice, another dtype).
+        """The byte offset in the dump's file of a tensor's first element.
+
+        For an ExampleConnector folder the offset is in the file of the tensor's layer.
+
+        Args:
+            tensor: One of ``tensors`` or ``arrays``, or any view of one (a row, a slice,
+                another dtype).
+
+        Returns:
+            The offset, in bytes from the start of the file.
 
         Raises:
             KvauditError: The tensor is not a view of this dump's file mappings (a copy,
@@ -196,9 +208,11 @@ class Dump:
 
     @functools.cached_property
     def array_views(self) -> dict[int, GroupViews]:
-        """Every group's views of ``arrays``: the same groups, fingerprints and reasons as
-        ``group_views``, for the CPU path, the inventory, locating a difference and planting
-        a fault (no torch)."""
+        """Every group's views of ``arrays`` (numpy, no torch), built once.
+
+        They hold the same groups, fingerprints and reasons as ``group_views``, for the
+        CPU path, the inventory, locating a difference and planting a fault.
+        """
         return build_group_views(
             self.description,
             self.layer_arrays,
@@ -209,8 +223,10 @@ class Dump:
 
     @functools.cached_property
     def group_views(self) -> dict[int, GroupViews]:
-        """Every group's views of the dump's rows as torch tensors (as a torch or GPU
-        checksummer sees them), built once."""
+        """Every group's views of the dump's rows as torch tensors, built once.
+
+        They are what a torch or GPU checksummer sees.
+        """
         return build_group_views(
             self.description,
             self.tensors,
@@ -222,8 +238,11 @@ class Dump:
 
 @dataclass
 class DumpSet:
-    """One engine's dumps, sorted by ``(pp_rank, tp_rank)``; ``missing`` lists the
-    ``(pp_rank, tp_rank)`` of its layout that no dump holds."""
+    """One engine's dumps, sorted by ``(pp_rank, tp_rank)``.
+
+    ``missing`` lists the ``(pp_rank, tp_rank)`` of its layout that no dump holds;
+    ``complete`` is true when there are none.
+    """
 
     dumps: list[Dump]
     complete: bool

@@ -43,15 +43,23 @@ def expand_dump_paths(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
 def open_dump_set(
     paths: Sequence[str | os.PathLike[str]], config: CacheDescription | None = None
 ) -> DumpSet:
-    """Open one engine's dumps: files, directories of ``*.safetensors`` dumps, or
-    ExampleConnector folders (several read as one dump of their requests, or those inside
-    a directory given); ``config`` overrides each dump's description.
+    """Open one engine's dumps, checking each strictly.
 
-    A worker missing from the TP x PP layout is not an error: the set is incomplete.
+    The paths may be dump files, directories of ``*.safetensors`` dumps, or
+    ExampleConnector folders (several read as one dump of their requests, or those inside
+    a directory given); ``config`` overrides each dump's description. A worker missing
+    from the TP x PP layout is not an error: the set is incomplete.
+
+    Args:
+        paths: The dumps' files, directories or folders (one path alone is taken too).
+        config: A description that overrides each dump's; None to use the embedded ones.
+
+    Returns:
+        The dumps sorted by ``(pp_rank, tp_rank)``, with the workers the set lacks.
 
     Raises:
-        KvauditError: A bad dump, two dumps of one worker, or dumps that disagree on
-            ``tp_size`` or ``pp_size``.
+        KvauditError: No dumps given, a bad dump, two dumps of one worker, or dumps that
+            disagree on ``tp_size`` or ``pp_size``.
 
     """
     if isinstance(paths, (str, os.PathLike)):

@@ -377,6 +377,13 @@ def open_dump(path: str | os.PathLike[str], config: CacheDescription | None = No
     ``config`` overrides the description the dump embeds (and is required by a dump
     without one, and by an ExampleConnector folder).
 
+    Args:
+        path: A dump file, or an ExampleConnector folder of one request.
+        config: A description that overrides the dump's; None to use the embedded one.
+
+    Returns:
+        The dump, its tensors memory-mapped read-only.
+
     Raises:
         KvauditError: One line naming the file and what is wrong (docs/dump-format.md,
             "Reading is strict").

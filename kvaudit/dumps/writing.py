@@ -258,6 +258,19 @@ def write_dump(
     temporary file in the same directory, synced and renamed over ``path``: on any error
     nothing is left and an existing file at ``path`` is untouched.
 
+    Args:
+        path: The dump file written.
+        description: The cache the tensors hold; the dump embeds it.
+        tensors: The live whole caches, by layer name or as a ``kv_caches`` list.
+        requests: The requests whose blocks are dumped (engine block ids).
+        worker: The worker's ranks, sizes, role and engine.
+        block_hashes: Per request and group, the hashes of its leading listed blocks.
+        received: Per request, the producer's wire bytes (``encode_wire``) it received.
+        stored_checksums: The stored checksum of every engine block (int64 or uint64 of
+            shape ``(num_blocks,)``); the dump keeps its rows' entries.
+        whole_cache: Dump every block of the cache (rows in block id order, no
+            ``kvaudit.blocks``), not only the requests' blocks.
+
     Raises:
         KvauditError: A tensor missing, not matching the description or of a layer the
             description does not have, a bad request, bad ranks or role, or a file that
@@ -288,8 +301,10 @@ def write_dump_into(
     *,
     worker: WorkerInfo,
 ) -> None:
-    """Write one worker's dump of the requests' blocks into an open file (a live agent's
-    reply payload), as ``write_dump`` writes a file but neither synced nor renamed.
+    """Write one worker's dump of the requests' blocks into an open file.
+
+    The bytes are those ``write_dump`` writes to a file (a live agent's reply payload),
+    but neither synced nor renamed.
 
     Args:
         file: Where the dump's bytes go, from its current position.

@@ -12,8 +12,18 @@ CSV_HEADER = ("request", "group", "position", "replica_key", "value")
 
 
 def record_csv_rows(record: Record) -> list[list[str]]:
-    """A header and, per request, group and position, one row per replica key and a
-    ``total`` row."""
+    """The CSV rows of a record: a header, then the values of every position.
+
+    Per request, group and position there is one row per replica key and a ``total``
+    row; values are written in hex.
+
+    Args:
+        record: The record written.
+
+    Returns:
+        The rows, ``CSV_HEADER`` first.
+
+    """
     rows = [list(CSV_HEADER)]
     for request_id, request in record.requests.items():
         for gid in sorted(request.groups):
@@ -30,7 +40,15 @@ def record_csv_rows(record: Record) -> list[list[str]]:
 
 
 def record_csv(record: Record) -> str:
-    """The ``checksum --format csv`` text of a record."""
+    """The ``checksum --format csv`` text of a record.
+
+    Args:
+        record: The record written.
+
+    Returns:
+        The rows of ``record_csv_rows``, one a line.
+
+    """
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerows(record_csv_rows(record))

@@ -170,9 +170,19 @@ def _numeric_checks(report: NumericReport) -> list[str]:
 
 
 def numeric_html(report: NumericReport, title: str) -> str:
-    """The page of a comparison by value: per request and group, both heatmaps of the
-    scaled error and the worst (layer, head) rows (over the tolerance first, then by
-    scaled error)."""
+    """The HTML page of a comparison by value, its heatmaps inline.
+
+    Per request and group the page shows both heatmaps of the scaled error and the
+    worst (layer, head) rows (over the tolerance first, then by scaled error).
+
+    Args:
+        report: The report drawn.
+        title: The page's title and heading.
+
+    Returns:
+        The page's HTML text.
+
+    """
     verdict = "ok" if report.ok else "failed"
     lines = [
         f'<p id="verdict" class="{verdict}">Verdict: <b>{verdict.upper()}</b>; '
@@ -248,8 +258,19 @@ def _diff_groups(report: DiffReport) -> str:
 
 
 def diff_html(report: DiffReport, title: str) -> str:
-    """The page of a bitwise diff: per request and group with located differences, both
-    heatmaps of mismatch counts and the located entries."""
+    """The HTML page of a bitwise diff, its heatmaps inline.
+
+    Per request and group with located differences the page shows both heatmaps of
+    mismatch counts and the located entries.
+
+    Args:
+        report: The report drawn.
+        title: The page's title and heading.
+
+    Returns:
+        The page's HTML text.
+
+    """
     verdict = "ok" if report.ok else "failed"
     summary = (
         f'<p id="verdict" class="{verdict}">Verdict: <b>{verdict.upper()}</b></p>'

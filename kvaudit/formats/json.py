@@ -30,9 +30,23 @@ of checksums are written with one."""
 
 
 def json_text(value: object, level: int = 0) -> str:
-    """Strict JSON (a NaN or infinity raises ``ValueError``) indented by two spaces, with
-    each short list of plain values or lists on one line (``"replica_keys": [[1, 0]]``)
-    and longer ones an item a line."""
+    """Strict JSON indented by two spaces: the text the commands print.
+
+    Each short list of plain values or lists is written on one line
+    (``"replica_keys": [[1, 0]]``), longer ones an item a line.
+
+    Args:
+        value: Plain data: dicts, lists, strings, numbers, booleans and None.
+        level: The indentation level the text starts at (nested values).
+
+    Returns:
+        The JSON text, without a final newline.
+
+    Raises:
+        ValueError: A NaN or infinity in ``value``.
+        TypeError: A value that JSON cannot hold.
+
+    """
     inner = "  " * (level + 1)
     close = "  " * level
     if isinstance(value, dict) and value:
@@ -57,7 +71,15 @@ def json_text(value: object, level: int = 0) -> str:
 
 
 def record_to_json(record: Record) -> dict[str, Any]:
-    """The record as ``checksum --format json`` writes it (``Record.from_json`` reads it)."""
+    """The record as ``checksum --format json`` writes it (``Record.from_json`` reads it).
+
+    Args:
+        record: The record written.
+
+    Returns:
+        Plain data for ``json_text``.
+
+    """
     return {
         "format": RECORD_FORMAT,
         "positions": record.positions,
@@ -190,7 +212,15 @@ def _request_to_json(report: DiffReport, request_id: str) -> dict[str, Any]:
 
 
 def diff_to_json(report: DiffReport) -> dict[str, Any]:
-    """The report as ``diff --format json`` writes it (docs/cli.md)."""
+    """The report as ``diff --format json`` writes it (docs/cli.md).
+
+    Args:
+        report: The report written.
+
+    Returns:
+        Plain data for ``json_text``.
+
+    """
     return {
         "format": DIFF_FORMAT,
         "ok": report.ok,
@@ -207,7 +237,15 @@ def diff_to_json(report: DiffReport) -> dict[str, Any]:
 
 
 def diff_json_text(report: DiffReport) -> str:
-    """The ``--format json`` text of a diff report."""
+    """The ``--format json`` text of a diff report.
+
+    Args:
+        report: The report written.
+
+    Returns:
+        The text of ``diff_to_json(report)``, ending with a newline.
+
+    """
     return json_text(diff_to_json(report)) + "\n"
 
 
@@ -215,7 +253,15 @@ def diff_json_text(report: DiffReport) -> str:
 
 
 def inventory_to_json(inventory: Inventory) -> dict[str, Any]:
-    """The ``inspect --format json`` form of an inventory."""
+    """The ``inspect --format json`` form of an inventory.
+
+    Args:
+        inventory: The inventory written.
+
+    Returns:
+        Plain data for ``json_text``.
+
+    """
     return {
         "format": INVENTORY_FORMAT,
         "kind": inventory.kind,
@@ -265,8 +311,18 @@ def inventory_to_json(inventory: Inventory) -> dict[str, Any]:
 
 
 def planted_to_json(fault: PlantedFault) -> dict[str, Any]:
-    """What ``corrupt --format json`` writes: the fault's fields, then the mode's own
-    details under ``flip``, ``swap`` or ``from``."""
+    """What ``corrupt --format json`` writes of a planted fault.
+
+    The fault's fields come first, then the mode's own details under ``flip``, ``swap``
+    or ``from``.
+
+    Args:
+        fault: The fault ``corrupt_dump`` planted.
+
+    Returns:
+        Plain data for ``json_text``.
+
+    """
     data: dict[str, Any] = {
         "source": fault.source,
         "out": fault.out,

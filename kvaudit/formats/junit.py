@@ -78,7 +78,16 @@ def _case(suite: ET.Element, request_id: str, name: str) -> ET.Element:
 
 
 def diff_junit(report: DiffReport, suite_name: str = "kvaudit.diff") -> str:
-    """The report as a JUnit XML document (``<testsuites>`` holding one ``<testsuite>``)."""
+    """The report as a JUnit XML document (``<testsuites>`` holding one ``<testsuite>``).
+
+    Args:
+        report: The report written.
+        suite_name: The name of the ``<testsuite>``.
+
+    Returns:
+        The XML text.
+
+    """
     root = ET.Element("testsuites", {"name": "kvaudit"})
     suite = ET.SubElement(root, "testsuite", {"name": xml_text(suite_name)})
     tests = failures = errors = skipped = 0

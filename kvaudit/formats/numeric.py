@@ -60,7 +60,17 @@ def group_to_json(group: GroupNumeric) -> dict[str, Any]:
 def numeric_to_json(
     report: NumericReport, producer: str | None = None, consumer: str | None = None
 ) -> dict[str, Any]:
-    """The whole report as a JSON-able dict."""
+    """The whole report as a JSON-able dict.
+
+    Args:
+        report: The report written.
+        producer: The producer side's name, or None.
+        consumer: The consumer side's name, or None.
+
+    Returns:
+        Plain data for ``json_text`` (an infinite error as ``"inf"``, NaN as None).
+
+    """
     return {
         "format": NUMERIC_FORMAT,
         "version": NUMERIC_VERSION,

@@ -57,7 +57,15 @@ def _chunk(kind: bytes, data: bytes) -> bytes:
 
 
 def encode_png(rgb: np.ndarray) -> bytes:
-    """The PNG file of an RGB image ``[height, width, 3]`` of uint8."""
+    """The PNG file of an RGB image ``[height, width, 3]`` of uint8.
+
+    Args:
+        rgb: The image, row by row from the top.
+
+    Returns:
+        The PNG file's bytes (8-bit RGB, zlib-compressed).
+
+    """
     height, width, _ = rgb.shape
     rows = np.concatenate(
         [np.zeros((height, 1), dtype=np.uint8), rgb.reshape(height, width * 3)], axis=1

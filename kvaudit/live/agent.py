@@ -39,7 +39,18 @@ MAX_FETCH_BLOCKS = 4096
 
 
 def socket_path(engine: str, pp_rank: int = 0, tp_rank: int = 0, root: str = "/run/kvaudit") -> str:
-    """The conventional socket of a worker: ``ROOT/ENGINE/ppP-tpT.sock``."""
+    """The conventional socket of a worker: ``ROOT/ENGINE/ppP-tpT.sock``.
+
+    Args:
+        engine: The engine's folder under ``root``.
+        pp_rank: The worker's PP rank.
+        tp_rank: The worker's TP rank.
+        root: The folder of every engine's sockets.
+
+    Returns:
+        The socket's path (nothing is created).
+
+    """
     return os.path.join(root, engine, f"pp{pp_rank}-tp{tp_rank}.sock")
 
 
@@ -76,6 +87,40 @@ class Agent:
         max_held_bytes: int = 256 << 20,
         max_poll_bytes: int = 64 << 20,
     ) -> None:
+        """Build the worker's checksummer and listen on ``path``.
+
+        With a ``lock``, the agent's thread starts answering at once.
+
+        Args:
+            path: The unix socket the agent listens on (``socket_path`` gives the
+                conventional one).
+            description: The worker's cache description.
+            tensors: The worker's layer tensors, as ``Checksummer`` takes them.
+            block_tables: Returns the requests in the cache now: request id to its blocks
+                (engine block ids).
+            tp_rank: The worker's TP rank.
+            tp_size: The engine's TP size.
+            pp_rank: The worker's PP rank.
+            pp_size: The engine's PP size.
+            role: As ``Checksummer`` takes it.
+            engine: The engine's name, kept in records and dumps.
+            backend: As ``Checksummer`` takes it.
+            lock: None to answer in ``poll()``; else the lock the engine holds during
+                each step, which the agent's thread holds while it answers.
+            timeout: Seconds each connection's reading and writing may take.
+            wait_timeout: Seconds a request waits for a safe point.
+            max_reply_bytes: The most bytes one fetch or dump may copy.
+            max_held_bytes: The most reply bytes held for clients at once (a fetch past
+                it is answered "busy").
+            max_poll_bytes: What one ``poll()`` copies before it leaves the other requests
+                for the next one.
+
+        Raises:
+            KvauditError: Tensors, ranks or a role that ``Checksummer`` refuses, or a
+                socket it cannot listen on.
+            ValueError: An unknown ``backend``, as ``Checksummer`` raises it.
+
+        """
         self.path = os.fspath(path)
         self.description = description
         self.tensors = tensors_by_name(description, tensors, self.path)
@@ -115,8 +160,10 @@ class Agent:
         self.close()
 
     def poll(self, max_requests: int = 16) -> int:
-        """Answer the requests that have arrived; the engine calls it at a step boundary,
-        when its cache is neither written nor freed.
+        """Answer the requests that have arrived.
+
+        The engine calls it at a step boundary, when its cache is neither written nor
+        freed.
 
         Args:
             max_requests: The most requests answered in this call; so is what their

@@ -54,8 +54,15 @@ def is_socket(path: str) -> bool:
 
 
 def sockets_of(path: str, name: str) -> list[str]:
-    """The sockets ``live:PATH`` names: the socket itself, or every ``*.sock`` socket in
-    the folder (one engine's workers), sorted.
+    """The sockets that ``live:PATH`` names, sorted.
+
+    Args:
+        path: The socket itself, or a folder whose ``*.sock`` sockets (one engine's
+            workers) are all named.
+        name: The argument as given, which errors name.
+
+    Returns:
+        The sockets' paths.
 
     Raises:
         KvauditError: Neither a socket nor a folder holding sockets; names ``name``.

@@ -128,15 +128,28 @@ def locate_differences(
     block_size: int,
     num_tokens: int,
 ) -> list[LocatedDifference]:
-    """The (layer, global head) slices that differ at each of ``positions`` (numbered in
-    blocks of ``block_size`` tokens, which may be coarser than either side's), with their
-    differing request positions, first differing byte and largest errors.
+    """The (layer, global head) slices that differ at each of ``positions``.
 
-    Position ``p`` covers request positions ``p * block_size .. p * block_size +
-    block_size - 1`` below ``num_tokens``. Producer replica 0 is compared with consumer
-    replica 0; each consumer replica ``r > 0`` with consumer replica 0 (its entries have
-    ``replica == r``). Only the blocks of those positions are read. Entries are sorted by
-    position, replica, layer number, layer name and head.
+    Each entry gives the slice's differing request positions, first differing byte and
+    largest errors. Positions are numbered in blocks of ``block_size`` tokens, which may
+    be coarser than either side's; position ``p`` covers request positions
+    ``p * block_size .. p * block_size + block_size - 1`` below ``num_tokens``. Producer
+    replica 0 is compared with consumer replica 0; each consumer replica ``r > 0`` with
+    consumer replica 0 (its entries have ``replica == r``). Only the blocks of those
+    positions are read. Entries are sorted by position, replica, layer number, layer name
+    and head.
+
+    Args:
+        producer: The producer's raw KV, one entry per worker.
+        consumer: The consumer's raw KV, one entry per worker.
+        request_id: The request whose blocks are compared.
+        group_id: The group whose blocks are compared.
+        positions: The block positions to compare (repeats are compared once).
+        block_size: The tokens of one position.
+        num_tokens: The request's tokens compared; tokens at or past it are not read.
+
+    Returns:
+        The differing slices; an empty list where the cells agree.
 
     Raises:
         KvauditError: ``block_size`` is not positive.

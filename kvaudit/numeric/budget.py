@@ -8,8 +8,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class NumericBudget:
-    """The sizes that bound the comparison's memory and set its steps; the defaults suit
-    any machine, and smaller ones exercise the piecewise paths in tests."""
+    """The sizes that bound the by-value comparison's memory and set its steps.
+
+    The defaults suit any machine; smaller ones exercise the piecewise paths in tests.
+    """
 
     batch_bytes: int = 8 << 20
     """About how many raw bytes each side reads per batch (memory stays bounded)."""
@@ -34,8 +36,16 @@ class NumericBudget:
     the chunk stays in the cache between passes)."""
 
     def piece_elements_for(self, native: bool, mapped: bool) -> int:
-        """The piece size of the path that compares: numpy, the C extension on staged
-        rows, or the C extension on rows read in place (``mapped``)."""
+        """The piece size of the path that compares.
+
+        Args:
+            native: The C extension compares (else numpy).
+            mapped: The C extension reads the rows in place (else they are staged).
+
+        Returns:
+            ``piece_elements``, ``native_piece_elements`` or ``mapped_piece_elements``.
+
+        """
         if not native:
             return self.piece_elements
         return self.mapped_piece_elements if mapped else self.native_piece_elements

@@ -30,12 +30,11 @@ def numeric_sources(
     rtol: float = 0.0,
     budget: NumericBudget = DEFAULT_BUDGET,
 ) -> NumericReport:
-    """The producer compared with the consumer by value over the tokens both hold
-    (docs/numeric.md).
+    """The producer compared with the consumer by value over the tokens both hold.
 
-    Both sides are also checksummed, as ``diff`` does, for what the values cannot show:
-    positions the consumer lacks and consumer copies of replicated heads that differ from
-    the copy compared by value.
+    docs/numeric.md describes the comparison. Both sides are also checksummed, as
+    ``diff`` does, for what the values cannot show: positions the consumer lacks and
+    consumer copies of replicated heads that differ from the copy compared by value.
 
     Args:
         producer: The side that sent the KV.
@@ -49,7 +48,9 @@ def numeric_sources(
         The report: per request, group, layer and head, the errors and where they are.
 
     Raises:
-        KvauditError: A requested id on neither side, or a side that holds only checksums.
+        KvauditError: A requested id on neither side, a side that holds only checksums,
+            a tolerance that is not a finite number >= 0, or any bad input met while
+            checksumming or reading.
 
     """
     ids = unique_ids(options.request_ids)

@@ -12,8 +12,10 @@ import numpy as np
 
 @dataclass
 class SliceErrors:
-    """The errors of one (layer, global head) of one request's group, over the tokens
-    both sides hold."""
+    """The errors of one (layer, global head) of one request's group.
+
+    They are taken over the tokens both sides hold.
+    """
 
     layer: str
     number: int
@@ -37,8 +39,10 @@ class SliceErrors:
 
     @property
     def scaled_error(self) -> float:
-        """``max_abs_error / max_producer``: the largest error against the slice's scale
-        (what the pictures colour; elementwise relative errors blow up near 0)."""
+        """The largest error against the slice's scale: ``max_abs_error / max_producer``.
+
+        It is what the pictures colour; elementwise relative errors blow up near 0.
+        """
         if self.max_abs_error == 0:
             return 0.0
         return self.max_abs_error / self.max_producer if self.max_producer else math.inf
@@ -50,10 +54,13 @@ class SliceErrors:
 
 @dataclass
 class GroupNumeric:
-    """One request's group compared by value: its (layer, head) errors, sorted by layer
-    number, name and head, and per layer and token bin (``token_bin`` positions a bin)
-    the largest scaled error ``max |c - p| / max |p|`` of a token's head (NaN where no
-    token of the bin was compared)."""
+    """One request's group compared by value.
+
+    ``slices`` holds its (layer, head) errors, sorted by layer number, name and head;
+    ``layer_tokens`` per layer and token bin (``token_bin`` positions a bin) the largest
+    scaled error ``max |c - p| / max |p|`` of a token's head (NaN where no token of the
+    bin was compared).
+    """
 
     group: int
     layers: list[str]
@@ -81,12 +88,13 @@ class RequestNumeric:
 
 @dataclass
 class NumericReport:
-    """A producer compared with a consumer by value: tolerances, each request's groups,
-    requests one side lacks and what could not be compared (``(request, group, why)``).
+    """A producer compared with a consumer by value, as ``numeric_sources`` reports it.
 
-    What a diff must never pass is checked as the bitwise diff checks it: ``missing``
-    holds ``(request, group or None, what)`` the producer holds that the consumer lacks
-    (its tokens, or block positions, accepted with ``allow_missing``);
+    It holds the tolerances, each request's groups, the requests one side lacks and what
+    could not be compared (``(request, group, why)``). What a diff must never pass is
+    checked as the bitwise diff checks it: ``missing`` holds ``(request, group or None,
+    what)`` the producer holds that the consumer lacks (its tokens, or block positions,
+    accepted with ``allow_missing``);
     ``copies_differing`` each ``(request, group, [(position, R, r)])`` where the
     consumer's copy ``r`` of replicated heads holds other bits than its copy 0 (the one
     compared by value); ``incomplete`` each side whose set lacks workers; nothing
@@ -130,13 +138,17 @@ class NumericReport:
 
     @property
     def failed_slices(self) -> int:
+        """How many (layer, head) slices fail: over the tolerance or non-finite on one side."""
         return sum(item.failed for item in self.slices())
 
     @property
     def ok(self) -> bool:
-        """No element over the tolerance, nothing on one side only, nothing uncompared or
-        missing (unless allowed), no consumer copy differing, both sets complete and
-        something compared (unless allowed)."""
+        """Whether the comparison passes.
+
+        No element is over the tolerance, nothing is on one side only, nothing is
+        uncompared or missing (unless allowed), no consumer copy differs, both sets are
+        complete and something was compared (unless allowed).
+        """
         return not (
             self.failed_slices
             or self.only_producer

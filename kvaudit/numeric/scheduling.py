@@ -282,14 +282,34 @@ def numeric_diff(
     progress: Callable[[int], None] | None = None,
     budget: NumericBudget = DEFAULT_BUDGET,
 ) -> NumericReport:
-    """The producer's raw KV compared with the consumer's by value, request by request
-    over the first ``num_tokens[id]`` tokens (those both hold), batch by batch.
+    """The producer's raw KV compared with the consumer's by value, request by request.
 
-    An element fails when ``|consumer - producer| > atol + rtol * |producer|`` or when a
-    NaN or Inf is on one side only. Requests one side lacks, layers one side lacks (or
-    holds in another shape) and heads no token of which both sides hold are listed as
-    not compared; Mamba state layers are compared by checksum only. ``budget`` bounds
-    what is read, decoded and held at once.
+    Each request is compared over its first ``num_tokens[id]`` tokens (those both hold),
+    batch by batch. An element fails when
+    ``|consumer - producer| > atol + rtol * |producer|`` or when a NaN or Inf is on one
+    side only. Requests one side lacks, layers one side lacks (or holds in another shape)
+    and heads no token of which both sides hold are listed as not compared; Mamba state
+    layers are compared by checksum only. ``budget`` bounds what is read, decoded and
+    held at once.
+
+    Args:
+        producer: The producer's raw KV, one entry per worker.
+        consumer: The consumer's raw KV, one entry per worker.
+        num_tokens: Per request, the tokens both sides hold.
+        atol: The absolute tolerance of an element.
+        rtol: The tolerance relative to the producer's element.
+        request_ids: The requests compared, in that order; None for every request either
+            side holds, sorted.
+        progress: Called with the bytes compared since its last call.
+        budget: What the comparison reads, decodes and holds at once.
+
+    Returns:
+        The report: per request, group, layer and head, the errors and where they are.
+
+    Raises:
+        KvauditError: A tolerance that is not a finite number >= 0, or a dump file that
+            shrank while it was read.
+
     """
     from concurrent.futures import ThreadPoolExecutor  # only when comparing (start-up)
 

@@ -26,6 +26,14 @@ def combine_workers(records: Sequence[WorkerRecord]) -> Record:
     part. A group's fingerprint sums, over PP stages, the one reported by each stage's
     lowest TP rank present.
 
+    Args:
+        records: One ``WorkerRecord`` per worker of the engine (any TP and PP ranks; a
+            missing worker is not an error).
+
+    Returns:
+        The engine's record; ``complete`` is false and ``missing_workers`` lists the
+        ``(pp_rank, tp_rank)`` absent when the TP x PP layout lacks workers.
+
     Raises:
         KvauditError: No records, workers that disagree on the position numbering, TP or
             PP size, a request's token count or a group's block size, or two workers with

@@ -49,13 +49,29 @@ class GroupChecksums:
         return replica_zero_totals(self.values, self.replica_keys)
 
     def to_wire(self, group_id: int) -> WireGroup:
-        """The group's totals as a producer sends them."""
+        """The group's totals as a producer sends them.
+
+        Args:
+            group_id: The group's id, which the group's checksums do not hold.
+
+        Returns:
+            The group's fingerprint, block size, start and per-position totals.
+
+        """
         return WireGroup(group_id, self.fingerprint, self.block_size, self.start, self.totals())
 
 
 def replica_zero_totals(values: np.ndarray, replica_keys: Sequence[ReplicaKey]) -> np.ndarray:
-    """Per row of ``values`` (one column per replica key), the sum mod 2**64 of the
-    columns whose replica index is 0 (uint64)."""
+    """Per row of ``values``, the sum mod 2**64 of the columns whose replica index is 0.
+
+    Args:
+        values: Checksums, one row per position and one column per replica key.
+        replica_keys: The ``(R, r)`` of each column.
+
+    Returns:
+        The totals (uint64); zeros when no column is of replica 0.
+
+    """
     columns = [k for k, (_, index) in enumerate(replica_keys) if index == 0]
     if not columns:
         return np.zeros(values.shape[0], dtype=np.uint64)
@@ -70,8 +86,16 @@ class RequestChecksums:
     groups: dict[int, GroupChecksums] = field(default_factory=dict)
 
     def to_wire(self, numbering: Positions) -> WireChecksums:
-        """What a producer sends for the request (``encode_wire``): its token count, the
-        record's position ``numbering`` and the totals per group, in group id order."""
+        """What a producer sends for the request, for ``encode_wire`` to write.
+
+        Args:
+            numbering: The record's position numbering (``"request"`` or ``"block"``).
+
+        Returns:
+            The request's token count, ``numbering`` and the totals per group, in group
+            id order.
+
+        """
         groups = [self.groups[gid].to_wire(gid) for gid in sorted(self.groups)]
         return WireChecksums(self.num_tokens, numbering, groups)
 

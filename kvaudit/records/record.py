@@ -27,7 +27,12 @@ class Record:
     missing_workers: list[tuple[int, int]] = field(default_factory=list)
 
     def partial_groups(self) -> list[tuple[str, int, str]]:
-        """Each ``(request, group, why)`` whose sums miss a worker's part."""
+        """Each ``(request, group, why)`` whose sums miss a worker's part.
+
+        Returns:
+            The partial groups, requests in record order and groups in id order.
+
+        """
         return [
             (request_id, gid, group.partial)
             for request_id, request in self.requests.items()
@@ -38,6 +43,13 @@ class Record:
     @classmethod
     def from_json(cls, data: Mapping, source: str) -> Record:
         """A record read back from its JSON form, validated strictly.
+
+        Args:
+            data: The parsed JSON, as ``kvaudit.formats.record_to_json`` makes it.
+            source: What names the record in errors (its file).
+
+        Returns:
+            The record.
 
         Raises:
             KvauditError: A wrong format tag, a missing or unknown key, a value of the

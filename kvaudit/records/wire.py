@@ -65,8 +65,11 @@ class WireGroup:
 
 @dataclass
 class WireChecksums:
-    """One request's producer checksums: its token count when checksummed, how positions
-    were numbered (``"request"`` or ``"block"``) and the totals per group."""
+    """One request's producer checksums: its token count, numbering and totals per group.
+
+    ``num_tokens`` is the request's token count when it was checksummed, ``numbering``
+    how positions were numbered (``"request"`` or ``"block"``).
+    """
 
     num_tokens: int
     numbering: Positions
@@ -108,6 +111,12 @@ def _encode_group(group: WireGroup) -> list[bytes]:
 
 def encode_wire(checksums: WireChecksums) -> bytes:
     """The wire bytes of one request's producer checksums.
+
+    Args:
+        checksums: The request's token count, position numbering and group totals.
+
+    Returns:
+        The KVC2 bytes, laid out as the module describes.
 
     Raises:
         WireFormatError: An unknown numbering, a token count, a field or the number of
@@ -175,6 +184,13 @@ def _decode_header(data: bytes, source: str) -> tuple[int, Positions, int]:
 def decode_wire(data: bytes, source: str = "<wire>") -> WireChecksums:
     """The producer checksums in wire bytes.
 
+    Args:
+        data: The KVC2 bytes (any bytes-like object).
+        source: What the bytes are named in errors.
+
+    Returns:
+        The request's checksums; each group's totals are a copy, not a view of ``data``.
+
     Raises:
         WireFormatError: A wrong magic (KVC1 named as retired), an unknown numbering, a
             truncated or over-long buffer, a count that does not fit in the bytes left, a
@@ -232,12 +248,30 @@ def decode_wire(data: bytes, source: str = "<wire>") -> WireChecksums:
 
 
 def encode_wire_base64(checksums: WireChecksums) -> str:
-    """The wire bytes as base64 text (a dump's ``received``, ``kv_transfer_params``)."""
+    """The wire bytes as base64 text (a dump's ``received``, ``kv_transfer_params``).
+
+    Args:
+        checksums: The request's token count, position numbering and group totals.
+
+    Returns:
+        The base64 text of ``encode_wire(checksums)``.
+
+    Raises:
+        WireFormatError: As ``encode_wire`` raises it.
+
+    """
     return base64.b64encode(encode_wire(checksums)).decode("ascii")
 
 
 def decode_wire_base64(text: str, source: str = "<wire>") -> WireChecksums:
     """The producer checksums in base64 wire text.
+
+    Args:
+        text: The base64 text of KVC2 bytes.
+        source: What the text is named in errors.
+
+    Returns:
+        The request's checksums, as ``decode_wire`` reads them.
 
     Raises:
         WireFormatError: The text is not valid base64, or its bytes are malformed.

@@ -16,9 +16,20 @@ LOCATED_ROWS = 40
 
 
 def diff_verdict(report: DiffReport, sides: SideNames = DIFF_SIDE_NAMES) -> str:
-    """One line: ``OK: ...`` when the report is ok, else ``MISMATCH: ...`` (blocks,
+    """The report's verdict, in one line.
+
+    The line is ``OK: ...`` when the report is ok, else ``MISMATCH: ...`` (blocks,
     replicas or requests differ or are missing) or ``UNVERIFIED: ...`` (only groups that
-    could not be compared)."""
+    could not be compared).
+
+    Args:
+        report: The report judged.
+        sides: What the report's sides and compared blocks are called.
+
+    Returns:
+        The verdict line.
+
+    """
     groups = [group for _, _, group in report.groups()]
     requests = len(report.requests)
     blocks = sum(group.compared for group in groups)
@@ -121,9 +132,19 @@ def print_diff(
     title: str | None = None,
     sides: SideNames = DIFF_SIDE_NAMES,
 ) -> None:
-    """The ``diff`` and ``verify`` tables: a row per request and group (blocks compared,
-    blocks and replicas that differ, the result or why it could not be compared), the
-    verdict line, the requests only one side holds, and the located differences."""
+    """Print the ``diff`` and ``verify`` tables of a report, then its verdict.
+
+    The table has a row per request and group (blocks compared, blocks and replicas
+    that differ, the result or why it could not be compared); the verdict line, the
+    requests only one side holds and the located differences follow.
+
+    Args:
+        console: Where the tables are printed.
+        report: The report drawn.
+        title: A line printed above the table; None for none.
+        sides: What the report's sides and compared blocks are called.
+
+    """
     if title:
         console.print(Text(title, style="bold"), soft_wrap=True)
     table = Table(title=None)

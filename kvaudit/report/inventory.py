@@ -24,7 +24,13 @@ if TYPE_CHECKING:
 
 
 def print_inventory(console: Console, inventory: Inventory) -> None:
-    """The ``inspect`` tables: workers, groups per worker, requests."""
+    """Print the ``inspect`` tables: workers, groups per worker, requests.
+
+    Args:
+        console: Where the tables are printed.
+        inventory: The inventory drawn.
+
+    """
     workers = [item.worker for item in inventory.workers]
     label = f"{inventory.kind}:"
     # A live source is named as given (live:PATH): its label is not repeated.

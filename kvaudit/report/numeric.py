@@ -44,7 +44,14 @@ def numeric_verdict(report: NumericReport) -> str:
 
 
 def print_numeric(console: Console, report: NumericReport, title: str) -> None:
-    """Print each request's group as a table of its worst slices, then the verdict."""
+    """Print each request's group as a table of its worst slices, then the verdict.
+
+    Args:
+        console: Where the tables are printed.
+        report: The report drawn.
+        title: The line printed first.
+
+    """
     console.print(title)
     for request in report.requests.values():
         for gid, group in sorted(request.groups.items()):

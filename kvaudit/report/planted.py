@@ -10,7 +10,13 @@ from .text import plural, ranges
 
 
 def print_corrupted(console: Console, fault: PlantedFault) -> None:
-    """What ``corrupt`` planted: where, which layers, heads and tokens, which bytes."""
+    """Print what ``corrupt`` planted: where, which layers, heads and tokens, which bytes.
+
+    Args:
+        console: Where the lines are printed.
+        fault: The fault ``corrupt_dump`` planted.
+
+    """
     console.print(
         Text.assemble(
             ("planted ", "bold"),

@@ -12,8 +12,16 @@ from .text import completeness, layout_line, print_missing, print_table, worker_
 
 
 def print_record(console: Console, record: Record) -> None:
-    """The ``checksum`` tables: one per request and group, a row per block position with
-    its value under each replica key and the total; uncovered groups with their reason."""
+    """Print the ``checksum`` tables of a record, one per request and group.
+
+    Each table has a row per block position with its value under each replica key and
+    the total; uncovered groups are listed with their reason.
+
+    Args:
+        console: Where the tables are printed.
+        record: The record drawn.
+
+    """
     workers = [summary.worker for summary in record.workers]
     console.print(
         Text.assemble(

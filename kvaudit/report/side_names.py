@@ -10,8 +10,11 @@ from typing import Literal
 
 @dataclass(frozen=True)
 class SideNames:
-    """What a report's two sides are called: the side that plays the producer, the one
-    that plays the consumer, and what a compared block is (``compared``, ``checked``)."""
+    """What a report's two sides are called, and what a compared block is.
+
+    ``producer`` names the side that plays the producer, ``consumer`` the one that plays
+    the consumer, ``compared`` what a compared block is (``compared``, ``checked``).
+    """
 
     producer: str = "producer"
     consumer: str = "consumer"

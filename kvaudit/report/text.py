@@ -66,9 +66,17 @@ def make_console() -> Console:
 
 
 def print_table(console: Console, table: Table) -> None:
-    """``console.print(table)``; a plain table (no colours) of one-line cells that fits is
-    drawn line by line, as rich would draw it, in a fraction of the time (a dump's
-    checksums are thousands of rows)."""
+    """Print a table as ``console.print(table)`` does, plain tables faster.
+
+    A plain table (no colours) of one-line cells that fits is drawn line by line, as
+    rich would draw it, in a fraction of the time (a dump's checksums are thousands of
+    rows).
+
+    Args:
+        console: Where the table is printed.
+        table: The table drawn.
+
+    """
     lines = _plain_lines(console, table) if console.color_system is None else None
     if lines is None:
         console.print(table)
@@ -203,7 +211,14 @@ def missing_workers_text(missing: list[tuple[int, int]]) -> str:
 
 
 def print_missing(console: Console, missing: list[tuple[int, int]], consequence: str) -> None:
-    """The red line that names an incomplete set's missing workers."""
+    """Print the red line that names an incomplete set's missing workers.
+
+    Args:
+        console: Where the line is printed.
+        missing: The ``(pp_rank, tp_rank)`` of the missing workers.
+        consequence: What the line says follows from them.
+
+    """
     console.print(
         Text(f"missing workers: {missing_workers_text(missing)}; {consequence}", style="red")
     )

@@ -29,9 +29,11 @@ from .sniffing import PY_PREFIX, is_output_folder, is_python_handle, is_record, 
 
 @dataclass(frozen=True)
 class OpenOptions:
-    """What the command line says about all its SOURCE arguments: ``config`` supplies or
-    overrides a description; ``device_given``: live tensors move to ``--device`` when it was
-    given, else they are checksummed where they are."""
+    """What the command line says about all its SOURCE arguments.
+
+    ``config`` supplies or overrides a description; ``device_given``: live tensors move
+    to ``--device`` when it was given, else they are checksummed where they are.
+    """
 
     config: CacheDescription | None = None
     device_given: bool = False
@@ -49,9 +51,12 @@ def _named(path: str) -> object:
 
 @dataclass(frozen=True)
 class SourceKind:
-    """A kind of SOURCE argument: it claims those with its ``prefix``, or those ``sniff``
-    accepts, and opens them with ``opener`` (which rejects mixes it cannot take): a
-    function, or its ``"module:function"`` imported when first needed."""
+    """A kind of SOURCE argument: how it is recognised and opened.
+
+    It claims the arguments with its ``prefix``, or those ``sniff`` accepts, and opens
+    them with ``opener`` (which rejects mixes it cannot take): a function, or its
+    ``"module:function"`` imported when first needed.
+    """
 
     name: str
     opener: Opener | str
@@ -75,8 +80,16 @@ _FALLBACK: list[SourceKind] = []
 
 
 def register_kind(kind: SourceKind, *, fallback: bool = False) -> None:
-    """Register a kind of SOURCE argument. Kinds with a prefix are tried first, then the
-    sniffing ones in the order registered, then the fallback, which takes any argument."""
+    """Register a kind of SOURCE argument.
+
+    Kinds with a prefix are tried first, then the sniffing ones in the order registered,
+    then the fallback, which takes any argument.
+
+    Args:
+        kind: The kind: its name, how it claims arguments and its opener.
+        fallback: Make it the fallback, in place of the one registered before.
+
+    """
     if fallback:
         _FALLBACK[:] = [kind]
     else:
@@ -92,8 +105,17 @@ def open_source(
     ``device_given``: live tensors move to ``--device`` when it was given, else they are
     checksummed where they are.
 
+    Args:
+        names: The SOURCE arguments, as the command line gives them.
+        config: A description that supplies or overrides the sources' own.
+        device_given: Whether ``--device`` was given.
+
+    Returns:
+        The source, opened by the kind that claims the arguments.
+
     Raises:
-        KvauditError: A source that does not exist or cannot be read, or a mix of kinds.
+        KvauditError: No SOURCE given, a source that does not exist or cannot be read, or
+            a mix of kinds.
 
     """
     if not names:
@@ -153,16 +175,31 @@ def _register_builtin_objects() -> None:
 
 
 def register_object(cls: type, wrapper: Wrapper, accepted: str) -> None:
-    """Register how an object of ``cls`` (or a subclass) becomes a source; ``accepted``
-    names it in the error for an object of no registered type (``"a Record"``)."""
+    """Register how an object of ``cls`` (or a subclass) becomes a source.
+
+    Args:
+        cls: The objects' class.
+        wrapper: Makes such an object a source, called as ``(object, config, label)``.
+        accepted: Names the objects in the error for an object of no registered type
+            (``"a Record"``).
+
+    """
     _register_builtin_objects()
     _wrap.register(cls)(wrapper)
     _ACCEPTED.append(accepted)
 
 
 def source_of(side: object, config: CacheDescription | None = None, label: str = "side") -> Source:
-    """A Python object as a source: paths as on the command line, or an object of a
-    registered type; ``config`` applies to dumps, ``label`` names the side in errors.
+    """A Python object as a source: paths as on the command line, or a registered type.
+
+    Args:
+        side: A path, a list of paths, or an object of a registered type (a ``Record``,
+            a ``DumpSet``, ``kvaudit.testing.LiveSide``).
+        config: A description that applies to dumps.
+        label: Names the side in errors.
+
+    Returns:
+        The source.
 
     Raises:
         KvauditError: A path that cannot be read, or an object of another type.

@@ -240,9 +240,22 @@ def _ranks(worker: WorkerInfo) -> tuple[int, int, int, int]:
 def dump_requests(
     path: str, folder: str | os.PathLike[str], request_ids: Sequence[str] | None = None
 ) -> list[str]:
-    """Ask every worker behind ``path`` (a socket or a folder of them, with or without
-    ``live:`` before it) to dump the requests (all when None) into ``folder``; the files
-    written, one per worker."""
+    """Ask every worker behind ``path`` to dump the requests into ``folder``.
+
+    Args:
+        path: A socket or a folder of them, with or without ``live:`` before it.
+        folder: An existing folder where the workers write their dumps (made absolute
+            for the agents).
+        request_ids: The requests dumped; None for all a worker holds.
+
+    Returns:
+        The files written, one per worker, in the order of the sockets.
+
+    Raises:
+        KvauditError: No socket at ``path``, or a worker that does not answer or answers
+            with an error; names the socket.
+
+    """
     target = os.path.abspath(os.fspath(folder))
     written = []
     for sock in sockets_of(path.removeprefix(PREFIX), path):

@@ -30,8 +30,13 @@ def is_tensor(value: object) -> bool:
 
 @dataclass
 class RequestBlocks:
-    """A request's blocks in a worker's cache: its token count and, per group, the
-    position of the first listed block and the block ids of consecutive positions."""
+    """A request's blocks in a worker's cache, as the engine's block table holds them.
+
+    ``num_tokens`` is the request's token count; ``groups`` maps a group id to the
+    position of the first listed block and the block ids of consecutive positions (a
+    list of ints, a 1-D integer numpy array or a torch tensor on any device). The list
+    may cover part of the request.
+    """
 
     num_tokens: int
     groups: dict[int, tuple[int, list[int]]] = field(default_factory=dict)

@@ -1,14 +1,14 @@
 """The checksums the tests expect, computed from the harness's token KV with the tests'
-own numpy reference (tests/reference.py), never with kvaudit."""
+own numpy reference (tests/helpers/reference.py), never with kvaudit."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import numpy as np
-import reference as ref
 import torch
 from harness import LAYER, token_kv
+from helpers import reference as ref
 
 
 def cells(prompt: Sequence[int], num_tokens: int, layer: int, heads: int, width: int) -> np.ndarray:

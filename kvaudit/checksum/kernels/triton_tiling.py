@@ -1,7 +1,7 @@
 """The Triton kernel's tiling: every knob, and the launch configuration of one layout.
 
 Pure arithmetic on shapes and strides (no Triton import), shared by the launches, the
-compile test (tests/test_kernel_compile.py) and bench/kernel_resources.py, so that what is
+compile test (tests/checksum/test_kernel_compile.py) and bench/kernel_resources.py, so that what is
 compiled there is what runs. docs/gpu.md explains the choices.
 """
 

@@ -1,0 +1,203 @@
+"""The package's imports flow one way: no module imports a module of a higher layer, and
+no import cycle exists (docs/architecture.md).
+
+Every module under ``kvaudit/`` is parsed (not imported); its ``import`` and ``from``
+statements anywhere in the file, type-only ones (``if TYPE_CHECKING:``) included, are
+resolved to kvaudit modules. A new module must be placed in ``LAYERS``.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "kvaudit"
+
+LAYERS: list[list[str]] = [
+    ["core", "_native", "checksum.kernels.triton_tiling"],
+    ["description", "live.protocol", "live.client"],
+    ["description.fingerprint", "records.wire", "views.model"],
+    ["views.attention", "views.state", "views.replicas"],
+    ["views"],
+    ["views.inputs", "checksum.kernels", "checksum.plans"],
+    ["records.model", "records.reading"],
+    ["records"],
+    ["checksum.checksummer"],
+    ["dumps"],
+    ["integrations", "live"],
+    ["sources.base", "sources.raw", "sources.inventory"],
+    ["checksum.dump_batches", "checksum.dump_staging", "checksum.dump_set", "checksum"],
+    ["sources"],
+    ["locate.cells", "locate.slices"],
+    ["compare.model", "compare.groups", "compare.records", "locate", "numeric.model"],
+    ["compare.trace"],
+    ["numeric.budget", "numeric.value_errors", "numeric.native", "numeric.reads"],
+    ["numeric.mapped_rows"],
+    ["numeric.layers", "numeric.scheduling"],
+    ["corrupt", "compare.sides", "compare.options"],
+    ["compare.diff", "compare.received", "compare.stored"],
+    ["compare.verify", "compare", "numeric"],
+    ["formats", "report", "cli.progress"],
+    ["distributed"],
+    ["cli.exits", "cli.options", "cli.arguments", "cli.output"],
+    ["testing", "cli", "__main__", ""],
+]
+"""From the bottom up; a module may import modules of its own layer or below. An entry
+names a module or a package (with every module in it unless a longer entry names it);
+``""`` is the ``kvaudit`` package itself."""
+
+
+def module_names() -> dict[str, Path]:
+    """Every module of the package, by its name relative to ``kvaudit`` (``dumps.dump``;
+    a package by its own name, ``dumps``; ``kvaudit`` itself as ``""``)."""
+    result = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        result[".".join(parts)] = path
+    return result
+
+
+MODULES = module_names()
+
+
+def _is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+def _type_checking_lines(tree: ast.Module) -> set[int]:
+    """The lines of ``if TYPE_CHECKING:`` blocks."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If):
+            test = node.test
+            name = test.attr if isinstance(test, ast.Attribute) else getattr(test, "id", None)
+            if name == "TYPE_CHECKING":
+                for child in node.body:
+                    lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return lines
+
+
+def imports(name: str) -> list[tuple[str, bool]]:
+    """The kvaudit modules ``name`` imports, each with whether the import is type-only."""
+    tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
+    typing_only = _type_checking_lines(tree)
+    package = name if _is_package(name) else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [
+                alias.name.removeprefix("kvaudit").lstrip(".")
+                for alias in node.names
+                if alias.name == "kvaudit" or alias.name.startswith("kvaudit.")
+            ]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".") if package else []
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            elif node.module and (node.module == "kvaudit" or node.module.startswith("kvaudit.")):
+                module = node.module.removeprefix("kvaudit").lstrip(".")
+            else:
+                continue
+            # ``from . import record_source`` imports a module; ``from .x import y`` imports x.
+            submodules = [f"{module}.{a.name}".lstrip(".") for a in node.names]
+            targets = [sub for sub in submodules if sub in MODULES] or [module]
+        for target in targets:
+            assert target in MODULES, f"{name} imports {target!r}, which is not a module"
+            found.append((target, node.lineno in typing_only))
+    return found
+
+
+def layer_of(name: str) -> int:
+    """The layer of a module: that of the longest entry naming it or a package above it."""
+    best = None
+    for index, layer in enumerate(LAYERS):
+        for entry in layer:
+            named = name == entry or (entry != "" and name.startswith(entry + "."))
+            if named and (best is None or len(entry) > best[0]):
+                best = (len(entry), index)
+    assert best is not None, f"kvaudit.{name} is in no layer of LAYERS; place it there"
+    return best[1]
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_upward_import(name: str) -> None:
+    own = layer_of(name)
+    upward = [target for target, _ in imports(name) if target != name and layer_of(target) > own]
+    assert not upward, f"kvaudit.{name} (layer {own}) imports higher layers: {upward}"
+
+
+def test_no_import_cycle() -> None:
+    # Type-only imports run no code, so only the others can close a cycle.
+    graph = {
+        name: sorted({t for t, typing_only in imports(name) if not typing_only and t != name})
+        for name in MODULES
+    }
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in graph[node]:
+            if state.get(nxt) == 1:
+                cycle = [*path[path.index(nxt) :], nxt]
+                pytest.fail("import cycle: " + " -> ".join(f"kvaudit.{m}" for m in cycle))
+            if nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name)
+
+
+def test_the_checks_see_the_imports() -> None:
+    # The parser resolves relative, package and absolute imports (else the tests above
+    # would pass vacuously).
+    assert ("sources.raw", False) in imports("locate.cells")
+    assert ("sources.record_source", True) in imports("sources")
+    assert ("cli.checksum_command", False) in imports("cli")
+    assert ("compare.model", False) in imports("formats.junit")
+    assert ("sources", True) in imports("report.inventory")
+    assert layer_of("dumps.dump") < layer_of("sources.raw") < layer_of("locate")
+    assert layer_of("checksum.kernels.triton_tiling") < layer_of("checksum.kernels.triton_kernel")
+    assert layer_of("cli.output") < layer_of("cli.checksum_command") == layer_of("cli")
+    assert ("cli.group", False) in imports("cli.diff_command")
+
+
+def test_dumps_are_file_io() -> None:
+    # Reading and writing dumps never needs the checksummer, sources or anything above.
+    for name in MODULES:
+        if name == "dumps" or name.startswith("dumps."):
+            targets = {target for target, _ in imports(name)}
+            assert not any(t.split(".")[0] in ("sources", "checksum") for t in targets), name
+
+
+def test_core_imports_no_other_package() -> None:
+    # The foundations stand on nothing above them: every package may use them.
+    for name in MODULES:
+        if name == "core" or name.startswith("core."):
+            targets = {target for target, _ in imports(name)}
+            outside = {t for t in targets if t != "core" and not t.startswith("core.")}
+            assert not outside, f"kvaudit.{name} imports {sorted(outside)}"
+
+
+def test_every_module_is_on_the_map() -> None:
+    # docs/architecture.md names every module and C file: a newcomer finds each there.
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"`([\w./]+)`", text))
+    words = {part for item in named for part in re.split(r"[./]", item)} | named
+    absent = sorted(
+        str(path.relative_to(PACKAGE))
+        for path in [*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.c"), *PACKAGE.rglob("*.h")]
+        if path.name != "__init__.py" and path.stem not in words and path.name not in words
+    )
+    assert absent == [], f"not named in docs/architecture.md: {absent}"
