@@ -94,15 +94,16 @@ def as_source(side: Side, config: CacheDescription | None = None, label: str = "
     """A side of ``assert_kv_equal`` as a source, through the source registry.
 
     Args:
-        side: A path, a list of paths, a ``Record``, a ``DumpSet`` or a ``LiveSide``.
-        config: A description that applies to dumps.
-        label: Names the side in errors.
+        side: Dumps or a record by path (one or several), a ``Record``, a ``DumpSet``
+            or a ``LiveSide``.
+        config: The cache description of dumps that carry none.
+        label: What errors call the side (``producer``, ``consumer``).
 
     Returns:
-        The source.
+        The side as a ``Source``.
 
     Raises:
-        KvauditError: A path that cannot be read, or an object of another type.
+        KvauditError: A side that cannot be read or is of no known kind.
 
     """
     return source_of(side, config, label)

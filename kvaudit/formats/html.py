@@ -264,11 +264,11 @@ def diff_html(report: DiffReport, title: str) -> str:
     mismatch counts and the located entries.
 
     Args:
-        report: The report drawn.
-        title: The page's title and heading.
+        report: The diff's report.
+        title: Its title, written as the page's heading.
 
     Returns:
-        The page's HTML text.
+        A self-contained page: no script, nothing fetched.
 
     """
     verdict = "ok" if report.ok else "failed"

@@ -215,10 +215,10 @@ def diff_to_json(report: DiffReport) -> dict[str, Any]:
     """The report as ``diff --format json`` writes it (docs/cli.md).
 
     Args:
-        report: The report written.
+        report: The diff or verify report.
 
     Returns:
-        Plain data for ``json_text``.
+        Its JSON object (``json_text`` writes it).
 
     """
     return {
