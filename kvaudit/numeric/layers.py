@@ -15,6 +15,7 @@ import numpy as np
 from ..core.elements import work_dtype
 from .budget import DEFAULT_BUDGET, NumericBudget
 from .mapped_rows import MappedRows
+from .model import Tolerance
 from .native import add_raw_batch, native_module, raw_dtype, reads
 from .reads import LayerValues, RowFiles, WorkerRows, decode_layer
 from .value_errors import LayerErrors, add_batch, scratch
@@ -92,7 +93,7 @@ def compare_layer(
     pieces: Sequence[Piece],
     name: str,
     layers: tuple[LayerValues, LayerValues],
-    tolerance: tuple[float, float],
+    tolerance: Tolerance,
     layer_tokens: tuple[np.ndarray, int],
     thread_files: ThreadFiles,
     chunk: int,
@@ -114,7 +115,7 @@ def compare_layer(
         if native is not None:
             stack = ([plans[0]], [plans[1]])
             found = thread_files.places.add(
-                native, errors, (lo, hi, stack), name, layers, (tolerance, chunk)
+                native, errors, (lo, hi, stack), name, layers, tolerance, chunk
             )
             if found is not None:
                 token_row, spanned = found
@@ -131,7 +132,7 @@ def compare_layer(
             read += decode_layer(plan, name, layer, (buffer, held), files, raw=native is not None)
             values.append((buffer, held))
         token_row = _add_piece(
-            native, errors, lo, values, layers, (tolerance, thread_files.budget.chunk_elements)
+            native, errors, lo, values, layers, tolerance, thread_files.budget.chunk_elements
         )
         np.fmax.at(row, np.arange(lo, hi) // width, token_row)
     if not staged:
@@ -152,13 +153,12 @@ def _add_piece(
     lo: int,
     values: list[tuple[np.ndarray, np.ndarray]],
     layers: tuple[LayerValues, LayerValues],
-    tolerance_chunk: tuple[tuple[float, float], int],
+    tolerance: Tolerance,
+    chunk_elements: int,
 ) -> np.ndarray:
     """Add a piece of a layer's batch to its errors: both sides' element bits in the C
     extension (``native``), else their decoded values in numpy (one float type for
-    both, ``tolerance_chunk = ((atol, rtol), chunk_elements)``); returns its token row
-    (``add_batch``)."""
-    tolerance, chunk_elements = tolerance_chunk
+    both, ``chunk_elements`` at a time); returns its token row (``add_batch``)."""
     (p, held_p), (c, held_c) = values
     held = held_p & held_c
     if native is not None:

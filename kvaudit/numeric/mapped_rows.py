@@ -16,6 +16,7 @@ from ..core.arrays import is_numpy
 from ..core.mapping import FileMap
 from ..sources.raw import RawWorker
 from ..views import LayerView
+from .model import Tolerance
 from .native import add_mapped_batch
 from .reads import LayerValues, WorkerRows
 from .value_errors import LayerErrors, scratch
@@ -101,15 +102,16 @@ class MappedRows:
         piece: tuple[int, int, StackedPlans],
         name: str,
         layers: tuple[LayerValues, LayerValues],
-        tolerance_chunk: tuple[tuple[float, float], int],
+        tolerance: Tolerance,
+        chunk: int,
     ) -> tuple[np.ndarray, int] | None:
         """Add a piece of layer ``name``'s batch (request positions ``lo .. hi - 1`` and
         both sides' rows, ``piece = (lo, hi, stack)``) to its errors with both sides' rows
-        read where they lie in the dumps' mappings, ``chunk`` tokens at a time
-        (``tolerance_chunk = ((atol, rtol), chunk)``), the 2 MiB regions of the rows read
-        released once they reach ``release`` bytes, and at the end; within a chunk token
-        by token where both sides' heads of a token lie closer than a head's tokens, else
-        head by head (the rows read in about their order in the files). With several
+        read where they lie in the dumps' mappings, ``chunk`` tokens at a time, the 2 MiB
+        regions of the rows read released once they reach ``release`` bytes, and at the
+        end; within a chunk token by token where both sides' heads of a token lie closer
+        than a head's tokens, else head by head (the rows read in about their order in the
+        files). With several
         requests stacked, ``errors`` holds each request's heads after the previous one's.
         Returns its token row (one per head, ``[heads, tokens]``, where several requests
         are stacked) and the bytes of rows read, or None, nothing done, where a side's rows
@@ -119,7 +121,6 @@ class MappedRows:
             KvauditError: A dump file shrank since it was mapped.
 
         """
-        tolerance, chunk = tolerance_chunk
         lo, hi, stack = piece
         table = MapTable()
         located = []

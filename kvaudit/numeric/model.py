@@ -10,6 +10,18 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+@dataclass(frozen=True)
+class Tolerance:
+    """When an element fails: ``|consumer - producer| > atol + rtol * |producer|``."""
+
+    atol: float = 0.0
+    rtol: float = 0.0
+
+    def pair(self) -> tuple[float, float]:
+        """``(atol, rtol)``, as the C extension takes them."""
+        return self.atol, self.rtol
+
+
 @dataclass
 class SliceErrors:
     """The errors of one (layer, global head) of one request's group.

@@ -11,6 +11,7 @@ from types import ModuleType
 import numpy as np
 
 from ..core.dtypes import DType, dtype_name
+from .model import Tolerance
 from .value_errors import LayerErrors
 
 SCALES = tuple[float | None, float | None]
@@ -43,7 +44,7 @@ def add_raw_batch(
     bits: tuple[np.ndarray, np.ndarray],
     held: np.ndarray,
     sides: tuple[tuple[DType, int, SCALES], tuple[DType, int, SCALES]],
-    tolerance: tuple[float, float],
+    tolerance: Tolerance,
 ) -> np.ndarray:
     """Add one layer's batch (the producer's and consumer's element bits ``[heads, tokens,
     elements]`` from request position ``lo``, compared where ``held``; each side's
@@ -58,7 +59,7 @@ def add_raw_batch(
         held.view(np.uint8),
         (heads, tokens, elements),
         *(_side(*side) for side in sides),
-        tolerance,
+        tolerance.pair(),
         lo,
         *errors.outputs(),
         token_row,
@@ -81,7 +82,7 @@ def add_mapped_batch(
     located: tuple[tuple[np.ndarray, PARTS], tuple[np.ndarray, PARTS]],
     held: np.ndarray,
     sides: tuple[tuple[DType, int, SCALES], tuple[DType, int, SCALES]],
-    tolerance: tuple[float, float],
+    tolerance: Tolerance,
     order: tuple[int, int, bool] = (0, 0, False),
     by_head: bool = False,
 ) -> np.ndarray:
@@ -109,7 +110,7 @@ def add_mapped_batch(
         held.view(np.uint8),
         (heads, tokens, elements),
         *((*_side(*side), parts) for side, (_, parts) in zip(sides, located)),
-        tolerance,
+        tolerance.pair(),
         lo,
         order,
         *errors.outputs(),

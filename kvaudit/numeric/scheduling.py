@@ -34,7 +34,7 @@ from .layers import (
     layer_plan,
     piece_tokens,
 )
-from .model import GroupNumeric, NumericReport, RequestNumeric, SliceErrors
+from .model import GroupNumeric, NumericReport, RequestNumeric, SliceErrors, Tolerance
 from .native import native_module, reads
 from .reads import (
     GroupWorker,
@@ -114,7 +114,7 @@ class _Unit:
 
 def _compare_group(
     unit: _Unit,
-    tolerance: tuple[float, float],
+    tolerance: Tolerance,
     progress: Callable[[int], None] | None,
     threads: Threads,
 ) -> tuple[GroupNumeric, list[str]]:
@@ -203,7 +203,7 @@ class _Stack:
     jobs: list[Future[tuple[np.ndarray, int] | None]]
 
     @classmethod
-    def start(cls, units: list[_Unit], tolerance: tuple[float, float], threads: Threads) -> _Stack:
+    def start(cls, units: list[_Unit], tolerance: Tolerance, threads: Threads) -> _Stack:
         """Submit the units' layers to the pool (their plan ``stacks``)."""
         plan = units[0].plan
         native = native_module()
@@ -233,7 +233,8 @@ class _Stack:
                 (0, tokens, stack),
                 name,
                 (plan.layers[0][name], plan.layers[1][name]),
-                (tolerance, chunk),
+                tolerance,
+                chunk,
             )
             for name in common
         ]
@@ -344,7 +345,7 @@ def _compare_requests(
     """Fill the report request by request: consecutive short requests of the same
     workers (one piece each, read in place) are compared together, in stacks of about a
     piece's rows (a call of the C extension per layer, not per request and layer)."""
-    tolerance = (report.atol, report.rtol)
+    tolerance = Tolerance(report.atol, report.rtol)
     held = [{rid for worker in side for rid in worker.requests} for side in (producer, consumer)]
     ids = sorted(held[0] | held[1]) if request_ids is None else list(request_ids)
     plans: dict[tuple[int, tuple[int, ...], tuple[int, ...]], _GroupPlan] = {}

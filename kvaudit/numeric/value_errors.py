@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .model import SliceErrors
+from .model import SliceErrors, Tolerance
 
 WORST_TOKENS = 5
 """How many worst token positions each (layer, head) keeps."""
@@ -261,7 +261,7 @@ def add_batch(
     p: np.ndarray,
     c: np.ndarray,
     mask: np.ndarray,
-    tolerance: tuple[float, float],
+    tolerance: Tolerance,
     chunk_elements: int,
 ) -> np.ndarray:
     """Add one layer's batch (``[heads, tokens, elements]`` from request position ``lo``,
@@ -276,8 +276,8 @@ def add_batch(
     chunks = []
     for h in range(0, heads, step):
         left, right = p[h : h + step], c[h : h + step]
-        chunk = fast_errors(left, right, *tolerance) if elements else None
-        chunks.append(chunk if chunk is not None else exact_errors(left, right, *tolerance))
+        chunk = fast_errors(left, right, *tolerance.pair()) if elements else None
+        chunks.append(chunk if chunk is not None else exact_errors(left, right, *tolerance.pair()))
     token_abs, token_scale = _joined(chunks, "token_abs"), _joined(chunks, "token_scale")
     with np.errstate(divide="ignore", invalid="ignore"):
         # 0 / 0 (nothing to compare against, no error) is NaN: 0 (fmax skips NaN).

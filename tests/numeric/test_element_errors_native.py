@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from kvaudit.core.dtypes import DType, parse_dtype, torch_dtype
 from kvaudit.core.elements import decode, work_dtype
 from kvaudit.numeric.budget import DEFAULT_BUDGET
+from kvaudit.numeric.model import Tolerance
 from kvaudit.numeric.native import SCALES, add_raw_batch, native_module, raw_dtype, reads
 from kvaudit.numeric.value_errors import LayerErrors, add_batch
 
@@ -70,7 +71,7 @@ def native_errors(
     heads, tokens, _ = bits[0].shape
     held = np.ones((heads, tokens), dtype=bool) if held is None else held
     errors = LayerErrors(heads) if errors is None else errors
-    return errors, add_raw_batch(NATIVE, errors, lo, bits, held, sides, tolerance)
+    return errors, add_raw_batch(NATIVE, errors, lo, bits, held, sides, Tolerance(*tolerance))
 
 
 def numpy_errors(
@@ -100,7 +101,9 @@ def numpy_errors(
     held = np.ones((heads, tokens), dtype=bool) if held is None else held
     errors = LayerErrors(heads) if errors is None else errors
     with np.errstate(all="ignore"):
-        row = add_batch(errors, lo, p, c, held.copy(), tolerance, DEFAULT_BUDGET.chunk_elements)
+        row = add_batch(
+            errors, lo, p, c, held.copy(), Tolerance(*tolerance), DEFAULT_BUDGET.chunk_elements
+        )
     return errors, row
 
 
@@ -417,7 +420,7 @@ def test_bad_buffers_are_refused() -> None:
     errors = LayerErrors(2)
     with pytest.raises(ValueError, match="holds"):
         add_raw_batch(
-            NATIVE, errors, 0, (bits, bits[:1].copy()), np.ones((2, 3), bool), sides, (0, 0)
+            NATIVE, errors, 0, (bits, bits[:1].copy()), np.ones((2, 3), bool), sides, Tolerance()
         )
     with pytest.raises(ValueError, match="cannot compare int8"):
         NATIVE.compare(

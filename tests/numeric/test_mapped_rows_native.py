@@ -21,6 +21,7 @@ from helpers.native_builds import built, skip_unless_built
 
 from kvaudit.core.dtypes import parse_dtype, torch_dtype
 from kvaudit.core.mapping import FileMap
+from kvaudit.numeric.model import Tolerance
 from kvaudit.numeric.native import PARTS, SCALES, add_mapped_batch, add_raw_batch
 from kvaudit.numeric.value_errors import LayerErrors
 
@@ -79,7 +80,7 @@ def both_ways(
     held = rng.random((HEADS, TOKENS)) > 0.2
     sides = tuple((parse_dtype(d), HEAD_SIZE, s) for d, s in zip(dtypes, scales))
     staged, mapped = LayerErrors(HEADS), LayerErrors(HEADS)
-    want = add_raw_batch(NATIVE, staged, 7, bits, held, sides, (0.01, 0.05))  # type: ignore[arg-type]
+    want = add_raw_batch(NATIVE, staged, 7, bits, held, sides, Tolerance(0.01, 0.05))  # type: ignore[arg-type]
     p_maps, p_where = scattered(bits[0], parts[0], 2, rng)
     c_maps, c_where = scattered(bits[1], parts[1], 3, rng)
     c_where[..., 0] += len(p_maps)
@@ -92,7 +93,7 @@ def both_ways(
         located,
         held,
         sides,
-        (0.01, 0.05),
+        Tolerance(0.01, 0.05),
         order,  # type: ignore[arg-type]
     )
     np.testing.assert_array_equal(got, want)
@@ -142,7 +143,7 @@ def located_call(
     side = (parse_dtype("bfloat16"), HEAD_SIZE, (None, None))
     located = ((where, parts), (where, parts if c_parts is None else c_parts))
     sides = (side, side)
-    add_mapped_batch(NATIVE, errors, 0, maps, located, held, sides, (0.0, 0.0))  # type: ignore[arg-type]
+    add_mapped_batch(NATIVE, errors, 0, maps, located, held, sides, Tolerance())  # type: ignore[arg-type]
 
 
 def test_locations_outside_their_mapping_are_refused() -> None:
@@ -226,7 +227,7 @@ def compare_spread(
     side = (parse_dtype("bfloat16"), elements // 2, (None, None))
     got = add_mapped_batch(
         NATIVE, errors, 0, [mapped.buffer], ((where, ((0, elements),)), (where, ((0, elements),))),
-        np.ones((1, rows), dtype=bool), (side, side), (0.0, 0.0), (1, release, False),  # type: ignore[arg-type]
+        np.ones((1, rows), dtype=bool), (side, side), Tolerance(), (1, release, False),  # type: ignore[arg-type]
     )  # fmt: skip
     np.testing.assert_array_equal(got, np.zeros(rows))
     return errors
@@ -243,7 +244,7 @@ def test_a_file_mappings_pages_are_released_by_the_end_of_a_call(
     staged = LayerErrors(1)
     side = (parse_dtype("bfloat16"), bits.shape[2] // 2, (None, None))
     held = np.ones((1, bits.shape[1]), dtype=bool)
-    add_raw_batch(NATIVE, staged, 0, (bits, bits), held, (side, side), (0.0, 0.0))  # type: ignore[arg-type]
+    add_raw_batch(NATIVE, staged, 0, (bits, bits), held, (side, side), Tolerance())  # type: ignore[arg-type]
     for _ in range(2):
         errors = compare_spread(mapped, bits, where, release)
         assert mapping_rss(mapped.address) == 0
@@ -305,7 +306,7 @@ def compare_heads(
     whole = ((0, elements),)
     got = add_mapped_batch(
         NATIVE, LayerErrors(rows), 0, [mapped.buffer], ((heads_where, whole), (heads_where, whole)),
-        np.ones((rows, 1), dtype=bool), (side, side), (0.0, 0.0), (1, release, False),  # type: ignore[arg-type]
+        np.ones((rows, 1), dtype=bool), (side, side), Tolerance(), (1, release, False),  # type: ignore[arg-type]
         by_head=by_head,
     )  # fmt: skip
     np.testing.assert_array_equal(got, np.zeros((rows, 1) if by_head else 1))
@@ -344,7 +345,7 @@ def test_token_rows_per_head(tmp_path: Path) -> None:
     def call(mask: np.ndarray, by_head: bool) -> np.ndarray:
         return add_mapped_batch(
             NATIVE, LayerErrors(HEADS), 0, [*maps_p, *maps_c], ((where_p, WHOLE), (where_c, WHOLE)),
-            mask, (side, side), (0.0, 0.05), (4, 0, False), by_head=by_head,  # type: ignore[arg-type]
+            mask, (side, side), Tolerance(0.0, 0.05), (4, 0, False), by_head=by_head,  # type: ignore[arg-type]
         )  # fmt: skip
 
     rows = call(held, True)
