@@ -48,6 +48,7 @@ from .hints import (
     looks_like_description,
     looks_like_record,
     other_engine_hint,
+    own_description_option,
 )
 from .layers import check_layer, kernel_blocks_per_block, owner_layers, tensor_names
 from .safetensors_io import PAD_PREFIX, Entry, Header, array_view, map_file, read_header
@@ -424,7 +425,18 @@ def open_dump(path: str | os.PathLike[str], config: CacheDescription | None = No
     # Called once per listed block: a C method, not a Python function.
     holds = (set(block_ids) if block_ids is not None else range(num_rows)).__contains__
     requests = _parse_requests(metadata, description, holds, source)
-    entries, stored_entry = _dump_tensors(source, header, description, num_rows)
+    try:
+        entries, stored_entry = _dump_tensors(source, header, description, num_rows)
+    except KvauditError as error:
+        if config is None or "expected shape" not in error.message:
+            raise
+        # A description given for both sides (diff -c) is the likeliest cause.
+        role = "dump" if worker.role not in ("producer", "consumer") else worker.role
+        raise KvauditError(
+            f"{error.message}; the cache description was given, not the dump's own: give the "
+            f"{role}'s description ({own_description_option(worker.role)})",
+            error.source,
+        ) from None
 
     mapped = map_file(source)
     arrays: dict[str, LayerTensor] = {}

@@ -134,6 +134,24 @@ def test_the_producers_description_applied_to_the_consumer(tmp_path: Path, sets:
     assert result.exit_code == 0, result.output
 
 
+def test_a_description_of_the_wrong_shape_given_for_both_sides_names_the_option(
+    tmp_path: Path, sets: Path
+) -> None:
+    # The producer's description with room for every block: the consumer's tensors then
+    # differ in shape (another layout, other heads), and the line says how to give its own.
+    description = example.description(example.PRODUCER)
+    description["num_blocks"] = 4096
+    producer_yaml = tmp_path / "producer.yaml"
+    producer_yaml.write_text(yaml.safe_dump(description))
+    consumer = sorted((sets / "consumer").glob("*.safetensors"))[0]
+    result = run(
+        "diff", "-q", "-c", str(producer_yaml), str(sets / "producer"), str(sets / "consumer")
+    )
+    message = bad_input(result, consumer)
+    assert "expected shape" in message
+    assert "give the consumer's description (--consumer-config with diff" in message
+
+
 def _whole_cache_dump(path: Path, num_blocks: int, role: str) -> dict:
     data = {
         "kvaudit": 1,
