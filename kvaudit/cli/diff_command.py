@@ -16,6 +16,7 @@ from .arguments import check_outputs, load_config, open_sources, wanted_ids
 from .group import main
 from .options import DIFF_EXIT_HELP, ReportFormat, common_options, report_options, request_option
 from .output import ReportOutputs, diff_forms, emit_report, numeric_forms
+from .output import report_name as default_name
 
 if TYPE_CHECKING:
     from ..sources import Source
@@ -89,6 +90,7 @@ def diff(
     output: str | None,
     json_path: str | None,
     junit_path: str | None,
+    report_name: str | None,
     allow_missing: bool,
     allow_empty: bool,
     producer_config: str | None,
@@ -137,7 +139,8 @@ def diff(
 
         locate_across(report, left, right, wanted, locate)
     title = f"diff: producer {left.describe()}, consumer {right.describe()}"
-    emit_report(diff_forms(report, title, DIFF_SIDE_NAMES, "kvaudit.diff"), outputs)
+    suite = ("kvaudit.diff", report_name or default_name(left.names, right.names))
+    emit_report(diff_forms(report, title, DIFF_SIDE_NAMES, suite), outputs)
     return ExitStatus.OK if report.ok else ExitStatus.MISMATCH
 
 

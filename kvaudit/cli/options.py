@@ -84,7 +84,7 @@ def request_option(help_text: str) -> Decorator:
 
 def report_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """``--format table|json|junit``, ``-o FILE``, ``--json FILE``, ``--junit FILE``,
-    ``--allow-missing`` and ``--allow-empty`` of ``diff`` and ``verify``."""
+    ``--name NAME``, ``--allow-missing`` and ``--allow-empty`` of ``diff`` and ``verify``."""
     command = click.option(
         "--allow-empty",
         is_flag=True,
@@ -95,6 +95,14 @@ def report_options(command: Callable[..., Any]) -> Callable[..., Any]:
         is_flag=True,
         help="Accept positions the producer holds that the consumer lacks (a prefix-cache "
         "hit, a transfer of some blocks).",
+    )(command)
+    command = click.option(
+        "--name",
+        "report_name",
+        metavar="NAME",
+        default=None,
+        help="Name the JUnit suite and test cases (default: after the sides, such as "
+        "prefill->decode), so that the reports of several engines stay apart in one CI view.",
     )(command)
     command = click.option(
         "--junit",

@@ -55,8 +55,25 @@ def warn(warnings: Sequence[str]) -> None:
         click.echo(f"kvaudit: warning: {printable(warning, newlines=False)}", err=True)
 
 
-def diff_forms(report: DiffReport, title: str, sides: SideNames, suite: str) -> ReportForms:
-    """The forms of a ``diff`` or ``verify`` report (``suite``: its JUnit suite's name)."""
+def report_name(*sides: Sequence[str]) -> str:
+    """What a report compares, after its sides' names: ``prefill->decode`` for the
+    folders ``dumps/prefill`` and ``live:/run/kvaudit/decode`` (a side of several names:
+    its first and how many more)."""
+    words = []
+    for names in sides:
+        first = names[0].removeprefix("live:").removeprefix("py:").rstrip("/")
+        stem = os.path.basename(first) or first
+        for suffix in (".safetensors", ".json"):
+            stem = stem.removesuffix(suffix)
+        words.append(stem + (f"+{len(names) - 1}" if len(names) > 1 else ""))
+    return "->".join(words)
+
+
+def diff_forms(
+    report: DiffReport, title: str, sides: SideNames, suite: tuple[str, str]
+) -> ReportForms:
+    """The forms of a ``diff`` or ``verify`` report (``suite``: its JUnit suite's name and
+    the name of what it compares, ``report_name``)."""
 
     # Each form's writer is imported only for its output: JSON imports no XML or rich.
     def json() -> dict[str, Any]:
@@ -72,7 +89,7 @@ def diff_forms(report: DiffReport, title: str, sides: SideNames, suite: str) -> 
     def junit() -> str:
         from ..formats import diff_junit
 
-        return diff_junit(report, suite)
+        return diff_junit(report, *suite)
 
     def html() -> str:
         from ..formats.html import diff_html

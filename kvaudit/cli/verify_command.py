@@ -11,6 +11,7 @@ from .arguments import check_outputs, load_config, open_sources, wanted_ids
 from .group import main
 from .options import DIFF_EXIT_HELP, ReportFormat, common_options, report_options, request_option
 from .output import ReportOutputs, diff_forms, emit_report
+from .output import report_name as default_name
 
 
 @main.command(epilog=DIFF_EXIT_HELP)
@@ -44,6 +45,7 @@ def verify(
     output: str | None,
     json_path: str | None,
     junit_path: str | None,
+    report_name: str | None,
     allow_missing: bool,
     allow_empty: bool,
     config_path: str | None,
@@ -93,5 +95,6 @@ def verify(
         sides = SideNames("stored checksums", "dumps", "checked")
         title = f"verify the stored checksums of {source.describe()}"
     outputs = ReportOutputs(output_format, output, json_path, junit_path)
-    emit_report(diff_forms(report, title, sides, "kvaudit.verify"), outputs)
+    suite = ("kvaudit.verify", report_name or default_name(source.names))
+    emit_report(diff_forms(report, title, sides, suite), outputs)
     return ExitStatus.OK if report.ok else ExitStatus.MISMATCH

@@ -1,6 +1,7 @@
 """A diff report as JUnit XML, for CI systems that show test results.
 
-One test case per request and group (classname ``kvaudit.<request>``, name ``group <id>``):
+One test case per request and group (classname ``kvaudit.<request>``, or
+``kvaudit.<name>.<request>`` for a report named after its sides, name ``group <id>``):
 errored when the group could not be compared (the reason is the message), else failed
 when blocks or replicas differ or positions are missing (unless the report allows
 missing positions). A request the consumer lacks is a failed case named ``request``; one
@@ -16,7 +17,7 @@ import re
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 
-from ..compare.model import DiffReport, GroupComparison
+from ..compare.model import DiffReport, GroupComparison, StaleSource
 from .json import located_items
 
 # Characters XML 1.0 cannot hold at all, escaped or not.
@@ -36,14 +37,22 @@ def _list(items: Sequence[object], limit: int = 20) -> str:
 
 
 def failure_message(group: GroupComparison, *, allow_missing: bool = False) -> str:
-    """One line: the positions whose blocks differ, the replicas that differ and the
-    positions the consumer lacks (unless ``allow_missing``)."""
+    """One line: the positions whose blocks differ (and the producer blocks they hold,
+    where traced), the replicas that differ and the positions the consumer lacks (unless
+    ``allow_missing``)."""
     parts = []
     if group.mismatched_positions:
         parts.append(
             f"blocks differ at positions {_list(group.mismatched_positions)} "
             f"(block size {group.block_size}, {group.compared} compared)"
         )
+    traced = [
+        f"position {position} holds {_list([_source_text(s) for s in sources], 3)}"
+        for position, sources in sorted(group.stale_sources.items())
+        if sources
+    ]
+    if traced:
+        parts.append(_list(traced, 5))
     if group.replica_mismatches:
         pairs = [f"{position} ({r}:{i})" for position, r, i in group.replica_mismatches]
         parts.append(f"replicas differ at position (replica key) {_list(pairs)}")
@@ -53,6 +62,12 @@ def failure_message(group: GroupComparison, *, allow_missing: bool = False) -> s
             f"(block size {group.block_size})"
         )
     return "; ".join(parts)
+
+
+def _source_text(source: StaleSource) -> str:
+    """A producer block a consumer block holds, as ``req-b position 1``."""
+    size = f" (of {source.block_size} tokens)" if source.block_size is not None else ""
+    return f"{source.request} position {source.position}{size}"
 
 
 def _item_text(key: str, value: object) -> str:
@@ -70,29 +85,35 @@ def _located_text(group: GroupComparison) -> str:
     )
 
 
-def _case(suite: ET.Element, request_id: str, name: str) -> ET.Element:
+def _case(suite: ET.Element, prefix: str, request_id: str, name: str) -> ET.Element:
     """A new ``<testcase>`` of the suite for a request."""
     return ET.SubElement(
-        suite, "testcase", {"classname": xml_text(f"kvaudit.{request_id}"), "name": name}
+        suite, "testcase", {"classname": xml_text(f"{prefix}.{request_id}"), "name": name}
     )
 
 
-def diff_junit(report: DiffReport, suite_name: str = "kvaudit.diff") -> str:
+def diff_junit(report: DiffReport, suite_name: str = "kvaudit.diff", name: str = "") -> str:
     """The report as a JUnit XML document (``<testsuites>`` holding one ``<testsuite>``).
 
     Args:
         report: The report written.
-        suite_name: The name of the ``<testsuite>``.
+        suite_name: The name of the ``<testsuite>`` (``kvaudit.diff``, ``kvaudit.verify``).
+        name: What the report compares (``prefill->decode``): the suite is
+            ``SUITE_NAME NAME`` and each case's classname ``kvaudit.NAME.REQUEST``, so that
+            the reports of several engines merged in one CI view stay apart ("": the
+            suite and classnames without it).
 
     Returns:
         The XML text.
 
     """
+    prefix = f"kvaudit.{name}" if name else "kvaudit"
     root = ET.Element("testsuites", {"name": "kvaudit"})
-    suite = ET.SubElement(root, "testsuite", {"name": xml_text(suite_name)})
+    title = f"{suite_name} {name}" if name else suite_name
+    suite = ET.SubElement(root, "testsuite", {"name": xml_text(title)})
     tests = failures = errors = skipped = 0
     for request_id, gid, group in report.groups():
-        case = _case(suite, request_id, f"group {gid}")
+        case = _case(suite, prefix, request_id, f"group {gid}")
         tests += 1
         if group.unverified is not None:
             # One outcome per case: unverified wins; any differences found go in its text.
@@ -109,21 +130,21 @@ def diff_junit(report: DiffReport, suite_name: str = "kvaudit.diff") -> str:
             failure = ET.SubElement(case, "failure", {"message": xml_text(message), "type": kind})
             failure.text = xml_text(_located_text(group)) or None
     for request_id in report.only_in_producer:
-        case = _case(suite, request_id, "request")
+        case = _case(suite, prefix, request_id, "request")
         tests += 1
         failures += 1
         message = "the request is missing on the consumer"
         ET.SubElement(case, "failure", {"message": message, "type": "missing"})
     for request_id in report.only_in_consumer:
-        case = _case(suite, request_id, "request")
+        case = _case(suite, prefix, request_id, "request")
         tests += 1
         skipped += 1
         ET.SubElement(case, "skipped", {"message": "the request is on the consumer only"})
     groupless = any(not groups for groups in report.requests.values())
     if report.empty_reason is not None and (groupless or failures + errors == 0):
         # Only where no case above fails already: else the suite is red and says why.
-        case = _case(suite, "", "nothing compared")
-        case.set("classname", "kvaudit")
+        case = _case(suite, prefix, "", "nothing compared")
+        case.set("classname", prefix)
         tests += 1
         errors += 1
         ET.SubElement(case, "error", {"message": xml_text(report.empty_reason), "type": "empty"})

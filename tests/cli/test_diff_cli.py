@@ -240,17 +240,22 @@ def test_junit(sets: Path) -> None:
     assert result.exit_code == 1
     root = ET.fromstring(result.stdout.split("\n", 1)[1])
     suite = root.find("testsuite")
-    assert suite is not None and suite.get("name") == "kvaudit.diff"
+    # Named after the sides, so that several consumers' reports stay apart in one CI view.
+    assert suite is not None and suite.get("name") == "kvaudit.diff producer->consumer-broken"
     assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("3", "1", "0")
     cases = {case.get("classname"): case for case in suite.iter("testcase")}
-    assert set(cases) == {f"kvaudit.{rid}" for rid in example.REQUESTS}
-    failure = cases["kvaudit.req-medium"].find("failure")
+    prefix = "kvaudit.producer->consumer-broken"
+    assert set(cases) == {f"{prefix}.{rid}" for rid in example.REQUESTS}
+    failure = cases[f"{prefix}.req-medium"].find("failure")
     assert failure is not None and "positions 4" in failure.get("message", "")
     assert "model.layers.3.self_attn.attn" in (failure.text or "")
-    assert cases["kvaudit.req-short"].find("failure") is None
+    assert cases[f"{prefix}.req-short"].find("failure") is None
 
     clean = run("diff", sets / "producer", sets / "consumer", "--format", "junit")
     assert clean.exit_code == 0 and 'failures="0"' in clean.stdout
+    named = run("diff", sets / "producer", sets / "consumer", "--format", "junit", "--name", "d7")
+    assert '<testsuite name="kvaudit.diff d7"' in named.stdout
+    assert 'classname="kvaudit.d7.req-short"' in named.stdout
 
 
 def test_output_file(sets: Path, tmp_path: Path) -> None:

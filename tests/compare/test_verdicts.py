@@ -173,7 +173,7 @@ def test_a_consumer_that_lacks_positions_fails(
     suite = ET.fromstring(junit.stdout.split("\n", 1)[1]).find("testsuite")
     assert suite is not None and suite.get("failures") == "1"
     failure = next(case for case in suite.iter("testcase") if case.find("failure") is not None)
-    assert failure.get("classname") == "kvaudit.r1"
+    assert failure.get("classname") == "kvaudit.producer->consumer.r1"
     # A consumer that legitimately holds part of a request.
     allowed = report_of("diff", producer, consumer, "--allow-missing", status=0)
     assert missing(allowed, "r1") == want

@@ -269,6 +269,20 @@ def junit_cases(report: DiffReport) -> list[tuple[str, str, str]]:
     ]
 
 
+def test_a_named_junit_report_keeps_its_cases_apart_from_another_engines() -> None:
+    # Two consumers' reports merged in one CI view: suites and classnames differ by name.
+    cases = []
+    for name in ("prefill->decode-a", "prefill->decode-b"):
+        root = ET.fromstring(diff_junit(report(), "kvaudit.diff", name))
+        suite = root.find("testsuite")
+        assert suite is not None and suite.get("name") == f"kvaudit.diff {name}"
+        cases.append({(case.get("classname"), case.get("name")) for case in suite})
+        assert all(
+            cls == f"kvaudit.{name}" or cls.startswith(f"kvaudit.{name}.") for cls, _ in cases[-1]
+        )
+    assert not cases[0] & cases[1]
+
+
 def test_diff_junit_has_one_case_per_request_and_group_when_each_says_why() -> None:
     # cli.md: one test case per request and group, errored when unverified; nothing was
     # compared, and every case is already errored: no case beside them.
