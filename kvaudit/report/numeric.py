@@ -44,7 +44,12 @@ def numeric_verdict(report: NumericReport) -> str:
 
 
 def print_numeric(console: Console, report: NumericReport, title: str) -> None:
-    """Print each request's group as a table of its worst slices, then the verdict.
+    """Print each request's group as a table of its failing slices, then the verdict.
+
+    Slices within the tolerance are left out (a line says how many, and the worst of
+    them by scaled error); ``--format json`` lists every slice. The tables rank slices by
+    scaled error (the largest error over the slice's largest producer value), which
+    means something on KV with exact zeros, where a relative error is infinite.
 
     Args:
         console: Where the tables are printed.
@@ -55,14 +60,29 @@ def print_numeric(console: Console, report: NumericReport, title: str) -> None:
     console.print(title)
     for request in report.requests.values():
         for gid, group in sorted(request.groups.items()):
-            table = Table(
-                title=f"request {request.request_id}, group {gid}: {request.num_tokens} tokens"
+            heading = f"request {request.request_id}, group {gid}: {request.num_tokens} tokens"
+            ranked = sorted(
+                group.slices,
+                key=lambda s: (-s.scaled_error, -s.max_abs_error, s.number, s.head),
             )
+            failed = [item for item in ranked if item.failed]
+            passing = len(ranked) - len(failed)
+            if not failed:
+                worst = ranked[0] if ranked else None
+                where = (
+                    f"; the worst, {worst.layer} head {worst.head}, scaled error "
+                    f"{_fmt(worst.scaled_error)}"
+                    if worst is not None
+                    else ""
+                )
+                console.print(f"{heading}: all {passing} slices within the tolerance{where}")
+                continue
+            table = Table(title=heading)
             for name in (
                 "layer",
                 "head",
+                "scaled error",
                 "max abs",
-                "max rel",
                 "RMS",
                 "over tol",
                 "NaN/Inf",
@@ -71,23 +91,24 @@ def print_numeric(console: Console, report: NumericReport, title: str) -> None:
                 table.add_column(
                     name, justify="left" if name in ("layer", "worst tokens") else "right"
                 )
-            worst = sorted(
-                group.slices,
-                key=lambda s: (not s.failed, -s.max_rel_error, -s.max_abs_error, s.number, s.head),
-            )
-            for item in worst[:NUMERIC_ROWS]:
+            for item in failed[:NUMERIC_ROWS]:
                 table.add_row(
                     item.layer,
                     str(item.head),
+                    _fmt(item.scaled_error),
                     _fmt(item.max_abs_error),
-                    _fmt(item.max_rel_error),
                     _fmt(item.rms_error),
                     str(item.over_tolerance),
                     str(item.nonfinite_mismatches),
                     ", ".join(str(position) for position, _ in item.worst),
                 )
-            if len(worst) > NUMERIC_ROWS:
-                table.caption = f"{len(worst) - NUMERIC_ROWS} more slices in --format json"
+            notes = []
+            if len(failed) > NUMERIC_ROWS:
+                notes.append(f"{len(failed) - NUMERIC_ROWS} more failing slices")
+            if passing:
+                notes.append(f"{passing} slices within the tolerance")
+            if notes:
+                table.caption = " and ".join(notes) + " in --format json"
             console.print(table)
     for rid in report.only_producer:
         console.print(f"request {rid}: only on the producer")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import csv
+import functools
 import io
 import json
 import math
@@ -41,6 +42,7 @@ from kvaudit.formats import (
     record_csv,
     record_to_json,
 )
+from kvaudit.numeric.model import GroupNumeric, NumericReport, RequestNumeric, SliceErrors
 from kvaudit.records import (
     GroupChecksums,
     Record,
@@ -57,6 +59,7 @@ from kvaudit.report import (
     print_record,
     render_text,
 )
+from kvaudit.report.numeric import print_numeric
 from kvaudit.sources import GroupInfo, Inventory, RequestInventory, WorkerInventory
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "formats"
@@ -392,3 +395,34 @@ def test_formats_and_tables_are_apart() -> None:
         assert not any(
             name.startswith(("kvaudit.formats", "kvaudit.cli")) for name in imported_modules(path)
         )
+
+
+def test_the_numeric_table_shows_the_failing_slices_ranked_by_scaled_error() -> None:
+    # Real bf16 KV holds exact zeros: a relative error is infinite almost everywhere, the
+    # scaled error (largest error over the slice's largest value) is not. Intact slices
+    # are left out; a group with none failing is one line.
+    def slice_of(head: int, error: float, over: int) -> SliceErrors:
+        return SliceErrors(
+            "model.layers.0.self_attn.attn", 0, head, tokens=8, elements=64,
+            max_abs_error=error, max_rel_error=math.inf, max_producer=2.0,
+            over_tolerance=over,
+        )  # fmt: skip
+
+    slices = [slice_of(0, 0.001, 0), slice_of(1, 0.5, 3), slice_of(2, 0.25, 1)]
+    bad = GroupNumeric(0, ["model.layers.0.self_attn.attn"], 3, slices, 8, np.zeros((1, 1)))
+    calm = GroupNumeric(0, ["model.layers.0.self_attn.attn"], 1, slices[:1], 8, np.zeros((1, 1)))
+    report = NumericReport(0.01, 0.01)
+    report.requests = {
+        "a": RequestNumeric("a", 8, {0: bad}),
+        "b": RequestNumeric("b", 8, {0: calm}),
+    }
+    text = render_text(functools.partial(print_numeric, report=report, title="t"))
+    lines = text.splitlines()
+    rows = [line for line in lines if "model.layers.0" in line and "│" in line]
+    assert [row.split("│")[2].strip() for row in rows] == ["1", "2"]  # worst first
+    assert "scaled error" in text and "max rel" not in text and "inf" not in text
+    assert "1 slices within the tolerance in --format json" in text
+    assert any(
+        line.startswith("request b, group 0: 8 tokens: all 1 slices within the tolerance")
+        for line in lines
+    )
