@@ -22,7 +22,10 @@ class LocatedDifference:
 
     ``tokens`` are the request positions whose cells differ, ``first_byte`` the first
     differing byte of the first of them, the errors the largest over the differing
-    elements read in their dtype (infinite where a value has no finite error).
+    elements read in their dtype (infinite where a value has no finite error);
+    ``scaled_error`` is the largest error over the slice's largest finite producer value
+    at the block's tokens, which stays finite on KV with exact zeros (where the relative
+    error is infinite) and says how large the damage is against the values around it.
     ``replica`` is 0 when consumer replica 0 was compared with the producer, else the
     consumer replica index compared with the consumer's replica 0.
     """
@@ -34,6 +37,7 @@ class LocatedDifference:
     first_byte: int
     max_abs_error: float
     max_rel_error: float
+    scaled_error: float = 0.0
     replica: int = 0
     consumer_worker: tuple[int, int] | None = None
     file: str = ""

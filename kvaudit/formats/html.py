@@ -287,12 +287,12 @@ def diff_html(report: DiffReport, title: str) -> str:
             f'<tr><td>{entry.position}</td><td class="name">{_text(entry.layer)}</td>'
             f"<td>{entry.head}</td><td>{entry.replica}</td><td>{len(entry.tokens)}</td>"
             f"<td>{entry.first_byte}</td><td>{fmt(entry.max_abs_error)}</td>"
-            f"<td>{fmt(entry.max_rel_error)}</td></tr>"
+            f"<td>{fmt(entry.scaled_error)}</td></tr>"
             for entry in group.located
         )
         table = (
             "<table><tr><th>position</th><th>layer</th><th>head</th><th>replica</th>"
-            "<th>tokens</th><th>first byte</th><th>max abs</th><th>max rel</th></tr>"
+            "<th>tokens</th><th>first byte</th><th>max abs</th><th>scaled</th></tr>"
             f"{rows}</table>"
         )
         sections.append(

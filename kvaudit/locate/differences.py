@@ -48,6 +48,30 @@ def element_errors(
     return max_abs, max_rel
 
 
+def largest_value(cells: np.ndarray, segments: Sequence[CellSegment]) -> float:
+    """The largest finite magnitude of the elements of uint8 cells ``[tokens, cell
+    bytes]`` read as the segments' dtypes (0.0 where there is none)."""
+    largest = 0.0
+    for segment in segments:
+        size = dtype_size(segment.dtype)
+        raw = np.ascontiguousarray(cells[:, segment.start : segment.end]).reshape(-1, size)
+        magnitudes = np.abs(_elements(raw, segment.dtype).astype(np.float64))
+        magnitudes = magnitudes[np.isfinite(magnitudes)]
+        if magnitudes.size:
+            largest = max(largest, float(magnitudes.max()))
+    return largest
+
+
+def scaled_error(max_abs: float, largest: float) -> float:
+    """An error against the largest value around it: 0 where nothing differs, infinite
+    where that value is 0 or the error has no finite size."""
+    if max_abs == 0:
+        return 0.0
+    if largest == 0 or not np.isfinite(max_abs):
+        return float("inf")
+    return max_abs / largest
+
+
 def _errors(
     a: np.ndarray, b: np.ndarray, dtype: DType | torch.dtype
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -105,6 +129,7 @@ def _located_entry(
     if not len(rows):
         return None
     max_abs, max_rel = element_errors(a[rows], b[rows], reference.segments)
+    largest = largest_value(a, reference.segments)
     return LocatedDifference(
         position=position,
         layer=name,
@@ -113,6 +138,7 @@ def _located_entry(
         first_byte=int(np.argmax(differ[rows[0]])),
         max_abs_error=max_abs,
         max_rel_error=max_rel,
+        scaled_error=scaled_error(max_abs, largest),
         replica=replica,
         consumer_worker=other.worker,
         file=other.file,

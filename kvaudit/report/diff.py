@@ -221,7 +221,7 @@ def _print_located(console: Console, report: DiffReport) -> None:
                     ranges(item.tokens),
                     str(item.first_byte),
                     error_text(item.max_abs_error),
-                    error_text(item.max_rel_error),
+                    error_text(item.scaled_error),
                     _worker_text(item.consumer_worker),
                 ]
             )
@@ -241,7 +241,7 @@ def _print_located(console: Console, report: DiffReport) -> None:
         "tokens",
         ">first byte",
         ">max abs error",
-        ">max rel error",
+        ">scaled error",
         "consumer worker",
     )
     console.print(Text("Located differences", style="bold"))

@@ -52,6 +52,7 @@ LOCATED_KEYS = {
     "first_byte",
     "max_abs_error",
     "max_rel_error",
+    "scaled_error",
     "consumer_worker",
     "file",
 }
@@ -96,7 +97,7 @@ def check_shape(report: dict) -> None:
             for entry in group["located"]:
                 assert LOCATED_KEYS <= set(entry) <= {*LOCATED_KEYS, "replica"}
                 assert set(entry["consumer_worker"]) == {"tp_rank", "pp_rank"}
-                for key in ("max_abs_error", "max_rel_error"):
+                for key in ("max_abs_error", "max_rel_error", "scaled_error"):
                     assert entry[key] is None or isinstance(entry[key], float)
 
 
@@ -158,8 +159,12 @@ def expected_located(sets: Path, folder: str, rank: int, request_id: str) -> lis
     path = Path(os.path.normpath(sets / folder / f"rank{rank}.safetensors"))
     cells = consumer_cells(path, request_id)
     found: dict[tuple[int, str, int], list] = {}
+    largest: dict[tuple[int, str, int], float] = {}  # the producer's, per slice and block
     for (name, head, token), cell in cells.items():
         raw, values = model_cell(kv, request_id, name, head, token)
+        magnitudes = np.abs(values[np.isfinite(values)])
+        key = (token // example.BLOCK_SIZE, name, head)
+        largest[key] = max(largest.get(key, 0.0), float(magnitudes.max(initial=0.0)))
         if np.array_equal(raw, cell):
             continue
         mine = torch.from_numpy(cell.copy()).view(torch.bfloat16).to(torch.float64).numpy()
@@ -174,6 +179,9 @@ def expected_located(sets: Path, folder: str, rank: int, request_id: str) -> lis
     entries = []
     for (position, name, head), items in sorted(found.items()):
         items.sort()
+        worst = float(max(e for _, _, e, _ in items))
+        scale = largest[position, name, head]
+        scaled = 0.0 if worst == 0 else (worst / scale if scale and np.isfinite(worst) else None)
         entries.append(
             {
                 "position": position,
@@ -183,6 +191,7 @@ def expected_located(sets: Path, folder: str, rank: int, request_id: str) -> lis
                 "first_byte": items[0][1],
                 "max_abs_error": float(max(e for _, _, e, _ in items)),
                 "max_rel_error": float(max(r for _, _, _, r in items)),
+                "scaled_error": scaled,
                 "consumer_worker": {"tp_rank": rank, "pp_rank": 0},
                 "file": str(path),
             }
@@ -586,6 +595,7 @@ def test_non_finite_errors_are_null(small: Small, tmp_path: Path) -> None:
             "first_byte": int(np.flatnonzero(original != changed)[0]),
             "max_abs_error": None,
             "max_rel_error": None,
+            "scaled_error": None,
             "consumer_worker": {"tp_rank": 0, "pp_rank": 0},
             "file": str(tmp_path / "consumer" / "rank0.safetensors"),
         }

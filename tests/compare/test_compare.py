@@ -677,6 +677,7 @@ def test_json_shape_and_values() -> None:
                 "first_byte": 1234,
                 "max_abs_error": 0.5,
                 "max_rel_error": 0.01,
+                "scaled_error": 0.0,
             }
         ],
     }

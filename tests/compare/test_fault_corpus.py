@@ -1060,7 +1060,7 @@ def located_without_errors(report: dict, rid: str, gid: int) -> list[dict]:
     """The located entries without their errors and the consumer worker that holds them
     (checked apart, against the file's own metadata)."""
     entries = report["requests"][rid]["groups"][str(gid)]["located"]
-    skipped = ("consumer_worker", "file")
+    skipped = ("consumer_worker", "file", "scaled_error")
     return [
         {k: v for k, v in e.items() if not k.startswith("max_") and k not in skipped}
         for e in entries
@@ -1111,6 +1111,7 @@ def test_fault_is_detected_and_located(
             assert located_without_errors(report, rid, gid) == want.located, (rid, gid)
             for entry in group["located"]:
                 assert entry["max_abs_error"] is None or entry["max_abs_error"] > 0
+                assert entry["scaled_error"] is None or entry["scaled_error"] > 0
                 check_consumer_worker(entry)
     assert {key for key in expected} <= {
         (rid, int(gid)) for rid, r in report["requests"].items() for gid in r["groups"]

@@ -105,11 +105,12 @@ LOCATED = [
         1234,
         0.5,
         0.01,
+        0.125,
         consumer_worker=(1, 0),
         file="decode/rank1.safetensors",
     ),
     LocatedDifference(
-        2, "model.layers.0.mla", 0, list(range(32, 48)), 0, math.inf, math.nan, replica=3
+        2, "model.layers.0.mla", 0, list(range(32, 48)), 0, math.inf, math.nan, math.inf, 3
     ),
 ]
 
@@ -250,6 +251,7 @@ def test_diff_json() -> None:
     entries = json.loads(text)["requests"]["req-a"]["groups"]["0"]["located"]
     assert "replica" not in entries[0] and entries[1]["replica"] == 3
     assert entries[1]["max_abs_error"] is None and entries[1]["max_rel_error"] is None
+    assert entries[0]["scaled_error"] == 0.125 and entries[1]["scaled_error"] is None
 
 
 def test_diff_junit() -> None:

@@ -301,6 +301,24 @@ def expected_located(
                 continue
             _, a0, b0 = differing[0]
             errors = [expected_errors(a.data, b.data, a.dtype) for _, a, b in differing]
+            worst = max(e[0] for e in errors)
+            # The scale: the largest finite producer value at the tokens both hold.
+            largest = max(
+                (
+                    abs(value)
+                    for a, _ in pairs
+                    if a is not None
+                    for value in values(a.data, a.dtype)
+                    if math.isfinite(value)
+                ),
+                default=0.0,
+            )
+            if worst == 0:
+                scaled = 0.0
+            elif largest == 0 or not math.isfinite(worst):
+                scaled = math.inf
+            else:
+                scaled = worst / largest
             entry = LocatedDifference(
                 position=position,
                 layer=name,
@@ -309,6 +327,7 @@ def expected_located(
                 first_byte=int(np.flatnonzero(a0.data != b0.data)[0]),
                 max_abs_error=max(e[0] for e in errors),
                 max_rel_error=max(e[1] for e in errors),
+                scaled_error=scaled,
                 replica=replica,
                 consumer_worker=b0.worker,
                 file=b0.file,
