@@ -6,7 +6,8 @@ at TP=4 with another layout and other block ids.
 The model is a scaled-down Llama: 4 attention layers ``model.layers.{i}.self_attn.attn``,
 8 KV heads of head size 128 in bfloat16, block size 16. Three requests of 40, 100 and 257
 tokens have their KV drawn from the seed. The producer (a prefill engine, layout ``NTHC``:
-blocks, tokens, heads, packed K/V cell, as a contiguous copy of vLLM's NHD order) holds them in random blocks of its cache at TP=2 and writes
+blocks, tokens, heads, packed K/V cell, as a contiguous copy of vLLM's NHD order) holds
+them in random blocks of its cache at TP=2 and writes
 ``OUT_DIR/producer/rank{0,1}.safetensors``; the consumer (a decode engine, layout
 ``KNHTD``) received the same KV into other random blocks at TP=4 and writes
 ``OUT_DIR/consumer/rank{0..3}.safetensors``. Every other cache slot holds junk, including
