@@ -139,6 +139,12 @@ class Agent:
             source=self.path,
         )
         self.max_reply_bytes = max_reply_bytes
+        # What one block holds over every layer: a copy's size, known before copying.
+        self._block_bytes = sum(
+            part.numel() * part.element_size()
+            for tensor in self.tensors.values()
+            for part in (tensor if isinstance(tensor, tuple) else (tensor,))
+        ) // max(self.summer.num_blocks, 1)
         self.max_held_bytes = max_held_bytes
         self.max_poll_bytes = max_poll_bytes
         self.lock = lock
@@ -330,11 +336,7 @@ class Agent:
         blocks = {
             b for request in chosen.values() for _, ids in request.groups.values() for b in ids
         }
-        per_block = sum(
-            part.numel() * part.element_size()
-            for tensor in self.tensors.values()
-            for part in (tensor if isinstance(tensor, tuple) else (tensor,))
-        ) // max(self.summer.num_blocks, 1)
+        per_block = self._block_bytes
         size = len(blocks) * per_block
         if size > self.max_reply_bytes:
             raise KvauditError(

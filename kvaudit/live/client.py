@@ -155,11 +155,11 @@ def call(
             # Refused before it was read (a busy agent): the reply says why.
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 sock.sendall(encode_frame(message))
-            header = _receive(sock, HEADER.size, deadline, path, limit)
+            header = _receive(sock, HEADER.size, deadline, path)
             size, payload = frame_sizes(header, MAX_REPLY_JSON, MAX_PAYLOAD, path)
-            reply = decode_json(_receive(sock, size, deadline, path, limit), path)
+            reply = decode_json(_receive(sock, size, deadline, path), path)
             if payload_to is None or reply.get("ok") is not True:
-                data = _receive(sock, payload, deadline, path, limit)
+                data = _receive(sock, payload, deadline, path)
             else:
                 data = b""
                 _receive_into(payload_to, sock, payload, deadline, path)
@@ -216,9 +216,10 @@ def _connect(path: str, deadline: float) -> socket.socket:
 
 
 def _receive_into(
-    file: BinaryIO, sock: socket.socket, size: int, deadline: float, path: str
+    sink: BinaryIO | bytearray, sock: socket.socket, size: int, deadline: float, path: str
 ) -> None:
-    """Exactly ``size`` bytes into ``file``, a piece at a time, before the deadline."""
+    """Exactly ``size`` bytes into ``sink`` (a file, or a buffer extended), a piece at a
+    time, before the deadline."""
     got = 0
     while got < size:
         left = deadline - time.monotonic()
@@ -230,23 +231,15 @@ def _receive_into(
             raise KvauditError(
                 f"the worker closed the connection mid-request ({got} of {size} bytes)", path
             )
-        file.write(chunk)
+        if isinstance(sink, bytearray):
+            sink += chunk
+        else:
+            sink.write(chunk)
         got += len(chunk)
 
 
-def _receive(sock: socket.socket, size: int, deadline: float, path: str, limit: float) -> bytes:
+def _receive(sock: socket.socket, size: int, deadline: float, path: str) -> bytes:
     """Exactly ``size`` bytes, before the deadline."""
     parts = bytearray()
-    while len(parts) < size:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError
-        sock.settimeout(left)
-        chunk = sock.recv(min(size - len(parts), 1 << 22))
-        if not chunk:
-            raise KvauditError(
-                f"the worker closed the connection mid-request ({len(parts)} of {size} bytes)",
-                path,
-            )
-        parts += chunk
+    _receive_into(parts, sock, size, deadline, path)
     return bytes(parts)

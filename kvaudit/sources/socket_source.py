@@ -215,7 +215,7 @@ class SocketSource(Source):
 
     def raw_kv(self) -> list[RawWorker | FetchingWorker]:
         worker_layout([worker.worker for worker in self.workers])
-        return sorted(self.workers, key=lambda w: (w.worker.pp_rank, w.worker.tp_rank))
+        return list(self._in_rank_order())
 
     def value_kv(self, request_ids: Sequence[str] | None) -> list[RawWorker]:
         """Each worker's dump of the requests (all it listed when None), cut to the tokens
@@ -223,11 +223,15 @@ class SocketSource(Source):
         the dump reader's checks: one consistent copy per worker, taken at its safe
         point."""
         workers = []
-        for remote in sorted(self.workers, key=lambda w: (w.worker.pp_rank, w.worker.tp_rank)):
+        for remote in self._in_rank_order():
             ids = [rid for rid in (request_ids or remote.requests) if rid in remote.requests]
             workers.append(remote.dump(ids))
         worker_layout([worker.worker for worker in workers])
         return workers
+
+    def _in_rank_order(self) -> list[RemoteWorker]:
+        """The workers by PP stage, then TP rank."""
+        return sorted(self.workers, key=lambda w: (w.worker.pp_rank, w.worker.tp_rank))
 
     def _stated_worker(self) -> WorkerInfo | None:
         return self.workers[0].worker if self.workers else None
