@@ -152,7 +152,7 @@ def report_text(report: DiffReport, title: str | None = None) -> str:
         The text, without colours.
 
     """
-    return render_text(functools.partial(print_diff, title=title), report)
+    return render_text(functools.partial(print_diff, title=title, located_rows="first"), report)
 
 
 def assert_kv_equal(

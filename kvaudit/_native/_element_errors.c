@@ -126,6 +126,8 @@ typedef struct {
     double *token_row;        /* [tokens], or [heads, tokens] where by_head: largest
                                  scaled error (NaN where none held) */
     int by_head;              /* token_row per head (else the largest over heads) */
+    double *head_ratio;       /* [heads] or NULL: largest |c - p| / (atol + rtol |p|) */
+    double *token_ratio;      /* as token_row, or NULL: the largest such ratio */
     Maps *maps;               /* rows read in place: their mappings */
     Py_ssize_t chunk;         /* tokens compared head by head at a time (the rest: all) */
     Py_ssize_t release;       /* release the mapped regions read once they reach these
@@ -202,10 +204,14 @@ static int check_lengths(const Py_buffer *buffers, const Py_ssize_t *want, int c
     return 1;
 }
 
-/* The outputs (figures, counts, worst errors and positions, token row) checked for their
- * sizes and set in the batch. */
+/* The outputs (figures, counts, worst errors and positions, token row, and where given
+ * the head and token tolerance ratios) checked for their sizes and set in the batch. */
 static int take_outputs(Batch *b, Py_buffer *out)
 {
+    if ((out[5].obj == NULL) != (out[6].obj == NULL)) {
+        PyErr_SetString(PyExc_TypeError, "head_ratio and token_ratio go together");
+        return 0;
+    }
     Py_ssize_t heads = b->heads;
     /* The token row may be one per head (heads of several requests compared at once). */
     b->by_head = heads > 1 && out[4].len == heads * b->tokens * 8;
@@ -218,6 +224,13 @@ static int take_outputs(Batch *b, Py_buffer *out)
     b->worst_error = out[2].buf;
     b->worst_position = out[3].buf;
     b->token_row = out[4].buf;
+    if (out[5].obj != NULL) {
+        Py_ssize_t ratios[2] = {heads * 8, want[4]};
+        if (!check_lengths(out + 5, ratios, 2, 8))
+            return 0;
+        b->head_ratio = out[5].buf;
+        b->token_ratio = out[6].buf;
+    }
     return 1;
 }
 
@@ -266,7 +279,7 @@ static int take_kind(Side *side, PyObject *name)
 
 PyDoc_STRVAR(compare_doc,
     "compare(p, c, held, shape, p_side, c_side, tolerance, lo, figures, counts,\n"
-    "        worst_error, worst_position, token_row)\n--\n\n"
+    "        worst_error, worst_position, token_row[, head_ratio, token_ratio])\n--\n\n"
     "Add one layer's batch from request position lo to its figures: p and c the bits of\n"
     "[heads, tokens, elements] elements, held the uint8 [heads, tokens] rows both sides\n"
     "hold, shape (heads, tokens, elements), each side (kind: a name in KINDS, head_size,\n"
@@ -274,21 +287,24 @@ PyDoc_STRVAR(compare_doc,
     "[4, heads] (max abs, max rel, max |p|, sum of squares), the int64 counts [3, heads]\n"
     "(tokens, over tolerance, one-sided NaN or Inf), the worst 5 errors [heads, 5] (float64)\n"
     "and positions (int64); fills the float64 token_row [tokens] (or [heads, tokens]: one\n"
-    "row per head).");
+    "row per head). Where given, updates the float64 head_ratio [heads] (the largest\n"
+    "|c - p| / (atol + rtol |p|); with atol 0, max rel / rtol) and fills token_ratio as\n"
+    "token_row (the largest such ratio of the token's heads).");
 
 static PyObject *compare(PyObject *self, PyObject *args)
 {
     (void)self;
-    Py_buffer in[3], out[5];
+    Py_buffer in[3], out[7];
     PyObject *kinds[2];
     Batch b;
     memset(&b, 0, sizeof b);
+    memset(out, 0, sizeof out);
     Side *p = &b.sides[0], *c = &b.sides[1];
-    if (!PyArg_ParseTuple(args, "y*y*y*(nnn)(Undd)(Undd)(dd)nw*w*w*w*w*", &in[0], &in[1],
+    if (!PyArg_ParseTuple(args, "y*y*y*(nnn)(Undd)(Undd)(dd)nw*w*w*w*w*|w*w*", &in[0], &in[1],
                           &in[2], &b.heads, &b.tokens, &b.elements, &kinds[0], &p->head_size,
                           &p->scales[0], &p->scales[1], &kinds[1], &c->head_size,
                           &c->scales[0], &c->scales[1], &b.atol, &b.rtol, &b.lo, &out[0],
-                          &out[1], &out[2], &out[3], &out[4]))
+                          &out[1], &out[2], &out[3], &out[4], &out[5], &out[6]))
         return NULL;
     PyObject *result = NULL;
     if (!take_kind(p, kinds[0]) || !take_kind(c, kinds[1]) || !check_shape(&b))
@@ -305,7 +321,7 @@ static PyObject *compare(PyObject *self, PyObject *args)
 done:
     for (int i = 0; i < 3; i++)
         PyBuffer_Release(&in[i]);
-    for (int i = 0; i < 5; i++)
+    for (int i = 0; i < 7; i++)
         PyBuffer_Release(&out[i]);
     return result;
 }

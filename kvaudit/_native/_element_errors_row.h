@@ -32,10 +32,12 @@ TARGET INLINE REAL NAME(from_bits)(UINT u)
 }
 
 /* Row errors: the largest |c - p| and |p| (NaN where a p is NaN), the largest
- * |c - p| / |p| (0 / 0 skipped, at least 0), the elements over tolerance and with a NaN or
- * Inf on one side only, the sum of the squared errors, whether a value was one-sided. */
+ * |c - p| / |p| (0 / 0 skipped, at least 0), with atol not 0 the largest
+ * |c - p| / (atol + rtol |p|) (NaN skipped, at least 0; with atol 0 it is rel / rtol,
+ * taken in add_errors), the elements over tolerance and with a NaN or Inf on one side
+ * only, the sum of the squared errors, whether a value was one-sided. */
 typedef struct {
-    REAL abs, scale, rel;
+    REAL abs, scale, rel, ratio;
     int64_t over, nonfinite;
     double squares;
     int one_sided;
@@ -54,7 +56,7 @@ typedef struct {
  * signed integers: with the sign bit clear, they order as the floats do, NaN above Inf. */
 typedef struct {
     VBITS abs, scale, over; /* over: minus the count (a true comparison is -1) */
-    VREAL rel;
+    VREAL rel, ratio; /* ratio: |c - p| / (atol + rtol |p|), where atol is not 0 */
     VSQUARES squares[PARTS]; /* lanes in order */
 } NAME(Lanes);
 
@@ -65,10 +67,14 @@ TARGET INLINE void NAME(lane_step)(NAME(Lanes) *l, VREAL p, VREAL c,
     VBITS a_bits = (VBITS)(c - p) & MAGNITUDE, scale_bits = (VBITS)p & MAGNITUDE;
     VREAL a = (VREAL)a_bits, scale = (VREAL)scale_bits, rel = a / scale;
     VBITS over;
-    if (by_ratio)
+    if (by_ratio) {
         over = rel > tol->rtol;
-    else
-        over = a > scale * tol->rtol + tol->atol;
+    } else {
+        VREAL bound = scale * tol->rtol + tol->atol;
+        over = a > bound;
+        /* bound > 0 (atol > 0): a NaN only where p is (a row taken exactly then). */
+        l->ratio = MAX_REAL(a / bound, l->ratio);
+    }
     l->over += over & counted;
     l->abs = MAX_BITS(a_bits, l->abs);
     l->scale = MAX_BITS(scale_bits, l->scale);
@@ -111,7 +117,7 @@ TARGET INLINE void NAME(lanes_clear)(NAME(Lanes) *l)
     VREAL zero = {0};
     VSQUARES zeros = {0};
     l->abs = l->scale = l->over = none;
-    l->rel = zero;
+    l->rel = l->ratio = zero;
     for (int at = 0; at < PARTS; at++)
         l->squares[at] = zeros;
 }
@@ -151,6 +157,7 @@ TARGET INLINE int NAME(row_of_lanes)(const NAME(Lanes) *l, NAME(Row) *row)
         return 0;
     row->scale = NAME(from_bits)((UINT)MAX_OF_BITS(l->scale));
     row->rel = MAX_OF_REAL(l->rel);
+    row->ratio = MAX_OF_REAL(l->ratio);
     row->over = -(int64_t)SUM_OF_BITS(l->over);
     /* The squares in lane order (0 + x is x: they are not negative). */
     row->squares = l->squares[0][0];
@@ -199,7 +206,14 @@ TARGET static void NAME(row_exact)(const REAL *p, const REAL *c, Py_ssize_t n,
             }
         }
         REAL rel = a / magnitude;
-        int over = tol->by_ratio ? rel > tol->rtol : a > magnitude * tol->rtol + tol->atol;
+        int over;
+        if (tol->by_ratio) {
+            over = rel > tol->rtol;
+        } else {
+            REAL bound = magnitude * tol->rtol + tol->atol, ratio = a / bound;
+            over = a > bound;
+            row->ratio = ratio > row->ratio ? ratio : row->ratio; /* NaN never enters */
+        }
         /* A NaN has no magnitude: the largest |p| is over the other values. */
         UINT magnitude_bits = isnan(magnitude) ? 0 : NAME(bits_of)(magnitude);
         row->abs = a > row->abs ? a : row->abs;
@@ -215,26 +229,32 @@ TARGET static void NAME(row_exact)(const REAL *p, const REAL *c, Py_ssize_t n,
     }
     row->scale = NAME(from_bits)(scale);
     if (row->one_sided)
-        row->rel = (REAL)INFINITY;
+        row->rel = row->ratio = (REAL)INFINITY;
 }
 
 /* Per-head figures of one batch, filled row by row. */
 typedef struct {
-    REAL abs, rel;
+    REAL abs, rel, ratio;
     UINT scale;
     int64_t tokens, over, nonfinite;
     double squares;
 } NAME(Head);
 
 /* Add one row's errors to its head, its token's scaled error max |c - p| / max |p| in
- * REAL (0 / 0 is 0; infinite where one-sided; the layers x tokens picture) and its
- * head's worst positions. */
+ * REAL (0 / 0 is 0; infinite where one-sided; the layers x tokens picture), its token's
+ * tolerance ratio where asked (token_ratio) and its head's worst positions. The row's
+ * tolerance ratio is its largest |c - p| / (atol + rtol |p|), or with atol 0 its largest
+ * relative error over rtol (in REAL; 0 / 0 is 0): above 1 exactly where an element is over
+ * the tolerance, but for rounding at the border. */
 TARGET INLINE void NAME(add_errors)(const Batch *b, NAME(Head) *head, Py_ssize_t h, Py_ssize_t t,
                              const NAME(Row) *row)
 {
     UINT scale_bits = NAME(bits_of)(row->scale);
     head->abs = row->abs > head->abs ? row->abs : head->abs;
     head->rel = row->rel > head->rel ? row->rel : head->rel;
+    REAL over = b->atol == 0 ? row->rel / (REAL)b->rtol : row->ratio;
+    over = isnan(over) ? 0 : over;
+    head->ratio = over > head->ratio ? over : head->ratio;
     head->scale = scale_bits > head->scale ? scale_bits : head->scale;
     head->tokens++;
     head->over += row->over;
@@ -245,6 +265,11 @@ TARGET INLINE void NAME(add_errors)(const Batch *b, NAME(Head) *head, Py_ssize_t
     double *slot = b->token_row + (b->by_head ? h * b->tokens + t : t);
     if (scaled > *slot)
         *slot = scaled;
+    if (b->token_ratio != NULL) {
+        double *ratio_slot = b->token_ratio + (b->by_head ? h * b->tokens + t : t);
+        if ((double)over > *ratio_slot)
+            *ratio_slot = (double)over;
+    }
     keep_worst(b->worst_error + h * WORST, b->worst_position + h * WORST, (double)row->abs,
                b->lo + t);
 }
@@ -345,6 +370,9 @@ TARGET static void NAME(compare_batch)(const Batch *b, NAME(Head) *heads_at, REA
     Py_ssize_t cells = (b->by_head ? heads : 1) * tokens;
     for (Py_ssize_t t = 0; t < cells; t++)
         b->token_row[t] = -1.0; /* below any scaled error: no head held yet */
+    if (b->token_ratio != NULL)
+        for (Py_ssize_t t = 0; t < cells; t++)
+            b->token_ratio[t] = -1.0;
     Span spans[MAX_SPANS];
     int count = FUSED ? row_spans(b, spans) : 0;
     int kind = b->sides[0].kind, scaled = count > 0 && spans_scaled(spans, count);
@@ -364,10 +392,16 @@ TARGET static void NAME(compare_batch)(const Batch *b, NAME(Head) *heads_at, REA
         b->counts[h] += head->tokens;
         b->counts[heads + h] += head->over;
         b->counts[2 * heads + h] += head->nonfinite;
+        if (b->head_ratio != NULL && (double)head->ratio > b->head_ratio[h])
+            b->head_ratio[h] = (double)head->ratio;
     }
     for (Py_ssize_t t = 0; t < cells; t++)
         if (b->token_row[t] < 0)
             b->token_row[t] = NAN;
+    if (b->token_ratio != NULL)
+        for (Py_ssize_t t = 0; t < cells; t++)
+            if (b->token_ratio[t] < 0)
+                b->token_ratio[t] = NAN;
 }
 
 _Static_assert(sizeof(NAME(Head)) <= HEAD_BYTES, "HEAD_BYTES holds a head's figures");

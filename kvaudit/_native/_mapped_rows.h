@@ -178,7 +178,8 @@ static void mark_rows_read(const Batch *b, Py_ssize_t h0, Py_ssize_t h1, Py_ssiz
 
 PyDoc_STRVAR(compare_mapped_doc,
     "compare_mapped(maps, p_where, c_where, held, shape, p_side, c_side, tolerance, lo,\n"
-    "               chunk, release, figures, counts, worst_error, worst_position, token_row)\n"
+    "               chunk, release, figures, counts, worst_error, worst_position, token_row\n"
+    "               [, head_ratio, token_ratio])\n"
     "--\n\n"
     "compare() with both sides' rows read in place: maps a sequence of buffers (the dumps'\n"
     "mappings), each side (kind, head_size, K scale, V scale, parts) with parts ((start,\n"
@@ -194,17 +195,18 @@ static PyObject *compare_mapped(PyObject *self, PyObject *args)
 {
     (void)self;
     PyObject *map_list, *kinds[2], *parts[2];
-    Py_buffer in[3], out[5];
+    Py_buffer in[3], out[7];
     Batch b;
     Maps maps = {0, NULL, NULL, NULL, NULL, 0};
     memset(&b, 0, sizeof b);
+    memset(out, 0, sizeof out);
     Side *p = &b.sides[0], *c = &b.sides[1];
-    if (!PyArg_ParseTuple(args, "Oy*y*y*(nnn)(UnddO)(UnddO)(dd)n(nnp)w*w*w*w*w*", &map_list,
+    if (!PyArg_ParseTuple(args, "Oy*y*y*(nnn)(UnddO)(UnddO)(dd)n(nnp)w*w*w*w*w*|w*w*", &map_list,
                           &in[0], &in[1], &in[2], &b.heads, &b.tokens, &b.elements, &kinds[0],
                           &p->head_size, &p->scales[0], &p->scales[1], &parts[0], &kinds[1],
                           &c->head_size, &c->scales[0], &c->scales[1], &parts[1], &b.atol,
                           &b.rtol, &b.lo, &b.chunk, &b.release, &b.heads_inner, &out[0], &out[1], &out[2],
-                          &out[3], &out[4]))
+                          &out[3], &out[4], &out[5], &out[6]))
         return NULL;
     PyObject *result = NULL;
     if (!take_kind(p, kinds[0]) || !take_kind(c, kinds[1]) || !check_shape(&b))
@@ -236,7 +238,7 @@ done:
     release_maps(&maps);
     for (int i = 0; i < 3; i++)
         PyBuffer_Release(&in[i]);
-    for (int i = 0; i < 5; i++)
+    for (int i = 0; i < 7; i++)
         PyBuffer_Release(&out[i]);
     return result;
 }

@@ -37,7 +37,11 @@ if TYPE_CHECKING:
 @click.option("--layer", metavar="NAME", default=None, help="Only this layer.")
 @click.option("--head", metavar="H", type=int, default=None, help="Only this global KV head.")
 @click.option(
-    "--token", metavar="T", type=int, default=None, help="This request position (flip, swap)."
+    "--token",
+    metavar="T",
+    type=int,
+    default=None,
+    help="This request position (flip, swap); stale: the block's tokens up to it only.",
 )
 @click.option(
     "--mode",

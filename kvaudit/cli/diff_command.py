@@ -91,6 +91,7 @@ def diff(
     json_path: str | None,
     junit_path: str | None,
     report_name: str | None,
+    all_located: bool,
     allow_missing: bool,
     allow_empty: bool,
     producer_config: str | None,
@@ -140,7 +141,7 @@ def diff(
         locate_across(report, left, right, wanted, locate)
     title = f"diff: producer {left.describe()}, consumer {right.describe()}"
     suite = ("kvaudit.diff", report_name or default_name(left.names, right.names))
-    emit_report(diff_forms(report, title, DIFF_SIDE_NAMES, suite), outputs)
+    emit_report(diff_forms(report, title, DIFF_SIDE_NAMES, suite, all_located), outputs)
     return ExitStatus.OK if report.ok else ExitStatus.MISMATCH
 
 

@@ -84,7 +84,15 @@ def request_option(help_text: str) -> Decorator:
 
 def report_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """``--format table|json|junit``, ``-o FILE``, ``--json FILE``, ``--junit FILE``,
-    ``--name NAME``, ``--allow-missing`` and ``--allow-empty`` of ``diff`` and ``verify``."""
+    ``--name NAME``, ``--all``, ``--allow-missing`` and ``--allow-empty`` of ``diff`` and
+    ``verify``."""
+    command = click.option(
+        "--all",
+        "all_located",
+        is_flag=True,
+        help="List every located difference in the table, also those the diagnosis "
+        "already names (default: those it names are left out, at most 40 rows a group).",
+    )(command)
     command = click.option(
         "--allow-empty",
         is_flag=True,

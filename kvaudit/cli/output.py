@@ -70,10 +70,15 @@ def report_name(*sides: Sequence[str]) -> str:
 
 
 def diff_forms(
-    report: DiffReport, title: str, sides: SideNames, suite: tuple[str, str]
+    report: DiffReport,
+    title: str,
+    sides: SideNames,
+    suite: tuple[str, str],
+    all_located: bool = False,
 ) -> ReportForms:
     """The forms of a ``diff`` or ``verify`` report (``suite``: its JUnit suite's name and
-    the name of what it compares, ``report_name``)."""
+    the name of what it compares, ``report_name``; ``all_located``: the table lists every
+    located difference)."""
 
     # Each form's writer is imported only for its output: JSON imports no XML or rich.
     def json() -> dict[str, Any]:
@@ -84,7 +89,8 @@ def diff_forms(
     def table(console: Console) -> None:
         from ..report import print_diff
 
-        print_diff(console, report=report, title=title, sides=sides)
+        rows = "all" if all_located else "unexplained"
+        print_diff(console, report=report, title=title, sides=sides, located_rows=rows)
 
     def junit() -> str:
         from ..formats import diff_junit

@@ -46,6 +46,7 @@ def verify(
     json_path: str | None,
     junit_path: str | None,
     report_name: str | None,
+    all_located: bool,
     allow_missing: bool,
     allow_empty: bool,
     config_path: str | None,
@@ -96,5 +97,5 @@ def verify(
         title = f"verify the stored checksums of {source.describe()}"
     outputs = ReportOutputs(output_format, output, json_path, junit_path)
     suite = ("kvaudit.verify", report_name or default_name(source.names))
-    emit_report(diff_forms(report, title, sides, suite), outputs)
+    emit_report(diff_forms(report, title, sides, suite, all_located), outputs)
     return ExitStatus.OK if report.ok else ExitStatus.MISMATCH

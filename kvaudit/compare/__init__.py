@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING
 
 from ..core.lazy import lazy_exports
 from .groups import AttentionWindow
-from .model import NO_RECEIVED, DiffReport, GroupComparison, LocatedDifference, StaleSource
+from .model import (
+    NO_RECEIVED,
+    DiffReport,
+    GroupComparison,
+    LocatedDifference,
+    StaleSource,
+    TokenRun,
+)
 from .records import compare_records, verify_against_record
 
 if TYPE_CHECKING:
@@ -63,6 +70,7 @@ __all__ = [
     "LocatedDifference",
     "StaleSource",
     "StoredCheck",
+    "TokenRun",
     "carried_wires",
     "compare_records",
     "diff_sources",

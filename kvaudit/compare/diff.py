@@ -98,6 +98,7 @@ def diff_sources(
     options.judge(report)
     report.warnings = warnings
     if raw is not None:
+        group_shapes(report, raw[0] or raw[1])
         locate_report(report, *raw, shared)
         remote = [side for side, workers in zip((producer, consumer), raw) if fetches(workers)]
         if remote:
@@ -112,6 +113,25 @@ def diff_sources(
     elif trace_by_checksums(report, left, right):
         report.untraced = partial_note(_unread(producer, consumer, locate))
     return report
+
+
+def group_shapes(report: DiffReport, workers: Sequence[RawWorker]) -> None:
+    """Fill each group's ``layers`` (its viewed layers by layer number and name, aliases
+    once) and ``heads`` (its global KV heads: past the last head any worker views) from
+    one side's workers; groups no worker views keep them empty."""
+    shapes: dict[int, tuple[dict[tuple[int, str], None], int]] = {}
+    for worker in workers:
+        for gid, views in worker.array_views.items():
+            names, heads = shapes.get(gid, ({}, 0))
+            for view in views.views:
+                names[view.number, view.name] = None
+                heads = max(heads, view.first_head + view.heads)
+            shapes[gid] = (names, heads)
+    for _, gid, group in report.groups():
+        if gid in shapes and shapes[gid][0]:
+            names, heads = shapes[gid]
+            group.layers = list(dict.fromkeys(name for _, name in sorted(names)))
+            group.heads = heads
 
 
 def _unread(producer: Source, consumer: Source, locate: bool | None) -> str:

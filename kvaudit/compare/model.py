@@ -28,6 +28,13 @@ class LocatedDifference:
     error is infinite) and says how large the damage is against the values around it.
     ``replica`` is 0 when consumer replica 0 was compared with the producer, else the
     consumer replica index compared with the consumer's replica 0.
+
+    What the diagnosis reads (``kvaudit.diagnosis``): ``differing_bytes`` and
+    ``differing_bits`` count the bytes and bits that differ over the differing tokens'
+    cells; ``consumer_zeros`` says whether the consumer's cells there are all zero;
+    ``nonfinite`` counts the consumer elements that are NaN or infinite where the
+    producer's are finite; ``holds`` is the other producer slice ``(layer, head)`` whose
+    cells at the block's tokens the consumer slice holds byte for byte (None: none does).
     """
 
     position: int
@@ -41,6 +48,11 @@ class LocatedDifference:
     replica: int = 0
     consumer_worker: tuple[int, int] | None = None
     file: str = ""
+    differing_bytes: int = 0
+    differing_bits: int = 0
+    consumer_zeros: bool = False
+    nonfinite: int = 0
+    holds: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,29 @@ class StaleSource:
     consumer_position: int | None = None
 
 
+@dataclass(frozen=True)
+class TokenRun:
+    """Consumer tokens ``first .. first + count - 1`` of a differing position that no
+    producer block holds whole, traced token by token.
+
+    ``sources`` are the producer places ``(request, first token)`` whose tokens hold the
+    same bytes in every slice that differs there; empty where none does (not traced: no
+    producer slice holds these bytes). ``traced`` is False where the run was not looked
+    for (past the report's limit of runs traced).
+    """
+
+    position: int
+    first: int
+    count: int
+    sources: tuple[tuple[str, int], ...] = ()
+    traced: bool = True
+
+    @property
+    def last(self) -> int:
+        """The request position of the run's last token."""
+        return self.first + self.count - 1
+
+
 @dataclass
 class GroupComparison:
     """The comparison of one request's group.
@@ -72,7 +107,10 @@ class GroupComparison:
     number of positions with valid tokens (producer, consumer). ``unverified`` is why the
     group could not be compared (None when it was). ``located`` and ``stale_sources``
     (consumer position to the producer blocks holding its content) are filled by the
-    locate step.
+    locate step, and ``token_runs`` (the runs of differing tokens of positions that no
+    producer block holds, traced token by token) by the trace. ``layers`` (the group's
+    layer names, in order) and ``heads`` (its global KV heads) are filled where a side's
+    description is known, for the pictures and the diagnosis (empty and 0 where not).
     """
 
     compared: int = 0
@@ -84,6 +122,9 @@ class GroupComparison:
     missing_positions: list[int] = field(default_factory=list)
     held: tuple[int, int] | None = None
     stale_sources: dict[int, list[StaleSource]] = field(default_factory=dict)
+    token_runs: list[TokenRun] = field(default_factory=list)
+    layers: list[str] = field(default_factory=list)
+    heads: int = 0
 
     @property
     def replicas_differing(self) -> list[ReplicaKey]:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import hashlib
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -48,7 +48,7 @@ from ..records import Record
 from ..records.model import replica_zero_totals
 from ..sources.raw import RawWorker
 from .groups import SideChecksums, coarsen
-from .model import DiffReport, StaleSource
+from .model import DiffReport, GroupComparison, LocatedDifference, StaleSource, TokenRun
 
 Slice = tuple[str, int]
 
@@ -330,9 +330,159 @@ def trace_report(
     traced = stale_sources(
         units, lambda chosen: unit_digests(consumer, chosen), match, blocks.order()
     )
+    budget = MAX_TOKEN_RUNS
     for request_id, gid, group in report.groups():
         if (request_id, gid) in traced:
             group.stale_sources = traced[request_id, gid]
+            budget = _trace_token_runs(group, request_id, gid, producer, consumer, blocks, budget)
+
+
+def _trace_token_runs(
+    group: GroupComparison,
+    request_id: str,
+    group_id: int,
+    producer: Sequence[RawWorker],
+    consumer: Sequence[RawWorker],
+    blocks: ProducerBlocks,
+    budget: int,
+) -> int:
+    """Fill the group's ``token_runs``, tracing at most ``budget`` runs (the rest marked
+    not traced); returns the budget left."""
+    order = blocks.order()
+    for run in untraced_runs(group):
+        if budget <= 0:
+            group.token_runs.append(replace(run, traced=False))
+            continue
+        budget -= 1
+        args = (group.located, producer, consumer, request_id, group_id, order)
+        found = trace_run(run, *args)
+        if not found.sources and 1 < run.count <= MAX_SINGLE_TOKENS:
+            # Tokens exchanged within the run: each may still be found on its own.
+            singles = [
+                trace_run(replace(run, first=t, count=1), *args)
+                for t in range(run.first, run.last + 1)
+            ]
+            if all(one.sources for one in singles):
+                group.token_runs.extend(singles)
+                continue
+        group.token_runs.append(found)
+    return budget
+
+
+MAX_TOKEN_RUNS = 8
+"""At most this many runs of differing tokens are traced token by token per report: each
+reads one layer of every producer request."""
+
+MAX_SINGLE_TOKENS = 8
+"""A run of at most this many tokens that no producer place holds whole is traced again
+token by token (tokens exchanged within a block)."""
+
+
+def untraced_runs(group: GroupComparison) -> list[TokenRun]:
+    """The runs of consecutive differing tokens (replica 0) of each position that the
+    trace left without a source, not yet traced."""
+    runs = []
+    for position, sources in sorted(group.stale_sources.items()):
+        if sources:
+            continue
+        tokens = sorted(
+            {
+                int(t)
+                for item in group.located
+                if item.position == position and item.replica == 0
+                for t in item.tokens
+            }
+        )
+        start = 0
+        for k in range(1, len(tokens) + 1):
+            if k == len(tokens) or tokens[k] != tokens[k - 1] + 1:
+                runs.append(TokenRun(position, tokens[start], k - start, (), True))
+                start = k
+    return runs
+
+
+def _run_cells(
+    reader: SliceReader, request_id: str, group_id: int, first: int, count: int, layers: set[str]
+) -> dict[Slice, np.ndarray]:
+    """The replica-0 cells ``[count, cell bytes]`` of ``layers`` at request positions
+    ``first .. first + count - 1``, per slice holding all of them."""
+    found = reader.gather(request_id, group_id, first, first + count, layers)
+    return {
+        (name, head): item.cells
+        for (name, head, replica), item in found.items()
+        if replica == 0 and len(item.tokens) == count
+    }
+
+
+def trace_run(
+    run: TokenRun,
+    located: Sequence[LocatedDifference],
+    producer: Sequence[RawWorker],
+    consumer: Sequence[RawWorker],
+    request_id: str,
+    group_id: int,
+    order: Sequence[str],
+) -> TokenRun:
+    """The run with its sources: each producer place (any request, any first token).
+
+    A source's tokens hold the consumer's cells of the run in every slice that differs
+    there. One layer of each producer request is read whole to find candidates; only
+    candidates are read in every layer.
+
+    Args:
+        run: The run of differing tokens traced.
+        located: The located entries of the run's group.
+        producer: The producer's raw KV, where the tokens may come from.
+        consumer: The consumer's raw KV, which holds the run.
+        request_id: The consumer's request.
+        group_id: The group.
+        order: The producer's requests, in the order sources are listed.
+
+    Returns:
+        The run, its ``sources`` filled (empty where none holds it).
+
+    """
+    slices = sorted(
+        {
+            (item.layer, item.head)
+            for item in located
+            if item.position == run.position
+            and item.replica == 0
+            and any(run.first <= t <= run.last for t in item.tokens)
+        }
+    )
+    layers = {name for name, _ in slices}
+    target = _run_cells(
+        SliceReader.open(consumer, request_id, group_id),
+        request_id,
+        group_id,
+        run.first,
+        run.count,
+        layers,
+    )
+    if not slices or any(s not in target for s in slices):
+        return run
+    anchor = slices[0]
+    row = target[anchor][0]
+    counts = {rid: int(r.num_tokens) for w in producer for rid, r in w.requests.items()}
+    sources = []
+    for rid in order:
+        tokens = counts.get(rid, 0)
+        if tokens < run.count:
+            continue
+        reader = SliceReader.open(producer, rid, group_id)
+        held = reader.gather(rid, group_id, 0, tokens, {anchor[0]}).get((*anchor, 0))
+        if held is None:
+            continue
+        equal = np.flatnonzero((held.cells == row).all(axis=1))
+        for index in equal.tolist():
+            first = int(held.tokens[index])
+            if (rid, first) == (request_id, run.first) or first + run.count > tokens:
+                continue
+            cells = _run_cells(reader, rid, group_id, first, run.count, layers)
+            if all(s in cells and np.array_equal(cells[s], target[s]) for s in slices):
+                sources.append((rid, first))
+    return replace(run, sources=tuple(sources))
 
 
 __all__ = [
@@ -341,9 +491,11 @@ __all__ = [
     "finest_sizes",
     "stale_sources",
     "trace_report",
+    "trace_run",
     "trace_units",
     "unit_digests",
     "unit_layers",
+    "untraced_runs",
 ]
 
 

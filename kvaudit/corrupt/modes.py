@@ -24,7 +24,6 @@ from .result import CorruptMode, FlippedBit, StaleOrigin, SwappedHeads, SwappedT
 WHOLE_BLOCK_MODES: dict[CorruptMode, str] = {
     "zero": "clears whole blocks",
     "swap-heads": "swaps whole heads",
-    "stale": "replaces whole blocks",
     "shift": "moves every valid token",
 }
 
@@ -273,8 +272,11 @@ def _stale(
     block: Block, layer: str | None, head: int | None, token: int | None, rng: np.random.Generator
 ) -> Fault:
     """The selected heads' cells replaced by another row's that differ in a valid slot:
-    another request's block first, else any other row of the dump."""
+    another request's block first, else any other row of the dump. With ``token``, only
+    the block's slots up to it (a slot reused while the new request's write was still
+    landing: its first tokens hold the other request's KV)."""
     selected = list(_selected(block, layer, head))
+    upto = block.valid if token is None else _token_index(block, token, rng) + 1
     dump = block.dump
     others: list[StaleOrigin] = []
     seen = {block.row}
@@ -295,7 +297,7 @@ def _stale(
         for row in range(dump.num_rows)
         if row not in seen
     ]
-    valid = slice(0, block.valid)
+    valid = slice(0, min(upto, block.valid))
     for origin in _rotated(others, rng) + _rotated(rest, rng):
         row = origin.row
         changes = []
@@ -303,7 +305,10 @@ def _stale(
         for index, heads in selected:
             cells = block.cells(index).copy()
             replacement = read_block(block.views[index], row)
-            cells[heads] = replacement[heads]
+            if token is None:
+                cells[heads] = replacement[heads]
+            else:
+                cells[np.ix_(heads, range(upto))] = replacement[np.ix_(heads, range(upto))]
             differs = differs or not np.array_equal(
                 cells[heads, valid], block.cells(index)[heads, valid]
             )

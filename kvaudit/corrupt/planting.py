@@ -47,7 +47,8 @@ def corrupt_dump(
     (default every layer of the group); ``swap-tokens`` ``token`` and the next valid token
     of one layer and head; ``swap-heads`` two local heads of one layer; ``stale`` the
     block's content replaced by another block of the dump (another request's, where there
-    is one); ``shift`` each valid token gets the previous token's KV (the first keeps its
+    is one; with ``token``, only its slots up to that position: a slot reused mid-write);
+    ``shift`` each valid token gets the previous token's KV (the first keeps its
     own). ``layer`` and ``head`` (global) restrict every mode; what is left open is chosen
     from ``seed``. The result lists the changed layers, global heads and request positions
     (``changes``; ``tokens_past_end`` are changed slots at or past ``num_tokens``), the
@@ -62,8 +63,9 @@ def corrupt_dump(
         position: The block's position in the request, in the dump's block size.
         layer: The only layer changed; None to leave it open.
         head: The only global head changed; None to leave it open.
-        token: For ``flip`` and ``swap-tokens``, the request position changed; None to
-            leave it open.
+        token: For ``flip`` and ``swap-tokens``, the request position changed; for
+            ``stale``, the last position replaced; None to leave it open (``stale``: the
+            whole block).
         mode: One of ``MODES``.
         seed: Chooses what is left open.
         config: A description that stands in for (or overrides) the dump's.

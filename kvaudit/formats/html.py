@@ -12,14 +12,26 @@ import numpy as np
 
 from ..compare import DiffReport
 from ..core.errors import printable
+from ..diagnosis import diagnose, diagnose_numeric
 from ..numeric.model import NumericReport, SliceErrors
 from .heatmaps import (
+    MISMATCHES,
+    RATIO,
     Heatmap,
     layer_head_errors,
     layer_token_errors,
     located_heatmaps,
+    run_text,
+    runs,
 )
-from .png import INFINITE, NOT_COMPARED, colours, encode_png, rel_error_position
+from .png import (
+    INFINITE,
+    NOT_COMPARED,
+    colours,
+    encode_png,
+    ratio_colours,
+    rel_error_position,
+)
 
 
 def _text(value: str) -> str:
@@ -38,11 +50,23 @@ _STYLE = """
 body { font-family: sans-serif; margin: 1.5em; color: #222; }
 .ok { color: #1a7f37; } .failed { color: #b3261e; }
 .group { display: flex; flex-wrap: wrap; gap: 2em; align-items: flex-start; margin-bottom: 2em; }
-.map { display: flex; align-items: flex-start; }
+.map { display: grid; align-items: start; justify-content: start; }
 .labels div { height: 14px; line-height: 14px; font-size: 11px; padding-right: 4px;
   text-align: right; white-space: nowrap; }
-.map img { image-rendering: pixelated; image-rendering: crisp-edges; border: 1px solid #888; }
-figcaption { font-size: 12px; color: #555; }
+.labels div.marked, .marks .label { color: #b3261e; font-weight: bold; }
+.map img { image-rendering: pixelated; image-rendering: crisp-edges; outline: 1px solid #888;
+  display: block; }
+.axis, .marks { position: relative; font-size: 11px; white-space: nowrap; }
+.axis { height: 18px; border-top: 1px solid #888; margin-top: 1px; }
+.axis .tick { position: absolute; top: 0; height: 4px; border-left: 1px solid #666; }
+.axis .tick span { position: absolute; top: 4px; transform: translateX(-50%); color: #444;
+  line-height: 12px; }
+.marks { height: 22px; }
+.marks .bar { position: absolute; top: 0; height: 5px; background: #b3261e; min-width: 2px; }
+.marks .label { position: absolute; top: 7px; line-height: 12px; }
+.axis-name { font-size: 11px; color: #555; text-align: center; }
+p.where { font-size: 12px; margin: 2px 0 0 0; }
+figcaption { font-size: 12px; color: #555; margin-bottom: 4px; }
 table { border-collapse: collapse; font-size: 12px; }
 td, th { border: 1px solid #ccc; padding: 2px 6px; text-align: right; }
 td.name { text-align: left; }
@@ -60,46 +84,145 @@ def fmt(value: float) -> str:
     return f"{value:.6g}"
 
 
-def _image(heatmap: Heatmap) -> str:
-    """The heatmap as an inline PNG (one pixel a cell) with its row labels."""
+TOKEN_TICK_PX = 40
+"""At least this many pixels between two tick labels of a token axis."""
+MARK_LABELS = 8
+"""At most this many marked runs labelled on an axis (every one is drawn)."""
+
+
+def _tick_gap(extent: int, by_token: bool) -> float:
+    """The pixels two tick labels need between them: the widest label's and a margin,
+    at least ``TOKEN_TICK_PX`` on a token axis."""
+    needed = 6.5 * len(str(max(extent - 1, 0))) + 12
+    return max(needed, TOKEN_TICK_PX) if by_token else needed
+
+
+def _ticks(extent: int, unit_px: float, by_token: bool) -> list[int]:
+    """Evenly spaced ticks over heads or token positions ``0 .. extent - 1``: every
+    ``step``, the smallest power of 2 (1, 2, 4, ... 16, 32, ...: block sizes are powers
+    of 2) that leaves the labels room, and the last position where it does not crowd
+    the tick before."""
+    if extent <= 0:
+        return []
+    gap = _tick_gap(extent, by_token)
+    step = 1
+    while step * unit_px < gap and step < extent:
+        step *= 2
+    ticks = list(range(0, extent, step))
+    if ticks[-1] != extent - 1 and (extent - 1 - ticks[-1]) * unit_px >= gap:
+        ticks.append(extent - 1)
+    return ticks
+
+
+def _colour_cells(heatmap: Heatmap) -> np.ndarray:
+    """The RGB cells of a heatmap: its tolerance ratios, relative errors or counts."""
     values = heatmap.values
-    if heatmap.kind == "relative error":
-        positions = rel_error_position(values)
-    else:
+    if heatmap.kind == RATIO:
+        return ratio_colours(values)
+    if heatmap.kind == MISMATCHES:
         top = float(values.max()) if values.size else 0.0
-        positions = values / top if top > 0 else np.zeros_like(values)
-    data = base64.b64encode(encode_png(colours(positions))).decode("ascii")
+        return colours(values / top if top > 0 else np.zeros_like(values))
+    return colours(rel_error_position(values))
+
+
+def _image(heatmap: Heatmap) -> str:
+    """The heatmap as an inline PNG (one pixel a cell), its row labels (layers) to the
+    left, its axis below (heads or token positions, ticks evenly spaced) and under it
+    the differing or failing heads or tokens marked in red, named below the picture."""
+    values = heatmap.values
+    data = base64.b64encode(encode_png(_colour_cells(heatmap))).decode("ascii")
     rows, cols = values.shape
     cell = max(2, min(24, MAX_WIDTH_PX // max(cols, 1)))
-    labels = "".join(f"<div>{_text(name)}</div>" for name in heatmap.rows)
-    axis = "heads" if heatmap.title.endswith("heads") else "token positions"
-    if heatmap.token_bin > 1:
-        axis += f", {heatmap.token_bin} a column"
-    span = f"{heatmap.columns[0]} .. {heatmap.columns[-1]}" if heatmap.columns else "none"
-    return (
-        f"<figure><figcaption>{_text(heatmap.title)}: {_text(heatmap.kind)} "
-        f"({axis}: {_text(span)})</figcaption>"
-        f'<div class="map"><div class="labels">{labels}</div>'
-        f'<img alt="{_text(heatmap.title)}" class="heatmap" '
-        f'data-rows="{rows}" data-columns="{cols}" width="{cols * cell}" '
-        f'height="{rows * ROW_PX}" src="data:image/png;base64,{data}"></div></figure>'
+    width, extent, width_of = cols * cell, heatmap.extent, heatmap.token_bin
+    unit_px = cell / width_of
+
+    def left(unit: int) -> int:
+        return (unit // width_of) * cell
+
+    marked = set(heatmap.marked_rows)
+    labels = "".join(
+        f'<div class="marked" data-marked="1">{_text(name)}</div>'
+        if index in marked
+        else f"<div>{_text(name)}</div>"
+        for index, name in enumerate(heatmap.rows)
     )
+    ticks = "".join(
+        f'<span class="tick" data-at="{at}" style="left: {left(at) + cell / 2:g}px">'
+        f"<span>{at}</span></span>"
+        for at in _ticks(extent, unit_px, heatmap.by_token)
+    )
+    bars = "".join(
+        f'<span class="bar" data-first="{a}" data-last="{b}" style="left: {left(a)}px; '
+        f'width: {left(b) + cell - left(a)}px"></span>'
+        for a, b in heatmap.marks
+    )
+    bars += "".join(
+        f'<span class="label" style="left: {left(a)}px">{run_text([(a, b)])}</span>'
+        for a, b in heatmap.marks[:MARK_LABELS]
+    )
+    axis = "token position" if heatmap.by_token else "head"
+    what = "tokens" if heatmap.by_token else "heads"
+    detail = f"{axis}s 0 .. {extent - 1}" if extent else "none"
+    if width_of > 1:
+        detail += f", {width_of} a column"
+    verb = "differing" if heatmap.kind == MISMATCHES else "over the tolerance"
+    where = ""
+    if heatmap.marks:
+        named = heatmap.marks[:20]
+        more = len(heatmap.marks) - len(named)
+        layers = ", ".join(_text(heatmap.rows[r]) for r in heatmap.marked_rows)
+        where = (
+            f'<p class="where failed">{verb.capitalize()}: {what} '
+            f'<span class="runs">{run_text(named)}</span>'
+            f"{f' and {more} more runs' if more else ''}; layers {layers}</p>"
+        )
+    return (
+        f'<figure data-title="{_text(heatmap.title)}"><figcaption>{_text(heatmap.title)}: '
+        f"{_text(heatmap.kind)} ({detail})</figcaption>"
+        f'<div class="map" style="grid-template-columns: auto {width}px">'
+        f'<div class="labels">{labels}</div>'
+        f'<img alt="{_text(heatmap.title)}" class="heatmap" data-kind="{_text(heatmap.kind)}" '
+        f'data-rows="{rows}" data-columns="{cols}" data-span="{extent}" '
+        f'data-token-bin="{width_of}" width="{width}" height="{rows * ROW_PX}" '
+        f'src="data:image/png;base64,{data}">'
+        f'<div></div><div class="axis">{ticks}</div>'
+        f'<div></div><div class="marks">{bars}</div>'
+        f'<div></div><div class="axis-name">{axis}</div></div>{where}</figure>'
+    )
+
+
+def _swatch(rgb: tuple[int, int, int] | np.ndarray) -> str:
+    r, g, b = (int(c) for c in rgb)
+    return f'<span style="background: rgb({r},{g},{b})"></span>'
 
 
 def _legend(kind: str) -> str:
-    def swatch(rgb: tuple[int, int, int] | np.ndarray) -> str:
-        r, g, b = (int(c) for c in rgb)
-        return f'<span style="background: rgb({r},{g},{b})"></span>'
-
-    if kind == "mismatches":
+    if kind == MISMATCHES:
         steps = [(0.0, "none"), (0.5, "half the most"), (1.0, "the most differing")]
-        items = "".join(swatch(colours(np.array([[t]]))[0, 0]) + label for t, label in steps)
-        return f'<p class="legend">Colour: mismatch count. {items}</p>'
+        items = "".join(_swatch(colours(np.array([[t]]))[0, 0]) + label for t, label in steps)
+        return (
+            f'<p class="legend">Colour: mismatch count. {items}. Red bars under an axis '
+            "mark the differing heads and tokens.</p>"
+        )
+    if kind == RATIO:
+        within = [(0.0, "0"), (1e-3, "0.001"), (1e-2, "0.01"), (0.1, "0.1"), (1.0, "1")]
+        over = [(1.01, "just over 1"), (10.0, "10"), (100.0, "100 or more")]
+        show = [
+            "".join(_swatch(ratio_colours(np.array([[v]]))[0, 0]) + label for v, label in steps)
+            for steps in (within, over)
+        ]
+        return (
+            '<p class="legend" data-kind="tolerance ratio">Colour: error / (atol + rtol '
+            "|producer|) of a cell, the largest over its elements (with atol 0: the relative "
+            f"error / rtol). Within the tolerance (up to 1): {show[0]}; over it: {show[1]}"
+            f"{_swatch(INFINITE)}infinite{_swatch(NOT_COMPARED)}not compared. Red bars under "
+            "an axis mark the heads and tokens over the tolerance.</p>"
+        )
     steps = [(0.0, "0"), (1e-6, "1e-6"), (1e-4, "1e-4"), (1e-2, "1e-2"), (1.0, "1 or more")]
     items = "".join(
-        swatch(colours(rel_error_position(np.array([[v]])))[0, 0]) + label for v, label in steps
+        _swatch(colours(rel_error_position(np.array([[v]])))[0, 0]) + label for v, label in steps
     )
-    items += swatch(INFINITE) + "infinite" + swatch(NOT_COMPARED) + "not compared"
+    items += _swatch(INFINITE) + "infinite" + _swatch(NOT_COMPARED) + "not compared"
     return (
         '<p class="legend">Colour: relative error of a cell, its largest |consumer - producer|'
         f" over its largest |producer|. {items}</p>"
@@ -118,6 +241,7 @@ def _slice_row(request_id: str, group_id: int, item: SliceErrors) -> str:
     return (
         f'<tr class="{"failed" if item.failed else "ok"}"><td class="name">'
         f"{_text(item.layer)}</td><td>{item.head}</td>"
+        + cell("max_tolerance_ratio", fmt(item.max_tolerance_ratio))
         + cell("max_abs_error", fmt(item.max_abs_error))
         + cell("max_rel_error", fmt(item.max_rel_error))
         + cell("scaled_error", fmt(item.scaled_error))
@@ -190,7 +314,8 @@ def numeric_html(report: NumericReport, title: str) -> str:
         f"the tolerance |consumer - producer| &gt; atol + rtol |producer| with atol "
         f'<span id="atol">{fmt(report.atol)}</span>, rtol <span id="rtol">'
         f"{fmt(report.rtol)}</span>.</p>",
-        _legend("relative error"),
+        _diagnosis(report),
+        _legend(RATIO),
     ]
     for label, ids in (
         ("only on the producer", report.only_producer),
@@ -210,15 +335,24 @@ def numeric_html(report: NumericReport, title: str) -> str:
         for gid, group in sorted(request.groups.items()):
             worst = sorted(
                 group.slices,
-                key=lambda s: (not s.failed, -s.scaled_error, -s.max_abs_error, s.number, s.head),
+                key=lambda s: (
+                    not s.failed,
+                    -s.max_tolerance_ratio,
+                    -s.scaled_error,
+                    s.number,
+                    s.head,
+                ),
             )[:TABLE_ROWS]
             rows = "".join(_slice_row(request.request_id, gid, item) for item in worst)
             table = (
-                "<table><tr><th>layer</th><th>head</th><th>max abs</th><th>max rel</th>"
+                "<table><tr><th>layer</th><th>head</th><th>error / tol.</th><th>max abs</th>"
+                "<th>max rel</th>"
                 "<th>max abs / max |p|</th><th>RMS</th><th>over tol.</th><th>NaN/Inf one side</th>"
                 f"<th>worst tokens (abs error)</th></tr>{rows}</table>"
             )
-            maps = _image(layer_head_errors(group)) + _image(layer_token_errors(group))
+            maps = _image(layer_head_errors(group)) + _image(
+                layer_token_errors(group, request.num_tokens)
+            )
             state = "failed" if group.failed else "ok"
             sections.append(
                 f'<section data-request="{_text(request.request_id)}" data-group="{gid}">'
@@ -257,6 +391,19 @@ def _diff_groups(report: DiffReport) -> str:
     return "".join(lines)
 
 
+def _diagnosis(report: DiffReport | NumericReport) -> str:
+    """The findings of every failing group, a list item each, kind first."""
+    found = diagnose_numeric(report) if isinstance(report, NumericReport) else diagnose(report)
+    items = "".join(
+        f'<li class="finding" data-request="{_text(rid)}" data-group="{gid}" '
+        f'data-kind="{finding.kind}"><b>{_text(rid)} group {gid}: {_text(finding.title)}</b>: '
+        f"{_text(finding.text)}</li>"
+        for (rid, gid), findings in found.items()
+        for finding in findings
+    )
+    return f'<ul id="diagnosis" class="failed">{items}</ul>' if items else ""
+
+
 def diff_html(report: DiffReport, title: str) -> str:
     """The HTML page of a bitwise diff, its heatmaps inline.
 
@@ -274,6 +421,7 @@ def diff_html(report: DiffReport, title: str) -> str:
     verdict = "ok" if report.ok else "failed"
     summary = (
         f'<p id="verdict" class="{verdict}">Verdict: <b>{verdict.upper()}</b></p>'
+        + _diagnosis(report)
         + _warnings(report.warnings)
         + _diff_groups(report)
     )
@@ -285,7 +433,9 @@ def diff_html(report: DiffReport, title: str) -> str:
         by_head, by_token = pictures[request_id, gid]
         rows = "".join(
             f'<tr><td>{entry.position}</td><td class="name">{_text(entry.layer)}</td>'
-            f"<td>{entry.head}</td><td>{entry.replica}</td><td>{len(entry.tokens)}</td>"
+            f"<td>{entry.head}</td><td>{entry.replica}</td>"
+            f'<td class="tokens" data-count="{len(entry.tokens)}">'
+            f"{run_text(runs(entry.tokens))} ({len(entry.tokens)})</td>"
             f"<td>{entry.first_byte}</td><td>{fmt(entry.max_abs_error)}</td>"
             f"<td>{fmt(entry.scaled_error)}</td></tr>"
             for entry in group.located

@@ -15,8 +15,15 @@ from ..records import RECORD_FORMAT, GroupChecksums, Record, WorkerSummary
 
 # The results are only read here: writing a record imports no comparison.
 if TYPE_CHECKING:
-    from ..compare.model import DiffReport, GroupComparison, LocatedDifference, StaleSource
+    from ..compare.model import (
+        DiffReport,
+        GroupComparison,
+        LocatedDifference,
+        StaleSource,
+        TokenRun,
+    )
     from ..corrupt.result import PlantedFault
+    from ..diagnosis import Finding
     from ..sources import Inventory
 
 DIFF_FORMAT = "kvaudit.diff/1"
@@ -146,6 +153,10 @@ def located_items(item: LocatedDifference) -> list[tuple[str, object]]:
             value = {"tp_rank": int(value[0]), "pp_rank": int(value[1])}
         if entry.name == "file" and not value:
             continue
+        if entry.name == "holds":
+            if value is None:
+                continue
+            value = {"layer": value[0], "head": int(value[1])}
         items.append((entry.name, value))
     return items
 
@@ -198,6 +209,7 @@ def group_to_json(group: GroupComparison) -> dict[str, Any]:
             str(position): [_stale_to_json(source) for source in sources]
             for position, sources in sorted(group.stale_sources.items())
         },
+        "token_runs": [_token_run_to_json(run) for run in group.token_runs],
     }
 
 
@@ -211,6 +223,31 @@ def _request_to_json(report: DiffReport, request_id: str) -> dict[str, Any]:
     }
 
 
+def finding_to_json(request_id: str, group_id: int, finding: Finding) -> dict[str, Any]:
+    """A finding of the diagnosis: where, its kind, its line and what it covers."""
+    return {
+        "request": request_id,
+        "group": int(group_id),
+        "kind": finding.kind,
+        "text": finding.line,
+        "positions": [int(p) for p in finding.positions],
+        "tokens": [int(t) for t in finding.tokens],
+        "slices": [[layer, int(head)] for layer, head in finding.slices],
+        "located": int(finding.located),
+    }
+
+
+def _token_run_to_json(run: TokenRun) -> dict[str, Any]:
+    """A run of differing tokens traced token by token, with the producer places found."""
+    return {
+        "position": int(run.position),
+        "first": int(run.first),
+        "count": int(run.count),
+        "traced": run.traced,
+        "sources": [{"request": rid, "first": int(first)} for rid, first in run.sources],
+    }
+
+
 def diff_to_json(report: DiffReport) -> dict[str, Any]:
     """The report as ``diff --format json`` writes it (docs/cli.md).
 
@@ -221,9 +258,16 @@ def diff_to_json(report: DiffReport) -> dict[str, Any]:
         Its JSON object (``json_text`` writes it).
 
     """
+    from ..diagnosis import diagnose
+
     return {
         "format": DIFF_FORMAT,
         "ok": report.ok,
+        "diagnosis": [
+            finding_to_json(rid, gid, finding)
+            for (rid, gid), findings in diagnose(report).items()
+            for finding in findings
+        ],
         "positions": report.positions,
         "unverified": report.empty_reason,
         "warnings": list(report.warnings),

@@ -18,6 +18,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 
 from ..compare.model import DiffReport, GroupComparison, StaleSource
+from ..diagnosis import Finding, diagnose
 from .json import located_items
 
 # Characters XML 1.0 cannot hold at all, escaped or not.
@@ -36,11 +37,13 @@ def _list(items: Sequence[object], limit: int = 20) -> str:
     return shown if len(items) <= limit else f"{shown} and {len(items) - limit} more"
 
 
-def failure_message(group: GroupComparison, *, allow_missing: bool = False) -> str:
-    """One line: the positions whose blocks differ (and the producer blocks they hold,
-    where traced), the replicas that differ and the positions the consumer lacks (unless
-    ``allow_missing``)."""
-    parts = []
+def failure_message(
+    group: GroupComparison, *, allow_missing: bool = False, findings: Sequence[Finding] = ()
+) -> str:
+    """One line: the diagnosis's findings first, then the positions whose blocks differ
+    (and the producer blocks they hold, where traced), the replicas that differ and the
+    positions the consumer lacks (unless ``allow_missing``)."""
+    parts = [finding.line for finding in findings]
     if group.mismatched_positions:
         parts.append(
             f"blocks differ at positions {_list(group.mismatched_positions)} "
@@ -112,7 +115,9 @@ def diff_junit(report: DiffReport, suite_name: str = "kvaudit.diff", name: str =
     title = f"{suite_name} {name}" if name else suite_name
     suite = ET.SubElement(root, "testsuite", {"name": xml_text(title)})
     tests = failures = errors = skipped = 0
+    diagnosis = diagnose(report)
     for request_id, gid, group in report.groups():
+        found = diagnosis.get((request_id, gid), [])
         case = _case(suite, prefix, request_id, f"group {gid}")
         tests += 1
         if group.unverified is not None:
@@ -122,13 +127,15 @@ def diff_junit(report: DiffReport, suite_name: str = "kvaudit.diff", name: str =
                 case, "error", {"message": xml_text(group.unverified), "type": "unverified"}
             )
             if group.differs:
-                error.text = xml_text(failure_message(group, allow_missing=report.allow_missing))
+                message = failure_message(group, allow_missing=report.allow_missing, findings=found)
+                error.text = xml_text(message)
         elif not report.group_ok(group):
             failures += 1
-            message = failure_message(group, allow_missing=report.allow_missing)
+            message = failure_message(group, allow_missing=report.allow_missing, findings=found)
             kind = "mismatch" if group.differs else "missing"
             failure = ET.SubElement(case, "failure", {"message": xml_text(message), "type": kind})
-            failure.text = xml_text(_located_text(group)) or None
+            body = "\n".join([*(finding.line for finding in found), _located_text(group)])
+            failure.text = xml_text(body.strip("\n")) or None
     for request_id in report.only_in_producer:
         case = _case(suite, prefix, request_id, "request")
         tests += 1

@@ -6,7 +6,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..diagnosis import diagnose_numeric
 from ..numeric.model import GroupNumeric, NumericReport, SliceErrors
+from .json import finding_to_json
 
 NUMERIC_FORMAT = "kvaudit.numeric"
 NUMERIC_VERSION = 1
@@ -35,6 +37,7 @@ def slice_to_json(item: SliceErrors) -> dict[str, Any]:
         "rms_error": number(item.rms_error),
         "over_tolerance": item.over_tolerance,
         "nonfinite_mismatches": item.nonfinite_mismatches,
+        "tolerance_ratio": number(item.max_tolerance_ratio),
         "failed": item.failed,
         "worst_tokens": [
             {"position": position, "abs_error": number(error)} for position, error in item.worst
@@ -77,6 +80,11 @@ def numeric_to_json(
         "producer": producer,
         "consumer": consumer,
         "ok": report.ok,
+        "diagnosis": [
+            finding_to_json(rid, gid, finding)
+            for (rid, gid), findings in diagnose_numeric(report).items()
+            for finding in findings
+        ],
         "atol": report.atol,
         "rtol": report.rtol,
         "failed_slices": report.failed_slices,

@@ -42,6 +42,56 @@ def rel_error_position(values: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(values), t, values)
 
 
+RATIO_DECADES_WITHIN = 3
+"""The calm half of the tolerance-ratio scale spans ``10**-3`` (palest green) to 1."""
+RATIO_DECADES_OVER = 2
+"""The red half spans just over 1 (orange-red) to ``10**2`` and above (darkest red)."""
+WITHIN_TOLERANCE = np.array(
+    [
+        (0.0, 247, 251, 246),
+        (0.5, 199, 233, 192),
+        (1.0, 116, 196, 118),
+    ]
+)
+"""Greens: a ratio from 0 (no error, near white) up to 1 (the tolerance, a calm green)."""
+OVER_TOLERANCE = np.array(
+    [
+        (0.0, 251, 106, 74),
+        (0.5, 222, 45, 38),
+        (1.0, 128, 0, 38),
+    ]
+)
+"""Reds: a ratio just over 1 (already a clear red, no green or yellow near it) up to 100."""
+
+
+def _stops(t: np.ndarray, stops: np.ndarray) -> np.ndarray:
+    t = np.clip(t, 0.0, 1.0)
+    return np.stack(
+        [np.interp(t, stops[:, 0], stops[:, channel]) for channel in (1, 2, 3)], axis=-1
+    )
+
+
+def ratio_colours(ratios: np.ndarray) -> np.ndarray:
+    """RGB ``[rows, cols, 3]`` of tolerance ratios ``|c - p| / (atol + rtol |p|)``
+    ``[rows, cols]``: up to 1 (within the tolerance) greens on a log scale from
+    ``10**-RATIO_DECADES_WITHIN``, above 1 reds on a log scale up to
+    ``10**RATIO_DECADES_OVER``; 0 near white, NaN not compared (grey), Inf infinite."""
+    values = np.asarray(ratios, dtype=np.float64)
+    finite = np.nan_to_num(values, nan=0.0, posinf=0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        decades = np.log10(np.where(finite > 0, finite, 1.0))
+    within = np.where(
+        finite > 0, np.clip((decades + RATIO_DECADES_WITHIN) / RATIO_DECADES_WITHIN, 0.02, 1.0), 0.0
+    )
+    over = decades / RATIO_DECADES_OVER
+    out = np.where(
+        (finite > 1)[..., None], _stops(over, OVER_TOLERANCE), _stops(within, WITHIN_TOLERANCE)
+    ).astype(np.uint8)
+    out[np.isnan(values)] = NOT_COMPARED
+    out[np.isposinf(values)] = INFINITE
+    return out
+
+
 def colours(positions: np.ndarray) -> np.ndarray:
     """RGB ``[rows, cols, 3]`` of scale positions ``[rows, cols]`` (NaN: not compared,
     Inf: infinite)."""

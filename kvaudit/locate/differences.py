@@ -5,7 +5,9 @@ differing byte and the largest errors of the differing elements read in their dt
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -17,7 +19,7 @@ from ..core.errors import KvauditError
 from ..core.scheme import valid_tokens
 from ..sources.raw import RawWorker
 from .cells import CellSegment
-from .slices import SliceCells, SliceReader
+from .slices import SliceCells, SliceId, SliceReader
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +48,29 @@ def element_errors(
         max_abs = max(max_abs, float(abs_errors.max()))
         max_rel = max(max_rel, float(rel_errors.max()))
     return max_abs, max_rel
+
+
+_BITS = np.array([bin(value).count("1") for value in range(256)], dtype=np.int64)
+"""The set bits of each byte value."""
+
+
+def nonfinite_count(
+    reference: np.ndarray, other: np.ndarray, segments: Sequence[CellSegment]
+) -> int:
+    """The floating elements of uint8 cells ``other`` that are NaN or infinite where the
+    same elements of ``reference`` are finite."""
+    count = 0
+    for segment in segments:
+        if not segment.dtype.is_floating_point:
+            continue
+        size = dtype_size(segment.dtype)
+        a = np.ascontiguousarray(reference[:, segment.start : segment.end]).reshape(-1, size)
+        b = np.ascontiguousarray(other[:, segment.start : segment.end]).reshape(-1, size)
+        differ = (a != b).any(axis=1)
+        if differ.any():
+            x, y = _elements(a[differ], segment.dtype), _elements(b[differ], segment.dtype)
+            count += int((np.isfinite(x) & ~np.isfinite(y)).sum())
+    return count
 
 
 def largest_value(cells: np.ndarray, segments: Sequence[CellSegment]) -> float:
@@ -130,6 +155,7 @@ def _located_entry(
         return None
     max_abs, max_rel = element_errors(a[rows], b[rows], reference.segments)
     largest = largest_value(a, reference.segments)
+    flipped = np.bitwise_xor(a[rows], b[rows])
     return LocatedDifference(
         position=position,
         layer=name,
@@ -142,7 +168,44 @@ def _located_entry(
         replica=replica,
         consumer_worker=other.worker,
         file=other.file,
+        differing_bytes=int(np.count_nonzero(flipped)),
+        differing_bits=int(_BITS[flipped].sum()),
+        consumer_zeros=not b[rows].any(),
+        nonfinite=nonfinite_count(a[rows], b[rows], reference.segments),
     )
+
+
+def _content(item: SliceCells) -> bytes:
+    """A digest of a slice's cells and the tokens they sit at."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(np.ascontiguousarray(item.tokens, dtype=np.int64).tobytes())
+    digest.update(np.ascontiguousarray(item.cells).tobytes())
+    return digest.digest()
+
+
+def _with_holders(
+    entries: list[LocatedDifference],
+    produced: Mapping[SliceId, SliceCells],
+    consumed: Mapping[SliceId, SliceCells],
+) -> list[LocatedDifference]:
+    """The entries of one position, each of replica 0 with the other producer slice whose
+    cells it holds (``holds``), where one does: heads or layers exchanged."""
+    wanted = [entry for entry in entries if entry.replica == 0]
+    if not wanted:
+        return entries
+    by_content: dict[bytes, tuple[str, int]] = {}
+    for (name, head, replica), item in produced.items():
+        if replica == 0:
+            by_content.setdefault(_content(item), (name, head))
+    result = []
+    for entry in entries:
+        if entry.replica == 0 and not entry.consumer_zeros:
+            # Zeros held are never another slice's: they read as zeros, not an exchange.
+            holder = by_content.get(_content(consumed[entry.layer, entry.head, 0]))
+            if holder is not None and holder != (entry.layer, entry.head):
+                entry = replace(entry, holds=holder)
+        result.append(entry)
+    return result
 
 
 def locate_differences(
@@ -201,5 +264,5 @@ def locate_differences(
             if entry is not None:
                 found.append(((replica, item.number, name, head), entry))
         found.sort(key=lambda pair: pair[0])
-        entries.extend(entry for _, entry in found)
+        entries.extend(_with_holders([entry for _, entry in found], produced, consumed))
     return entries

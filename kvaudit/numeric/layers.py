@@ -97,12 +97,14 @@ def compare_layer(
     layer_tokens: tuple[np.ndarray, int],
     thread_files: ThreadFiles,
     chunk: int,
+    layer_ratios: np.ndarray | None = None,
 ) -> int:
     """One layer's batch, piece by piece: both sides' rows read where they lie in the
     dumps' mappings (``chunk`` tokens at a time, their pages released on a budget), else
     decoded into this thread's buffers (small enough to stay in the cache while
     compared), and added to its errors and its row of token bins ``layer_tokens =
-    (values, positions per bin)``; returns the bytes read. Where rows were staged, the
+    (values, positions per bin)`` (and ``layer_ratios``, where given, the same bins of
+    the tolerance ratio); returns the bytes read. Where rows were staged, the
     workers' mapped pages are dropped after."""
     read = 0
     row, width = layer_tokens
@@ -112,15 +114,19 @@ def compare_layer(
     files = thread_files.mine()
     staged = False
     for lo, hi, plans in pieces:
+        bins = np.arange(lo, hi) // width
+        ratios = np.empty(hi - lo)
         if native is not None:
             stack = ([plans[0]], [plans[1]])
             found = thread_files.places.add(
-                native, errors, (lo, hi, stack), name, layers, tolerance, chunk
+                native, errors, (lo, hi, stack), name, layers, tolerance, chunk, ratios
             )
             if found is not None:
                 token_row, spanned = found
                 read += spanned
-                np.fmax.at(row, np.arange(lo, hi) // width, token_row)
+                np.fmax.at(row, bins, token_row)
+                if layer_ratios is not None:
+                    np.fmax.at(layer_ratios, bins, ratios)
                 continue
         staged = True
         values = []
@@ -132,9 +138,18 @@ def compare_layer(
             read += decode_layer(plan, name, layer, (buffer, held), files, raw=native is not None)
             values.append((buffer, held))
         token_row = _add_piece(
-            native, errors, lo, values, layers, tolerance, thread_files.budget.chunk_elements
+            native,
+            errors,
+            lo,
+            values,
+            layers,
+            tolerance,
+            thread_files.budget.chunk_elements,
+            ratios,
         )
-        np.fmax.at(row, np.arange(lo, hi) // width, token_row)
+        np.fmax.at(row, bins, token_row)
+        if layer_ratios is not None:
+            np.fmax.at(layer_ratios, bins, ratios)
     if not staged:
         return read  # the C extension released the mapped pages it read
     # Rows far apart map a large folio of file pages each: dropped at once (another
@@ -155,18 +170,22 @@ def _add_piece(
     layers: tuple[LayerValues, LayerValues],
     tolerance: Tolerance,
     chunk_elements: int,
+    token_ratio: np.ndarray | None = None,
 ) -> np.ndarray:
     """Add a piece of a layer's batch to its errors: both sides' element bits in the C
     extension (``native``), else their decoded values in numpy (one float type for
-    both, ``chunk_elements`` at a time); returns its token row (``add_batch``)."""
+    both, ``chunk_elements`` at a time); returns its token row and fills ``token_ratio``
+    (``add_batch``)."""
     (p, held_p), (c, held_c) = values
     held = held_p & held_c
     if native is not None:
         left, right = ((layer.dtype, layer.head_size, layer.scales) for layer in layers)
-        return add_raw_batch(native, errors, lo, (p, c), held, (left, right), tolerance)
+        return add_raw_batch(
+            native, errors, lo, (p, c), held, (left, right), tolerance, token_ratio
+        )
     if p.dtype != c.dtype:
         p, c = p.astype(np.float64), c.astype(np.float64)
-    return add_batch(errors, lo, p, c, held, tolerance, chunk_elements)
+    return add_batch(errors, lo, p, c, held, tolerance, chunk_elements, token_ratio)
 
 
 def piece_tokens(

@@ -104,6 +104,7 @@ class MappedRows:
         layers: tuple[LayerValues, LayerValues],
         tolerance: Tolerance,
         chunk: int,
+        token_ratio: np.ndarray | None = None,
     ) -> tuple[np.ndarray, int] | None:
         """Add a piece of layer ``name``'s batch (request positions ``lo .. hi - 1`` and
         both sides' rows, ``piece = (lo, hi, stack)``) to its errors with both sides' rows
@@ -115,7 +116,9 @@ class MappedRows:
         requests stacked, ``errors`` holds each request's heads after the previous one's.
         Returns its token row (one per head, ``[heads, tokens]``, where several requests
         are stacked) and the bytes of rows read, or None, nothing done, where a side's rows
-        cannot be read so (live tensors): the staged path reads them.
+        cannot be read so (live tensors): the staged path reads them. ``token_ratio``
+        (where given, float64 of the token row's shape) is filled with the largest
+        tolerance ratio (``add_mapped_batch``).
 
         Raises:
             KvauditError: A dump file shrank since it was mapped.
@@ -146,6 +149,7 @@ class MappedRows:
             # Several requests: head by head (a token's rows lie in as many blocks).
             (chunk, self.release, p_near and c_near and len(stack[0]) == 1),
             by_head=len(stack[0]) > 1,
+            token_ratio=token_ratio,
         )
         return token_row, p_read + c_read
 

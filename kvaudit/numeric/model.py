@@ -43,6 +43,9 @@ class SliceErrors:
     nonfinite_mismatches: int = 0
     worst: list[tuple[int, float]] = field(default_factory=list)
     """``(request position, largest absolute error there)``, worst first."""
+    max_tolerance_ratio: float = 0.0
+    """The largest ``|c - p| / (atol + rtol |p|)`` (with atol 0, the largest relative
+    error over rtol; 0 / 0 is 0): above 1 where an element is over the tolerance."""
 
     @property
     def rms_error(self) -> float:
@@ -71,7 +74,9 @@ class GroupNumeric:
     ``slices`` holds its (layer, head) errors, sorted by layer number, name and head;
     ``layer_tokens`` per layer and token bin (``token_bin`` positions a bin) the largest
     scaled error ``max |c - p| / max |p|`` of a token's head (NaN where no token of the
-    bin was compared).
+    bin was compared); ``layer_token_ratios`` likewise the largest tolerance ratio
+    ``|c - p| / (atol + rtol |p|)`` (``SliceErrors.max_tolerance_ratio``; None where not
+    computed).
     """
 
     group: int
@@ -82,6 +87,7 @@ class GroupNumeric:
     layer_tokens: np.ndarray
     not_compared: list[str] = field(default_factory=list)
     """Why parts of the group were not compared (a layer one side lacks, ...)."""
+    layer_token_ratios: np.ndarray | None = None
 
     @property
     def failed(self) -> bool:

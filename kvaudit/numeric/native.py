@@ -45,14 +45,17 @@ def add_raw_batch(
     held: np.ndarray,
     sides: tuple[tuple[DType, int, SCALES], tuple[DType, int, SCALES]],
     tolerance: Tolerance,
+    token_ratio: np.ndarray | None = None,
 ) -> np.ndarray:
     """Add one layer's batch (the producer's and consumer's element bits ``[heads, tokens,
     elements]`` from request position ``lo``, compared where ``held``; each side's
     ``(dtype, head_size, (k_scale, v_scale))``) to its errors, as ``element_errors.add_batch``
     does; returns per token the largest over heads of ``max |c - p| / max |p|`` (NaN where
-    no head compared it)."""
+    no head compared it) and fills ``token_ratio`` (where given, float64 ``[tokens]``)
+    with the largest tolerance ratio, as ``add_batch`` does."""
     heads, tokens, elements = bits[0].shape
     token_row = np.empty(tokens)
+    ratios = np.empty(tokens) if token_ratio is None else token_ratio
     module.compare(
         bits[0],
         bits[1],
@@ -63,6 +66,8 @@ def add_raw_batch(
         lo,
         *errors.outputs(),
         token_row,
+        errors.max_ratio,
+        ratios,
     )
     return token_row
 
@@ -85,6 +90,7 @@ def add_mapped_batch(
     tolerance: Tolerance,
     order: tuple[int, int, bool] = (0, 0, False),
     by_head: bool = False,
+    token_ratio: np.ndarray | None = None,
 ) -> np.ndarray:
     """``add_raw_batch`` with both sides' rows read where they lie in the dumps' mappings
     ``maps`` (their buffers): each side's ``(where, parts)`` as ``kvaudit.numeric.mapped_rows``
@@ -94,7 +100,9 @@ def add_mapped_batch(
     regions of the maps holding rows read are released (``MADV_DONTNEED``) once they
     reach ``release`` bytes, checked after each chunk, and at the end (0: never; ``maps``
     must be file mappings where not 0). ``by_head``: the token row is one per head,
-    ``[heads, tokens]`` (for heads of several requests compared at once).
+    ``[heads, tokens]`` (for heads of several requests compared at once). ``token_ratio``
+    (where given, float64 of the token row's shape) is filled with the largest tolerance
+    ratio, as ``add_batch`` does.
 
     Raises:
         ValueError: A held row's part lies outside its mapping (a wrong layout).
@@ -103,6 +111,7 @@ def add_mapped_batch(
     heads, tokens = held.shape
     elements = sum(width for _, width in located[0][1])
     token_row = np.empty((heads, tokens) if by_head else tokens)  # 1 head: the same bytes
+    ratios = np.empty(token_row.shape) if token_ratio is None else token_ratio
     module.compare_mapped(
         maps,
         located[0][0],
@@ -115,5 +124,7 @@ def add_mapped_batch(
         order,
         *errors.outputs(),
         token_row,
+        errors.max_ratio,
+        ratios,
     )
     return token_row

@@ -125,6 +125,7 @@ def _compare_group(
     num_tokens, plan = unit.num_tokens, unit.plan
     info, common = plan.layers[0], plan.common
     layer_tokens, width = _token_bins(num_tokens, len(common))
+    layer_ratios, _ = _token_bins(num_tokens, len(common))
     errors = {name: LayerErrors(info[name].heads) for name in common}
     piece = plan.piece
     budget = threads[1].budget
@@ -154,6 +155,7 @@ def _compare_group(
                 (layer_tokens[index], width),
                 threads[1],
                 chunk_tokens(plan.unit, budget),
+                layer_ratios[index],
             )
             for index, name in enumerate(common)
         ]
@@ -165,7 +167,7 @@ def _compare_group(
         for name in common
         for item in errors[name].slices(name, info[name].number, info[name].elements)
     ]
-    return _group_result(unit, flat, (layer_tokens, width))
+    return _group_result(unit, flat, (layer_tokens, width), layer_ratios)
 
 
 def _token_bins(num_tokens: int, layers: int) -> tuple[np.ndarray, int]:
@@ -176,9 +178,13 @@ def _token_bins(num_tokens: int, layers: int) -> tuple[np.ndarray, int]:
 
 
 def _group_result(
-    unit: _Unit, flat: list[SliceErrors], layer_tokens: tuple[np.ndarray, int]
+    unit: _Unit,
+    flat: list[SliceErrors],
+    layer_tokens: tuple[np.ndarray, int],
+    layer_ratios: np.ndarray,
 ) -> tuple[GroupNumeric, list[str]]:
-    """A group's figures from its layers' heads, and why parts of it were not compared."""
+    """A group's figures from its layers' heads (``layer_ratios``: its layers x token bins
+    of the tolerance ratio), and why parts of it were not compared."""
     plan = unit.plan
     info = plan.layers[0]
     heads = max((info[name].heads for name in plan.common), default=0)
@@ -188,7 +194,10 @@ def _group_result(
         if not item.tokens and unit.num_tokens
     ]
     values, width = layer_tokens
-    return GroupNumeric(unit.group_id, plan.common, heads, flat, width, values), reasons
+    group = GroupNumeric(
+        unit.group_id, plan.common, heads, flat, width, values, layer_token_ratios=layer_ratios
+    )
+    return group, reasons
 
 
 @dataclass
@@ -201,6 +210,8 @@ class _Stack:
     tokens: int
     stacked: dict[str, LayerErrors]
     jobs: list[Future[tuple[np.ndarray, int] | None]]
+    ratios: list[np.ndarray]
+    """Per layer, the tolerance ratio of each stacked head's tokens ``[heads, tokens]``."""
 
     @classmethod
     def start(cls, units: list[_Unit], tolerance: Tolerance, threads: Threads) -> _Stack:
@@ -224,6 +235,7 @@ class _Stack:
             for s in (0, 1)
         )
         stacked = {name: LayerErrors(len(units) * info[name].heads) for name in common}
+        ratios = [np.empty((len(units) * info[name].heads, tokens)) for name in common]
         chunk = chunk_tokens(plan.unit, threads[1].budget)
         jobs = [
             threads[0].submit(
@@ -235,10 +247,11 @@ class _Stack:
                 (plan.layers[0][name], plan.layers[1][name]),
                 tolerance,
                 chunk,
+                ratio,
             )
-            for name in common
+            for name, ratio in zip(common, ratios)
         ]
-        return cls(units, tokens, stacked, jobs)
+        return cls(units, tokens, stacked, jobs, ratios)
 
     def finish(
         self, progress: Callable[[int], None] | None
@@ -261,14 +274,19 @@ class _Stack:
         token_rows = [
             np.fmax.reduce(rows.reshape(count, -1, self.tokens), axis=1) for rows, _ in found
         ]
+        ratio_rows = [
+            np.fmax.reduce(rows.reshape(count, -1, self.tokens), axis=1) for rows in self.ratios
+        ]
         groups = []
         for r, unit in enumerate(self.units):
             layer_tokens, width = _token_bins(unit.num_tokens, len(common))
+            layer_ratios, _ = _token_bins(unit.num_tokens, len(common))
             positions = np.arange(unit.num_tokens) // width
-            for index, rows in enumerate(token_rows):
+            for index, (rows, ratios) in enumerate(zip(token_rows, ratio_rows)):
                 np.fmax.at(layer_tokens[index], positions, rows[r, : unit.num_tokens])
+                np.fmax.at(layer_ratios[index], positions, ratios[r, : unit.num_tokens])
             flat = [item for layer in runs for item in layer[r]]
-            groups.append(_group_result(unit, flat, (layer_tokens, width)))
+            groups.append(_group_result(unit, flat, (layer_tokens, width), layer_ratios))
         return groups
 
 

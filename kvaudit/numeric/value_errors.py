@@ -58,17 +58,42 @@ def _squares(a: np.ndarray) -> np.ndarray:
 @dataclass
 class Chunk:
     """Errors of some heads of one layer's batch: per ``[heads, tokens]`` the largest
-    ``|c - p|`` and ``|p|`` (and the tokens with a NaN or Inf on one side, if any), per
-    head the largest relative error, the elements over tolerance, the squares' sum and
-    the elements with a NaN or Inf on one side."""
+    ``|c - p|`` and ``|p|`` (and the tokens with a NaN or Inf on one side, if any) and the
+    tolerance ratio (``tolerance_ratio``), per head the largest relative error, the
+    elements over tolerance, the squares' sum and the elements with a NaN or Inf on one
+    side."""
 
     token_abs: np.ndarray
     token_scale: np.ndarray
+    token_ratio: np.ndarray
     one_sided: np.ndarray | None
     head_rel: np.ndarray
     over: np.ndarray
     squares: np.ndarray
     nonfinite: np.ndarray
+
+
+def tolerance_ratio(
+    token_rel: np.ndarray, token_bounded: np.ndarray | None, rtol: float
+) -> np.ndarray:
+    """Per ``[heads, tokens]`` the largest ``|c - p| / (atol + rtol |p|)`` of the row's
+    elements: ``token_bounded`` where atol is not 0 (None: atol is 0), else the largest
+    relative error over ``rtol`` (in the work type, as the C extension takes it; 0 / 0
+    is 0). Above 1 exactly where an element is over the tolerance, but for rounding at
+    the border."""
+    if token_bounded is not None:
+        return token_bounded
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = token_rel / rtol
+    return np.nan_to_num(ratio, nan=0.0, posinf=np.inf)
+
+
+def _bounded(a: np.ndarray, bound: np.ndarray) -> np.ndarray:
+    """Per row the largest ``a / bound`` (``bound`` ``atol + rtol |p|`` with atol > 0,
+    overwritten; NaN skipped, at least 0)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        np.divide(a, bound, out=bound)
+    return np.fmax(np.fmax.reduce(bound, axis=2), 0.0)
 
 
 def fast_errors(p: np.ndarray, c: np.ndarray, atol: float, rtol: float) -> Chunk | None:
@@ -84,7 +109,7 @@ def fast_errors(p: np.ndarray, c: np.ndarray, atol: float, rtol: float) -> Chunk
             return None
         none = np.zeros(heads, dtype=np.int64)
         token_abs = np.zeros((heads, tokens), dtype=p.dtype)
-        return Chunk(token_abs, token_scale, None, zeros, none, zeros, none)
+        return Chunk(token_abs, token_scale, token_abs, None, zeros, none, zeros, none)
     with np.errstate(invalid="ignore", over="ignore"):  # Inf - Inf, overflow: see below
         np.subtract(c, p, out=a)
     np.abs(a, out=a)
@@ -96,26 +121,35 @@ def fast_errors(p: np.ndarray, c: np.ndarray, atol: float, rtol: float) -> Chunk
     head_abs = token_abs.max(axis=1)
     over = np.zeros(heads, dtype=np.int64)
     if head_abs.max() == 0:
-        return Chunk(token_abs, token_scale, None, zeros, over, zeros, over)
+        return Chunk(token_abs, token_scale, token_abs, None, zeros, over, zeros, over)
     ratio = c  # c is not needed any more
     with np.errstate(divide="ignore", invalid="ignore"):
         np.divide(a, p, out=ratio)
-    # 0 / 0 (both 0) is NaN, which fmax skips; a head of only those has no error.
-    head_rel = np.fmax(np.fmax.reduce(ratio.reshape(heads, -1), axis=1), 0.0)
+    bounded = None
     if atol == 0:
+        # 0 / 0 (both 0) is NaN, which fmax skips; a row of only those has no error.
+        token_rel = np.fmax(np.fmax.reduce(ratio, axis=2), 0.0)
+        head_rel = token_rel.max(axis=1)
         # a > rtol |p| is a / |p| > rtol (0 / 0, a NaN, is not over; a / 0 is).
         counted = np.flatnonzero(head_rel > rtol)
         exceed = np.greater(ratio, rtol, out=scratch("exceed", np.bool_, p.shape))
     else:
+        token_rel = np.empty((heads, 0))  # not needed: the ratio is bounded below
+        head_rel = np.fmax(np.fmax.reduce(ratio.reshape(heads, -1), axis=1), 0.0)
         counted = np.flatnonzero(head_abs > atol)
+        np.multiply(p, rtol, out=ratio)
+        ratio += atol
         if counted.size:
-            np.multiply(p, rtol, out=ratio)
-            ratio += atol
             exceed = np.greater(a, ratio, out=scratch("exceed", np.bool_, p.shape))
     if counted.size:
         over[:] = counts(exceed)
+    if atol != 0:
+        bounded = _bounded(a, ratio)
+    token_ratio = tolerance_ratio(token_rel, bounded, rtol)
     squares = _squares(a)
-    return Chunk(token_abs, token_scale, None, head_rel, over, squares, zeros.astype(np.int64))
+    return Chunk(
+        token_abs, token_scale, token_ratio, None, head_rel, over, squares, zeros.astype(np.int64)
+    )
 
 
 def exact_errors(p: np.ndarray, c: np.ndarray, atol: float, rtol: float) -> Chunk:
@@ -149,6 +183,7 @@ def exact_errors(p: np.ndarray, c: np.ndarray, atol: float, rtol: float) -> Chun
     )
     head_abs = token_abs.max(axis=1)
     token_rel = np.zeros((heads, tokens), dtype=a.dtype)
+    token_ratio = token_rel
     over = np.zeros(heads, dtype=np.int64)
     one_sided = None if mismatch is None else mismatch.any(axis=2)
     if head_abs.max() > 0:
@@ -157,15 +192,20 @@ def exact_errors(p: np.ndarray, c: np.ndarray, atol: float, rtol: float) -> Chun
             token_rel = np.nan_to_num(np.fmax.reduce(ratio, axis=2), nan=0.0, posinf=np.inf)
         if one_sided is not None:
             token_rel[one_sided] = np.inf
+        bounded = None
+        if atol == 0:
+            # As in fast_errors (and the C extension): the same test rounds the same
+            # way whichever path a chunk takes.
+            exceed = ratio > rtol
+        else:
+            np.multiply(p, rtol, out=ratio)
+            ratio += atol
+            exceed = a > ratio
+            bounded = _bounded(a, ratio)
+            if one_sided is not None:
+                bounded[one_sided] = np.inf
+        token_ratio = tolerance_ratio(token_rel, bounded, rtol)
         if head_abs.max() > atol:
-            if atol == 0:
-                # As in fast_errors (and the C extension): the same test rounds the same
-                # way whichever path a chunk takes.
-                exceed = ratio > rtol
-            else:
-                np.multiply(p, rtol, out=ratio)
-                ratio += atol
-                exceed = a > ratio
             if mismatch is not None:
                 exceed |= mismatch
             over = np.count_nonzero(exceed.reshape(heads, -1), axis=1)
@@ -179,15 +219,26 @@ def exact_errors(p: np.ndarray, c: np.ndarray, atol: float, rtol: float) -> Chun
         if mismatch is not None
         else np.zeros(heads, dtype=np.int64)
     )
-    return Chunk(token_abs, token_scale, one_sided, token_rel.max(axis=1), over, squares, nonfinite)
+    return Chunk(
+        token_abs,
+        token_scale,
+        token_ratio,
+        one_sided,
+        token_rel.max(axis=1),
+        over,
+        squares,
+        nonfinite,
+    )
 
 
 class LayerErrors:
     """One layer's errors per global head, batch after batch (``SliceErrors`` at the end):
-    ``figures`` and ``counts`` hold the per-head arrays (updated in place, by numpy or by
+    ``figures``, ``counts`` and ``max_ratio`` (the largest ``|c - p| / (atol + rtol |p|)``)
+    hold the per-head arrays (updated in place, by numpy or by
     ``kvaudit._native._element_errors``)."""
 
     def __init__(self, heads: int) -> None:
+        self.max_ratio = np.zeros(heads)
         self.figures = np.zeros((4, heads))
         self.max_abs, self.max_rel, self.max_producer, self.sum_squares = self.figures
         self.counts = np.zeros((3, heads), dtype=np.int64)
@@ -228,6 +279,7 @@ class LayerErrors:
         tokens, over, nonfinite = self.counts.tolist()
         max_abs, max_rel, max_producer, sum_squares = self.figures.tolist()
         worst_positions, worst_errors = self.worst_position.tolist(), self.worst_error.tolist()
+        max_ratio = self.max_ratio.tolist()
         heads = len(tokens) // runs
         return [
             [
@@ -243,6 +295,7 @@ class LayerErrors:
                     sum_squares=sum_squares[h],
                     over_tolerance=over[h],
                     nonfinite_mismatches=nonfinite[h],
+                    max_tolerance_ratio=max_ratio[h],
                     worst=[
                         (position, error)
                         for position, error in zip(worst_positions[h], worst_errors[h])
@@ -263,11 +316,14 @@ def add_batch(
     mask: np.ndarray,
     tolerance: Tolerance,
     chunk_elements: int,
+    token_ratio: np.ndarray | None = None,
 ) -> np.ndarray:
     """Add one layer's batch (``[heads, tokens, elements]`` from request position ``lo``,
     compared where ``mask``; ``p`` and ``c`` are overwritten) to its errors, about
     ``chunk_elements`` of a side at a time; returns per token the largest over heads of
-    ``max |c - p| / max |p|`` (NaN where no head compared it)."""
+    ``max |c - p| / max |p|`` (NaN where no head compared it), and fills ``token_ratio``
+    (where given, ``[tokens]``) with the largest over heads of the tolerance ratio
+    ``max |c - p| / (atol + rtol |p|)`` (``tolerance_ratio``; NaN likewise)."""
     heads, tokens, elements = p.shape
     if not mask.all():
         p[~mask] = 0
@@ -295,6 +351,10 @@ def add_batch(
     errors.sum_squares += _joined(chunks, "squares")
     errors.over += _joined(chunks, "over")
     errors.nonfinite += _joined(chunks, "nonfinite")
+    ratios = np.where(mask, _joined(chunks, "token_ratio"), 0.0)
+    np.maximum(errors.max_ratio, ratios.max(axis=1, initial=0.0), out=errors.max_ratio)
+    if token_ratio is not None:
+        token_ratio[...] = np.where(mask.any(axis=0), ratios.max(axis=0, initial=0.0), np.nan)
     if head_abs.max() > 0:
         errors.merge_worst(lo, np.where(mask, token_abs, 0.0))
     return np.where(mask.any(axis=0), token_norm.max(axis=0, initial=0.0), np.nan)

@@ -3,16 +3,23 @@ differs, the verdict line, and the located differences."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from ..compare.model import DiffReport, GroupComparison
+from ..core.ranges import ranges
+from ..diagnosis import Finding, diagnose
 from .side_names import DIFF_SIDE_NAMES, SideNames
-from .text import error_text, filled_table, plural, ranges
+from .text import error_text, filled_table, plural
 
 LOCATED_ROWS = 40
 """Located differences a table shows per request and group; JSON holds them all."""
+
+LocatedRows = Literal["unexplained", "first", "all"]
+"""Which located rows a table shows (``print_diff``)."""
 
 
 def diff_verdict(report: DiffReport, sides: SideNames = DIFF_SIDE_NAMES) -> str:
@@ -131,22 +138,34 @@ def print_diff(
     *,
     title: str | None = None,
     sides: SideNames = DIFF_SIDE_NAMES,
+    located_rows: LocatedRows = "unexplained",
 ) -> None:
     """Print the ``diff`` and ``verify`` tables of a report, then its verdict.
 
-    The table has a row per request and group (blocks compared, blocks and replicas
-    that differ, the result or why it could not be compared); the verdict line, the
-    requests only one side holds and the located differences follow.
+    The diagnosis comes first: each differing group's findings (``kvaudit.diagnosis``),
+    a line each. The table has a row per request and group (blocks compared, blocks and
+    replicas that differ, the result or why it could not be compared); the verdict line,
+    the requests only one side holds and the located differences follow, as
+    ``located_rows`` says.
 
     Args:
         console: Where the tables are printed.
         report: The report drawn.
         title: A line printed above the table; None for none.
         sides: What the report's sides and compared blocks are called.
+        located_rows: ``unexplained`` (a group whose findings name every located entry's
+            fault shows none, another at most ``LOCATED_ROWS``), ``first`` (at most
+            ``LOCATED_ROWS`` of every group) or ``all``.
 
     """
     if title:
         console.print(Text(title, style="bold"), soft_wrap=True)
+    findings = diagnose(report)
+    for (request_id, gid), found in findings.items():
+        for finding in found:
+            console.print(
+                Text(f"{request_id} group {gid}: {finding.line}", style="red"), soft_wrap=True
+            )
     table = Table(title=None)
     for name, justify in (
         ("request", "left"),
@@ -202,14 +221,32 @@ def print_diff(
         )
     if report.untraced is not None and any(g.mismatched_positions for _, _, g in report.groups()):
         console.print(f"stale sources: {report.untraced}", soft_wrap=True)
-    _print_located(console, report)
+    _print_located(console, report, findings, located_rows)
 
 
-def _print_located(console: Console, report: DiffReport) -> None:
-    """The located differences table, at most ``LOCATED_ROWS`` per request and group."""
+def explained(findings: list[Finding], located: int) -> bool:
+    """Whether a group's findings name the fault of each of its ``located`` entries (none
+    of them is only ``differs``): its rows are detail."""
+    named = sum(finding.located for finding in findings if finding.kind != "differs")
+    return located > 0 and named == located
+
+
+def _print_located(
+    console: Console,
+    report: DiffReport,
+    findings: dict[tuple[str, int], list[Finding]],
+    located_rows: LocatedRows,
+) -> None:
+    """The located differences table, its rows as ``located_rows`` says."""
     rows: list[list[str]] = []
+    left_out = 0
     for request_id, gid, group in report.groups():
-        for item in group.located[:LOCATED_ROWS]:
+        shown = group.located if located_rows == "all" else group.located[:LOCATED_ROWS]
+        named = explained(findings.get((request_id, gid), []), len(group.located))
+        if located_rows == "unexplained" and named:
+            left_out += len(group.located)
+            continue
+        for item in shown:
             rows.append(
                 [
                     request_id,
@@ -225,10 +262,15 @@ def _print_located(console: Console, report: DiffReport) -> None:
                     _worker_text(item.consumer_worker),
                 ]
             )
-        hidden = len(group.located) - LOCATED_ROWS
+        hidden = len(group.located) - len(shown)
         if hidden > 0:
-            more = f"... {hidden} more (--format json lists all)"
+            more = f"... {hidden} more (--all or --format json lists all)"
             rows.append([request_id, str(gid), "", more, "", "", "", "", "", "", ""])
+    if left_out:
+        console.print(
+            f"{plural(left_out, 'located difference')} named above (--all lists them)",
+            soft_wrap=True,
+        )
     if not rows:
         return
     columns = (

@@ -7,7 +7,9 @@ import math
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
+from ..diagnosis import diagnose_numeric
 from ..numeric.model import NumericReport
 
 NUMERIC_ROWS = 20
@@ -44,7 +46,8 @@ def numeric_verdict(report: NumericReport) -> str:
 
 
 def print_numeric(console: Console, report: NumericReport, title: str) -> None:
-    """Print each request's group as a table of its failing slices, then the verdict.
+    """Print the diagnosis, each request's group as a table of its failing slices, then
+    the verdict.
 
     Slices within the tolerance are left out (a line says how many, and the worst of
     them by scaled error); ``--format json`` lists every slice. The tables rank slices by
@@ -58,6 +61,9 @@ def print_numeric(console: Console, report: NumericReport, title: str) -> None:
 
     """
     console.print(title)
+    for (rid, gid), findings in diagnose_numeric(report).items():
+        for finding in findings:
+            console.print(Text(f"{rid} group {gid}: {finding.line}", style="red"), soft_wrap=True)
     for request in report.requests.values():
         for gid, group in sorted(request.groups.items()):
             heading = f"request {request.request_id}, group {gid}: {request.num_tokens} tokens"

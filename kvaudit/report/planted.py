@@ -5,8 +5,9 @@ from __future__ import annotations
 from rich.console import Console
 from rich.text import Text
 
+from ..core.ranges import ranges
 from ..corrupt.result import PlantedFault, SwappedTokens
-from .text import plural, ranges
+from .text import plural
 
 
 def print_corrupted(console: Console, fault: PlantedFault) -> None:

@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..core.errors import printable
+from ..core.ranges import ranges as ranges  # the tables' ranges, kept importable here
 from ..records import WorkerInfo
 
 PLAIN_WIDTH = 160
@@ -170,18 +171,6 @@ def human_bytes(count: int) -> str:
             return f"{value:.1f} {unit}"
         value /= 1024
     return f"{value:.1f} GiB"
-
-
-def ranges(positions: Iterable[int]) -> str:
-    """Positions as sorted compact ranges: ``0-2, 5, 7-9``."""
-    items = sorted(positions)
-    parts = []
-    first = 0
-    for i in range(len(items)):
-        if i + 1 == len(items) or items[i + 1] != items[i] + 1:
-            parts.append(f"{items[first]}" if first == i else f"{items[first]}-{items[i]}")
-            first = i + 1
-    return ", ".join(parts)
 
 
 def plural(count: int, noun: str) -> str:

@@ -55,6 +55,10 @@ LOCATED_KEYS = {
     "scaled_error",
     "consumer_worker",
     "file",
+    "differing_bytes",
+    "differing_bits",
+    "consumer_zeros",
+    "nonfinite",
 }
 
 
@@ -95,7 +99,7 @@ def check_shape(report: dict) -> None:
             assert group["unverified"] is None or isinstance(group["unverified"], str)
             assert all(isinstance(p, int) for p in group["missing_positions"])
             for entry in group["located"]:
-                assert LOCATED_KEYS <= set(entry) <= {*LOCATED_KEYS, "replica"}
+                assert LOCATED_KEYS <= set(entry) <= {*LOCATED_KEYS, "replica", "holds"}
                 assert set(entry["consumer_worker"]) == {"tp_rank", "pp_rank"}
                 for key in ("max_abs_error", "max_rel_error", "scaled_error"):
                     assert entry[key] is None or isinstance(entry[key], float)
@@ -173,13 +177,37 @@ def expected_located(sets: Path, folder: str, rank: int, request_id: str) -> lis
         with np.errstate(divide="ignore"):
             relative = errors / np.abs(values[differ])
         key = (token // example.BLOCK_SIZE, name, head)
+        flipped = [int(x) ^ int(y) for x, y in zip(raw.tolist(), cell.tolist())]
         found.setdefault(key, []).append(
-            (token, int(np.flatnonzero(raw != cell)[0]), errors.max(), relative.max())
+            (
+                token,
+                int(np.flatnonzero(raw != cell)[0]),
+                errors.max(),
+                relative.max(),
+                sum(1 for value in flipped if value),
+                sum(bin(value).count("1") for value in flipped),
+                not cell.any(),
+                int((np.isfinite(values) & ~np.isfinite(mine)).sum()),
+            )
         )
     entries = []
+    heads = kv[request_id].shape[2]
     for (position, name, head), items in sorted(found.items()):
         items.sort()
-        worst = float(max(e for _, _, e, _ in items))
+        # The other model slice whose cells at the block's tokens this slice holds.
+        size = example.BLOCK_SIZE
+        held = sorted(t for (n, h, t) in cells if (n, h) == (name, head) and t // size == position)
+        holds = [
+            {"layer": other, "head": h}
+            for other in example.LAYERS
+            for h in range(heads)
+            if (other, h) != (name, head)
+            and all(
+                np.array_equal(cells[name, head, t], model_cell(kv, request_id, other, h, t)[0])
+                for t in held
+            )
+        ]
+        worst = float(max(item[2] for item in items))
         scale = largest[position, name, head]
         scaled = 0.0 if worst == 0 else (worst / scale if scale and np.isfinite(worst) else None)
         entries.append(
@@ -187,13 +215,18 @@ def expected_located(sets: Path, folder: str, rank: int, request_id: str) -> lis
                 "position": position,
                 "layer": name,
                 "head": head,
-                "tokens": [t for t, _, _, _ in items],
+                "tokens": [item[0] for item in items],
                 "first_byte": items[0][1],
-                "max_abs_error": float(max(e for _, _, e, _ in items)),
-                "max_rel_error": float(max(r for _, _, _, r in items)),
+                "max_abs_error": float(max(item[2] for item in items)),
+                "max_rel_error": float(max(item[3] for item in items)),
                 "scaled_error": scaled,
                 "consumer_worker": {"tp_rank": rank, "pp_rank": 0},
                 "file": str(path),
+                "differing_bytes": sum(item[4] for item in items),
+                "differing_bits": sum(item[5] for item in items),
+                "consumer_zeros": all(item[6] for item in items),
+                "nonfinite": sum(item[7] for item in items),
+                **({"holds": holds[0]} if holds else {}),
             }
         )
     return entries
@@ -213,7 +246,7 @@ def test_clean_diff_table(sets: Path) -> None:
 
 
 def test_broken_diff_table_names_the_fault(sets: Path) -> None:
-    result = run("diff", sets / "producer", sets / "consumer-broken")
+    result = run("diff", sets / "producer", sets / "consumer-broken", "--all")
     assert result.exit_code == 1, result.output
     text = result.stdout
     assert "MISMATCH: 1 of 27 blocks compared differ, in 1 of 3 requests" in text
@@ -379,6 +412,17 @@ def test_verify_against(sets: Path, tmp_path: Path) -> None:
 # corrupt, then diff finds it.
 
 
+PLANTED_KINDS = {
+    "flip": "bit_flip",
+    "zero": "zeros",
+    "swap-tokens": "foreign_tokens",
+    "swap-heads": "heads_exchanged",
+    "stale": "stale_block",
+    "shift": "foreign_tokens",
+}
+"""The fault kind the diagnosis names for each planted mode."""
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_corrupt_every_mode_then_diff_finds_it(sets: Path, tmp_path: Path, mode: str) -> None:
     broken = tmp_path / "consumer"
@@ -404,6 +448,11 @@ def test_corrupt_every_mode_then_diff_finds_it(sets: Path, tmp_path: Path, mode:
     assert located == changed
     assert all(e["position"] == 5 for e in group["located"])
     assert group["located"] == expected_located_in(sets, broken, "req-long")
+    # The diagnosis names what was planted, every located entry explained.
+    kinds = [finding["kind"] for finding in report["diagnosis"]]
+    assert kinds == [PLANTED_KINDS[mode]]
+    assert report["diagnosis"][0]["located"] == len(group["located"])
+    assert report["diagnosis"][0]["positions"] == [5]
 
 
 def expected_located_in(sets: Path, folder: Path, request_id: str) -> list[dict]:
@@ -598,9 +647,18 @@ def test_non_finite_errors_are_null(small: Small, tmp_path: Path) -> None:
             "scaled_error": None,
             "consumer_worker": {"tp_rank": 0, "pp_rank": 0},
             "file": str(tmp_path / "consumer" / "rank0.safetensors"),
+            "differing_bytes": int(np.count_nonzero(original != changed)),
+            "differing_bits": sum(
+                bin(int(x) ^ int(y)).count("1") for x, y in zip(original, changed)
+            ),
+            "consumer_zeros": False,
+            "nonfinite": 1,
         }
     ]
+    assert [finding["kind"] for finding in report["diagnosis"]] == ["nonfinite"]
     table = run("diff", tmp_path / "producer", tmp_path / "consumer")
+    assert table.exit_code == 1 and "NaN/Inf: 1 consumer element is NaN" in table.stdout
+    table = run("diff", tmp_path / "producer", tmp_path / "consumer", "--all")
     assert table.exit_code == 1 and " inf " in table.stdout
 
 

@@ -668,6 +668,7 @@ def test_json_shape_and_values() -> None:
         "unverified": None,
         "positions": {"producer": 3, "consumer": 3},
         "stale_sources": {},
+        "token_runs": [],
         "located": [
             {
                 "position": 2,
@@ -678,6 +679,10 @@ def test_json_shape_and_values() -> None:
                 "max_abs_error": 0.5,
                 "max_rel_error": 0.01,
                 "scaled_error": 0.0,
+                "differing_bytes": 0,
+                "differing_bits": 0,
+                "consumer_zeros": False,
+                "nonfinite": 0,
             }
         ],
     }

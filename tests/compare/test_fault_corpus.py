@@ -1060,7 +1060,16 @@ def located_without_errors(report: dict, rid: str, gid: int) -> list[dict]:
     """The located entries without their errors and the consumer worker that holds them
     (checked apart, against the file's own metadata)."""
     entries = report["requests"][rid]["groups"][str(gid)]["located"]
-    skipped = ("consumer_worker", "file", "scaled_error")
+    skipped = (
+        "consumer_worker",
+        "file",
+        "scaled_error",
+        "differing_bytes",
+        "differing_bits",
+        "consumer_zeros",
+        "nonfinite",
+        "holds",
+    )
     return [
         {k: v for k, v in e.items() if not k.startswith("max_") and k not in skipped}
         for e in entries
@@ -1151,3 +1160,47 @@ def test_corpus_detection_rate(tmp_path_factory: pytest.TempPathFactory) -> None
     # Every kind of fault the corpus names is in it, and at least half go through dumps.
     assert len(FAULTS) >= 7 and len(CLEAN) >= 10
     assert sum(case.via == "dumps" for case in FAULTS) * 2 >= len(FAULTS)
+
+
+# The diagnosis: each fault named as what it is, by the evidence its injection leaves.
+
+CORPUS_KINDS = {
+    "slot-reused-in-flight": {"foreign_tokens"},
+    "slot-reused-in-flight-64": {"foreign_tokens"},
+    # An aborted request's KV (not on the producer) over req-a's last tokens.
+    "stale-sender-after-abort": {"tail_not_written"},
+    "tail-not-visible-zero": {"tail_not_written"},
+    "tail-not-visible-old": {"tail_not_written"},
+    "neighbour-heads-tp2-tp4": {"heads_exchanged"},
+    "neighbour-heads-tp8-replicated": {"heads_exchanged", "replica_differs"},
+    "indexer-not-sent": {"untraced", "replica_differs"},
+    "sliding-window-not-sent": {"nonfinite", "untraced"},
+    # Junk state pages: some of their bytes read as NaN or infinite.
+    "mamba-state-not-sent": {"nonfinite", "untraced"},
+    "kv-bound-to-wrong-request": {"stale_block"},
+    "one-bit-flip": {"bit_flip"},
+    # The flipped cell is a replica the consumer holds twice: only its twin disagrees.
+    "one-bit-flip-pp2": {"replica_differs"},
+}
+
+
+@pytest.mark.parametrize("case", FAULTS, ids=[case.name for case in FAULTS])
+def test_fault_is_named(case: Case, tmp_path_factory: pytest.TempPathFactory) -> None:
+    report = outcome(case, tmp_path_factory).report
+    findings = report["diagnosis"]
+    kinds = {finding["kind"] for finding in findings}
+    if case.name.startswith("grid-flip"):
+        # One bit: named as such, or, where only a twin replica holds it, as its replica.
+        assert kinds in ({"bit_flip"}, {"bit_flip", "replica_differs"}, {"replica_differs"})
+        if kinds == {"replica_differs"}:
+            assert "one bit of byte" in findings[0]["text"]
+    else:
+        assert kinds == CORPUS_KINDS[case.name]
+    for rid, request in report["requests"].items():
+        for gid, group in request["groups"].items():
+            mine = [f for f in findings if (f["request"], str(f["group"])) == (rid, gid)]
+            # Every located entry is explained by exactly one finding, at its positions.
+            assert sum(f["located"] for f in mine) == len(group["located"])
+            differing = {*group["mismatched_positions"]} | {e["position"] for e in group["located"]}
+            assert all(set(f["positions"]) <= differing for f in mine)
+            assert bool(mine) == bool(group["mismatched_positions"] or group["located"])

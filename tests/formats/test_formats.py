@@ -316,6 +316,9 @@ def test_diff_junit_says_nothing_was_compared_where_no_case_does() -> None:
 
 def test_diff_tables() -> None:
     assert render_text(print_diff, report()) == golden("diff_table")
+    # Every located row, also those the diagnosis names above the table.
+    every = functools.partial(print_diff, located_rows="all")
+    assert render_text(every, report()) == golden("diff_table_all")
     stored = SideNames("stored checksums", "dumps", "checked")
     text = render_text(
         lambda console, report: print_diff(

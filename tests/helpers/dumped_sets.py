@@ -319,6 +319,38 @@ def expected_located(
                 scaled = math.inf
             else:
                 scaled = worst / largest
+            # Bytes and bits counted with Python integers, element by element.
+            xor = [int(x) ^ int(y) for _, a, b in differing for x, y in zip(a.data, b.data)]
+            nonfinite = 0
+            if a0.dtype.is_floating_point:
+                for _, a, b in differing:
+                    size = a.dtype.itemsize
+                    for x_raw, y_raw in zip(a.data.reshape(-1, size), b.data.reshape(-1, size)):
+                        (x,), (y,) = values(x_raw, a.dtype), values(y_raw, a.dtype)
+                        nonfinite += math.isfinite(x) and not math.isfinite(y)
+            # The other producer slice (replica 0) whose cells at the position's tokens
+            # this consumer slice holds, byte for byte (zeros held are no other slice's).
+            holds = None
+            cells_held = [consumer[request_id, name, head, t, replica] for t in sorted(tokens)]
+            if replica == 0 and any(cell.data.any() for _, _, cell in differing):
+                producer_slices = sorted(
+                    {(n, h) for r, n, h, t, k in producer if r == request_id and k == 0}
+                )
+                for other in producer_slices:
+                    if other == (name, head):
+                        continue
+                    theirs = [producer.get((request_id, *other, t, 0)) for t in sorted(tokens)]
+                    span = {
+                        t
+                        for r, n, h, t, k in producer
+                        if (r, n, h, k) == (request_id, *other, 0) and lo <= t < hi
+                    }
+                    if span == set(tokens) and all(
+                        cell is not None and np.array_equal(cell.data, mine.data)
+                        for cell, mine in zip(theirs, cells_held)
+                    ):
+                        holds = other
+                        break
             entry = LocatedDifference(
                 position=position,
                 layer=name,
@@ -331,6 +363,11 @@ def expected_located(
                 replica=replica,
                 consumer_worker=b0.worker,
                 file=b0.file,
+                differing_bytes=sum(1 for value in xor if value),
+                differing_bits=sum(bin(value).count("1") for value in xor),
+                consumer_zeros=all(not b.data.any() for _, _, b in differing),
+                nonfinite=nonfinite,
+                holds=holds,
             )
             found.append(entry)
         found.sort(key=lambda e: (e.replica, ref.layer_number(e.layer), e.layer, e.head))

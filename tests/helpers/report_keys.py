@@ -5,6 +5,7 @@ from __future__ import annotations
 DIFF_KEYS = {
     "format",
     "ok",
+    "diagnosis",
     "positions",
     "unverified",
     "warnings",
@@ -22,4 +23,6 @@ GROUP_KEYS = {
     "positions",
     "located",
     "stale_sources",
+    "token_runs",
 }
+FINDING_KEYS = {"request", "group", "kind", "text", "positions", "tokens", "slices", "located"}

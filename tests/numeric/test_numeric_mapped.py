@@ -102,6 +102,7 @@ def assert_same(ours: NumericReport, theirs: NumericReport, *, exact: bool) -> N
     for rid in TOKENS:
         mine, other = ours.requests[rid].groups[0], theirs.requests[rid].groups[0]
         np.testing.assert_array_equal(mine.layer_tokens, other.layer_tokens)
+        np.testing.assert_array_equal(mine.layer_token_ratios, other.layer_token_ratios)
         assert len(mine.slices) == len(other.slices) == 3 * HEADS
         for item, that in zip(mine.slices, other.slices):
             if not exact:
@@ -242,4 +243,5 @@ def test_requests_compared_together_or_one_by_one_agree(
     for rid in counts:
         mine, other = together.requests[rid].groups[0], alone.requests[rid].groups[0]
         np.testing.assert_array_equal(mine.layer_tokens, other.layer_tokens)
+        np.testing.assert_array_equal(mine.layer_token_ratios, other.layer_token_ratios)
         assert mine.slices == other.slices

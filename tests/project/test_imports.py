@@ -40,6 +40,7 @@ LAYERS: list[list[str]] = [
     ["corrupt", "compare.sides", "compare.options"],
     ["compare.diff", "compare.received", "compare.stored"],
     ["compare.verify", "compare", "numeric"],
+    ["diagnosis"],
     ["formats", "report", "cli.progress"],
     ["distributed"],
     ["cli.exits", "cli.options", "cli.arguments", "cli.output"],

@@ -75,10 +75,11 @@ def test_dump_paths(sets: Path) -> None:
 def test_message_is_the_command_table(sets: Path) -> None:
     message = failure(sets / "producer", sets / "consumer-broken")
     result = CliRunner().invoke(
-        main, ["diff", str(sets / "producer"), str(sets / "consumer-broken")]
+        main, ["diff", str(sets / "producer"), str(sets / "consumer-broken"), "--all"]
     )
     assert result.exit_code == 1
-    # The same table, verdict and located differences; only the title line differs.
+    # The same diagnosis, table, verdict and located differences (every one, as --all
+    # lists them); only the title line differs.
     assert message.strip().splitlines()[1:] == result.stdout.strip().splitlines()[1:]
 
 

@@ -1,0 +1,195 @@
+"""The diagnosis's rules on located entries built by hand: each kind named from the
+evidence that defines it, each entry explained once, the most specific finding first.
+The same rules over real faults (injected as they happen, then diffed) are checked in
+``tests/compare/test_fault_corpus.py`` and ``tests/cli/test_diff_cli.py``."""
+
+from __future__ import annotations
+
+from kvaudit.compare import GroupComparison, LocatedDifference, StaleSource, TokenRun
+from kvaudit.diagnosis import diagnose_group, layer_text
+
+L = "model.layers.{}.self_attn.attn"
+
+
+def entry(position: int, layer: int, head: int, tokens: list[int], **fields) -> LocatedDifference:
+    values = {"max_abs_error": 1.0, "max_rel_error": 1.0, "scaled_error": 0.5}
+    values |= fields
+    return LocatedDifference(
+        position=position,
+        layer=L.format(layer),
+        head=head,
+        tokens=tokens,
+        first_byte=0,
+        differing_bytes=fields.pop("differing_bytes", 40),
+        differing_bits=fields.pop("differing_bits", 90),
+        **{k: v for k, v in values.items() if k not in ("differing_bytes", "differing_bits")},
+    )
+
+
+def group(located: list[LocatedDifference], compared: int = 8, **fields) -> GroupComparison:
+    positions = sorted({item.position for item in located if not item.replica})
+    return GroupComparison(
+        compared=compared,
+        mismatched_positions=fields.pop("mismatched", positions),
+        located=located,
+        block_size=16,
+        **fields,
+    )
+
+
+def kinds(found) -> list[str]:
+    return [finding.kind for finding in found]
+
+
+def test_a_head_swap_reads_as_one_line() -> None:
+    located = [
+        entry(p, layer, head, list(range(16 * p, 16 * p + 16)), holds=(L.format(layer), other))
+        for p in range(3)
+        for layer in range(4)
+        for head, other in ((1, 5), (5, 1))
+    ]
+    found = diagnose_group(group(located), 48)
+    assert kinds(found) == ["heads_exchanged"]
+    assert found[0].located == len(located) == 24
+    assert found[0].text == (
+        "consumer head 1 holds producer head 5, head 5 holds head 1, in "
+        "model.layers.{0-3}.self_attn.attn at positions 0-2"
+    )
+
+
+def test_layers_and_slices_exchanged_apart_from_heads() -> None:
+    located = [
+        entry(0, 1, 2, list(range(16)), holds=(L.format(2), 2)),
+        entry(0, 2, 2, list(range(16)), holds=(L.format(1), 2)),
+        entry(1, 3, 0, list(range(16, 32)), holds=(L.format(0), 7)),
+    ]
+    found = diagnose_group(group(located), 40)
+    assert kinds(found) == ["layers_exchanged", "slices_exchanged"]
+    assert "consumer model.layers.1.self_attn.attn holds producer model.layers.2" in found[0].text
+    assert f"consumer {L.format(3)} head 0 holds producer {L.format(0)} head 7" in found[1].text
+
+
+def test_a_stale_block_names_its_source_and_worker() -> None:
+    located = [
+        entry(4, layer, head, list(range(64, 80)), consumer_worker=(1, 0))
+        for layer in range(4)
+        for head in (2, 3)
+    ]
+    stale = {4: [StaleSource("req-short", 0, 0)]}
+    found = diagnose_group(group(located, stale_sources=stale), 100)
+    assert kinds(found) == ["stale_block"]
+    assert found[0].text.startswith("position 4 (tokens 64-79) holds req-short position 0 (")
+    assert "heads 2-3 of model.layers.{0-3}.self_attn.attn, consumer worker tp 1 pp 0" in (
+        found[0].text
+    )
+
+
+def test_tokens_of_another_request_and_untraced_tokens() -> None:
+    foreign = [entry(1, layer, 0, list(range(16, 22))) for layer in range(2)]
+    untraced = [entry(3, layer, 0, list(range(50, 53))) for layer in range(2)]
+    runs = [
+        TokenRun(1, 16, 6, (("req-b", 16),)),
+        TokenRun(3, 50, 3, ()),
+    ]
+    stale = {1: [], 3: []}
+    found = diagnose_group(group(foreign + untraced, stale_sources=stale, token_runs=runs), 100)
+    assert kinds(found) == ["foreign_tokens", "untraced"]
+    assert found[0].text.startswith("tokens 16-21 (position 1) hold req-b tokens 16-21")
+    assert found[1].text.startswith("tokens 50-52 (position 3) differ in head 0")
+    assert found[1].text.endswith("no producer slice holds these bytes")
+    assert [f.located for f in found] == [2, 2]
+
+
+def test_a_tail_is_the_request_end_in_every_slice() -> None:
+    # Tokens 85-99 of 100 differ in each of 3 slices: positions 5 and 6.
+    located = [
+        entry(p, layer, 0, [t for t in range(85, 100) if t // 16 == p], consumer_zeros=True)
+        for p in (5, 6)
+        for layer in range(3)
+    ]
+    found = diagnose_group(group(located, compared=7), 100)
+    assert kinds(found) == ["tail_not_written"]
+    assert found[0].text.startswith("tokens 85-99 of 100 differ in head 0 of ")
+    assert "and hold zeros" in found[0].text and "past token 84" in found[0].text
+
+
+def test_not_a_tail_when_a_slice_stops_short_or_every_block_differs() -> None:
+    short = [entry(5, 0, 0, list(range(85, 96))), entry(6, 0, 0, list(range(96, 99)))]
+    short += [entry(5, 1, 0, list(range(85, 96))), entry(6, 1, 0, list(range(96, 100)))]
+    assert "tail_not_written" not in kinds(diagnose_group(group(short, compared=7), 100))
+    # Both compared blocks differ from token 8 on: nothing was right before a tail.
+    late = [
+        entry(p, layer, 0, list(range(max(8, 16 * p), 16 * p + 16)))
+        for p in (0, 1)
+        for layer in (0, 1)
+    ]
+    assert "tail_not_written" not in kinds(diagnose_group(group(late, compared=2), 32))
+    assert "tail_not_written" in kinds(diagnose_group(group(late, compared=3), 32))
+
+
+def test_single_bit_and_byte_zeros_and_nan() -> None:
+    located = [
+        entry(0, 0, 1, [3], differing_bytes=1, differing_bits=1),
+        entry(0, 1, 1, [5], differing_bytes=1, differing_bits=3),
+        entry(1, 2, 0, list(range(16, 32)), consumer_zeros=True),
+        entry(2, 3, 0, [40, 41], nonfinite=2),
+    ]
+    found = diagnose_group(group(located, compared=8), 128)
+    assert kinds(found) == ["nonfinite", "zeros", "bit_flip", "byte_changed"]
+    assert found[0].text.startswith("2 consumer elements are NaN or infinite")
+    assert found[1].text.startswith("the consumer holds zeros at tokens 16-31 (position 1)")
+    assert (
+        found[2].text == f"{L.format(0)} head 1 token 3 (position 0), one bit of byte 0 of its cell"
+    )
+    assert found[3].text.startswith(f"{L.format(1)} head 1 token 5 (position 0), byte 0")
+
+
+def test_small_differences_everywhere_read_as_another_dtype() -> None:
+    located = [
+        entry(p, layer, head, list(range(16 * p, 16 * p + 16)), scaled_error=0.004)
+        for p in range(4)
+        for layer in range(2)
+        for head in range(2)
+    ]
+    found = diagnose_group(group(located, stale_sources={p: [] for p in range(4)}), 64)
+    assert kinds(found) == ["drift"]
+    assert "differ by at most 0.004 of their largest value" in found[0].text
+    assert "--numeric" in found[0].text
+    # One large error among them: not drift.
+    located[5] = entry(1, 0, 1, list(range(16, 32)), scaled_error=0.9)
+    assert "drift" not in kinds(diagnose_group(group(located), 64))
+
+
+def test_replicas_and_unlocated_blocks() -> None:
+    located = [entry(2, 0, 0, [33], replica=3, differing_bytes=1, differing_bits=1)]
+    g = group(located, mismatched=[2, 5], replica_mismatches=[(2, 4, 3)])
+    found = diagnose_group(g, 100)
+    assert kinds(found) == ["replica_differs", "differs"]
+    assert found[0].text.startswith(
+        "consumer replicas 4:3 differ from their replica 0 at position 2"
+    )
+    assert found[0].text.endswith("one bit of byte 0 of token 33's cell")
+    assert found[1].text == "blocks at positions 2, 5 differ (not located)"
+    assert sum(f.located for f in found) == 1
+
+
+def test_each_entry_is_explained_once() -> None:
+    located = [
+        entry(0, 0, 0, list(range(16)), holds=(L.format(0), 1)),
+        entry(1, 0, 0, list(range(16, 32)), consumer_zeros=True),
+        entry(2, 0, 0, [40], differing_bytes=1, differing_bits=1),
+        entry(3, 0, 0, [50, 51]),
+    ]
+    found = diagnose_group(group(located), 64)
+    assert kinds(found) == ["heads_exchanged", "zeros", "bit_flip", "differs"]
+    assert [f.positions for f in found] == [(0,), (1,), (2,), (3,)]
+    assert sum(f.located for f in found) == len(located)
+
+
+def test_layer_text() -> None:
+    assert layer_text([L.format(i) for i in (0, 1, 2, 3)]) == "model.layers.{0-3}.self_attn.attn"
+    assert layer_text([L.format(i) for i in (0, 2)]) == "model.layers.{0, 2}.self_attn.attn"
+    assert layer_text([L.format(1)]) == L.format(1)
+    every = [L.format(i) for i in range(4)]
+    assert layer_text(every, every) == "every layer"
+    assert layer_text(["a", "b", "c"]) == "a, b and 1 more layers"
