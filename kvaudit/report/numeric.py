@@ -60,7 +60,7 @@ def print_numeric(console: Console, report: NumericReport, title: str) -> None:
         title: The line printed first.
 
     """
-    console.print(title)
+    console.print(Text(title), soft_wrap=True)
     for (rid, gid), findings in diagnose_numeric(report).items():
         for finding in findings:
             console.print(Text(f"{rid} group {gid}: {finding.line}", style="red"), soft_wrap=True)
