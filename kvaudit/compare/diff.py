@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from ..core.errors import KvauditError
 from ..locate import locate_differences
 from ..sources import Source
-from ..sources.raw import RawWorker, fetched, fetches
+from ..sources.raw import FetchingWorker, RawWorker, fetched, fetches
 from .model import DiffReport
 from .options import DEFAULT_OPTIONS, CompareOptions
 from .records import compare_records
@@ -98,7 +98,7 @@ def diff_sources(
     options.judge(report)
     report.warnings = warnings
     if raw is not None:
-        group_shapes(report, raw[0] or raw[1])
+        group_shapes(report, [*raw[0], *raw[1]])
         locate_report(report, *raw, shared)
         remote = [side for side, workers in zip((producer, consumer), raw) if fetches(workers)]
         if remote:
@@ -115,23 +115,37 @@ def diff_sources(
     return report
 
 
-def group_shapes(report: DiffReport, workers: Sequence[RawWorker]) -> None:
+def group_shapes(report: DiffReport, workers: Sequence[RawWorker | FetchingWorker]) -> None:
     """Fill each group's ``layers`` (its viewed layers by layer number and name, aliases
     once) and ``heads`` (its global KV heads: past the last head any worker views) from
-    one side's workers; groups no worker views keep them empty."""
+    some workers' views; groups no worker views keep them empty, as do a running engine's
+    workers (fetched at the differing positions only: their views are not at hand)."""
+    shapes = viewed_shapes(workers)
+    for _, gid, group in report.groups():
+        if gid in shapes:
+            group.layers, group.heads = shapes[gid]
+
+
+def viewed_shapes(
+    workers: Sequence[RawWorker | FetchingWorker],
+) -> dict[int, tuple[list[str], int]]:
+    """Per group the workers view, its layer names (by layer number and name, aliases
+    once) and its global KV heads (past the last head any worker views)."""
     shapes: dict[int, tuple[dict[tuple[int, str], None], int]] = {}
     for worker in workers:
+        if isinstance(worker, FetchingWorker):
+            continue
         for gid, views in worker.array_views.items():
             names, heads = shapes.get(gid, ({}, 0))
             for view in views.views:
                 names[view.number, view.name] = None
                 heads = max(heads, view.first_head + view.heads)
             shapes[gid] = (names, heads)
-    for _, gid, group in report.groups():
-        if gid in shapes and shapes[gid][0]:
-            names, heads = shapes[gid]
-            group.layers = list(dict.fromkeys(name for _, name in sorted(names)))
-            group.heads = heads
+    return {
+        gid: (list(dict.fromkeys(name for _, name in sorted(names))), heads)
+        for gid, (names, heads) in shapes.items()
+        if names
+    }
 
 
 def _unread(producer: Source, consumer: Source, locate: bool | None) -> str:

@@ -380,19 +380,23 @@ token by token (tokens exchanged within a block)."""
 
 def untraced_runs(group: GroupComparison) -> list[TokenRun]:
     """The runs of consecutive differing tokens (replica 0) of each position that the
-    trace left without a source, not yet traced."""
+    trace left without a source, not yet traced: tokens whose cells differ in more than
+    a byte each and hold more than zeros."""
     runs = []
     for position, sources in sorted(group.stale_sources.items()):
         if sources:
             continue
-        tokens = sorted(
-            {
-                int(t)
-                for item in group.located
-                if item.position == position and item.replica == 0
-                for t in item.tokens
-            }
-        )
+        # Cells another token's bytes replaced differ in most of their bytes; a flipped bit
+        # or byte, or zeros, came from nowhere: nothing to look for.
+        moved = [
+            item
+            for item in group.located
+            if item.position == position
+            and item.replica == 0
+            and not item.consumer_zeros
+            and item.differing_bytes > len(item.tokens)
+        ]
+        tokens = sorted({int(t) for item in moved for t in item.tokens})
         start = 0
         for k in range(1, len(tokens) + 1):
             if k == len(tokens) or tokens[k] != tokens[k - 1] + 1:

@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 
 from ..compare import DiffReport
+from ..compare.diff import viewed_shapes
 from ..core.errors import KvauditError
 from ..dumps import Dump, open_dump, write_dump
 from ..locate import locate_differences
@@ -158,6 +159,9 @@ def locate_spread(
                     for side in (producer, consumer)
                 ]
                 if comm.place.rank == 0 and fetcher.error is None and not fetcher.skip:
+                    shape = viewed_shapes([*sides[0], *sides[1]]).get(gid)
+                    if shape is not None:
+                        group.layers, group.heads = shape
                     try:
                         located.extend(
                             locate_differences(
