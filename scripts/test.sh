@@ -42,3 +42,24 @@ python3 -m venv .venv-vllm
 .venv-vllm/bin/pip install -q --no-deps -e .
 .venv-vllm/bin/python -m pytest -q -o addopts="" tests/vllm
 # --- End of stage: vLLM ----------------------------------------------------------------
+
+# --- Stage: SGLang ---------------------------------------------------------------------
+# The SGLang tests against the real SGLang 0.5.23, in a virtual environment of its own:
+# SGLang with --no-deps, then the packages its modules import (requirements/
+# sglang-test.txt), under the constraint torch==2.13.0 so that nothing replaces the CPU
+# torch (SGLang 0.5.23 pins torch 2.14.1: pip warns of the pin). SGLang's Python classes
+# (KV pools and allocators, runtime context, disaggregation's bootstrap and transfer
+# queues, fake transfer backend, metadata buffers, plug-in hooks) run on the CPU; its CUDA
+# Adler-32 checksum kernel (KvChecksumComputer.compute), MLA set_kv_buffer's Triton
+# kernel, a whole Scheduler, any model forward and the Mooncake/NIXL transfer engines do
+# not. No torchvision imports on the CPU torch: tests/sglang/conftest.py puts an
+# import-only stand-in on sys.path (tests/sglang/shims/torchvision.py).
+# tests/sglang is left out of the main run (pyproject.toml addopts); here an import failure
+# of SGLang fails the run, never skips it.
+python3 -m venv .venv-sglang
+.venv-sglang/bin/pip install -q torch==2.13.0
+.venv-sglang/bin/pip install -q --no-deps sglang==0.5.23
+.venv-sglang/bin/pip install -q -c <(echo torch==2.13.0) -r requirements/sglang-test.txt
+.venv-sglang/bin/pip install -q --no-deps -e .
+.venv-sglang/bin/python -m pytest -q -o addopts="" tests/sglang
+# --- End of stage: SGLang --------------------------------------------------------------

@@ -2,8 +2,8 @@
 ``tests/helpers/`` (this folder is on ``sys.path`` while the tests run).
 
 Test modules live in a folder per package they test (``tests/checksum/`` for
-``kvaudit/checksum/``...), ``tests/project/`` for checks of the whole project, and
-``tests/vllm/`` for the vLLM stage."""
+``kvaudit/checksum/``...), ``tests/project/`` for checks of the whole project,
+``tests/vllm/`` for the vLLM stage and ``tests/sglang/`` for the SGLang stage."""
 
 from __future__ import annotations
 

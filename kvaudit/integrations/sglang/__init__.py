@@ -1,0 +1,38 @@
+"""kvaudit with SGLang: the cache description of an SGLang worker built from its own KV
+pool, the pool's tensors as kvaudit reads them, and a request's blocks from its
+``req_to_token`` row (docs/sglang.md).
+
+The names import SGLang (``describe``) when first asked for, so that importing this
+package alone needs no SGLang.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ...core.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from .describe import (
+        DEFAULT_LAYER_NAME,
+        HeadShard,
+        NotDescribable,
+        describe_sglang_cache,
+        request_blocks,
+        sglang_kv_heads,
+        sglang_layer_caches,
+        write_cache_yaml,
+    )
+
+__all__ = [
+    "DEFAULT_LAYER_NAME",
+    "HeadShard",
+    "NotDescribable",
+    "describe_sglang_cache",
+    "request_blocks",
+    "sglang_kv_heads",
+    "sglang_layer_caches",
+    "write_cache_yaml",
+]
+
+__getattr__ = lazy_exports(__name__, dict.fromkeys(__all__, ".describe"))
