@@ -506,7 +506,8 @@ def test_dumps_from_pools_and_kvaudit_diff_locate_the_fault(engines, tmp_path: P
 def test_write_cache_yaml(tmp_path: Path) -> None:
     worker = _mha_world(2, 1, 8, ORDER_PREFILL, junk=0)[1]
     path = tmp_path / "cache.yaml"
-    written = write_cache_yaml(path, worker.pool, tp_rank=1, tp_size=2, total_kv_heads=8)
+    raw = describe_sglang_cache(worker.pool, tp_rank=1, tp_size=2, total_kv_heads=8)
+    written = write_cache_yaml(path, raw)
     assert yaml.safe_load(path.read_text()) == written
     loaded = load_description(path)
     assert loaded == parse_description(worker.description(), str(path))

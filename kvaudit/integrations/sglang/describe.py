@@ -353,39 +353,23 @@ def request_blocks(
     return RequestBlocks(num_tokens=num_tokens, groups={group_id: (0, pages.tolist())})
 
 
-def write_cache_yaml(
-    path: str | os.PathLike[str],
-    pool: KVCache,
-    *,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    total_kv_heads: int | None = None,
-    names: LayerNames = DEFAULT_LAYER_NAME,
-) -> dict[str, Any]:
-    """Write the pool's description as a ``cache.yaml`` (``--config``) atomically.
+def write_cache_yaml(path: str | os.PathLike[str], raw: Mapping[str, Any]) -> dict[str, Any]:
+    """Write a description (``describe_sglang_cache``'s) as a ``cache.yaml`` (``--config``).
 
-    The description is validated (``parse_description``) and written in kvaudit's own
-    dict form (``description_to_dict``), keys in order.
+    The description is validated (``parse_description``) and written atomically in
+    kvaudit's own dict form (``description_to_dict``), keys in order.
 
     Args:
         path: The YAML file written (replaced atomically).
-        pool: The worker's pool, as for ``describe_sglang_cache``.
-        tp_rank: The worker's attention TP rank.
-        tp_size: The attention TP size.
-        total_kv_heads: The model's KV heads before TP.
-        names: The layer names, as for ``describe_sglang_cache``.
+        raw: The description dict, as ``describe_sglang_cache`` returns it.
 
     Returns:
         The dict written.
 
     Raises:
-        NotDescribable: A pool kvaudit does not describe.
         KvauditError: A description kvaudit refuses, or a file that cannot be written.
 
     """
-    raw = describe_sglang_cache(
-        pool, tp_rank=tp_rank, tp_size=tp_size, total_kv_heads=total_kv_heads, names=names
-    )
     data = description_to_dict(parse_description(raw, os.fspath(path)))
     text = yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
     with atomic_path(path) as temporary, open(temporary, "w", encoding="utf-8") as file:
