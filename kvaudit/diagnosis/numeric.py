@@ -90,12 +90,12 @@ def diagnose_numeric_group(group: GroupNumeric) -> list[Finding]:
         share = len(over) / max(1, len(group.slices))
         where = f"{_heads(over)} of {layer_text([i.layer for i in over], every)}"
         tokens = sorted({position for item in over for position, _ in item.worst})
-        at = f" at tokens {ranges(tokens)}" if len(tokens) > 1 else ""
-        at = f" at token {tokens[0]}" if len(tokens) == 1 else at
+        at = f", the worst at tokens {ranges(tokens)}" if len(tokens) > 1 else ""
+        at = f", the worst at token {tokens[0]}" if len(tokens) == 1 else at
         noun = "element" if elements == 1 else "elements"
         text = (
-            f"{len(over)} of {len(group.slices)} slices ({where}){at}, {elements} {noun}; "
-            f"the worst, {_place(worst)}: error {worst.max_abs_error:.3g}{_times(worst)}"
+            f"{len(over)} of {len(group.slices)} slices ({where}), {elements} {noun}{at}; "
+            f"the largest, {_place(worst)}: error {worst.max_abs_error:.3g}{_times(worst)}"
         )
         if share >= BROAD_SHARE and len(over) > 1:
             text += ": a gap everywhere, wider than the tolerance (another dtype or kernel?)"
