@@ -12,26 +12,37 @@ reference.py`` (the spec in plain numpy), never from kvaudit's output.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 import yaml
 from click.testing import CliRunner
-from helpers import reference as ref
-from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from helpers.sglang_worlds import (
+    DTYPE,
+    HEAD_DIM,
+    LAYERS,
+    LORA,
+    MHA_KV,
+    NAME,
+    ORDER_DECODE,
+    ORDER_PREFILL,
+    PAGE,
+    REPLICATED_KV,
+    ROPE,
+    Worker,
+    expected_mha,
+    expected_mla,
+    mha_world,
+    mla_world,
+    record_of,
+    totals,
+)
 from sglang.srt.mem_cache.memory_pool import (
     MHATokenToKVPool,
-    MLATokenToKVPool,
-    ReqToTokenPool,
 )
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
-from kvaudit import RequestBlocks, WorkerInfo
-from kvaudit.checksum.checksummer import Checksummer
 from kvaudit.cli import main
 from kvaudit.compare import compare_records
 from kvaudit.description import load_description, parse_description
@@ -44,260 +55,19 @@ from kvaudit.integrations.sglang import (
     sglang_layer_caches,
     write_cache_yaml,
 )
-from kvaudit.records.combining import combine_workers
-
-PAGE = 16
-LAYERS = 4
-HEAD_DIM = 8
-LORA, ROPE = 16, 8
-DTYPE = torch.bfloat16
-TOKENS = {"req-a": 37, "req-b": 21, "req-c": 50}  # none a multiple of the page size
-NAME = "model.layers.{i}.self_attn.attn"
-
-
-def _global_kv(heads: int, seed: int) -> dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
-    """Per request and global layer: K and V ``[tokens, global heads, head_dim]``."""
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        rid: {
-            layer: tuple(torch.randn(n, heads, HEAD_DIM, generator=gen).to(DTYPE) for _ in range(2))
-            for layer in range(LAYERS)
-        }
-        for rid, n in TOKENS.items()
-    }
-
-
-def _global_latent(seed: int) -> dict[str, dict[int, torch.Tensor]]:
-    """Per request and global layer: the MLA latent ``[tokens, kv_lora_rank + rope]``."""
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        rid: {
-            layer: torch.randn(n, LORA + ROPE, generator=gen).to(DTYPE) for layer in range(LAYERS)
-        }
-        for rid, n in TOKENS.items()
-    }
-
-
-MHA_KV = _global_kv(8, seed=1)
-REPLICATED_KV = _global_kv(2, seed=2)
-LATENT = _global_latent(3)
-
-
-@dataclass
-class Worker:
-    """One SGLang worker: its pool, allocator, request rows and ranks."""
-
-    pool: MHATokenToKVPool | MLATokenToKVPool
-    allocator: PagedTokenToKVPoolAllocator
-    req_to_token: ReqToTokenPool
-    tp_rank: int = 0
-    tp_size: int = 1
-    pp_rank: int = 0
-    pp_size: int = 1
-    total_kv_heads: int | None = None
-    rows: dict[str, int] = field(default_factory=dict)
-
-    def blocks(self, extra: int = 0) -> dict[str, RequestBlocks]:
-        """Each request's blocks from its req_to_token row (``extra`` decoded tokens)."""
-        table = self.req_to_token.req_to_token
-        return {
-            rid: request_blocks(table[row], TOKENS[rid] + extra, PAGE)
-            for rid, row in self.rows.items()
-        }
-
-    def description(self) -> dict:
-        return describe_sglang_cache(
-            self.pool,
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_size,
-            total_kv_heads=self.total_kv_heads,
-        )
-
-    def worker_info(self, role: str, engine: str) -> WorkerInfo:
-        return WorkerInfo(self.tp_rank, self.tp_size, self.pp_rank, self.pp_size, role, engine)
-
-
-def _allocate(workers: list[Worker], order: list[str], junk_pages: int, extra: int) -> None:
-    """Pages from each worker's own allocator: ``junk_pages`` first, then one page at a
-    time round-robin over the requests in ``order`` (so a request's pages are apart), and
-    a row of each worker's ReqToTokenPool per request."""
-    for worker in workers:
-        worker.allocator.alloc(junk_pages * PAGE)
-        needed = {rid: -(-(TOKENS[rid] + extra) // PAGE) for rid in order}
-        slots: dict[str, list[torch.Tensor]] = {rid: [] for rid in order}
-        while any(len(slots[rid]) < needed[rid] for rid in order):
-            for rid in order:
-                if len(slots[rid]) < needed[rid]:
-                    page = worker.allocator.alloc(PAGE)
-                    assert page is not None
-                    slots[rid].append(page)
-        for rid in order:
-            (row,) = worker.req_to_token.alloc_rows(1)
-            loc = torch.cat(slots[rid])[: TOKENS[rid] + extra]
-            worker.req_to_token.write((row, slice(0, loc.numel())), loc.to(torch.int32))
-            worker.rows[rid] = row
-
-
-def _mha_world(
-    tp_size: int, pp_size: int, total_heads: int, order: list[str], junk: int, extra: int = 0
-) -> list[Worker]:
-    """The workers of one engine with MHA pools, KV written through ``set_kv_buffer``."""
-    kv = MHA_KV if total_heads == 8 else REPLICATED_KV
-    per_stage = LAYERS // pp_size
-    workers = []
-    for pp_rank in range(pp_size):
-        for tp_rank in range(tp_size):
-            shard = sglang_kv_heads(tp_rank, tp_size, total_heads)
-            pool = MHATokenToKVPool(
-                size=PAGE * 24,
-                page_size=PAGE,
-                dtype=DTYPE,
-                head_num=shard.count,
-                head_dim=HEAD_DIM,
-                layer_num=per_stage,
-                device="cpu",
-                enable_memory_saver=False,
-                start_layer=pp_rank * per_stage,
-                end_layer=(pp_rank + 1) * per_stage,
-            )
-            allocator = PagedTokenToKVPoolAllocator(
-                size=PAGE * 24,
-                page_size=PAGE,
-                dtype=DTYPE,
-                device="cpu",
-                kvcache=pool,
-                need_sort=False,
-            )
-            r2t = ReqToTokenPool(
-                size=8, max_context_len=128, device="cpu", enable_memory_saver=False
-            )
-            workers.append(
-                Worker(pool, allocator, r2t, tp_rank, tp_size, pp_rank, pp_size, total_heads)
-            )
-    _allocate(workers, order, junk, extra)
-    for worker in workers:
-        heads = sglang_kv_heads(worker.tp_rank, tp_size, total_heads)
-        for rid, row in worker.rows.items():
-            n = TOKENS[rid]
-            loc = worker.req_to_token.req_to_token[row, :n].long()
-            for layer_id in range(worker.pool.start_layer, worker.pool.start_layer + per_stage):
-                k, v = kv[rid][layer_id]
-                part = slice(heads.first, heads.first + heads.count)
-                worker.pool.set_kv_buffer(
-                    SimpleNamespace(layer_id=layer_id), loc, k[:, part], v[:, part]
-                )
-                if extra:  # a decoded token after the prompt, never the prefill's
-                    slot = worker.req_to_token.req_to_token[row, n : n + extra].long()
-                    junk_kv = torch.full((extra, heads.count, HEAD_DIM), 7.0, dtype=DTYPE)
-                    worker.pool.set_kv_buffer(
-                        SimpleNamespace(layer_id=layer_id), slot, junk_kv, junk_kv
-                    )
-    return workers
-
-
-def _mla_world(tp_size: int, order: list[str], junk: int) -> list[Worker]:
-    """The workers of one engine with MLA pools (every rank the whole latent), written
-    into ``kv_buffer`` directly (MLA ``set_kv_buffer`` is a Triton kernel)."""
-    workers = []
-    for tp_rank in range(tp_size):
-        pool = MLATokenToKVPool(
-            size=PAGE * 24,
-            page_size=PAGE,
-            dtype=DTYPE,
-            kv_lora_rank=LORA,
-            qk_rope_head_dim=ROPE,
-            layer_num=LAYERS,
-            device="cpu",
-            enable_memory_saver=False,
-        )
-        allocator = PagedTokenToKVPoolAllocator(
-            size=PAGE * 24,
-            page_size=PAGE,
-            dtype=DTYPE,
-            device="cpu",
-            kvcache=pool,
-            need_sort=False,
-        )
-        r2t = ReqToTokenPool(size=8, max_context_len=128, device="cpu", enable_memory_saver=False)
-        workers.append(Worker(pool, allocator, r2t, tp_rank, tp_size))
-    _allocate(workers, order, junk, 0)
-    for worker in workers:
-        for rid, row in worker.rows.items():
-            loc = worker.req_to_token.req_to_token[row, : TOKENS[rid]].long()
-            for layer_id in range(LAYERS):
-                worker.pool.kv_buffer[layer_id][loc, 0] = LATENT[rid][layer_id]
-    return workers
-
-
-def _record(workers: list[Worker], role: str):
-    """The engine's record: each worker checksummed by kvaudit, the workers combined."""
-    records = []
-    for worker in workers:
-        description = parse_description(worker.description(), "sglang")
-        checksummer = Checksummer(
-            description,
-            sglang_layer_caches(worker.pool),
-            tp_rank=worker.tp_rank,
-            tp_size=worker.tp_size,
-            pp_rank=worker.pp_rank,
-            pp_size=worker.pp_size,
-            role=role,
-        )
-        assert checksummer.not_covered == {}
-        records.append(checksummer.checksum(worker.blocks()))
-    return combine_workers(records)
-
-
-def _totals(record) -> dict[str, list[int]]:
-    return {
-        rid: [int(x) for x in request.groups[0].totals()]
-        for rid, request in record.requests.items()
-    }
-
-
-def _cells(k: torch.Tensor, v: torch.Tensor | None = None) -> np.ndarray:
-    """A layer's cells ``[tokens, heads, bytes]``: the K row then the V row of each head."""
-    cell = k if v is None else torch.cat([k, v], dim=-1)
-    return cell.contiguous().view(torch.uint8).numpy()
-
-
-def _expected_mha(kv) -> dict[str, list[int]]:
-    """The spec's block checksums over the global KV written (tests/helpers/reference)."""
-    out = {}
-    for rid, n in TOKENS.items():
-        caches = tuple(
-            ref.Layer(NAME.format(i=layer), _cells(*kv[rid][layer])) for layer in range(LAYERS)
-        )
-        out[rid] = [int(x) for x in ref.total(ref.block_checksums(ref.Group(PAGE, caches), n))]
-    return out
-
-
-def _expected_mla() -> dict[str, list[int]]:
-    out = {}
-    for rid, n in TOKENS.items():
-        caches = tuple(
-            ref.Layer(NAME.format(i=layer), _cells(LATENT[rid][layer][:, None, :]))
-            for layer in range(LAYERS)
-        )
-        out[rid] = [int(x) for x in ref.total(ref.block_checksums(ref.Group(PAGE, caches), n))]
-    return out
-
-
-ORDER_PREFILL = ["req-a", "req-b", "req-c"]
-ORDER_DECODE = ["req-c", "req-a", "req-b"]
 
 
 @pytest.fixture(scope="module")
 def engines() -> dict[str, list[Worker]]:
     return {
-        "tp2": _mha_world(2, 1, 8, ORDER_PREFILL, junk=1),
-        "pp2": _mha_world(1, 2, 8, ORDER_DECODE, junk=3),
-        "decode": _mha_world(1, 1, 8, ORDER_DECODE, junk=5, extra=1),
+        "tp2": mha_world(2, 1, 8, ORDER_PREFILL, junk=1),
+        "pp2": mha_world(1, 2, 8, ORDER_DECODE, junk=3),
+        "decode": mha_world(1, 1, 8, ORDER_DECODE, junk=5, extra=1),
     }
 
 
 def test_description_from_real_pools() -> None:
-    (rank1,) = _mha_world(2, 1, 8, ORDER_PREFILL, junk=0)[1:]
+    (rank1,) = mha_world(2, 1, 8, ORDER_PREFILL, junk=0)[1:]
     description = rank1.description()
     assert description["num_blocks"] == 25  # 24 pages + padding page 0
     assert description["model_kv_heads"] == 8
@@ -324,7 +94,7 @@ def test_description_from_real_pools() -> None:
     assert torch.equal(k[slot // PAGE, slot % PAGE], MHA_KV["req-b"][2][0][20, 4:8])
 
     # PP: the second stage's names carry the global layer ids from start_layer.
-    stage1 = _mha_world(1, 2, 8, ORDER_PREFILL, junk=0)[1]
+    stage1 = mha_world(1, 2, 8, ORDER_PREFILL, junk=0)[1]
     layers = stage1.description()["groups"][0]["layers"]
     assert layers == [NAME.format(i=2), NAME.format(i=3)]
     names = {2: "model.layers.2.attn", 3: "model.layers.3.attn"}
@@ -346,7 +116,7 @@ def test_heads_as_sglang_places_them() -> None:
     assert [(s.first, s.count, s.replicas) for s in placed] == [(0, 1, 2)] * 2 + [(1, 1, 2)] * 2
     with pytest.raises(NotDescribable, match="do not divide TP size 4"):
         sglang_kv_heads(0, 4, 3)
-    pool = _mha_world(2, 1, 8, ORDER_PREFILL, junk=0)[0].pool
+    pool = mha_world(2, 1, 8, ORDER_PREFILL, junk=0)[0].pool
     with pytest.raises(NotDescribable, match="SGLang places 2 on rank 0 of 4"):
         describe_sglang_cache(pool, tp_rank=0, tp_size=4, total_kv_heads=8)
     with pytest.raises(NotDescribable, match="total_kv_heads is needed"):
@@ -390,11 +160,11 @@ def test_other_layouts_and_pools_are_refused(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_tp2_pp2_prefill_and_tp1_decode_agree_with_the_spec(engines) -> None:
-    expected = _expected_mha(MHA_KV)
+    expected = expected_mha(MHA_KV)
     assert [len(v) for v in expected.values()] == [3, 2, 4]
-    tp2 = _totals(_record(engines["tp2"], "producer"))
-    pp2 = _totals(_record(engines["pp2"], "producer"))
-    decode = _totals(_record(engines["decode"], "consumer"))
+    tp2 = totals(record_of(engines["tp2"], "producer"))
+    pp2 = totals(record_of(engines["pp2"], "producer"))
+    decode = totals(record_of(engines["decode"], "consumer"))
     assert tp2 == expected
     assert pp2 == expected
     assert decode == expected
@@ -406,46 +176,46 @@ def test_tp2_pp2_prefill_and_tp1_decode_agree_with_the_spec(engines) -> None:
 
 def test_replicated_heads_tp4_prefill_agrees_with_tp1_decode() -> None:
     # 2 KV heads over 4 TP ranks: each head on 2 ranks; the producer sends replica 0.
-    prefill = _mha_world(4, 1, 2, ORDER_PREFILL, junk=2)
+    prefill = mha_world(4, 1, 2, ORDER_PREFILL, junk=2)
     assert [w.pool.head_num for w in prefill] == [1, 1, 1, 1]
-    decode = _mha_world(1, 1, 2, ORDER_DECODE, junk=4)
-    expected = _expected_mha(REPLICATED_KV)
-    prefill_record = _record(prefill, "producer")
-    assert _totals(prefill_record) == expected
-    decode_record = _record(decode, "consumer")
-    assert _totals(decode_record) == expected
+    decode = mha_world(1, 1, 2, ORDER_DECODE, junk=4)
+    expected = expected_mha(REPLICATED_KV)
+    prefill_record = record_of(prefill, "producer")
+    assert totals(prefill_record) == expected
+    decode_record = record_of(decode, "consumer")
+    assert totals(decode_record) == expected
     assert compare_records(prefill_record, decode_record).ok
     # As a consumer too, every replica column equals replica 0's.
-    assert compare_records(decode_record, _record(prefill, "consumer")).ok
+    assert compare_records(decode_record, record_of(prefill, "consumer")).ok
 
 
 def test_mla_tp2_prefill_agrees_with_tp1_decode() -> None:
-    prefill = _mla_world(2, ORDER_PREFILL, junk=1)
-    decode = _mla_world(1, ORDER_DECODE, junk=3)
+    prefill = mla_world(2, ORDER_PREFILL, junk=1)
+    decode = mla_world(1, ORDER_DECODE, junk=3)
     description = prefill[1].description()
     assert description["groups"][0]["spec"]["type"] == "mla"
     assert description["groups"][0]["spec"]["head_size"] == LORA + ROPE
-    expected = _expected_mla()
-    assert _totals(_record(prefill, "producer")) == expected
-    assert _totals(_record(decode, "consumer")) == expected
+    expected = expected_mla()
+    assert totals(record_of(prefill, "producer")) == expected
+    assert totals(record_of(decode, "consumer")) == expected
 
 
 def test_planted_faults_are_found_at_their_block(engines) -> None:
-    prefill = _record(engines["tp2"], "producer")
+    prefill = record_of(engines["tp2"], "producer")
     # One token's cell of one head of one layer on a fresh decode.
-    decode = _mha_world(1, 1, 8, ORDER_DECODE, junk=5)
+    decode = mha_world(1, 1, 8, ORDER_DECODE, junk=5)
     (worker,) = decode
     slot = int(worker.req_to_token.req_to_token[worker.rows["req-b"], 19])
     worker.pool.k_buffer[2][slot, 5, 0] += 1.0
-    report = compare_records(prefill, _record(decode, "consumer"))
+    report = compare_records(prefill, record_of(decode, "consumer"))
     mismatched = {rid: list(g.mismatched_positions) for rid, _, g in report.groups()}
     assert mismatched == {"req-a": [], "req-b": [1], "req-c": []}  # token 19: page 1
     # A page of another request: req-a's third page holds req-c's first.
-    decode = _mha_world(1, 1, 8, ORDER_DECODE, junk=5)
+    decode = mha_world(1, 1, 8, ORDER_DECODE, junk=5)
     (worker,) = decode
     table = worker.req_to_token.req_to_token
     table[worker.rows["req-a"], 32:37] = table[worker.rows["req-c"], 0:5]
-    report = compare_records(prefill, _record(decode, "consumer"))
+    report = compare_records(prefill, record_of(decode, "consumer"))
     mismatched = {rid: list(g.mismatched_positions) for rid, _, g in report.groups()}
     assert mismatched == {"req-a": [2], "req-b": [], "req-c": []}
 
@@ -466,7 +236,7 @@ def _dump(workers: list[Worker], folder: Path, role: str, engine: str, extra: in
 def test_dumps_from_pools_and_kvaudit_diff_locate_the_fault(engines, tmp_path: Path) -> None:
     _dump(engines["tp2"], tmp_path / "prefill", "producer", "SGLang prefill")
     _dump(engines["pp2"], tmp_path / "prefill_pp", "producer", "SGLang prefill")
-    decode = _mha_world(1, 1, 8, ORDER_DECODE, junk=5, extra=1)
+    decode = mha_world(1, 1, 8, ORDER_DECODE, junk=5, extra=1)
     (worker,) = decode
     # The decode holds one decoded token past each prompt; the diff compares the prompt.
     _dump(decode, tmp_path / "decode", "consumer", "SGLang decode", extra=1)
@@ -504,7 +274,7 @@ def test_dumps_from_pools_and_kvaudit_diff_locate_the_fault(engines, tmp_path: P
 
 
 def test_write_cache_yaml(tmp_path: Path) -> None:
-    worker = _mha_world(2, 1, 8, ORDER_PREFILL, junk=0)[1]
+    worker = mha_world(2, 1, 8, ORDER_PREFILL, junk=0)[1]
     path = tmp_path / "cache.yaml"
     raw = describe_sglang_cache(worker.pool, tp_rank=1, tp_size=2, total_kv_heads=8)
     written = write_cache_yaml(path, raw)

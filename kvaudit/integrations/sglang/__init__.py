@@ -1,6 +1,7 @@
 """kvaudit with SGLang: the cache description of an SGLang worker built from its own KV
 pool, the pool's tensors as kvaudit reads them, and a request's blocks from its
-``req_to_token`` row (docs/sglang.md).
+``req_to_token`` row (``describe``); the pool served to ``live:`` clients (``live``)
+(docs/sglang.md).
 
 The names import SGLang (``describe``) when first asked for, so that importing this
 package alone needs no SGLang.
@@ -23,16 +24,24 @@ if TYPE_CHECKING:
         sglang_layer_caches,
         write_cache_yaml,
     )
+    from .live import HeldRequests, sglang_agent
 
 __all__ = [
     "DEFAULT_LAYER_NAME",
     "HeadShard",
+    "HeldRequests",
     "NotDescribable",
     "describe_sglang_cache",
     "request_blocks",
+    "sglang_agent",
     "sglang_kv_heads",
     "sglang_layer_caches",
     "write_cache_yaml",
 ]
 
-__getattr__ = lazy_exports(__name__, dict.fromkeys(__all__, ".describe"))
+_EXPORTS = {
+    **dict.fromkeys(__all__, ".describe"),
+    **dict.fromkeys(("HeldRequests", "sglang_agent"), ".live"),
+}
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -1,0 +1,117 @@
+"""An SGLang worker's KV pool served on a unix socket (``live:``), so that ``kvaudit diff
+live:PREFILL live:DECODE --request RID`` compares two running engines, or an engine with
+dumps (docs/live.md, docs/sglang.md).
+
+The agent is kvaudit's own (``kvaudit.live.Agent``): this module only hands it what an
+SGLang worker holds: the description of its pool (``describe_sglang_cache``), the pool's
+buffers viewed without copying (``sglang_layer_caches``) and, whenever a client asks,
+the requests in the cache now with their blocks read from their ``req_to_token`` rows.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from sglang.srt.mem_cache.memory_pool import KVCache, ReqToTokenPool
+
+from ...core.validation import Role
+from ...description import parse_description
+from ...live import Agent
+from ...views.inputs import RequestBlocks
+from .describe import (
+    DEFAULT_LAYER_NAME,
+    LayerNames,
+    describe_sglang_cache,
+    request_blocks,
+    sglang_layer_caches,
+)
+
+HeldRequests = Callable[[], Mapping[str, tuple[int, int]]]
+"""Returns the requests a worker's pool holds now: request id to ``(req_pool_idx, tokens
+held)``, the request's row of the ``ReqToTokenPool`` and how many of its tokens the pool
+holds (a prefill: the prompt's; a decode: the prompt's and those decoded so far)."""
+
+
+def sglang_agent(
+    path: str | os.PathLike[str],
+    pool: KVCache,
+    req_to_token_pool: ReqToTokenPool,
+    held: HeldRequests,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    total_kv_heads: int | None = None,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    role: Role = "consumer",
+    engine: str = "sglang",
+    names: LayerNames = DEFAULT_LAYER_NAME,
+    lock: threading.Lock | threading.RLock | None = None,
+    **options: Any,
+) -> Agent:
+    """An agent serving one SGLang worker's pool on ``path``.
+
+    Call it in the worker's scheduler process, once its pool exists. Without ``lock``
+    the agent answers in its ``poll()``, which the scheduler calls between steps; with
+    the lock the scheduler holds during each step, the agent answers on its own thread
+    while it holds it. Either way it reads the pool only between steps, never while a
+    forward or a transfer writes it.
+
+    Args:
+        path: The unix socket (``kvaudit.live.socket_path(engine, pp_rank, tp_rank)``
+            gives the conventional one: ``live:/run/kvaudit/ENGINE`` names every worker
+            of the engine).
+        pool: The worker's ``MHATokenToKVPool`` or ``MLATokenToKVPool``.
+        req_to_token_pool: The worker's ``ReqToTokenPool``.
+        held: The requests the pool holds now (``HeldRequests``), asked at each request.
+        tp_rank: The worker's attention TP rank.
+        tp_size: The attention TP size.
+        total_kv_heads: The model's KV heads before TP (MHA at TP > 1).
+        pp_rank: The worker's PP rank.
+        pp_size: The PP size.
+        role: ``producer`` (a prefill) or ``consumer`` (a decode).
+        engine: The engine's name, kept in records and dumps.
+        names: The layer names, as for ``describe_sglang_cache``.
+        lock: None to answer in ``poll()``; else the lock the scheduler holds during each
+            step.
+        **options: ``kvaudit.live.Agent``'s limits (``timeout``, ``wait_timeout``,
+            ``max_reply_bytes``, ...) and ``backend``.
+
+    Returns:
+        The agent, listening; ``close()`` it when the worker stops.
+
+    Raises:
+        NotDescribable: A pool kvaudit does not describe.
+        KvauditError: A description kvaudit refuses, or a socket that cannot be made.
+
+    """
+    raw = describe_sglang_cache(
+        pool, tp_rank=tp_rank, tp_size=tp_size, total_kv_heads=total_kv_heads, names=names
+    )
+    description = parse_description(raw, f"the SGLang pool of {engine} pp {pp_rank} tp {tp_rank}")
+    page_size = int(pool.page_size)
+
+    def block_tables() -> dict[str, RequestBlocks]:
+        table = req_to_token_pool.req_to_token
+        return {
+            request_id: request_blocks(table[row], tokens, page_size)
+            for request_id, (row, tokens) in held().items()
+        }
+
+    return Agent(
+        path,
+        description,
+        sglang_layer_caches(pool, names),
+        block_tables,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=pp_rank,
+        pp_size=pp_size,
+        role=role,
+        engine=engine,
+        lock=lock,
+        **options,
+    )
