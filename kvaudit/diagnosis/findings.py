@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from ..compare.model import DiffReport, GroupComparison, LocatedDifference, StaleSource
 from ..core.ranges import ranges
@@ -128,9 +128,22 @@ def layer_text(names: Sequence[str], every: Sequence[str] = ()) -> str:
     return shown if len(unique) <= 2 else f"{shown} and {len(unique) - 2} more layers"
 
 
+def heads_text(heads: Iterable[int]) -> str:
+    """``head 5`` or ``heads 2-3, 6``.
+
+    Args:
+        heads: The heads named (repeats once).
+
+    Returns:
+        The text.
+
+    """
+    unique = sorted(set(heads))
+    return f"head {unique[0]}" if len(unique) == 1 else f"heads {ranges(unique)}"
+
+
 def _heads(items: Sequence[LocatedDifference]) -> str:
-    heads = sorted({item.head for item in items})
-    return f"head {heads[0]}" if len(heads) == 1 else f"heads {ranges(heads)}"
+    return heads_text(item.head for item in items)
 
 
 def _where(items: Sequence[LocatedDifference], layers: Sequence[str] = ()) -> str:

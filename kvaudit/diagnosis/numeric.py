@@ -8,7 +8,7 @@ import math
 
 from ..core.ranges import ranges
 from ..numeric.model import GroupNumeric, NumericReport, SliceErrors
-from .findings import layer_text
+from .findings import heads_text, layer_text
 from .model import Finding
 
 BROAD_SHARE = 0.5
@@ -37,9 +37,7 @@ def diagnose_numeric(report: NumericReport) -> dict[tuple[str, int], list[Findin
 
 
 def _heads(items: list[SliceErrors]) -> str:
-
-    heads = sorted({item.head for item in items})
-    return f"head {heads[0]}" if len(heads) == 1 else f"heads {ranges(heads)}"
+    return heads_text(item.head for item in items)
 
 
 def _place(item: SliceErrors) -> str:

@@ -35,8 +35,19 @@ def element_errors(
     is 0 and the other is not); a NaN on one side only counts as an infinite error, NaN on
     both sides as none.
     """
+    max_abs, max_rel, _ = _differing_elements(reference, other, segments)
+    return max_abs, max_rel
+
+
+def _differing_elements(
+    reference: np.ndarray, other: np.ndarray, segments: Sequence[CellSegment]
+) -> tuple[float, float, int]:
+    """``element_errors``, and how many floating elements of ``other`` are NaN or
+    infinite where the same elements of ``reference`` are finite: each differing element
+    decoded once."""
     max_abs = 0.0
     max_rel = 0.0
+    nonfinite = 0
     for segment in segments:
         size = dtype_size(segment.dtype)
         a = np.ascontiguousarray(reference[:, segment.start : segment.end]).reshape(-1, size)
@@ -44,33 +55,15 @@ def element_errors(
         differ = (a != b).any(axis=1)
         if not differ.any():
             continue
-        abs_errors, rel_errors = _errors(a[differ], b[differ], segment.dtype)
+        abs_errors, rel_errors, count = _errors(a[differ], b[differ], segment.dtype)
         max_abs = max(max_abs, float(abs_errors.max()))
         max_rel = max(max_rel, float(rel_errors.max()))
-    return max_abs, max_rel
+        nonfinite += count
+    return max_abs, max_rel, nonfinite
 
 
 _BITS = np.array([bin(value).count("1") for value in range(256)], dtype=np.int64)
 """The set bits of each byte value."""
-
-
-def nonfinite_count(
-    reference: np.ndarray, other: np.ndarray, segments: Sequence[CellSegment]
-) -> int:
-    """The floating elements of uint8 cells ``other`` that are NaN or infinite where the
-    same elements of ``reference`` are finite."""
-    count = 0
-    for segment in segments:
-        if not segment.dtype.is_floating_point:
-            continue
-        size = dtype_size(segment.dtype)
-        a = np.ascontiguousarray(reference[:, segment.start : segment.end]).reshape(-1, size)
-        b = np.ascontiguousarray(other[:, segment.start : segment.end]).reshape(-1, size)
-        differ = (a != b).any(axis=1)
-        if differ.any():
-            x, y = _elements(a[differ], segment.dtype), _elements(b[differ], segment.dtype)
-            count += int((np.isfinite(x) & ~np.isfinite(y)).sum())
-    return count
 
 
 def largest_value(cells: np.ndarray, segments: Sequence[CellSegment]) -> float:
@@ -99,11 +92,14 @@ def scaled_error(max_abs: float, largest: float) -> float:
 
 def _errors(
     a: np.ndarray, b: np.ndarray, dtype: DType | torch.dtype
-) -> tuple[np.ndarray, np.ndarray]:
-    """Absolute and relative errors of elements given as their bytes ``[n, size]``."""
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Absolute and relative errors of elements given as their bytes ``[n, size]``, and
+    how many of ``b`` are NaN or infinite where those of ``a`` are finite."""
+    nonfinite = 0
     if dtype.is_floating_point:
         x = _elements(a, dtype)
         y = _elements(b, dtype)
+        nonfinite = int((np.isfinite(x) & ~np.isfinite(y)).sum())
         with np.errstate(invalid="ignore", over="ignore"):
             abs_errors = np.abs(x - y)
         one_nan = np.isnan(x) != np.isnan(y)
@@ -123,7 +119,7 @@ def _errors(
     rel_errors[infinite] = np.inf
     finite = nonzero & ~infinite
     rel_errors[finite] = abs_errors[finite] / reference[finite]
-    return abs_errors, rel_errors
+    return abs_errors, rel_errors, nonfinite
 
 
 def _elements(raw: np.ndarray, dtype: DType | torch.dtype) -> np.ndarray:
@@ -153,7 +149,7 @@ def _located_entry(
     rows = np.flatnonzero(differ.any(axis=1))
     if not len(rows):
         return None
-    max_abs, max_rel = element_errors(a[rows], b[rows], reference.segments)
+    max_abs, max_rel, nonfinite = _differing_elements(a[rows], b[rows], reference.segments)
     largest = largest_value(a, reference.segments)
     flipped = np.bitwise_xor(a[rows], b[rows])
     return LocatedDifference(
@@ -171,7 +167,7 @@ def _located_entry(
         differing_bytes=int(np.count_nonzero(flipped)),
         differing_bits=int(_BITS[flipped].sum()),
         consumer_zeros=not b[rows].any(),
-        nonfinite=nonfinite_count(a[rows], b[rows], reference.segments),
+        nonfinite=nonfinite,
     )
 
 
