@@ -10,7 +10,7 @@ A command's SOURCEs are one of (docs/cli.md):
   (``kvaudit.sources.handle_source``; ``live:FILE.py`` and ``live:module`` too);
 - running engines ``live:PATH``: a live agent's socket or a folder of them
   (``kvaudit.sources.socket_source``);
-- one output folder of kvaudit's vLLM connector (``kvaudit.sources.vllm_output_source``).
+- one output folder of an in-engine audit, vLLM or SGLang (``kvaudit.sources.output_folder_source``).
 
 In Python, ``ChecksummerSource`` wraps an engine's live ``Checksummer`` objects
 (``kvaudit.testing.LiveSide``).
@@ -18,7 +18,7 @@ In Python, ``ChecksummerSource`` wraps an engine's live ``Checksummer`` objects
 Modules: ``base`` (the ``Source`` interface, ``Runtime``), ``inventory`` (what ``inspect``
 shows), ``raw`` (the raw-KV protocol dumps and live tensors share, for checksumming and
 locating), ``registry`` (kinds by prefix or sniffing, objects by type), then one module per
-kind: ``record_source``, ``vllm_output_source``, ``dump_source`` (with ``dump_checksums``,
+kind: ``record_source``, ``output_folder_source``, ``dump_source`` (with ``dump_checksums``,
 the bounded-memory checksums of a dump set), ``handle_source``, ``socket_source``,
 ``checksummer_source``, and ``sniffing`` (how the built-in kinds are recognised). A new
 kind is one module and its ``register_kind`` line in ``registry`` (docs/architecture.md).
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from ..core.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from . import dump_source, handle_source, record_source, socket_source, vllm_output_source
+    from . import dump_source, handle_source, output_folder_source, record_source, socket_source
     from .base import Progress, Runtime, Source, resolve_device
     from .checksummer_source import ChecksummerSource
     from .dump_source import DumpSource
@@ -71,7 +71,7 @@ _EXPORTS = {
     "resolve_device": ".base",
     "socket_source": ".socket_source",
     "source_of": ".registry",
-    "vllm_output_source": ".vllm_output_source",
+    "output_folder_source": ".output_folder_source",
 }
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)
@@ -97,11 +97,11 @@ __all__ = [
     "handle_source",
     "load_record",
     "open_source",
+    "output_folder_source",
     "record_source",
     "register_kind",
     "register_object",
     "resolve_device",
     "socket_source",
     "source_of",
-    "vllm_output_source",
 ]

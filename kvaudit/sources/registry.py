@@ -227,7 +227,7 @@ _wrap.register(Sequence)(_paths)
 # The built-in kinds, tried in this order after those with a prefix (docs/cli.md, SOURCE).
 register_kind(SourceKind("record", ".record_source:open_records", sniff=is_record))
 register_kind(
-    SourceKind("vllm-output", ".vllm_output_source:open_output_folders", sniff=is_output_folder)
+    SourceKind("output", ".output_folder_source:open_output_folders", sniff=is_output_folder)
 )
 register_kind(SourceKind("dumps", ".dump_source:open_dumps"), fallback=True)
 register_kind(

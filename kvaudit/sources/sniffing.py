@@ -28,10 +28,10 @@ def is_record(name: str) -> bool:
 
 
 def is_output_folder(name: str) -> bool:
-    """A folder of kvaudit's vLLM connector (``kvaudit.integrations.vllm.output``)."""
+    """An in-engine audit's output folder (``kvaudit.integrations.output``)."""
     if not os.path.isdir(name):  # a dump file, the usual argument, needs no more
         return False
-    from ..integrations.vllm.output import is_output_folder as marked
+    from ..integrations.output import is_output_folder as marked
 
     return marked(name)
 

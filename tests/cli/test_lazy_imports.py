@@ -35,7 +35,7 @@ ELSEWHERE = (
     "kvaudit.sources.record_source",
     "kvaudit.sources.handle_source",
     "kvaudit.sources.socket_source",
-    "kvaudit.sources.vllm_output_source",
+    "kvaudit.sources.output_folder_source",
     "kvaudit.dumps.example_connector",
     "kvaudit.corrupt.result",
     "kvaudit.checksum.dump_staging",

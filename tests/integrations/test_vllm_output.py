@@ -17,9 +17,9 @@ from kvaudit.checksum.checksummer import Checksummer, RequestBlocks
 from kvaudit.cli import main
 from kvaudit.core.errors import KvauditError
 from kvaudit.description import parse_description
+from kvaudit.integrations.output import read_output_folder
 from kvaudit.integrations.vllm.config import AuditConfig, parse_config
 from kvaudit.integrations.vllm.jobs import AuditJob, AuditStep
-from kvaudit.integrations.vllm.output import read_output_folder
 from kvaudit.integrations.vllm.scheduler import SchedulerAudit
 from kvaudit.integrations.vllm.worker import WorkerAudit
 from kvaudit.records import WorkerInfo
@@ -121,8 +121,26 @@ def test_checksum_and_diff_read_output_folders(tmp_path: Path) -> None:
     assert report["requests"]["r2"]["groups"]["0"]["mismatched_positions"] == []
 
 
+def test_folders_of_earlier_versions_still_read(tmp_path: Path) -> None:
+    # Before the SGLang hooks shared the format, the connector marked its folder
+    # kvaudit-vllm.json and named its lines kvaudit.vllm-checksums/1.
+    _, requests = engine(tmp_path, "prefill")
+    folder = tmp_path / "prefill"
+    marker = json.loads((folder / "kvaudit-output.json").read_text())
+    assert marker == {"format": "kvaudit.engine-output/1", "engine": "vllm"}
+    (folder / "kvaudit-output.json").unlink()
+    (folder / "kvaudit-vllm.json").write_text('{"format": "kvaudit.vllm-output/1"}')
+    for path in folder.glob("workers/*/checksums.jsonl"):
+        path.write_text(path.read_text().replace("kvaudit.engine-checksums/1",
+                                                 "kvaudit.vllm-checksums/1"))  # fmt: skip
+    record = read_output_folder(folder)
+    for rid, n in TOKENS.items():
+        want = ref.total(ref.block_checksums(kb.reference_group(MODEL, 0, requests[rid], 2), n))
+        np.testing.assert_array_equal(record.requests[rid].groups[0].totals(), want)
+
+
 def test_unreadable_output_folders_are_one_line_errors(tmp_path: Path) -> None:
-    with pytest.raises(KvauditError, match="not a kvaudit vLLM output folder"):
+    with pytest.raises(KvauditError, match="not a kvaudit output folder"):
         read_output_folder(tmp_path)
     engine(tmp_path, "prefill", tp_size=1)
     path = tmp_path / "prefill" / "workers" / "pp0-tp0" / "checksums.jsonl"

@@ -23,7 +23,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvaudit import RequestBlocks
 from kvaudit.description import load_description
-from kvaudit.integrations.vllm.output import read_output_folder
+from kvaudit.integrations.output import read_output_folder
 from kvaudit.records.wire import decode_wire_base64
 
 Plant = Callable[[h.Engine, SchedulerOutput], None]

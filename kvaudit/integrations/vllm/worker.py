@@ -25,7 +25,7 @@ from ...dumps import write_dump
 from ...live import Agent
 from ...records import WorkerInfo
 from ...views import LayerTensor
-from . import output
+from .. import output
 from .config import AuditConfig
 from .jobs import CONSUMER, PRODUCER, AuditJob, AuditStep, WorkerPartials
 

@@ -1,15 +1,18 @@
-"""The connector's output folder: the engine's cache descriptions, every audited request's
-per-worker checksums (appended as JSON lines) and its dumps; read back as one record.
+"""An in-engine audit's output folder (kvaudit's vLLM connector, its SGLang hooks): the
+engine's cache descriptions, every audited request's per-worker checksums (appended as
+JSON lines) and its dumps; read back as one record.
 
-Layout (docs/vllm.md)::
+Layout (docs/vllm.md, docs/sglang.md)::
 
-    OUTPUT/kvaudit-vllm.json                    marks the folder
+    OUTPUT/kvaudit-output.json                  marks the folder (the engine that wrote it)
     OUTPUT/cache.yaml                           the description (one PP stage: TP rank 0's)
     OUTPUT/workers/pp{P}-tp{T}/cache.yaml       each worker's description
     OUTPUT/workers/pp{P}-tp{T}/checksums.jsonl  one line per audited request
     OUTPUT/dumps/{request}/pp{P}-tp{T}.safetensors   a dump set per dumped request
 
-This module does not import vLLM: ``kvaudit`` reads the folder anywhere.
+This module imports no engine: ``kvaudit`` reads the folder anywhere. Folders written before
+the format was shared (marked ``kvaudit-vllm.json``, lines ``kvaudit.vllm-checksums/1``)
+are read as well.
 """
 
 from __future__ import annotations
@@ -23,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from ...core.errors import KvauditError
-from ...core.files import atomic_path
-from ...core.scheme import from_hex, to_hex
-from ...core.validation import unique_keys
-from ...records import (
+from ..core.errors import KvauditError
+from ..core.files import atomic_path
+from ..core.scheme import from_hex, to_hex
+from ..core.validation import unique_keys
+from ..records import (
     GroupChecksums,
     Record,
     RequestChecksums,
@@ -36,9 +39,12 @@ from ...records import (
     combine_workers,
 )
 
-MARKER = "kvaudit-vllm.json"
-FORMAT = "kvaudit.vllm-output/1"
-LINE_FORMAT = "kvaudit.vllm-checksums/1"
+MARKER = "kvaudit-output.json"
+FORMAT = "kvaudit.engine-output/1"
+LINE_FORMAT = "kvaudit.engine-checksums/1"
+LEGACY_MARKER = "kvaudit-vllm.json"
+"""The marker of folders the vLLM connector wrote before the format was shared."""
+LINE_FORMATS = (LINE_FORMAT, "kvaudit.vllm-checksums/1")
 _WORKER_DIR = re.compile(r"pp(\d+)-tp(\d+)")
 
 
@@ -64,15 +70,18 @@ def _write_whole(path: Path, data: bytes) -> None:
 
 
 def is_output_folder(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a connector's output folder."""
-    return (Path(path) / MARKER).is_file()
+    """Whether ``path`` is an in-engine audit's output folder."""
+    return (Path(path) / MARKER).is_file() or (Path(path) / LEGACY_MARKER).is_file()
 
 
 def write_description(
-    output: str | os.PathLike[str], description: Mapping[str, Any], worker: WorkerInfo
+    output: str | os.PathLike[str],
+    description: Mapping[str, Any],
+    worker: WorkerInfo,
+    engine: str = "vllm",
 ) -> None:
     """Write the worker's ``cache.yaml`` (and the folder's, for TP rank 0 of a one-stage
-    engine), and mark the folder."""
+    engine), and mark the folder as written by ``engine`` (``vllm``, ``sglang``)."""
     folder = worker_folder(output, worker.pp_rank, worker.tp_rank)
     folder.mkdir(parents=True, exist_ok=True)
     import yaml  # only the connector writes YAML; readers of the folder never import it
@@ -81,7 +90,7 @@ def write_description(
     _write_whole(folder / "cache.yaml", text)
     if worker.pp_size == 1 and worker.tp_rank == 0:
         _write_whole(Path(output) / "cache.yaml", text)
-    marker = json.dumps({"format": FORMAT}).encode("utf-8")
+    marker = json.dumps({"format": FORMAT, "engine": engine}).encode("utf-8")
     _write_whole(Path(output) / MARKER, marker)
 
 
@@ -140,7 +149,7 @@ def read_output_folder(path: str | os.PathLike[str], role: str | None = None) ->
     """
     folder = Path(path)
     if not is_output_folder(folder):
-        raise KvauditError(f"not a kvaudit vLLM output folder (no {MARKER})", str(folder))
+        raise KvauditError(f"not a kvaudit output folder (no {MARKER})", str(folder))
     workers = sorted(
         p
         for p in (folder / "workers").glob("*/checksums.jsonl")
@@ -163,7 +172,7 @@ def _read_worker(path: Path, role: str | None) -> WorkerRecord | None:
             where = f"{path}: line {number}"
             try:
                 line = json.loads(text, object_pairs_hook=unique_keys)
-                if line.get("format") != LINE_FORMAT:
+                if line.get("format") not in LINE_FORMATS:
                     raise KvauditError(f"format is not {LINE_FORMAT}", where)
                 if role is not None and line["role"] != role:
                     continue
