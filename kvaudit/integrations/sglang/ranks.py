@@ -1,0 +1,170 @@
+"""One SGLang rank's part of kvaudit's checksum of a request's tokens, and its sum over
+the ranks of a process group: what the inline hooks (``inline``) compute on both sides of
+a transfer. Imports SGLang (through ``describe``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...description import parse_description
+from ...records import WorkerInfo, WorkerRecord
+from ...views.inputs import RequestBlocks
+from .carried import MOD64, content_signature
+from .describe import (
+    DEFAULT_LAYER_NAME,
+    NotDescribable,
+    describe_sglang_cache,
+    layer_ids,
+    request_blocks,
+    sglang_layer_caches,
+)
+
+PRODUCER, CONSUMER = "producer", "consumer"
+ENGINES = {PRODUCER: "SGLang prefill", CONSUMER: "SGLang decode"}
+LayerSpan = tuple[int, int]
+"""Global SGLang layer ids ``first .. end - 1``."""
+
+
+class RankChecksummer:
+    """kvaudit's checksummer over some layers (default: all) of one rank's SGLang pool,
+    with their ``content_signature``."""
+
+    def __init__(
+        self,
+        pool: Any,
+        *,
+        tp_rank: int,
+        tp_size: int,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        total_kv_heads: int | None,
+        role: str,
+        names: Any = DEFAULT_LAYER_NAME,
+        layers: LayerSpan | None = None,
+    ) -> None:
+        from ...checksum.checksummer import Checksummer
+
+        raw = describe_sglang_cache(
+            pool, tp_rank=tp_rank, tp_size=tp_size, total_kv_heads=total_kv_heads, names=names
+        )
+        ids = layer_ids(pool)
+        held = (ids[0], ids[-1] + 1)
+        span = held if layers is None else (int(layers[0]), int(layers[1]))
+        if not held[0] <= span[0] < span[1] <= held[1]:
+            raise NotDescribable(
+                f"layers {span[0]}..{span[1] - 1} are not all on this rank "
+                f"(it holds {held[0]}..{held[1] - 1})"
+            )
+        caches = sglang_layer_caches(pool, names)
+        if span != held:
+            (group,) = raw["groups"]
+            chosen = [
+                name for i, name in zip(ids, group["layers"], strict=True) if span[0] <= i < span[1]
+            ]
+            raw = {**raw, "groups": [{**group, "layers": chosen}]}
+            caches = {name: caches[name] for name in chosen}
+        self.raw = raw
+        self.description = parse_description(raw, "sglang")
+        self.tensors = caches
+        self.page_size = int(pool.page_size)
+        self.layers = span
+        self.signature = content_signature(raw)
+        self.worker = WorkerInfo(tp_rank, tp_size, pp_rank, pp_size, role, ENGINES[role])
+        self.checksummer = Checksummer(
+            self.description,
+            caches,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+            role=role,
+            engine=ENGINES[role],
+        )
+        if self.checksummer.not_covered:
+            raise NotDescribable(
+                f"kvaudit cannot checksum the pool: {self.checksummer.not_covered}"
+            )
+
+    def range_blocks(self, row: torch.Tensor, first: int, end: int) -> RequestBlocks:
+        """The blocks of tokens ``first .. end - 1`` of a request whose ``req_to_token``
+        row is ``row``.
+
+        Raises:
+            NotDescribable: A range not on a page boundary, or slots not where the pages
+                put them.
+
+        """
+        page = self.page_size
+        if first % page:
+            raise NotDescribable(f"the range starts at token {first}, not a {page}-token page")
+        part = request_blocks(row[first:end], end - first, page)
+        return RequestBlocks(num_tokens=end, groups={0: (first // page, part.groups[0][1])})
+
+    def range_record(self, request: str, blocks: RequestBlocks) -> WorkerRecord:
+        """This rank's per-block checksums of the request's ``blocks``."""
+        return self.checksummer.checksum({request: blocks})
+
+
+def block_sums(record: WorkerRecord, request: str) -> tuple[int, int]:
+    """A rank's part of the request's checksum summed over its blocks, and its replica
+    residual.
+
+    The total is the sum over the blocks of the replica-0 columns. The residual is the sum
+    of the other replicas' columns minus ``R - 1`` times the replica-0 columns: summed over
+    the ranks it is 0 when every replica holds the same KV (always 0 for a producer, which
+    checksums replica 0 only).
+
+    Args:
+        record: The rank's record of the request (``RankChecksummer.range_record``).
+        request: The request.
+
+    Returns:
+        ``(total, residual)``, each mod 2**64.
+
+    """
+    checksums = record.requests[request].groups[0]
+    columns = checksums.values.sum(axis=0, dtype="uint64").tolist()
+    total = residual = 0
+    for (replicas, index), value in zip(checksums.replica_keys, columns, strict=True):
+        if index == 0:
+            total += int(value)
+            residual -= (replicas - 1) * int(value)
+        else:
+            residual += int(value)
+    return total % MOD64, residual % MOD64
+
+
+def gather_ranks(rows: list[list[int]], group: Any) -> list[list[list[int]]]:
+    """Every rank's ``rows`` (all ranks pass the same shape, values in ``0 .. 2**64 -
+    1``), by one all-gather of int64 (two's complement) over a CPU (gloo) group.
+
+    Args:
+        rows: This rank's values.
+        group: A CPU process group, or None for this rank alone.
+
+    Returns:
+        Per rank of the group, its rows (values in ``0 .. 2**64 - 1``), the same on
+        every rank.
+
+    """
+    if not rows or group is None or dist.get_world_size(group) == 1:
+        return [[[v % MOD64 for v in row] for row in rows]]
+    signed = [[v - MOD64 if v >= 1 << 63 else v for v in row] for row in rows]
+    mine = torch.tensor(signed, dtype=torch.int64)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    return [[[v % MOD64 for v in row] for row in part.tolist()] for part in gathered]
+
+
+def group_sums(rows: list[list[int]], group: Any) -> list[list[int]]:
+    """Per entry, the sum mod 2**64 over the group's ranks of every rank's ``rows``
+    (``gather_ranks``)."""
+    parts = gather_ranks(rows, group)
+    return [
+        [sum(part[i][j] for part in parts) % MOD64 for j in range(len(row))]
+        for i, row in enumerate(rows)
+    ]
