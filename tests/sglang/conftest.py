@@ -7,7 +7,8 @@ installed, ``shims/`` (an import-only stand-in, see ``shims/torchvision.py``) go
 ``sys.path`` before anything imports SGLang.
 
 Shared fixtures: ``sglang_context`` (SGLang's published server args, parallel ranks and
-device for one test) and ``gloo_group`` (a one-rank CPU process group).
+device for one test), ``gloo_group`` (a one-rank CPU process group) and ``hooks``
+(kvaudit's inline hooks installed through SGLang's ``HookRegistry`` for one test).
 """
 
 from __future__ import annotations
@@ -84,3 +85,37 @@ def gloo_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield dist.new_group([0], backend="gloo")
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def hooks() -> Iterator[None]:
+    """kvaudit's hooks installed in this process through ``HookRegistry``; the original
+    methods restored afterwards."""
+    from helpers.sglang_transfer import register_inline
+    from sglang.srt.disaggregation.decode import (
+        DecodeTransferQueue,
+        SchedulerDisaggregationDecodeMixin,
+    )
+    from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from kvaudit.integrations.sglang import inline
+
+    saved = {
+        (cls, name): cls.__dict__[name]
+        for cls, name in (
+            (SchedulerDisaggregationPrefillMixin, "send_kv_chunk"),
+            (DecodeTransferQueue, "_commit_transfer_to_req"),
+            (SchedulerDisaggregationDecodeMixin, "_verify_kv_checksums"),
+        )
+    }
+    HookRegistry.reset()
+    register_inline()
+    HookRegistry.apply_hooks()
+    inline.reset_inline_stats()
+    try:
+        yield
+    finally:
+        for (cls, name), original in saved.items():
+            setattr(cls, name, original)
+        HookRegistry.reset()

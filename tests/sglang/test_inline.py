@@ -46,11 +46,6 @@ from helpers.sglang_transfer import (
     register_inline,
     row_words,
 )
-from sglang.srt.disaggregation.decode import (
-    DecodeTransferQueue,
-    SchedulerDisaggregationDecodeMixin,
-)
-from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
 from sglang.srt.plugins.hook_registry import HookRegistry
 
 from kvaudit.integrations.sglang import carried, inline
@@ -65,30 +60,6 @@ def prefill(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("prefill")
     mp.spawn(prefill_rank, args=(str(out / "init"), str(out)), nprocs=2, join=True)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-
-
-@pytest.fixture
-def hooks():
-    """kvaudit's hooks installed in this process through ``HookRegistry``; the original
-    methods restored afterwards."""
-    saved = {
-        (cls, name): cls.__dict__[name]
-        for cls, name in (
-            (SchedulerDisaggregationPrefillMixin, "send_kv_chunk"),
-            (DecodeTransferQueue, "_commit_transfer_to_req"),
-            (SchedulerDisaggregationDecodeMixin, "_verify_kv_checksums"),
-        )
-    }
-    HookRegistry.reset()
-    register_inline()
-    HookRegistry.apply_hooks()
-    inline.reset_inline_stats()
-    try:
-        yield
-    finally:
-        for (cls, name), original in saved.items():
-            setattr(cls, name, original)
-        HookRegistry.reset()
 
 
 @pytest.fixture
