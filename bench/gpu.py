@@ -26,7 +26,10 @@ On one CUDA GPU, in one run of a few minutes (docs/gpu.md):
 4. (h) The vLLM connector's per-step overhead for one ``--request-tokens`` producer
    request (bench/vllm_overhead.py: side stream and asynchronous host copy, steps with
    and without the audit back to back).
-5. Live caches (bench/live_gpu.py): toy engines with CUDA tensors behind live agents,
+5. (i) kvaudit's SGLang inline check for one ``--request-tokens`` request on a TP=2 rank
+   of SGLang-shaped pool buffers (bench/sglang_inline.py: the checksum of the request's
+   pages against a gather of the same pages; SGLang itself is not needed).
+6. Live caches (bench/live_gpu.py): toy engines with CUDA tensors behind live agents,
    read, dumped and compared through the command line (``--skip-live`` leaves it out).
 
 It stays under 10 minutes on an H200 (the tests are stopped after 300 s). A part that
@@ -453,6 +456,15 @@ def vllm_overhead(request_tokens: int) -> bool:
     return True
 
 
+def sglang_inline(request_tokens: int) -> bool:
+    """(i) The SGLang inline check's cost for one request, printed; True if (a) repeats."""
+    from sglang_inline import measure, report
+
+    result = measure(DEVICE, request_tokens, tp=2, page_size=16)
+    print("\n" + report(result, DEVICE, request_tokens, 2, 16), flush=True)
+    return bool(result["agree"])
+
+
 def stage(name: str, run: Callable[[], bool]) -> bool:
     """Runs one part of the script; an exception there is printed and counts as a failed
     check, and the parts after it still run (the script is often run once, on a lent GPU)."""
@@ -510,6 +522,7 @@ def main() -> int:
     if not args.skip_dump:
         ok = stage("dump", lambda: bench_dump(args.dump_gib)) and ok
     ok = stage("vLLM overhead", lambda: vllm_overhead(args.request_tokens)) and ok
+    ok = stage("SGLang inline", lambda: sglang_inline(args.request_tokens)) and ok
     if not args.skip_live:
         from live_gpu import check_live
 
