@@ -25,6 +25,8 @@ import pytest
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
+# The CPU prefill/decode world of docs/sglang.md's walk-through, driven by the tests.
+sys.path.insert(0, str(HERE.parent.parent / "examples" / "sglang_cpu"))
 if importlib.util.find_spec("torchvision") is None:
     sys.path.insert(0, str(HERE / "shims"))
 
@@ -91,7 +93,7 @@ def gloo_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 def hooks() -> Iterator[None]:
     """kvaudit's hooks installed in this process through ``HookRegistry``; the original
     methods restored afterwards."""
-    from helpers.sglang_transfer import register_inline
+    from pd_world import register_inline
     from sglang.srt.disaggregation.decode import (
         DecodeTransferQueue,
         SchedulerDisaggregationDecodeMixin,

@@ -37,11 +37,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from helpers.sglang_transfer import (
+from helpers.sglang_expected import expected_sum
+from pd_world import (
     PAGE,
     REQUESTS,
     Decode,
-    expected_sum,
     prefill_rank,
     register_inline,
     row_words,

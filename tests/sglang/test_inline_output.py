@@ -20,7 +20,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from helpers import reference as ref
-from helpers.sglang_transfer import (
+from pd_world import (
     CHANGED,
     NAME,
     REQUESTS,

@@ -20,12 +20,12 @@ from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
-from helpers.sglang_transfer import (
+from helpers.sglang_expected import expected_sum
+from pd_world import (
     CHANGED,
     LAYERS,
     REQUESTS,
     Decode,
-    expected_sum,
     prefill_rank,
     register_inline,
     row_words,

@@ -1,11 +1,14 @@
 """A prefill/decode transfer through SGLang 0.5.23's own disaggregation code on the CPU,
-for the SGLang stage's inline tests (tests/sglang/test_inline*.py): each rank's real pool,
+for docs/sglang.md's walk-through (``walkthrough.py``) and the SGLang stage's inline tests
+(tests/sglang/test_inline*.py), which drive it: each rank's real pool,
 allocator, request rows and metadata buffers (``World``), a prefill rank's real
 ``send_kv_chunk`` of every request's last chunk (``prefill_rank``, a spawned process), the
 aux rows moved as a transfer backend moves them (``aux_rows``, ``receive_aux``), and a
-decode rank's real ``DecodeTransferQueue`` and checks (``Decode``). What is real and what
-stands in is listed in tests/sglang/test_inline.py's docstring. Imports SGLang: only the
-SGLang stage imports this module.
+decode rank's real ``DecodeTransferQueue`` and checks (``Decode``). A whole SGLang
+scheduler does not run on the CPU: the scheduler is a plain object holding what these
+real methods read, SGLang's CUDA Adler-32 digest is zlib's, and the metadata rows are
+copied as Mooncake's ``send_aux`` copies them (tests/sglang/test_inline.py's docstring
+lists every stand-in). Imports SGLang: run it in the SGLang environment.
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.plugins.hook_registry import HookRegistry
 
-from helpers import reference as ref
 from kvaudit.integrations.sglang import inline, sglang_kv_heads
 
 PAGE = 16
@@ -416,21 +418,6 @@ class Decode:
         )
         SchedulerDisaggregationDecodeMixin._verify_kv_checksums(self.sched, batch)
         return batch.reqs
-
-
-def expected_sum(rid: str, first: int, span: tuple[int, int] = (0, LAYERS)) -> int:
-    """The spec's sum over the blocks from ``first`` of the request's global KV, over the
-    layers of ``span`` (default: all)."""
-    n = REQUESTS[rid][0]
-    layers = tuple(
-        ref.Layer(
-            NAME.format(i=layer), torch.cat(kv, dim=-1).contiguous().view(torch.uint8).numpy()
-        )
-        for layer, kv in kv_of(rid).items()
-        if span[0] <= layer < span[1]
-    )
-    totals = ref.total(ref.block_checksums(ref.Group(PAGE, layers), n, start=first // PAGE))
-    return int(totals.sum(dtype=np.uint64))
 
 
 def row_words(prefill: list[dict], rid: str, rank: int = 1) -> list[int]:
