@@ -52,7 +52,8 @@ python3 -m venv .venv-vllm
 # queues, fake transfer backend, metadata buffers, plug-in hooks) run on the CPU; its CUDA
 # Adler-32 checksum kernel (KvChecksumComputer.compute), MLA set_kv_buffer's Triton
 # kernel, a whole Scheduler, any model forward and the Mooncake/NIXL transfer engines do
-# not. No torchvision imports on the CPU torch: tests/sglang/conftest.py puts an
+# not. The walk-through of docs/sglang.md (examples/sglang_cpu/walkthrough.py) runs among
+# the tests. No torchvision imports on the CPU torch: tests/sglang/conftest.py puts an
 # import-only stand-in on sys.path (tests/sglang/shims/torchvision.py).
 # tests/sglang is left out of the main run (pyproject.toml addopts); here an import failure
 # of SGLang fails the run, never skips it.
