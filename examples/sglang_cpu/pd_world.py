@@ -36,7 +36,7 @@ from sglang.srt.disaggregation.utils import (
     kv_layout_signature,
 )
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
 from sglang.srt.plugins.hook_registry import HookRegistry
 
 from kvaudit.integrations.sglang import inline, sglang_kv_heads
@@ -47,6 +47,7 @@ HEADS = 4  # model KV heads; 2 per prefill rank
 HEAD_DIM = 8
 DTYPE = torch.bfloat16
 NAME = "model.layers.{i}.self_attn.attn"
+LORA, ROPE = 16, 8  # an MLA pool's latent row: kv_lora_rank + qk_rope_head_dim
 # rid: (tokens, decode prefix). None a multiple of the page size.
 REQUESTS = {
     "req-plain": (21, 0),  # sent first, before the hooks are installed: no kvaudit
@@ -79,9 +80,18 @@ def kv_of(rid: str) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     }
 
 
+def latent_of(rid: str) -> dict[int, torch.Tensor]:
+    """The request's MLA latent rows ``[tokens, LORA + ROPE]`` per layer."""
+    gen = torch.Generator().manual_seed(100 + sorted(REQUESTS).index(rid))
+    n = REQUESTS[rid][0]
+    return {layer: torch.randn(n, LORA + ROPE, generator=gen).to(DTYPE) for layer in range(LAYERS)}
+
+
 class World:
     """One rank's real pool, allocator, request rows and metadata buffers, the requests'
-    KV written through the pool's own ``set_kv_buffer`` (this rank's heads only)."""
+    KV written through the pool's own ``set_kv_buffer`` (this rank's heads only); with
+    ``kind="mla"`` an ``MLATokenToKVPool`` whose latent rows (every rank all of them) are
+    written into ``kv_buffer`` directly (MLA ``set_kv_buffer`` is a Triton kernel)."""
 
     def __init__(
         self,
@@ -91,21 +101,25 @@ class World:
         junk: int,
         page: int = PAGE,
         layers: tuple[int, int] = (0, LAYERS),
+        kind: str = "mha",
     ) -> None:
         self.shard = sglang_kv_heads(tp_rank, tp_size, HEADS)
         self.layers = layers
-        self.pool = MHATokenToKVPool(
+        self.kind = kind
+        common = dict(
             size=page * 32,
             page_size=page,
             dtype=DTYPE,
-            head_num=self.shard.count,
-            head_dim=HEAD_DIM,
             layer_num=layers[1] - layers[0],
             device="cpu",
             enable_memory_saver=False,
             start_layer=layers[0],
             end_layer=layers[1],
         )
+        if kind == "mla":
+            self.pool = MLATokenToKVPool(kv_lora_rank=LORA, qk_rope_head_dim=ROPE, **common)
+        else:
+            self.pool = MHATokenToKVPool(head_num=self.shard.count, head_dim=HEAD_DIM, **common)
         self.allocator = PagedTokenToKVPoolAllocator(
             size=page * 32,
             page_size=page,
@@ -132,6 +146,11 @@ class World:
             (row,) = self.req_to_token.alloc_rows(1)
             self.req_to_token.write((row, slice(0, n)), loc.to(torch.int32))
             self.rows[rid] = row
+            if kind == "mla":
+                for layer, latent in latent_of(rid).items():
+                    if layers[0] <= layer < layers[1]:
+                        self.pool.kv_buffer[layer - layers[0]][loc.long(), 0] = latent
+                continue
             part = slice(self.shard.first, self.shard.first + self.shard.count)
             for layer, (k, v) in kv_of(rid).items():
                 if not layers[0] <= layer < layers[1]:
@@ -143,7 +162,10 @@ class World:
     def sglang_digest(self):
         """SGLang's own digest (``KvChecksumComputer.compute``: Adler-32 of this rank's
         bytes, buffer-major, page-minor), on the CPU."""
-        buffers = self.pool.k_buffer + self.pool.v_buffer
+        if self.kind == "mla":
+            buffers = list(self.pool.kv_buffer)
+        else:
+            buffers = self.pool.k_buffer + self.pool.v_buffer
         _, _, item_lens = self.pool.get_contiguous_buf_infos()
 
         def compute(pages, state_indices=None):
@@ -189,12 +211,13 @@ def prefill_rank(
     tp_size: int = 2,
     pp_size: int = 1,
     output: str | None = None,
+    kind: str = "mha",
 ) -> None:
     """One prefill rank (a spawned process; world rank ``pp_rank * tp_size + tp_rank``,
     each PP stage's TP ranks one gloo group): the real ``send_kv_chunk`` of every
     request's last chunk, ``req-plain`` before kvaudit's hooks are installed; with
     ``output``, kvaudit writes its output folder there and dumps every sent request
-    (rotating dumps)."""
+    (rotating dumps); ``kind`` is the pool's (``World``)."""
     import torch.distributed as dist
     from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
@@ -225,8 +248,14 @@ def prefill_rank(
     )
     server_args = override.install()
     world = World(
-        tp_rank, tp_size, list(REQUESTS), junk=3 + rank, layers=stage_layers(pp_rank, pp_size)
+        tp_rank,
+        tp_size,
+        list(REQUESTS),
+        junk=3 + rank,
+        layers=stage_layers(pp_rank, pp_size),
+        kind=kind,
     )
+    heads = 1 if kind == "mla" else HEADS
     parallel = {"tp_rank": tp_rank, "pp_rank": pp_rank, "dp_rank": 0, "attn_tp_rank": tp_rank}
     with get_parallel().override(**parallel), get_device().override(gpu_id=0):
         sched = SimpleNamespace(
@@ -241,7 +270,7 @@ def prefill_rank(
             model_config=SimpleNamespace(
                 hf_text_config=None,
                 num_hidden_layers=LAYERS,
-                get_total_num_kv_heads=lambda: HEADS,
+                get_total_num_kv_heads=lambda: heads,
             ),
             server_args=server_args,
             req_to_token_pool=world.req_to_token,
@@ -323,6 +352,7 @@ class Decode:
         page: int = PAGE,
         layers: tuple[int, int] = (0, LAYERS),
         changed: tuple[str, int, int, int] = CHANGED,
+        kind: str = "mha",
     ) -> None:
         self.world = World(
             tp_rank,
@@ -331,10 +361,14 @@ class Decode:
             5 + tp_rank,
             page,
             layers,
+            kind,
         )
         rid, layer, head, token = changed
         shard = self.world.shard
-        if shard.first <= head < shard.first + shard.count and layers[0] <= layer < layers[1]:
+        if kind == "mla" and layers[0] <= layer < layers[1]:  # the latent's element 3
+            slot = int(self.world.req_to_token.req_to_token[self.world.rows[rid], token])
+            self.world.pool.kv_buffer[layer - layers[0]][slot, 0, 3] += 1.0
+        elif shard.first <= head < shard.first + shard.count and layers[0] <= layer < layers[1]:
             slot = int(self.world.req_to_token.req_to_token[self.world.rows[rid], token])
             self.world.pool.k_buffer[layer - layers[0]][slot, head - shard.first, 3] += 1.0
         kv_args = KVArgs()
@@ -353,7 +387,9 @@ class Decode:
             req_to_token_pool=self.world.req_to_token,
             token_to_kv_pool_allocator=self.world.allocator,
             attn_tp_cpu_group=group,
-            model_config=SimpleNamespace(get_total_num_kv_heads=lambda: HEADS),
+            model_config=SimpleNamespace(
+                get_total_num_kv_heads=lambda: 1 if kind == "mla" else HEADS
+            ),
             disagg_decode_prealloc_queue=SimpleNamespace(
                 kv_checksum_signature=self.signature,
                 kv_manager=SimpleNamespace(should_verify_kv_checksum=lambda addr: True),

@@ -116,7 +116,7 @@ def block_sums(record: WorkerRecord, request: str) -> tuple[int, int]:
     The total is the sum over the blocks of the replica-0 columns. The residual is the sum
     of the other replicas' columns minus ``R - 1`` times the replica-0 columns: summed over
     the ranks it is 0 when every replica holds the same KV (always 0 for a producer, which
-    checksums replica 0 only).
+    checksums replica 0 only; a producer's rank holding only other replicas adds 0).
 
     Args:
         record: The rank's record of the request (``RankChecksummer.range_record``).
@@ -126,7 +126,9 @@ def block_sums(record: WorkerRecord, request: str) -> tuple[int, int]:
         ``(total, residual)``, each mod 2**64.
 
     """
-    checksums = record.requests[request].groups[0]
+    checksums = record.requests[request].groups.get(0)
+    if checksums is None:  # a producer's rank that holds no replica 0 (MLA at TP > 1)
+        return 0, 0
     columns = checksums.values.sum(axis=0, dtype="uint64").tolist()
     total = residual = 0
     for (replicas, index), value in zip(checksums.replica_keys, columns, strict=True):
