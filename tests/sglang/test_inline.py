@@ -37,6 +37,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 from helpers.sglang_expected import expected_sum
 from pd_world import (
     PAGE,
@@ -270,3 +271,36 @@ def test_sglang_loads_the_entry_point_and_the_variable_turns_it_on() -> None:
         for value, run in runs.items()
     }
     assert hooked == {"1": "3", None: "0"}
+
+
+def test_a_fault_in_kvaudit_never_stops_the_engine_nor_leaves_stale_words(caplog) -> None:
+    # The metadata slot is reused: a row still holding an earlier request's kvaudit words
+    # must not travel with a request kvaudit failed on. A group that is no process group
+    # makes kvaudit's own collective raise (outside what it guards per request).
+    from sglang.srt.disaggregation.utils import MetadataBuffers
+
+    inline.reset_inline_stats()
+    buffers = MetadataBuffers(
+        size=4, hidden_size=16, hidden_states_dtype=torch.bfloat16,
+        max_sampling_mask_tokens=16, kv_checksum_enabled=True,
+    )  # fmt: skip
+    stale = carried.Carried(123, 0, 16, 456, (0, 2))
+    carried.write_carried(buffers, 1, stale)
+    sched = SimpleNamespace(disagg_metadata_buffers=buffers, attn_tp_cpu_group=object())
+    req = SimpleNamespace(rid="r", metadata_buffer_index=1)
+    sent = []
+    with caplog.at_level("ERROR"):
+        inline.around_send_kv_chunk(
+            lambda self, req, last_chunk, end_idx: sent.append(req.rid), sched, req, True
+        )
+    assert sent == ["r"]  # SGLang's own send still ran
+    assert carried.read_carried(buffers, 1) == carried.Unverified(
+        "no kvaudit checksum from the prefill"
+    )
+    assert inline.inline_stats()["reasons"] == {"kvaudit failed in the prefill's checksum": 1}
+    assert any("the prefill's checksum failed" in r.message for r in caplog.records)
+    # The decode: the batch SGLang's own check returns goes on unchanged.
+    batch = SimpleNamespace(reqs=[SimpleNamespace(rid="d", kvaudit_carried=stale)])
+    result = inline.around_verify_kv_checksums(lambda self, batch: "kept", sched, batch)
+    assert result == "kept" and [r.rid for r in batch.reqs] == ["d"]
+    assert inline.inline_stats()["reasons"]["kvaudit failed in the decode's check"] == 1

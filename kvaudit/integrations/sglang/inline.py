@@ -452,10 +452,26 @@ def decode_verify(scheduler: Any, batch: Any) -> list[int]:
     return aborted
 
 
+def _failed(where: str) -> None:
+    """A fault in kvaudit's own code: logged (once, with its traceback), counted; the
+    engine goes on as without kvaudit."""
+    STATS.reasons[f"kvaudit failed in {where}"] += 1
+    if where not in _logged:
+        _logged.add(where)
+        logger.exception("kvaudit: %s failed; the engine goes on without kvaudit there", where)
+
+
 def around_send_kv_chunk(original, self, req, last_chunk=False, end_idx=None):
     """AROUND hook of ``send_kv_chunk``: carry kvaudit's checksum with the last chunk."""
     if last_chunk:
-        prefill_checksum(self, req, end_idx)
+        try:
+            prefill_checksum(self, req, end_idx)
+        except Exception:
+            _failed("the prefill's checksum")
+            # The slot is reused: no earlier request's words may travel with this one.
+            buffers = getattr(self, "disagg_metadata_buffers", None)
+            if getattr(buffers, "kv_checksum", None) is not None:
+                write_carried(buffers, req.metadata_buffer_index, None)
     return original(self, req, last_chunk=last_chunk, end_idx=end_idx)
 
 
@@ -469,7 +485,10 @@ def around_verify_kv_checksums(original, self, batch, *args, **kwargs):
     """AROUND hook of ``_verify_kv_checksums``: SGLang's own check, then kvaudit's on
     the requests it kept."""
     result = original(self, batch, *args, **kwargs)
-    decode_verify(self, batch)
+    try:
+        decode_verify(self, batch)
+    except Exception:
+        _failed("the decode's check")
     return result
 
 
