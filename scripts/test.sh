@@ -53,7 +53,8 @@ python3 -m venv .venv-vllm
 # Adler-32 checksum kernel (KvChecksumComputer.compute), MLA set_kv_buffer's Triton
 # kernel, a whole Scheduler, any model forward and the Mooncake/NIXL transfer engines do
 # not. The walk-through of docs/sglang.md (examples/sglang_cpu/walkthrough.py) runs among
-# the tests. No torchvision imports on the CPU torch: tests/sglang/conftest.py puts an
+# the tests, and test_vllm_pairing.py runs docs/vllm.md's in .venv-vllm (the vLLM stage's
+# environment, built above) to compare vLLM's KV with SGLang's pools. No torchvision imports on the CPU torch: tests/sglang/conftest.py puts an
 # import-only stand-in on sys.path (tests/sglang/shims/torchvision.py).
 # tests/sglang is left out of the main run (pyproject.toml addopts); here an import failure
 # of SGLang fails the run, never skips it.
