@@ -13,10 +13,12 @@ lists every stand-in). Imports SGLang: run it in the SGLang environment.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from types import MethodType, SimpleNamespace
 
@@ -459,3 +461,51 @@ class Decode:
 def row_words(prefill: list[dict], rid: str, rank: int = 1) -> list[int]:
     """The checksum row (the last aux buffer) a prefill rank sent for ``rid``."""
     return np.frombuffer(bytes.fromhex(prefill[rank]["rows"][rid][-1]), dtype="<u8").tolist()
+
+
+def run_prefill(
+    out: Path, tp_size: int = 2, pp_size: int = 1, output: str | None = None, kind: str = "mha"
+) -> list[dict]:
+    """A whole prefill: ``prefill_rank`` in ``tp_size * pp_size`` spawned processes (their
+    files under ``out``); every rank's results, in world rank order."""
+    import torch.multiprocessing as mp
+
+    ranks = tp_size * pp_size
+    args = (str(out / "init"), str(out), tp_size, pp_size, output, kind)
+    mp.spawn(prefill_rank, args=args, nprocs=ranks)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+@contextlib.contextmanager
+def decode_process(rank: int, init_file: str, tp_size: int = 2) -> Iterator[object]:
+    """In a spawned process, one decode TP rank's setting: its gloo group (every rank of
+    the decode), SGLang's published context (decode mode, the fake backend, SGLang's
+    checksum on, SGLang's CI mode off) and kvaudit's hooks installed; yields the group."""
+    import torch.distributed as dist
+    from sglang.srt.runtime_context import get_context, get_parallel
+
+    os.environ.pop("SGLANG_IS_IN_CI", None)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=tp_size
+    )
+    group = dist.new_group(list(range(tp_size)), backend="gloo")
+    override = get_context().override_server_args(
+        disaggregation_mode="decode",
+        tp_size=tp_size,
+        disaggregation_transfer_backend="fake",
+        disaggregation_enable_kv_checksum=True,
+    )
+    override.install()
+    parallel = {
+        "tp_rank": rank,
+        "attn_tp_rank": rank,
+        "attn_tp_group": SimpleNamespace(cpu_group=group),
+    }
+    try:
+        with get_parallel().override(**parallel):
+            register_inline()
+            HookRegistry.apply_hooks()
+            yield group
+    finally:
+        override.restore()
+        dist.destroy_process_group()

@@ -45,8 +45,7 @@ def kvaudit(*args: object, show: bool = True) -> subprocess.CompletedProcess[str
 
 def main(out: Path) -> int:
     import torch.distributed as dist
-    import torch.multiprocessing as mp
-    from pd_world import CHANGED, Decode, prefill_rank, register_inline
+    from pd_world import CHANGED, Decode, register_inline, run_prefill
     from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang.srt.runtime_context import get_context, get_parallel
 
@@ -57,8 +56,7 @@ def main(out: Path) -> int:
     run = out / "run"
     run.mkdir(exist_ok=True)
     print("prefill: TP=2, two processes on gloo, kvaudit's hooks on send_kv_chunk", flush=True)
-    mp.spawn(prefill_rank, args=(str(run / "init"), str(run), 2, 1, str(out / "prefill")), nprocs=2)
-    senders = [json.loads((run / f"rank{r}.json").read_text()) for r in range(2)]
+    senders = run_prefill(run, output=str(out / "prefill"))
 
     print("decode: TP=1, req-bad's KV changed at layer 1, head 2, token 33", flush=True)
     os.environ.update(

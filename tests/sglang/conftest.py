@@ -7,8 +7,9 @@ installed, ``shims/`` (an import-only stand-in, see ``shims/torchvision.py``) go
 ``sys.path`` before anything imports SGLang.
 
 Shared fixtures: ``sglang_context`` (SGLang's published server args, parallel ranks and
-device for one test), ``gloo_group`` (a one-rank CPU process group) and ``hooks``
-(kvaudit's inline hooks installed through SGLang's ``HookRegistry`` for one test).
+device for one test), ``gloo_group`` (a one-rank CPU process group), ``hooks``
+(kvaudit's inline hooks installed through SGLang's ``HookRegistry`` for one test) and
+``tp1_decode`` (a TP=1 decode's published context, the hooks installed).
 """
 
 from __future__ import annotations
@@ -121,3 +122,25 @@ def hooks() -> Iterator[None]:
         for (cls, name), original in saved.items():
             setattr(cls, name, original)
         HookRegistry.reset()
+
+
+@pytest.fixture
+def tp1_decode(gloo_group, sglang_context, monkeypatch, hooks) -> Any:
+    """A TP=1 decode's context published (PP=1, rank 0, ``attn_tp_group`` on
+    ``gloo_group``, the fake backend, SGLang's checksum on) with kvaudit's hooks installed
+    and SGLang's CI mode off (it raises on a mismatch); returns ``gloo_group``."""
+    from types import SimpleNamespace
+
+    sglang_context(
+        parallel={
+            "tp_rank": 0,
+            "pp_rank": 0,
+            "attn_tp_rank": 0,
+            "attn_tp_group": SimpleNamespace(cpu_group=gloo_group),
+        },
+        disaggregation_mode="decode",
+        disaggregation_transfer_backend="fake",
+        disaggregation_enable_kv_checksum=True,
+    )
+    monkeypatch.delenv("SGLANG_IS_IN_CI", raising=False)
+    return gloo_group

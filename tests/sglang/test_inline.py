@@ -43,9 +43,10 @@ from pd_world import (
     PAGE,
     REQUESTS,
     Decode,
-    prefill_rank,
+    decode_process,
     register_inline,
     row_words,
+    run_prefill,
 )
 from sglang.srt.plugins.hook_registry import HookRegistry
 
@@ -56,27 +57,12 @@ from kvaudit.integrations.sglang import carried, inline
 def prefill(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """Both prefill ranks' results: SGLang's signature, every request's aux rows, the
     fake sender's poll after the send, which methods the hooks wrap, kvaudit's counts."""
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("prefill")
-    mp.spawn(prefill_rank, args=(str(out / "init"), str(out)), nprocs=2, join=True)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return run_prefill(tmp_path_factory.mktemp("prefill"))
 
 
 @pytest.fixture
-def decode(gloo_group, sglang_context, monkeypatch, hooks) -> Decode:
-    sglang_context(
-        parallel={
-            "tp_rank": 0,
-            "attn_tp_rank": 0,
-            "attn_tp_group": SimpleNamespace(cpu_group=gloo_group),
-        },
-        disaggregation_mode="decode",
-        disaggregation_transfer_backend="fake",
-        disaggregation_enable_kv_checksum=True,
-    )
-    monkeypatch.delenv("SGLANG_IS_IN_CI", raising=False)
-    return Decode(gloo_group, monkeypatch.setattr)
+def decode(tp1_decode, monkeypatch) -> Decode:
+    return Decode(tp1_decode, monkeypatch.setattr)
 
 
 def test_prefill_ranks_write_one_identical_row(prefill):
@@ -163,29 +149,7 @@ def _decode_rank(rank: int, init_file: str, out_dir: str, prefill: list[dict]) -
     """One rank of a TP=2 decode with 32-token pages (a spawned process): receives
     ``req-ok`` and ``req-bad`` (whose changed cell lies on rank 1) and verifies them in
     one batch."""
-    import os
-
-    import torch.distributed as dist
-    from sglang.srt.runtime_context import get_context, get_parallel
-
-    os.environ.pop("SGLANG_IS_IN_CI", None)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    group = dist.new_group([0, 1], backend="gloo")
-    override = get_context().override_server_args(
-        disaggregation_mode="decode",
-        tp_size=2,
-        disaggregation_transfer_backend="fake",
-        disaggregation_enable_kv_checksum=True,
-    )
-    override.install()
-    parallel = {
-        "tp_rank": rank,
-        "attn_tp_rank": rank,
-        "attn_tp_group": SimpleNamespace(cpu_group=group),
-    }
-    with get_parallel().override(**parallel):
-        register_inline()
-        HookRegistry.apply_hooks()
+    with decode_process(rank, init_file) as group:
         decode = Decode(group, setattr, tp_rank=rank, tp_size=2, page=2 * PAGE)
         senders = [prefill[rank]]  # equal TP widths: decode rank d pulls prefill rank d
         ok = decode.receive("req-ok", senders, index=2)
@@ -198,9 +162,7 @@ def _decode_rank(rank: int, init_file: str, out_dir: str, prefill: list[dict]) -
             "sglang_comparable": decode.queue._kv_checksum_comparable(prefill[0]["signature"]),
             "stats": inline.inline_stats(),
         }
-    override.restore()
     Path(out_dir, f"decode{rank}.json").write_text(json.dumps(out))
-    dist.destroy_process_group()
 
 
 def test_decode_at_tp2(prefill, tmp_path):
@@ -221,7 +183,6 @@ def test_decode_at_tp2(prefill, tmp_path):
 
 
 def test_installed_beside_sglang_it_turns_nothing_on() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry
 
     HookRegistry.reset()
     assert "KVAUDIT_SGLANG_INLINE" not in os.environ

@@ -7,23 +7,16 @@ lists what stands in). The latent rows are written into ``kv_buffer`` directly (
 
 from __future__ import annotations
 
-import json
-from types import SimpleNamespace
-
 import pytest
 from helpers.sglang_expected import expected_mla_sum
-from pd_world import CHANGED, PAGE, REQUESTS, Decode, prefill_rank, row_words
+from pd_world import CHANGED, PAGE, REQUESTS, Decode, row_words, run_prefill
 
 from kvaudit.integrations.sglang import carried, inline
 
 
 @pytest.fixture(scope="module")
 def prefill_mla(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("prefill_mla")
-    mp.spawn(prefill_rank, args=(str(out / "init"), str(out), 2, 1, None, "mla"), nprocs=2)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return run_prefill(tmp_path_factory.mktemp("prefill_mla"), kind="mla")
 
 
 def test_mla_prefill_ranks_carry_the_latents_checksum_once(prefill_mla) -> None:
@@ -35,21 +28,8 @@ def test_mla_prefill_ranks_carry_the_latents_checksum_once(prefill_mla) -> None:
         assert words[carried.SLOT_SUM] == expected_mla_sum(rid, REQUESTS[rid][1])
 
 
-def test_mla_decode_verifies_and_catches(
-    prefill_mla, gloo_group, sglang_context, monkeypatch, hooks
-):
-    sglang_context(
-        parallel={
-            "tp_rank": 0,
-            "attn_tp_rank": 0,
-            "attn_tp_group": SimpleNamespace(cpu_group=gloo_group),
-        },
-        disaggregation_mode="decode",
-        disaggregation_transfer_backend="fake",
-        disaggregation_enable_kv_checksum=True,
-    )
-    monkeypatch.delenv("SGLANG_IS_IN_CI", raising=False)
-    decode = Decode(gloo_group, monkeypatch.setattr, page=2 * PAGE, kind="mla")
+def test_mla_decode_verifies_and_catches(prefill_mla, tp1_decode, monkeypatch) -> None:
+    decode = Decode(tp1_decode, monkeypatch.setattr, page=2 * PAGE, kind="mla")
     assert decode.queue._kv_checksum_comparable(prefill_mla[0]["signature"]) is False
     ok = decode.receive("req-ok", prefill_mla, index=2)
     prefix = decode.receive("req-prefix", prefill_mla, index=3)

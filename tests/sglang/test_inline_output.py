@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -26,7 +25,7 @@ from pd_world import (
     REQUESTS,
     Decode,
     kv_of,
-    prefill_rank,
+    run_prefill,
 )
 
 from kvaudit.cli import main
@@ -40,33 +39,18 @@ SENT = ("req-ok", "req-bad", "req-prefix")  # sent with kvaudit's hooks installe
 @pytest.fixture(scope="module")
 def prefill_out(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
     """The prefill's output folder and both ranks' results."""
-    import torch.multiprocessing as mp
-
     out = tmp_path_factory.mktemp("prefill")
     folder = out / "kvaudit"
-    mp.spawn(prefill_rank, args=(str(out / "init"), str(out), 2, 1, str(folder)), nprocs=2)
-    return folder, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return folder, run_prefill(out, output=str(folder))
 
 
 @pytest.fixture
-def decode_out(gloo_group, sglang_context, monkeypatch, hooks, tmp_path) -> tuple[Decode, Path]:
+def decode_out(tp1_decode, monkeypatch, tmp_path) -> tuple[Decode, Path]:
     """A TP=1 decode writing its output folder (dumps up to 100 MB)."""
-    sglang_context(
-        parallel={
-            "tp_rank": 0,
-            "pp_rank": 0,
-            "attn_tp_rank": 0,
-            "attn_tp_group": SimpleNamespace(cpu_group=gloo_group),
-        },
-        disaggregation_mode="decode",
-        disaggregation_transfer_backend="fake",
-        disaggregation_enable_kv_checksum=True,
-    )
-    monkeypatch.delenv("SGLANG_IS_IN_CI", raising=False)
     folder = tmp_path / "decode"
     monkeypatch.setenv("KVAUDIT_SGLANG_OUTPUT", str(folder))
     monkeypatch.setenv("KVAUDIT_SGLANG_MAX_DUMP_BYTES", str(10**8))
-    return Decode(gloo_group, monkeypatch.setattr), folder
+    return Decode(tp1_decode, monkeypatch.setattr), folder
 
 
 def _block_checksums(rid: str) -> np.ndarray:

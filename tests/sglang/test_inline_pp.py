@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -26,9 +25,9 @@ from pd_world import (
     LAYERS,
     REQUESTS,
     Decode,
-    prefill_rank,
-    register_inline,
+    decode_process,
     row_words,
+    run_prefill,
     stage_layers,
 )
 
@@ -39,31 +38,16 @@ from kvaudit.integrations.sglang import carried, inline
 @pytest.fixture(scope="module")
 def prefill_pp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
     """Both stages' results (stage 0 first) and the prefill's output folder."""
-    import torch.multiprocessing as mp
-
     out = tmp_path_factory.mktemp("prefill_pp")
     folder = out / "kvaudit"
-    mp.spawn(prefill_rank, args=(str(out / "init"), str(out), 1, 2, str(folder)), nprocs=2)
-    return folder, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return folder, run_prefill(out, tp_size=1, pp_size=2, output=str(folder))
 
 
 @pytest.fixture
-def decode_context(gloo_group, sglang_context, monkeypatch, hooks, tmp_path):
+def decode_context(tp1_decode, monkeypatch, tmp_path):
     """The decode's published context (TP=1, PP=1) and its output folder."""
-    sglang_context(
-        parallel={
-            "tp_rank": 0,
-            "pp_rank": 0,
-            "attn_tp_rank": 0,
-            "attn_tp_group": SimpleNamespace(cpu_group=gloo_group),
-        },
-        disaggregation_mode="decode",
-        disaggregation_transfer_backend="fake",
-        disaggregation_enable_kv_checksum=True,
-    )
-    monkeypatch.delenv("SGLANG_IS_IN_CI", raising=False)
     monkeypatch.setenv("KVAUDIT_SGLANG_OUTPUT", str(tmp_path / "decode"))
-    return gloo_group, monkeypatch, tmp_path / "decode"
+    return tp1_decode, monkeypatch, tmp_path / "decode"
 
 
 def test_each_stage_carries_its_own_layers(prefill_pp) -> None:
@@ -143,30 +127,7 @@ def test_decode_with_the_prefills_stages_verifies_each(prefill_pp, decode_contex
 def pp_decode_rank(rank: int, init_file: str, out_dir: str, stages: list[dict]) -> None:
     """One rank of a TP=2 decode (a spawned process): rank 0 keeps stage 0's row of each
     request, rank 1 stage 1's."""
-    import os
-
-    import torch.distributed as dist
-    from sglang.srt.plugins.hook_registry import HookRegistry
-    from sglang.srt.runtime_context import get_context, get_parallel
-
-    os.environ.pop("SGLANG_IS_IN_CI", None)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    group = dist.new_group([0, 1], backend="gloo")
-    override = get_context().override_server_args(
-        disaggregation_mode="decode",
-        tp_size=2,
-        disaggregation_transfer_backend="fake",
-        disaggregation_enable_kv_checksum=True,
-    )
-    override.install()
-    parallel = {
-        "tp_rank": rank,
-        "attn_tp_rank": rank,
-        "attn_tp_group": SimpleNamespace(cpu_group=group),
-    }
-    with get_parallel().override(**parallel):
-        register_inline()
-        HookRegistry.apply_hooks()
+    with decode_process(rank, init_file) as group:
         decode = Decode(group, setattr, tp_rank=rank, tp_size=2)
         senders = [stages[1 - rank], stages[rank]]  # the last one is kept
         ok = decode.receive("req-ok", senders, index=2)
@@ -176,9 +137,7 @@ def pp_decode_rank(rank: int, init_file: str, out_dir: str, stages: list[dict]) 
             "aborts": decode.aborts,
             "stats": inline.inline_stats(),
         }
-    override.restore()
     Path(out_dir, f"decode{rank}.json").write_text(json.dumps(out))
-    dist.destroy_process_group()
 
 
 def test_decode_ranks_that_kept_different_stages_verify_both(prefill_pp, tmp_path) -> None:
