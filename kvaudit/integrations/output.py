@@ -17,9 +17,11 @@ are read as well.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -56,6 +58,39 @@ def worker_folder(output: str | os.PathLike[str], pp_rank: int, tp_rank: int) ->
 def dump_path(output: str | os.PathLike[str], request: str, pp_rank: int, tp_rank: int) -> Path:
     """Where a worker dumps one request's blocks (one dump set per request folder)."""
     return Path(output) / "dumps" / _safe_name(request) / f"pp{pp_rank}-tp{tp_rank}.safetensors"
+
+
+class DumpBudget:
+    """The bytes of dumps one worker may keep (``limit``), and its rotating dumps, which
+    are removed oldest first to make room for new ones."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._rotating: deque[tuple[Path, int]] = deque()
+
+    def admits(self, path: Path, size: int, *, rotating: bool) -> bool:
+        """Whether a dump of ``size`` bytes at ``path`` fits (``rotating``: after removing
+        this worker's oldest rotating dumps as needed). A dump that could never fit
+        removes nothing; one that rewrites ``path`` no longer counts the old file."""
+        for entry in [e for e in self._rotating if e[0] == path]:
+            self._rotating.remove(entry)
+            self.used -= entry[1]
+        if size <= 0 or size > self.limit:
+            return False
+        while rotating and self._rotating and self.used + size > self.limit:
+            old_path, old = self._rotating.popleft()
+            old_path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # other workers' dumps are still in it
+                old_path.parent.rmdir()
+            self.used -= old
+        return self.used + size <= self.limit
+
+    def written(self, path: Path, size: int, *, rotating: bool) -> None:
+        """Count a dump written (a rotating one may be removed later)."""
+        self.used += size
+        if rotating:
+            self._rotating.append((path, size))
 
 
 def _safe_name(request: str) -> str:

@@ -10,7 +10,8 @@ A command's SOURCEs are one of (docs/cli.md):
   (``kvaudit.sources.handle_source``; ``live:FILE.py`` and ``live:module`` too);
 - running engines ``live:PATH``: a live agent's socket or a folder of them
   (``kvaudit.sources.socket_source``);
-- one output folder of an in-engine audit, vLLM or SGLang (``kvaudit.sources.output_folder_source``).
+- one output folder of an in-engine audit, vLLM or SGLang
+  (``kvaudit.sources.output_folder_source``).
 
 In Python, ``ChecksummerSource`` wraps an engine's live ``Checksummer`` objects
 (``kvaudit.testing.LiveSide``).

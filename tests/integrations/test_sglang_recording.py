@@ -106,7 +106,13 @@ def test_dumps_stay_within_the_budget_and_rotation_removes_the_oldest(tmp_path: 
     assert all(paths.values())
     dumps = tmp_path / "out" / "dumps"
     assert sorted(p.name for p in dumps.iterdir()) == ["r2", "r3"]  # r1 made room for r3
-    assert recorder.dumped_bytes == size["r2"] + size["r3"] <= budget
+    assert recorder.budget.used == size["r2"] + size["r3"] <= budget
+    # A dump that could never fit removes nothing; a rewrite counts its file once.
+    assert recorder.dump("r1", RequestBlocks(200, {0: (0, list(range(13)))}), rotating=True) is None
+    assert sorted(p.name for p in dumps.iterdir()) == ["r2", "r3"]
+    assert recorder.dump("r3", _blocks(worker, "r3"), rotating=True) == paths["r3"]
+    assert recorder.budget.used == size["r2"] + size["r3"]
+    assert sorted(p.name for p in dumps.iterdir()) == ["r2", "r3"]
     dump = open_dump(paths["r3"])
     assert set(dump.requests) == {"r3"}
     fixed = Recorder(

@@ -132,17 +132,38 @@ def test_health_check_skipped(prefill, decode):
     assert (stats["verified"], stats["unverified"], stats["skipped"]) == (0, 0, 1)
 
 
-def test_range_not_on_a_decode_block_boundary_is_unverified(prefill, decode):
+@pytest.mark.parametrize(
+    ("slot", "value", "reason"),
+    [
+        # as from a prefill with 8-token pages
+        (carried.SLOT_FIRST, 8, "range start 8 is not a block boundary of the decode"),
+        # a prefill page of 16 before a decode prefix of 32: its first page was not sent
+        (carried.SLOT_FIRST, 16, "range start 16 is not where this decode's cached prefix"),
+        (carried.SLOT_END, 32, "range 0..32 does not end at the request's 37 tokens"),
+        # another transfer's row (bootstrap room 999): never compared as this one's
+        (
+            carried.SLOT_LAYERS,
+            carried.layer_word((0, 2), 999),
+            "the row carries bootstrap room 0x3e7, this request's is 0x66",
+        ),
+    ],
+)
+def test_a_row_that_does_not_describe_this_transfer_is_unverified(
+    prefill, decode, slot, value, reason
+):
     rows = [dict(rank, rows=dict(rank["rows"])) for rank in prefill]
     for rank in rows:
         words = np.frombuffer(bytes.fromhex(rank["rows"]["req-ok"][-1]), dtype="<u8").copy()
-        words[carried.SLOT_FIRST] = 8  # as from a prefill with 8-token pages
+        words[slot] = value
         rank["rows"]["req-ok"] = [*rank["rows"]["req-ok"][:-1], words.tobytes().hex()]
     req = decode.receive("req-ok", rows, index=2)
+    if slot == carried.SLOT_FIRST and value == 16:
+        req.kv.cache_protected_len = 32
     assert decode.verify([req]) == [req]
     stats = inline.inline_stats()
-    assert (stats["verified"], stats["unverified"]) == (0, 1)
-    assert "not a block boundary" in next(iter(stats["reasons"]))
+    assert (stats["verified"], stats["unverified"], stats["mismatched"]) == (0, 1, 0)
+    (text,) = stats["reasons"]
+    assert text.startswith(reason), text
 
 
 def _decode_rank(rank: int, init_file: str, out_dir: str, prefill: list[dict]) -> None:
@@ -245,7 +266,7 @@ def test_a_fault_in_kvaudit_never_stops_the_engine_nor_leaves_stale_words(caplog
         size=4, hidden_size=16, hidden_states_dtype=torch.bfloat16,
         max_sampling_mask_tokens=16, kv_checksum_enabled=True,
     )  # fmt: skip
-    stale = carried.Carried(123, 0, 16, 456, (0, 2))
+    stale = carried.Carried(123, 0, 16, 456, (0, 2), 7)
     carried.write_carried(buffers, 1, stale)
     sched = SimpleNamespace(disagg_metadata_buffers=buffers, attn_tp_cpu_group=object())
     req = SimpleNamespace(rid="r", metadata_buffer_index=1)

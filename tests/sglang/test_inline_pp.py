@@ -59,7 +59,7 @@ def test_each_stage_carries_its_own_layers(prefill_pp) -> None:
             span = stage_layers(pp_rank, 2)
             assert words[carried.SLOT_MARKER] == carried.MARKER
             assert words[carried.SLOT_SUM] == expected_sum(rid, first, span)
-            assert words[carried.SLOT_LAYERS] == span[0] | span[1] << 32
+            assert carried.split_layer_word(words[carried.SLOT_LAYERS])[0] == span
             assert stage["stats"]["written"] == 3 and stage["stats"]["not_written"] == 0
         # the two stages' sums add up to the whole request's
         total = sum(row_words(stages, rid, s)[carried.SLOT_SUM] for s in range(2)) % (1 << 64)

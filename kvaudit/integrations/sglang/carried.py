@@ -13,7 +13,8 @@ word  content
 5     the range's end (exclusive)
 6     ``content_signature`` of the layers summed: names, model KV heads, head sizes,
       dtype
-7     the global layer ids summed: ``first | end << 32`` (a PP stage's layers)
+7     the global layer ids summed and the transfer: ``first | end << 16 | room << 32``
+      (a PP stage's layers; ``room``: the low 32 bits of SGLang's bootstrap room)
 ====  =====================================================================
 
 This module imports neither SGLang nor anything that does.
@@ -38,13 +39,32 @@ SLOT_MARKER, SLOT_SUM, SLOT_FIRST, SLOT_END, SLOT_SIGNATURE, SLOT_LAYERS = 2, 3,
 class Carried:
     """What a prefill wrote into a request's checksum row: the summed checksum of tokens
     ``first .. end - 1`` over global layer ids ``layers[0] .. layers[1] - 1``, under
-    ``signature``."""
+    ``signature``, for the transfer whose bootstrap room's low 32 bits are ``room``."""
 
     total: int
     first: int
     end: int
     signature: int
     layers: tuple[int, int]
+    room: int
+
+
+def room_bits(bootstrap_room: Any) -> int:
+    """The low 32 bits of SGLang's bootstrap room (0 where there is none)."""
+    return int(bootstrap_room or 0) & 0xFFFF_FFFF
+
+
+def layer_word(layers: tuple[int, int], room: int) -> int:
+    """Word 7: ``first | end << 16 | room << 32``."""
+    first, end = layers
+    if not 0 <= first < end < 1 << 16:
+        raise ValueError(f"layer ids {first}..{end - 1} do not fit the checksum row")
+    return first | end << 16 | room_bits(room) << 32
+
+
+def split_layer_word(word: int) -> tuple[tuple[int, int], int]:
+    """Word 7's layer ids and room."""
+    return (word & 0xFFFF, (word >> 16) & 0xFFFF), word >> 32
 
 
 @dataclass(frozen=True)
@@ -96,14 +116,13 @@ def write_carried(metadata_buffers: Any, index: int, carried: Carried | None) ->
     if carried is None:
         words[SLOT_MARKER : SLOT_LAYERS + 1] = 0
         return
-    first_layer, end_layer = carried.layers
     values = (
         MARKER,
         carried.total,
         carried.first,
         carried.end,
         carried.signature,
-        first_layer | end_layer << 32,
+        layer_word(carried.layers, carried.room),
     )
     for slot, value in zip(range(SLOT_MARKER, SLOT_LAYERS + 1), values, strict=True):
         words[slot] = value - MOD64 if value >= 1 << 63 else value
@@ -128,11 +147,7 @@ def read_carried(metadata_buffers: Any, index: int) -> Carried | Unverified:
         return Unverified("no kvaudit checksum from the prefill")
     if marker != MARKER:
         return Unverified(f"unknown kvaudit marker {marker:#x} (another kvaudit version)")
-    span = words[SLOT_LAYERS]
+    layers, room = split_layer_word(words[SLOT_LAYERS])
     return Carried(
-        words[SLOT_SUM],
-        words[SLOT_FIRST],
-        words[SLOT_END],
-        words[SLOT_SIGNATURE],
-        (span & 0xFFFF_FFFF, span >> 32),
+        words[SLOT_SUM], words[SLOT_FIRST], words[SLOT_END], words[SLOT_SIGNATURE], layers, room
     )

@@ -43,7 +43,16 @@ from sglang.srt.disaggregation.checksum import is_health_check_req
 
 from ...records import WorkerRecord
 from ...views.inputs import RequestBlocks
-from .carried import MOD64, Carried, Unverified, read_carried, write_carried
+from .carried import (
+    MOD64,
+    Carried,
+    Unverified,
+    layer_word,
+    read_carried,
+    room_bits,
+    split_layer_word,
+    write_carried,
+)
 from .describe import NotDescribable
 from .ranks import (
     CONSUMER,
@@ -250,7 +259,7 @@ def prefill_checksum(scheduler: Any, req: Any, end_idx: int | None = None) -> Ca
         STATS.not_written += 1
         write_carried(buffers, index, None)
         return None
-    carried = Carried(total, first, end, signature, layers)
+    carried = Carried(total, first, end, signature, layers, room_bits(req.bootstrap_room))
     write_carried(buffers, index, carried)
     STATS.written += 1
     assert blocks is not None
@@ -274,10 +283,6 @@ def _unverified(req: Any, reason: str) -> None:
     _log_once(f"request {req.rid} admitted unverified: {reason} (logged once per reason)")
 
 
-def _span_word(layers: LayerSpan) -> int:
-    return layers[0] | layers[1] << 32
-
-
 def _carried_rows(reqs: list[Any]) -> tuple[list[list[int]], dict[int, str]]:
     """This rank's words per request for the first gather: ``[kind, total, first, end,
     signature, layers]`` (kind 0: nothing to verify, 1: carried, 2: unverified), and the
@@ -298,7 +303,7 @@ def _carried_rows(reqs: list[Any]) -> tuple[list[list[int]], dict[int, str]]:
             rows.append([2, 0, 0, 0, 0, 0])
         else:
             c = carried
-            rows.append([1, c.total, c.first, c.end, c.signature, _span_word(c.layers)])
+            rows.append([1, c.total, c.first, c.end, c.signature, layer_word(c.layers, c.room)])
     return rows, reasons
 
 
@@ -307,9 +312,9 @@ def _candidates(parts: list[list[list[int]]], i: int) -> list[Carried]:
     decode's TP ranks may each have kept another prefill stage's row)."""
     seen: list[Carried] = []
     for part in parts:
-        kind, total, first, end, signature, span = part[i]
+        kind, total, first, end, signature, word = part[i]
         if kind == 1:
-            carried = Carried(total, first, end, signature, (span & 0xFFFF_FFFF, span >> 32))
+            carried = Carried(total, first, end, signature, *split_layer_word(word))
             if carried not in seen:
                 seen.append(carried)
     return seen
@@ -340,10 +345,23 @@ def _consumer_part(
             f"range start {carried.first} is not a block boundary of the decode "
             f"(page size {summer.page_size})"
         )
-    if not carried.first < carried.end <= len(req.origin_input_ids):
+    if carried.room != room_bits(req.bootstrap_room):
         raise NotDescribable(
-            f"range {carried.first}..{carried.end} is not within the request's "
-            f"{len(req.origin_input_ids)} tokens"
+            f"the row carries bootstrap room {carried.room:#x}, this request's is "
+            f"{room_bits(req.bootstrap_room):#x} (low 32 bits): another transfer's row"
+        )
+    tokens = len(req.origin_input_ids)
+    if not carried.first < carried.end == tokens:
+        raise NotDescribable(
+            f"range {carried.first}..{carried.end} does not end at the request's {tokens} tokens"
+        )
+    held = getattr(req.kv, "cache_protected_len", None)
+    if held is None or carried.first != int(held):
+        # The prefill rounds the decode's prefix down to its own page: tokens before
+        # cache_protected_len are the decode's own cached prefix, never sent.
+        raise NotDescribable(
+            f"range start {carried.first} is not where this decode's cached prefix ends "
+            f"({held} tokens): the first page holds tokens the decode did not receive"
         )
     row = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
     blocks = summer.range_blocks(row, carried.first, carried.end)
@@ -359,13 +377,45 @@ def _layers_text(layers: LayerSpan) -> str:
 def decode_verify(scheduler: Any, batch: Any) -> list[int]:
     """On every decode attention TP rank (collectives over ``attn_tp_cpu_group``, also when
     nothing is to verify, so the ranks stay in step): verify each request of the batch
-    that carries a kvaudit checksum, once; abort a mismatch through SGLang's
-    ``_handle_kv_checksum_mismatch`` and filter it from the batch.
+    that carries a kvaudit checksum, once (``decode_checks``); abort a mismatch through
+    SGLang's ``_handle_kv_checksum_mismatch`` and filter it from the batch
+    (``abort_mismatched``).
 
     Returns:
         The indices (into the batch before filtering) of the aborted requests.
 
     """
+    return abort_mismatched(scheduler, batch, decode_checks(scheduler, batch))
+
+
+def abort_mismatched(scheduler: Any, batch: Any, mismatched: list[tuple[int, str]]) -> list[int]:
+    """Abort each mismatched request through SGLang's ``_handle_kv_checksum_mismatch``
+    (which raises in SGLang's CI, as for its own check) and filter them from the batch.
+
+    Args:
+        scheduler: The decode scheduler.
+        batch: The prebuilt batch ``decode_checks`` checked.
+        mismatched: ``(index into the batch, message)`` per mismatched request.
+
+    Returns:
+        The indices of the aborted requests.
+
+    """
+    aborted = [i for i, _ in mismatched]
+    if not aborted:
+        return []
+    reqs = list(batch.reqs)
+    try:
+        for i, msg in mismatched:
+            scheduler._handle_kv_checksum_mismatch(reqs[i], msg)
+    finally:  # the KV of an aborted request is released: never computed on
+        batch.filter_batch(keep_indices=[i for i in range(len(reqs)) if i not in aborted])
+    return aborted
+
+
+def decode_checks(scheduler: Any, batch: Any) -> list[tuple[int, str]]:
+    """The verdicts of ``decode_verify`` (counted, logged, written to the output folder),
+    without aborting: ``(index into the batch, message)`` per mismatched request."""
     reqs = list(batch.reqs)
     if not reqs:
         return []
@@ -396,7 +446,7 @@ def decode_verify(scheduler: Any, batch: Any) -> list[int]:
         held = rank_checksummer(scheduler, CONSUMER).layers
     except Exception:
         held = None
-    aborted: list[int] = []
+    mismatched: list[tuple[int, str]] = []
     for i, req in enumerate(reqs):
         numbers = [n for n, (j, _) in enumerate(checks) if j == i]
         if not numbers:
@@ -427,8 +477,7 @@ def decode_verify(scheduler: Any, batch: Any) -> list[int]:
             msg = "; ".join(failed)
             logger.error(msg)
             STATS.mismatched += 1
-            aborted.append(i)
-            scheduler._handle_kv_checksum_mismatch(req, msg)
+            mismatched.append((i, msg))
             continue
         if not verified:
             _unverified(req, problem or "not comparable")
@@ -447,9 +496,7 @@ def decode_verify(scheduler: Any, batch: Any) -> list[int]:
         STATS.partial += 1
         STATS.reasons[reason] += 1
         _log_once(f"request {req.rid} {reason} (logged once per reason)")
-    if aborted:
-        batch.filter_batch(keep_indices=[i for i in range(len(reqs)) if i not in aborted])
-    return aborted
+    return mismatched
 
 
 def _failed(where: str) -> None:
@@ -469,9 +516,10 @@ def around_send_kv_chunk(original, self, req, last_chunk=False, end_idx=None):
         except Exception:
             _failed("the prefill's checksum")
             # The slot is reused: no earlier request's words may travel with this one.
-            buffers = getattr(self, "disagg_metadata_buffers", None)
-            if getattr(buffers, "kv_checksum", None) is not None:
-                write_carried(buffers, req.metadata_buffer_index, None)
+            try:
+                write_carried(self.disagg_metadata_buffers, req.metadata_buffer_index, None)
+            except Exception:
+                _failed("clearing the checksum row")
     return original(self, req, last_chunk=last_chunk, end_idx=end_idx)
 
 
@@ -486,9 +534,11 @@ def around_verify_kv_checksums(original, self, batch, *args, **kwargs):
     the requests it kept."""
     result = original(self, batch, *args, **kwargs)
     try:
-        decode_verify(self, batch)
+        mismatched = decode_checks(self, batch)
     except Exception:
         _failed("the decode's check")
+        mismatched = []
+    abort_mismatched(self, batch, mismatched)  # SGLang's own abort path, unguarded
     return result
 
 

@@ -14,10 +14,8 @@ This module imports neither SGLang nor anything that does.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,9 +100,8 @@ class Recorder:
         self.worker = worker
         self.description = description
         self.tensors = tensors
-        self.dumped_bytes = 0
+        self.budget = output.DumpBudget(settings.max_dump_bytes)
         self.dumps_written = 0
-        self._rotating: deque[tuple[Path, int]] = deque()  # oldest first
         output.write_description(settings.output, raw, worker, engine="sglang")
 
     def checksums(self, record: WorkerRecord, request: str) -> None:
@@ -124,21 +121,17 @@ class Recorder:
         """
         assert self.settings.output is not None
         size = self._bytes(blocks)
-        if rotating:
-            self._make_room(size)
-        if size == 0 or self.dumped_bytes + size > self.settings.max_dump_bytes:
-            if self.settings.max_dump_bytes:
-                logger.info("kvaudit: request %s not dumped: max dump bytes reached", request)
-            return None
         path = output.dump_path(
             self.settings.output, request, self.worker.pp_rank, self.worker.tp_rank
         )
+        if not self.budget.admits(path, size, rotating=rotating):
+            if self.settings.max_dump_bytes:
+                logger.info("kvaudit: request %s not dumped: max dump bytes reached", request)
+            return None
         path.parent.mkdir(parents=True, exist_ok=True)
         write_dump(path, self.description, self.tensors, {request: blocks}, worker=self.worker)
-        self.dumped_bytes += size
+        self.budget.written(path, size, rotating=rotating)
         self.dumps_written += 1
-        if rotating:
-            self._rotating.append((path, size))
         return path
 
     def _bytes(self, blocks: RequestBlocks) -> int:
@@ -149,12 +142,3 @@ class Recorder:
             for part in tensor if isinstance(tensor, tuple) else (tensor,):
                 per_block += part.numel() * part.element_size() // int(part.shape[0])
         return per_block * count
-
-    def _make_room(self, size: int) -> None:
-        """Remove this worker's oldest rotating dumps until ``size`` more bytes fit."""
-        while self._rotating and self.dumped_bytes + size > self.settings.max_dump_bytes:
-            path, old = self._rotating.popleft()
-            path.unlink(missing_ok=True)
-            with contextlib.suppress(OSError):  # other workers' dumps are still in it
-                path.parent.rmdir()
-            self.dumped_bytes -= old

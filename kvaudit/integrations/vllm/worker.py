@@ -8,13 +8,10 @@ the side stream before it can overwrite a block. On the CPU they are computed di
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 
@@ -85,9 +82,8 @@ class WorkerAudit:
         self._load_errors: set[int] = set()
         self._outgoing: list[WorkerPartials] = []
         self._unwritten: list[WorkerPartials] = []
-        self._dumped_bytes = 0
+        self._budget = output.DumpBudget(config.max_dump_bytes)
         self._dumped: set[tuple[str, str]] = set()
-        self._rotating: deque[tuple[Path, int]] = deque()  # rotate_dumps: oldest first
         self._failed_here: set[str] = set()
         self.dumps_written = 0
         self.overhead_seconds = 0.0
@@ -248,13 +244,12 @@ class WorkerAudit:
     def _write_dump(self, job: AuditJob) -> None:
         assert self.config.output is not None
         size = self._job_bytes(job)
-        if job.role == PRODUCER and self.config.rotate_dumps:
-            self._make_room(size)
-        if self._dumped_bytes + size > self.config.max_dump_bytes:
-            logger.info("kvaudit: request %s not dumped: max_dump_bytes reached", job.audit_id)
-            return
+        rotating = job.role == PRODUCER and self.config.rotate_dumps
         path = output.dump_path(self.config.output, job.audit_id, self.worker.pp_rank,
                                 self.worker.tp_rank)  # fmt: skip
+        if not self._budget.admits(path, size, rotating=rotating):
+            logger.info("kvaudit: request %s not dumped: max_dump_bytes reached", job.audit_id)
+            return
         path.parent.mkdir(parents=True, exist_ok=True)
         info = WorkerInfo(
             self.worker.tp_rank, self.worker.tp_size, self.worker.pp_rank, self.worker.pp_size,
@@ -273,20 +268,8 @@ class WorkerAudit:
             return
         if job.role == CONSUMER:  # a sampled dump and a failed check's: one dump
             self._dumped.add((job.request, job.role))
-        self._dumped_bytes += size
+        self._budget.written(path, size, rotating=rotating)
         self.dumps_written += 1
-        if job.role == PRODUCER and self.config.rotate_dumps:
-            self._rotating.append((path, size))
-
-    def _make_room(self, size: int) -> None:
-        """Remove this worker's oldest rotating dumps until ``size`` more bytes fit (a
-        request's folder goes with its last worker's dump)."""
-        while self._rotating and self._dumped_bytes + size > self.config.max_dump_bytes:
-            path, old = self._rotating.popleft()
-            path.unlink(missing_ok=True)
-            with contextlib.suppress(OSError):  # other workers' dumps are still in it
-                path.parent.rmdir()
-            self._dumped_bytes -= old
 
     def _job_bytes(self, job: AuditJob) -> int:
         """The bytes a dump of the job's blocks holds (every layer's rows)."""
