@@ -47,6 +47,7 @@ def prefill_pp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dic
 def decode_context(tp1_decode, monkeypatch, tmp_path):
     """The decode's published context (TP=1, PP=1) and its output folder."""
     monkeypatch.setenv("KVAUDIT_SGLANG_OUTPUT", str(tmp_path / "decode"))
+    monkeypatch.setenv("KVAUDIT_SGLANG_MAX_DUMP_BYTES", str(10**8))
     return tp1_decode, monkeypatch, tmp_path / "decode"
 
 
@@ -67,8 +68,8 @@ def test_each_stage_carries_its_own_layers(prefill_pp) -> None:
 
 
 def test_decode_pp1_verifies_the_stage_that_arrived_last(prefill_pp, decode_context) -> None:
-    group, monkeypatch, _ = decode_context
-    _, stages = prefill_pp
+    group, monkeypatch, folder = decode_context
+    prefill_folder, stages = prefill_pp
     decode = Decode(group, monkeypatch.setattr)
     assert decode.queue._kv_checksum_comparable(stages[0]["signature"]) is False  # SGLang's
     ok = decode.receive("req-ok", stages, index=2)  # stage 1's row lands last
@@ -79,6 +80,20 @@ def test_decode_pp1_verifies_the_stage_that_arrived_last(prefill_pp, decode_cont
     (reason,) = stats["reasons"]
     assert reason.startswith("verified on layers 1..1 of 0..1 only")
     assert decode.aborts == ["req-bad"] and decode.failed == [1]
+    # Located from the two stages' rotating dumps and the decode's dump of the failure.
+    rid, layer, head, token = CHANGED
+    result = CliRunner().invoke(
+        main,
+        ["diff", str(prefill_folder / "dumps" / rid), str(folder / "dumps" / rid), "--format",
+         "json"],
+    )  # fmt: skip
+    assert result.exit_code == 1
+    (entry,) = json.loads(result.stdout)["requests"][rid]["groups"]["0"]["located"]
+    assert (entry["layer"], entry["head"], entry["tokens"]) == (
+        f"model.layers.{layer}.self_attn.attn",
+        head,
+        [token],
+    )
 
 
 def test_a_fault_in_the_overwritten_stage_is_caught_by_the_output_folders(
