@@ -41,7 +41,7 @@ from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
 from sglang.srt.plugins.hook_registry import HookRegistry
 
-from kvaudit.integrations.sglang import inline, sglang_kv_heads
+from kvaudit.integrations.sglang import inline, plugin, sglang_kv_heads
 
 PAGE = 16
 LAYERS = 2
@@ -67,7 +67,7 @@ def register_inline() -> None:
     it on (``KVAUDIT_SGLANG_INLINE=1``)."""
     os.environ["KVAUDIT_SGLANG_INLINE"] = "1"
     try:
-        inline.register()
+        plugin.register()
     finally:
         del os.environ["KVAUDIT_SGLANG_INLINE"]
 

@@ -33,11 +33,9 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 from helpers.sglang_expected import expected_sum
 from pd_world import (
     PAGE,
@@ -50,7 +48,7 @@ from pd_world import (
 )
 from sglang.srt.plugins.hook_registry import HookRegistry
 
-from kvaudit.integrations.sglang import carried, inline
+from kvaudit.integrations.sglang import carried, inline, plugin, serving
 
 
 @pytest.fixture(scope="module")
@@ -203,11 +201,11 @@ def test_decode_at_tp2(prefill, tmp_path):
         assert (stats["verified"], stats["mismatched"], stats["unverified"]) == (1, 1, 0)
 
 
-def test_installed_beside_sglang_it_turns_nothing_on() -> None:
-
+def test_installed_beside_sglang_it_turns_nothing_on(monkeypatch) -> None:
     HookRegistry.reset()
     assert "KVAUDIT_SGLANG_INLINE" not in os.environ
-    inline.register()
+    monkeypatch.delenv("KVAUDIT_SGLANG_LIVE", raising=False)
+    plugin.register()
     assert not HookRegistry._hooks
     register_inline()
     assert set(HookRegistry._hooks) == {
@@ -216,6 +214,10 @@ def test_installed_beside_sglang_it_turns_nothing_on() -> None:
         inline.VERIFY_TARGET,
     }
     HookRegistry.reset()
+    monkeypatch.setenv("KVAUDIT_SGLANG_LIVE", "/run/kvaudit/prefill")
+    plugin.register()
+    assert set(HookRegistry._hooks) == {serving.INGEST_TARGET}
+    HookRegistry.reset()
 
 
 _LOAD_PLUGINS = """
@@ -223,66 +225,43 @@ from sglang.srt.plugins import load_plugins
 load_plugins()
 from sglang.srt.disaggregation.decode import DecodeTransferQueue, SchedulerDisaggregationDecodeMixin
 from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
+from sglang.srt.managers.scheduler import Scheduler
 methods = (
     SchedulerDisaggregationPrefillMixin.send_kv_chunk,
     DecodeTransferQueue._commit_transfer_to_req,
     SchedulerDisaggregationDecodeMixin._verify_kv_checksums,
+    Scheduler.ingest_requests,
 )
-print(sum(hasattr(method, "__wrapped__") for method in methods))
+print("".join(str(int(hasattr(method, "__wrapped__"))) for method in methods))
 """
 
 
-def test_sglang_loads_the_entry_point_and_the_variable_turns_it_on() -> None:
+def test_sglang_loads_the_entry_point_and_the_variables_turn_it_on() -> None:
     # SGLang's own load_plugins(), as every scheduler process runs it, in fresh processes:
-    # kvaudit's installed entry point hooks the three methods only with the variable set.
+    # kvaudit's installed entry point hooks the inline check's three methods only with
+    # KVAUDIT_SGLANG_INLINE=1, the scheduler's intake only with KVAUDIT_SGLANG_LIVE.
     import subprocess
     import sys
 
     shims = str(Path(__file__).parent / "shims")
+    settings = {
+        "inline": {"KVAUDIT_SGLANG_INLINE": "1"},
+        "live": {"KVAUDIT_SGLANG_LIVE": "/run/kvaudit/decode"},
+        "none": {},
+    }
     runs = {}
-    for value in ("1", None):
-        env = {k: v for k, v in os.environ.items() if k != "KVAUDIT_SGLANG_INLINE"}
+    for name, values in settings.items():
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("KVAUDIT_SGLANG_INLINE", "KVAUDIT_SGLANG_LIVE")
+        }
         env["PYTHONPATH"] = os.pathsep.join(filter(None, (shims, env.get("PYTHONPATH"))))
-        if value is not None:
-            env["KVAUDIT_SGLANG_INLINE"] = value
-        runs[value] = subprocess.Popen(
+        env.update(values)
+        runs[name] = subprocess.Popen(
             [sys.executable, "-c", _LOAD_PLUGINS], env=env, stdout=subprocess.PIPE, text=True
         )
     hooked = {
-        value: run.communicate(timeout=300)[0].strip().splitlines()[-1]
-        for value, run in runs.items()
+        name: run.communicate(timeout=300)[0].strip().splitlines()[-1] for name, run in runs.items()
     }
-    assert hooked == {"1": "3", None: "0"}
-
-
-def test_a_fault_in_kvaudit_never_stops_the_engine_nor_leaves_stale_words(caplog) -> None:
-    # The metadata slot is reused: a row still holding an earlier request's kvaudit words
-    # must not travel with a request kvaudit failed on. A group that is no process group
-    # makes kvaudit's own collective raise (outside what it guards per request).
-    from sglang.srt.disaggregation.utils import MetadataBuffers
-
-    inline.reset_inline_stats()
-    buffers = MetadataBuffers(
-        size=4, hidden_size=16, hidden_states_dtype=torch.bfloat16,
-        max_sampling_mask_tokens=16, kv_checksum_enabled=True,
-    )  # fmt: skip
-    stale = carried.Carried(123, 0, 16, 456, (0, 2), 7)
-    carried.write_carried(buffers, 1, stale)
-    sched = SimpleNamespace(disagg_metadata_buffers=buffers, attn_tp_cpu_group=object())
-    req = SimpleNamespace(rid="r", metadata_buffer_index=1)
-    sent = []
-    with caplog.at_level("ERROR"):
-        inline.around_send_kv_chunk(
-            lambda self, req, last_chunk, end_idx: sent.append(req.rid), sched, req, True
-        )
-    assert sent == ["r"]  # SGLang's own send still ran
-    assert carried.read_carried(buffers, 1) == carried.Unverified(
-        "no kvaudit checksum from the prefill"
-    )
-    assert inline.inline_stats()["reasons"] == {"kvaudit failed in the prefill's checksum": 1}
-    assert any("the prefill's checksum failed" in r.message for r in caplog.records)
-    # The decode: the batch SGLang's own check returns goes on unchanged.
-    batch = SimpleNamespace(reqs=[SimpleNamespace(rid="d", kvaudit_carried=stale)])
-    result = inline.around_verify_kv_checksums(lambda self, batch: "kept", sched, batch)
-    assert result == "kept" and [r.rid for r in batch.reqs] == ["d"]
-    assert inline.inline_stats()["reasons"]["kvaudit failed in the decode's check"] == 1
+    assert hooked == {"inline": "1110", "live": "0001", "none": "0000"}

@@ -31,7 +31,7 @@ from pd_world import (
 from kvaudit.cli import main
 from kvaudit.core.errors import KvauditError
 from kvaudit.integrations.output import read_output_folder
-from kvaudit.integrations.sglang import inline
+from kvaudit.integrations.sglang import inline, plugin
 
 SENT = ("req-ok", "req-bad", "req-prefix")  # sent with kvaudit's hooks installed
 
@@ -125,7 +125,7 @@ def test_bad_output_settings_stop_the_engine_in_one_line(monkeypatch) -> None:
     monkeypatch.setenv("KVAUDIT_SGLANG_INLINE", "1")
     monkeypatch.setenv("KVAUDIT_SGLANG_MAX_DUMP_BYTES", "lots")
     with pytest.raises(KvauditError) as caught:
-        inline.register()
+        plugin.register()
     assert str(caught.value) == (
         "environment: KVAUDIT_SGLANG_MAX_DUMP_BYTES: expected a non-negative integer, got 'lots'"
     )

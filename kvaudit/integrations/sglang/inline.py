@@ -25,20 +25,18 @@ layout, so:
   PP prefill whose stages' rows overwrote one another on a decode with fewer stages).
 
 With ``KVAUDIT_SGLANG_OUTPUT`` set, each process writes its checksums and bounded dumps
-into the engine's output folder (``recording``). The hooks are installed with
-``register()``, an ``sglang.srt.plugins`` entry point. This module imports SGLang;
+into the engine's output folder (``recording``). The hooks are installed by
+``plugin.register()``, kvaudit's ``sglang.srt.plugins`` entry point. This module imports SGLang;
 kvaudit's own modules never import it.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed as dist
 from sglang.srt.disaggregation.checksum import is_health_check_req
 
 from ...records import WorkerRecord
@@ -59,9 +57,11 @@ from .ranks import (
     PRODUCER,
     LayerSpan,
     RankChecksummer,
+    attention_tp,
     block_sums,
     gather_ranks,
     group_sums,
+    pipeline_ranks,
 )
 from .recording import Recorder, settings_from_environment
 
@@ -128,22 +128,6 @@ def _log_once(message: str) -> None:
         logger.warning("kvaudit: %s", message)
 
 
-def _tp(scheduler: Any) -> tuple[Any, int, int]:
-    group = scheduler.attn_tp_cpu_group
-    return group, dist.get_rank(group), dist.get_world_size(group)
-
-
-def _pp() -> tuple[int, int]:
-    """This process's PP rank and size as SGLang publishes them."""
-    try:
-        from sglang.srt.runtime_context import get_parallel
-
-        parallel = get_parallel()
-        return int(parallel.pp_rank or 0), int(parallel.pp_size or 1)
-    except Exception:  # not published (a pool used outside a scheduler): no PP
-        return 0, 1
-
-
 def rank_checksummer(scheduler: Any, role: str, layers: LayerSpan | None = None) -> RankChecksummer:
     """The scheduler's ``RankChecksummer`` of ``role`` over ``layers`` (default: every
     layer of its pool), built once per pool and span (the pool's buffers stay put)."""
@@ -154,8 +138,8 @@ def rank_checksummer(scheduler: Any, role: str, layers: LayerSpan | None = None)
         scheduler._kvaudit_rank_checksummers = cached
     key = (role, layers)
     if key not in cached[1]:
-        _, tp_rank, tp_size = _tp(scheduler)
-        pp_rank, pp_size = _pp()
+        _, tp_rank, tp_size = attention_tp(scheduler)
+        pp_rank, pp_size = pipeline_ranks()
         total = scheduler.model_config.get_total_num_kv_heads()
         cached[1][key] = RankChecksummer(
             pool,
@@ -542,24 +526,10 @@ def around_verify_kv_checksums(original, self, batch, *args, **kwargs):
     return result
 
 
-def register() -> None:
-    """Register the three hooks with SGLang's ``HookRegistry`` when ``KVAUDIT_SGLANG_INLINE=1``.
-
-    This is kvaudit's ``sglang.srt.plugins`` entry point, which SGLang's ``load_plugins()``
-    runs in every scheduler process. Installing kvaudit beside SGLang turns nothing on:
-    without the variable it registers nothing.
-
-    Raises:
-        KvauditError: A ``KVAUDIT_SGLANG_*`` output setting that is not valid (one line).
-    """
-    if os.environ.get("KVAUDIT_SGLANG_INLINE", "0") != "1":
-        return
-    settings_from_environment()  # a bad setting stops the engine's start, in one line
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    for target, hook in (
+def hooks() -> list[tuple[str, Any]]:
+    """The inline check's ``HookRegistry`` AROUND hooks: ``(target, hook)`` pairs."""
+    return [
         (PREFILL_TARGET, around_send_kv_chunk),
         (COMMIT_TARGET, around_commit_transfer_to_req),
         (VERIFY_TARGET, around_verify_kv_checksums),
-    ):
-        HookRegistry.register(target, hook, HookType.AROUND)
+    ]

@@ -170,3 +170,20 @@ def group_sums(rows: list[list[int]], group: Any) -> list[list[int]]:
         [sum(part[i][j] for part in parts) % MOD64 for j in range(len(row))]
         for i, row in enumerate(rows)
     ]
+
+
+def attention_tp(scheduler: Any) -> tuple[Any, int, int]:
+    """A scheduler's attention TP CPU group, its rank in it and the group's size."""
+    group = scheduler.attn_tp_cpu_group
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def pipeline_ranks() -> tuple[int, int]:
+    """This process's PP rank and size as SGLang publishes them."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+        return int(parallel.pp_rank or 0), int(parallel.pp_size or 1)
+    except Exception:  # not published (a pool used outside a scheduler): no PP
+        return 0, 1

@@ -1,7 +1,7 @@
 """What kvaudit's SGLang hooks write to disk: their settings (environment variables, since
-SGLang's plug-ins take no arguments) and, per scheduler process, the output folder's
-description, checksum lines and bounded dumps (``kvaudit.integrations.output``; docs/
-sglang.md, "The output folder").
+SGLang's plug-ins take no arguments; the switches' names too) and, per scheduler process,
+the output folder's description, checksum lines and bounded dumps
+(``kvaudit.integrations.output``; docs/sglang.md, "The output folder").
 
 A prefill writes each sent request's per-block checksums and, with rotating dumps, a dump
 of its blocks (the latest within the budget kept); a decode writes each checked request's
@@ -30,6 +30,10 @@ from .. import output
 
 logger = logging.getLogger(__name__)
 
+INLINE_VARIABLE = "KVAUDIT_SGLANG_INLINE"
+"""``1`` turns the inline check on."""
+LIVE_VARIABLE = "KVAUDIT_SGLANG_LIVE"
+"""The folder every scheduler process serves its pool in (``serving``)."""
 OUTPUT_VARIABLE = "KVAUDIT_SGLANG_OUTPUT"
 MAX_DUMP_BYTES_VARIABLE = "KVAUDIT_SGLANG_MAX_DUMP_BYTES"
 ROTATE_DUMPS_VARIABLE = "KVAUDIT_SGLANG_ROTATE_DUMPS"
