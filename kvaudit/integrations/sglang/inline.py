@@ -358,20 +358,6 @@ def _layers_text(layers: LayerSpan) -> str:
     return f"{layers[0]}..{layers[1] - 1}"
 
 
-def decode_verify(scheduler: Any, batch: Any) -> list[int]:
-    """On every decode attention TP rank (collectives over ``attn_tp_cpu_group``, also when
-    nothing is to verify, so the ranks stay in step): verify each request of the batch
-    that carries a kvaudit checksum, once (``decode_checks``); abort a mismatch through
-    SGLang's ``_handle_kv_checksum_mismatch`` and filter it from the batch
-    (``abort_mismatched``).
-
-    Returns:
-        The indices (into the batch before filtering) of the aborted requests.
-
-    """
-    return abort_mismatched(scheduler, batch, decode_checks(scheduler, batch))
-
-
 def abort_mismatched(scheduler: Any, batch: Any, mismatched: list[tuple[int, str]]) -> list[int]:
     """Abort each mismatched request through SGLang's ``_handle_kv_checksum_mismatch``
     (which raises in SGLang's CI, as for its own check) and filter them from the batch.
@@ -398,8 +384,15 @@ def abort_mismatched(scheduler: Any, batch: Any, mismatched: list[tuple[int, str
 
 
 def decode_checks(scheduler: Any, batch: Any) -> list[tuple[int, str]]:
-    """The verdicts of ``decode_verify`` (counted, logged, written to the output folder),
-    without aborting: ``(index into the batch, message)`` per mismatched request."""
+    """On every decode attention TP rank (two collectives over ``attn_tp_cpu_group``, made
+    whenever the batch has requests, so the ranks stay in step): verify each request of
+    the batch that carries a kvaudit checksum, once; count, log and write the verdicts.
+    Aborting is ``abort_mismatched``'s.
+
+    Returns:
+        ``(index into the batch, message)`` per mismatched request.
+
+    """
     reqs = list(batch.reqs)
     if not reqs:
         return []
@@ -430,11 +423,12 @@ def decode_checks(scheduler: Any, batch: Any) -> list[tuple[int, str]]:
         held = rank_checksummer(scheduler, CONSUMER).layers
     except Exception:
         held = None
+    numbered: dict[int, list[int]] = {}
+    for n, (i, _) in enumerate(checks):
+        numbered.setdefault(i, []).append(n)
     mismatched: list[tuple[int, str]] = []
-    for i, req in enumerate(reqs):
-        numbers = [n for n, (j, _) in enumerate(checks) if j == i]
-        if not numbers:
-            continue
+    for i, numbers in numbered.items():
+        req = reqs[i]
         verified: list[LayerSpan] = []
         failed: list[str] = []
         problem: str | None = None
