@@ -60,6 +60,16 @@ def dump_path(output: str | os.PathLike[str], request: str, pp_rank: int, tp_ran
     return Path(output) / "dumps" / _safe_name(request) / f"pp{pp_rank}-tp{tp_rank}.safetensors"
 
 
+def block_bytes(tensors: Mapping[str, Any], num_blocks: int) -> int:
+    """The bytes one block holds over every layer's tensors (what a dump writes per
+    block): each tensor's bytes over the ``num_blocks`` blocks it holds."""
+    total = 0
+    for tensor in tensors.values():
+        for part in tensor if isinstance(tensor, tuple) else (tensor,):
+            total += part.numel() * part.element_size() // max(1, num_blocks)
+    return total
+
+
 class DumpBudget:
     """The bytes of dumps one worker may keep (``limit``), and its rotating dumps, which
     are removed oldest first to make room for new ones."""

@@ -105,7 +105,7 @@ class Recorder:
         self.description = description
         self.tensors = tensors
         self.budget = output.DumpBudget(settings.max_dump_bytes)
-        self.dumps_written = 0
+        self.block_bytes = output.block_bytes(tensors, description.num_blocks)
         output.write_description(settings.output, raw, worker, engine="sglang")
 
     def checksums(self, record: WorkerRecord, request: str) -> None:
@@ -124,7 +124,7 @@ class Recorder:
 
         """
         assert self.settings.output is not None
-        size = self._bytes(blocks)
+        size = self.block_bytes * len({b for _, ids in blocks.groups.values() for b in ids})
         path = output.dump_path(
             self.settings.output, request, self.worker.pp_rank, self.worker.tp_rank
         )
@@ -135,14 +135,4 @@ class Recorder:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_dump(path, self.description, self.tensors, {request: blocks}, worker=self.worker)
         self.budget.written(path, size, rotating=rotating)
-        self.dumps_written += 1
         return path
-
-    def _bytes(self, blocks: RequestBlocks) -> int:
-        """The bytes a dump of the blocks holds (every layer's rows)."""
-        count = len({b for _, ids in blocks.groups.values() for b in ids})
-        per_block = 0
-        for tensor in self.tensors.values():
-            for part in tensor if isinstance(tensor, tuple) else (tensor,):
-                per_block += part.numel() * part.element_size() // int(part.shape[0])
-        return per_block * count

@@ -83,6 +83,7 @@ class WorkerAudit:
         self._outgoing: list[WorkerPartials] = []
         self._unwritten: list[WorkerPartials] = []
         self._budget = output.DumpBudget(config.max_dump_bytes)
+        self._block_bytes = output.block_bytes(tensors, description.num_blocks)
         self._dumped: set[tuple[str, str]] = set()
         self._failed_here: set[str] = set()
         self.dumps_written = 0
@@ -274,11 +275,7 @@ class WorkerAudit:
     def _job_bytes(self, job: AuditJob) -> int:
         """The bytes a dump of the job's blocks holds (every layer's rows)."""
         blocks = len({b for _, ids in job.groups.values() for b in ids})
-        total = 0
-        for tensor in self.tensors.values():
-            for part in tensor if isinstance(tensor, tuple) else (tensor,):
-                total += part.numel() * part.element_size() // max(1, self.description.num_blocks)
-        return total * blocks
+        return self._block_bytes * blocks
 
     def _write(self, final: bool) -> None:
         """Append the checksums that reached the host (all of them if ``final``)."""
