@@ -150,8 +150,9 @@ def test_a_corrupted_block_is_logged_counted_and_dumped(
     lines = [r.getMessage() for r in caplog.records if "MISMATCH" in r.getMessage()]
     block = consumer.tables["d-a"][1]
     assert lines == [
-        f"kvaudit: MISMATCH request req-a group 0 positions [1] (blocks [{block}]): stale "
-        "source: none found among recent producers"
+        f"kvaudit: MISMATCH request req-a group 0: positions [1] (blocks [{block}]) differ "
+        "from the producer's checksums; positions 0-1 compared; none of the last 65536 "
+        "blocks received from the producer holds their checksums"
     ]
     got = counters(consumer)
     assert (got["mismatched_requests"], got["mismatched_blocks"]) == (1, 1)
@@ -172,7 +173,7 @@ def test_a_stale_block_names_its_source(tmp_path: Path, caplog: pytest.LogCaptur
     with caplog.at_level(logging.INFO, logger="kvaudit.vllm"):
         run_pair(tmp_path, stale)
     [line] = [r.getMessage() for r in caplog.records if "MISMATCH" in r.getMessage()]
-    assert "stale source: position 1 holds req-b position 1" in line
+    assert line.endswith("; position 1 holds req-b position 1 (a stale block)")
 
 
 def test_example_connector_under_tp_2_is_caught(
@@ -185,8 +186,8 @@ def test_example_connector_under_tp_2_is_caught(
         _, consumer, _ = run_pair(tmp_path, tp_size=2)
     lines = sorted(r.getMessage() for r in caplog.records if "MISMATCH" in r.getMessage())
     assert [line.split(" (")[0] for line in lines] == [
-        "kvaudit: MISMATCH request req-a group 0 positions [0, 1]",
-        "kvaudit: MISMATCH request req-b group 0 positions [0, 1]",
+        "kvaudit: MISMATCH request req-a group 0: positions [0, 1]",
+        "kvaudit: MISMATCH request req-b group 0: positions [0, 1]",
     ]
     assert counters(consumer)["mismatched_blocks"] == 4
 

@@ -149,9 +149,10 @@ def test_after_a_local_prefix_hit_the_loaded_blocks_are_checked(
     [line] = messages(caplog, "MISMATCH")
     block = line.split("(blocks [")[1].split("]")[0]
     assert line == (
-        f"kvaudit: MISMATCH request req-a group 0 positions [3] (blocks [{block}]): stale "
-        "source: none found among recent producers (position 3 compared; 0-2 held locally "
-        "(prefix cache), not compared)"
+        f"kvaudit: MISMATCH request req-a group 0: positions [3] (blocks [{block}]) differ "
+        "from the producer's checksums; position 3 compared; 0-2 held locally (prefix "
+        "cache), not compared; none of the last 65536 blocks received from the producer "
+        "holds their checksums"
     )
     got = decode.connector_counters()
     assert (got["checked_blocks"], got["local_blocks"], got["mismatched_blocks"]) == (1, 3, 1)
@@ -238,8 +239,8 @@ def test_an_async_load_after_a_local_hit_checks_its_partial_last_block(
         decode.add("d-a", tokens, params["req-a"], max_tokens=2)
         decode.run()
     [line] = messages(caplog, "MISMATCH")
-    assert line.startswith("kvaudit: MISMATCH request req-a group 0 positions [4] ")
-    assert line.endswith("(positions 2-4 compared; 0-1 held locally (prefix cache), not compared)")
+    assert line.startswith("kvaudit: MISMATCH request req-a group 0: positions [4] ")
+    assert "; positions 2-4 compared; 0-1 held locally (prefix cache), not compared; " in line
     got = decode.connector_counters()
     assert (got["checked_blocks"], got["local_blocks"], got["mismatched_blocks"]) == (3, 2, 1)
     record = read_output_folder(tmp_path / "decode")
@@ -404,7 +405,7 @@ def test_a_load_failed_on_one_rank_before_the_other_rank_finished(
         decode.add("d-a", PROMPT, params["req-a"], max_tokens=2)
         decode.run()
     [line] = messages(caplog, "MISMATCH")
-    assert line.startswith("kvaudit: MISMATCH request req-a group 0 positions [1] ")
+    assert line.startswith("kvaudit: MISMATCH request req-a group 0: positions [1] ")
     assert not messages(caplog, "compared: match")
     assert decode.generated("d-a") == [r.SAMPLED + 80, r.SAMPLED + 81]
     assert decode.all_blocks_free()
@@ -610,8 +611,8 @@ def test_nixl_after_a_local_prefix_hit(
         decode.add("d-a", PROMPT, params, max_tokens=2)
         decode.run()
     [line] = messages(caplog, "MISMATCH")
-    assert line.startswith("kvaudit: MISMATCH request req-a group 0 positions [4] ")
-    assert line.endswith("(positions 3-4 compared; 0-2 held locally (prefix cache), not compared)")
+    assert line.startswith("kvaudit: MISMATCH request req-a group 0: positions [4] ")
+    assert "; positions 3-4 compared; 0-2 held locally (prefix cache), not compared; " in line
     assert decode.generated("d-a") == [r.SAMPLED + 80, r.SAMPLED + 81]
     assert decode.all_blocks_free()
     prefill.run()
@@ -640,7 +641,7 @@ def test_kvaudit_holding_a_multiconnector(
         decode.add("d-a", PROMPT, params["req-a"])
         decode.run()
     [line] = messages(caplog, "MISMATCH")
-    assert line.startswith("kvaudit: MISMATCH request req-a group 0 positions [0] ")
+    assert line.startswith("kvaudit: MISMATCH request req-a group 0: positions [0] ")
     assert decode.all_blocks_free()
 
 
@@ -687,7 +688,7 @@ def test_a_multiconnector_holding_kvaudit(
         decode.add("d-a", PROMPT, params)
         decode.run()
     [line] = messages(caplog, "MISMATCH")
-    assert line.startswith("kvaudit: MISMATCH request req-a group 0 positions [2] ")
+    assert line.startswith("kvaudit: MISMATCH request req-a group 0: positions [2] ")
     assert decode.all_blocks_free()
 
 

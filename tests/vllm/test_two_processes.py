@@ -58,7 +58,7 @@ def test_a_damaged_transfer_is_caught_logged_dumped_and_located(tmp_path: Path) 
     consumer = engine("consumer", tmp_path)
     mismatches = [line for line in consumer.stderr.splitlines() if "MISMATCH" in line]
     assert len(mismatches) == 1, consumer.stderr[-3000:]
-    assert mismatches[0].startswith("kvaudit: MISMATCH request req-a group 0 positions [1] ")
+    assert mismatches[0].startswith("kvaudit: MISMATCH request req-a group 0: positions [1] ")
 
     prefill, decode = tmp_path / "prefill", tmp_path / "decode"
     located = kvaudit("diff", prefill / "dumps" / "req-a", decode / "dumps" / "req-a",

@@ -31,6 +31,7 @@ class AuditCounters:
     ``local`` held in the consumer's prefix cache, so not transferred and not compared.
     ``declined_sync_loads``: synchronous loads declined under policy ``fail``.
     The workers add ``dumps_written`` and ``overhead_seconds`` (host time in kvaudit).
+    ``internal_errors``: failures of kvaudit's own code, caught by its guard.
     """
 
     producer_requests: int = 0
@@ -45,6 +46,7 @@ class AuditCounters:
     declined_sync_loads: int = 0
     dumps_written: int = 0
     overhead_seconds: float = 0.0
+    internal_errors: int = 0
 
     def as_dict(self) -> dict[str, int | float]:
         return dict(self.__dict__)

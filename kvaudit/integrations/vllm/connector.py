@@ -42,6 +42,8 @@ from .engine import (
     with_transfer_config,
     worker_ranks,
 )
+from .guard import AuditGuard
+from .jobs import AuditStep
 from .messages import (
     STATS_KEY,
     KVAuditMetadata,
@@ -50,6 +52,7 @@ from .messages import (
     class_path,
 )
 from .scheduler import SchedulerAudit
+from .versions import warn_if_untested
 from .worker import WorkerAudit
 from .wrapped_class import WrappedClassQueries
 
@@ -77,7 +80,13 @@ class KVAuditConnector(WrappedClassQueries, KVConnectorBase_V1):
     Configured either as itself, wrapping the connector named under ``"wrapped"``, or
     under the name of the vLLM connector it audits (``kvaudit.integrations.vllm.audited``
     makes one such class per name: ``audited_name``), so that vLLM's own checks of that
-    connector still apply."""
+    connector still apply.
+
+    Each hook calls the wrapped connector first, outside kvaudit's guard (what it raises
+    is the engine's, as without kvaudit), then does kvaudit's part inside the guard
+    (``guard.py``): a failure there is logged, counted (``internal_errors``), turns the
+    requests in flight into unverified ones, and the hook answers vLLM what the wrapped
+    connector answered. Only a configuration error stops the engine, at start-up."""
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -94,31 +103,46 @@ class KVAuditConnector(WrappedClassQueries, KVConnectorBase_V1):
             assert isinstance(created, KVConnectorBase_V1)
             self.wrapped = created
         self._wrapped_class = class_path(type(self.wrapped) if self.wrapped else None)
+        self.guard = AuditGuard(self._internal_error)
+        # Per request being admitted: the local prefix-cache hit its load starts after,
+        # and whether the load is asynchronous (get_num_new_matched_tokens).
+        self._matched: dict[str, tuple[int, bool]] = {}
+        self._warned_sync = False
+        self._declined: set[str] = set()
+        # Worker side: requests this worker could not check (no audit of its caches),
+        # and held loads to report finished after an internal error let them go.
+        self._unaudited: set[str] = set()
+        self._let_go: set[str] = set()
+        consumer = self._kv_transfer_config.is_kv_consumer
+        if self.audit_config.policy == "fail" and inner_config is not None and consumer:
+            refuse_sync_loading(inner_config)
         siblings = multiconnector_siblings()
         # A child of vLLM's MultiConnector under an audited name reports the wrapped
         # connector's stats only (MultiConnector rebuilds them with that name's class).
         self._stats_are_wrapped = self.audited_name is not None and siblings is not None
         if siblings:
             self._check_place_in_multiconnector(siblings)
-        # Per request being admitted: the local prefix-cache hit its load starts after,
-        # and whether the load is asynchronous (get_num_new_matched_tokens).
-        self._matched: dict[str, tuple[int, bool]] = {}
-        self._warned_sync = False
-        self._declined: set[str] = set()
-        consumer = self._kv_transfer_config.is_kv_consumer
-        if self.audit_config.policy == "fail" and inner_config is not None and consumer:
-            refuse_sync_loading(inner_config)
         self.worker_audit: WorkerAudit | None = None
         self.scheduler_audit: SchedulerAudit | None = None
-        if role == KVConnectorRole.SCHEDULER:
-            parallel = vllm_config.parallel_config
-            self.scheduler_audit = SchedulerAudit(
-                self.audit_config,
-                group_layouts(kv_cache_config),
-                producer=self._kv_transfer_config.is_kv_producer,
-                world_size=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
-                single_group=len(kv_cache_config.kv_cache_groups) == 1,
-            )
+        with self.guard("__init__"):
+            warn_if_untested()
+            if role == KVConnectorRole.SCHEDULER:
+                parallel = vllm_config.parallel_config
+                self.scheduler_audit = SchedulerAudit(
+                    self.audit_config,
+                    group_layouts(kv_cache_config),
+                    producer=self._kv_transfer_config.is_kv_producer,
+                    world_size=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
+                    single_group=len(kv_cache_config.kv_cache_groups) == 1,
+                )
+
+    def _internal_error(self, hook: str) -> None:
+        """After a failure of kvaudit's own code: the requests in flight are reported
+        unverified, and loads held for a verdict are let go."""
+        if self.scheduler_audit is not None:
+            self.scheduler_audit.abandon()
+        if self.worker_audit is not None:
+            self._let_go |= self.worker_audit.abandon()
 
     def _check_place_in_multiconnector(self, earlier: list[Any]) -> None:
         """Refuse a second kvaudit connector among a MultiConnector's children (their
@@ -171,11 +195,16 @@ class KVAuditConnector(WrappedClassQueries, KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        assert isinstance(connector_metadata, KVAuditMetadata)
-        if self.wrapped is not None and connector_metadata.inner is not None:
-            self.wrapped.bind_connector_metadata(connector_metadata.inner)
-        if self.worker_audit is not None:
-            self.worker_audit.bind(connector_metadata.audit)
+        audited = isinstance(connector_metadata, KVAuditMetadata)
+        inner = connector_metadata.inner if audited else connector_metadata
+        if self.wrapped is not None and inner is not None:
+            self.wrapped.bind_connector_metadata(inner)
+        with self.guard("bind_connector_metadata"):
+            step = connector_metadata.audit if audited else None
+            if self.worker_audit is not None:
+                self.worker_audit.bind(step)
+            elif step is not None:  # nothing on this worker checks them: said, not hidden
+                self._unaudited |= {job.request for job in step.jobs}
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
@@ -185,7 +214,8 @@ class KVAuditConnector(WrappedClassQueries, KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.wrapped is not None:
             self.wrapped.register_kv_caches(kv_caches)
-        self._start_worker_audit(kv_caches)
+        with self.guard("register_kv_caches"):
+            self._start_worker_audit(kv_caches)
 
     def _start_worker_audit(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Describe the caches from the engine's KVCacheConfig and set up the checksums."""
@@ -203,11 +233,12 @@ class KVAuditConnector(WrappedClassQueries, KVConnectorBase_V1):
         )
 
     def unregister_kv_caches(self) -> None:
-        if self.wrapped is not None:
+        # vLLM 0.33's sleep mode; 0.32's connectors have no such method.
+        if self.wrapped is not None and hasattr(self.wrapped, "unregister_kv_caches"):
             self.wrapped.unregister_kv_caches()
 
     def restore_kv_caches(self) -> None:
-        if self.wrapped is not None:
+        if self.wrapped is not None and hasattr(self.wrapped, "restore_kv_caches"):
             self.wrapped.restore_kv_caches()
 
     def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
@@ -217,17 +248,22 @@ class KVAuditConnector(WrappedClassQueries, KVConnectorBase_V1):
     def finish_forward(self) -> None:
         if self.wrapped is not None:
             self.wrapped.finish_forward()
-        if self.worker_audit is not None:
-            self.worker_audit.forward_done()
+        self._forward_done("finish_forward")
+
+    def _forward_done(self, hook: str) -> None:
+        with self.guard(hook):
+            if self.worker_audit is not None:
+                self.worker_audit.forward_done()
 
     def reset_capture_state(self) -> None:
         if self.wrapped is not None:
             self.wrapped.reset_capture_state()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        assert isinstance(kv_connector_metadata, KVAuditMetadata)
-        if self.wrapped is not None and kv_connector_metadata.inner is not None:
-            self.wrapped.handle_preemptions(kv_connector_metadata.inner)
+        if isinstance(kv_connector_metadata, KVAuditMetadata):
+            kv_connector_metadata = kv_connector_metadata.inner
+        if self.wrapped is not None and kv_connector_metadata is not None:
+            self.wrapped.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self.wrapped is not None:
@@ -250,43 +286,54 @@ class KVAuditConnector(WrappedClassQueries, KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         if self.wrapped is not None:
             self.wrapped.wait_for_save()
-        if self.worker_audit is not None:
-            self.worker_audit.forward_done()
+        self._forward_done("wait_for_save")
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.wrapped is None:
             return None, None
         sending, recving = self.wrapped.get_finished(finished_req_ids)
-        if self.worker_audit is None:
-            return sending, recving
-        audited, _ = self.worker_audit.transfer_results(
-            set(recving or ()), set(), set(finished_req_ids)
-        )
-        return sending, audited if recving is not None or audited else recving
+        finished, _ = self._audited_results(set(recving or ()), set(), finished_req_ids)
+        return sending, finished if recving is not None or finished else recving
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self.wrapped is not None:
             results = self.wrapped.get_transfer_results(finished_req_ids)
         else:
             results = KVConnectorTransferResults()
-        if self.worker_audit is None:
-            return results
-        finished, failed = self.worker_audit.transfer_results(
-            set(results.finished_recving), set(results.failed_recving), set(finished_req_ids)
+        finished, failed = self._audited_results(
+            set(results.finished_recving), set(results.failed_recving), finished_req_ids
         )
         return KVConnectorTransferResults(results.finished_sending, finished, failed)
 
+    def _audited_results(
+        self, finished_recving: set[str], failed_recving: set[str], ended: set[str]
+    ) -> tuple[set[str], set[str]]:
+        """The finished and failed receives to report to vLLM: the wrapped connector's,
+        less loads held for their verdict (policy ``fail``), plus loads let go."""
+        out = finished_recving, failed_recving
+        with self.guard("get_transfer_results"):
+            if self.worker_audit is not None:
+                out = self.worker_audit.transfer_results(
+                    finished_recving, failed_recving, set(ended)
+                )
+        if self._let_go:  # held before an internal error: reported finished now
+            out = out[0] | self._let_go, out[1]
+            self._let_go = set()
+        return out
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors = self.wrapped.get_block_ids_with_load_errors() if self.wrapped else set()
-        if self.worker_audit is not None:
-            errors = set(errors) | self.worker_audit.load_errors()
+        with self.guard("get_block_ids_with_load_errors"):
+            if self.worker_audit is not None:
+                return set(errors) | self.worker_audit.load_errors()
         return errors
 
     def shutdown(self) -> None:
         if self.wrapped is not None:
             self.wrapped.shutdown()
-        if self.worker_audit is not None:
-            self.worker_audit.close()
+        with self.guard("shutdown"):
+            if self.worker_audit is not None:
+                self.worker_audit.close()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         inner = self.wrapped.get_kv_connector_stats() if self.wrapped else None
@@ -294,10 +341,12 @@ class KVAuditConnector(WrappedClassQueries, KVConnectorBase_V1):
             return inner
         stats = KVAuditStats(inner=inner, inner_class=self._wrapped_class)
         counts = stats.data[STATS_KEY]
-        if self.scheduler_audit is not None:
-            counts.update(self.scheduler_audit.take_counters().as_dict())
-        if self.worker_audit is not None:
-            counts.update(self.worker_audit.take_counters())
+        with self.guard("get_kv_connector_stats"):
+            if self.scheduler_audit is not None:
+                counts.update(self.scheduler_audit.take_counters().as_dict())
+            if self.worker_audit is not None:
+                counts.update(self.worker_audit.take_counters())
+        counts["internal_errors"] = counts.get("internal_errors", 0) + self.guard.take_errors()
         return None if stats.is_empty() and inner is None else stats
 
     def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
@@ -308,12 +357,17 @@ class KVAuditConnector(WrappedClassQueries, KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         inner = self.wrapped.build_connector_worker_meta() if self.wrapped else None
-        audit = self.worker_audit
-        partials = audit.partials() if audit else []
-        failed = audit.failed_loads() if audit else set()
-        if inner is None and not partials and not failed:
+        partials: list = []
+        failed: set[str] = set()
+        unverified, self._unaudited = self._unaudited, set()
+        with self.guard("build_connector_worker_meta"):
+            if self.worker_audit is not None:
+                partials = self.worker_audit.partials()
+                failed = self.worker_audit.failed_loads()
+                unverified |= self.worker_audit.unverified()
+        if inner is None and not partials and not failed and not unverified:
             return None
-        return KVAuditWorkerMetadata(inner, partials, failed)
+        return KVAuditWorkerMetadata(inner, partials, failed, unverified)
 
     # Scheduler side.
 
@@ -337,6 +391,14 @@ class KVAuditConnector(WrappedClassQueries, KVConnectorBase_V1):
         if self.wrapped is None:
             return 0, False
         tokens, load_async = self.wrapped.get_num_new_matched_tokens(request, num_computed_tokens)
+        with self.guard("get_num_new_matched_tokens"):
+            return self._matched_tokens(request, num_computed_tokens, tokens, load_async)
+        return tokens, load_async
+
+    def _matched_tokens(
+        self, request: Request, num_computed_tokens: int, tokens: int | None, load_async: bool
+    ) -> tuple[int | None, bool]:
+        """The wrapped connector's answer, unless kvaudit declines the load."""
         audit = self.scheduler_audit
         if tokens and audit is not None and request.request_id in audit.failed_checks:
             # Its loaded KV failed its check: the rest is computed here, not loaded again.
@@ -381,6 +443,12 @@ class KVAuditConnector(WrappedClassQueries, KVConnectorBase_V1):
     ) -> None:
         if self.wrapped is not None:
             self.wrapped.update_state_after_alloc(request, blocks, num_external_tokens)
+        with self.guard("update_state_after_alloc"):
+            self._after_alloc(request, blocks, num_external_tokens)
+
+    def _after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         local, load_async = self._matched.pop(request.request_id, (0, False))
         if request.request_id in self._declined:
             self._declined.discard(request.request_id)  # this admission's load is declined
@@ -393,31 +461,36 @@ class KVAuditConnector(WrappedClassQueries, KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         inner = self.wrapped.build_connector_meta(scheduler_output) if self.wrapped else None
-        assert self.scheduler_audit is not None
-        audit = self.scheduler_audit.build(scheduler_output)
-        self.scheduler_audit.forget(scheduler_output.finished_req_ids)
-        return KVAuditMetadata(inner, audit)
+        step = AuditStep()
+        with self.guard("build_connector_meta"):
+            if self.scheduler_audit is not None:
+                step = self.scheduler_audit.build(scheduler_output)
+                self.scheduler_audit.forget(scheduler_output.finished_req_ids)
+        return KVAuditMetadata(inner, step)
 
     def on_new_request(self, request: Request) -> None:
         if self.wrapped is not None:
             self.wrapped.on_new_request(request)
-        if self.scheduler_audit is not None:
-            self.scheduler_audit.new_request(request)
+        with self.guard("on_new_request"):
+            if self.scheduler_audit is not None:
+                self.scheduler_audit.new_request(request)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
-        partials: list = []
-        failed: set[str] = set()
-        if isinstance(meta, KVAuditWorkerMetadata):
-            partials, failed = meta.partials, meta.failed
+        audited = isinstance(meta, KVAuditWorkerMetadata)
+        if audited:
             connector_output = dataclasses.replace(
                 connector_output, kv_connector_worker_meta=meta.inner
             )
         if self.wrapped is not None:
             self.wrapped.update_connector_output(connector_output)
-        if self.scheduler_audit is not None:
-            self.scheduler_audit.update(partials)
-            self.scheduler_audit.load_failed(failed)
+        with self.guard("update_connector_output"):
+            if self.scheduler_audit is not None and audited:
+                self.scheduler_audit.give_up(
+                    meta.unverified, "a worker could not check it (see that worker's log)"
+                )
+                self.scheduler_audit.update(meta.partials)
+                self.scheduler_audit.load_failed(meta.failed)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -429,11 +502,14 @@ class KVAuditConnector(WrappedClassQueries, KVConnectorBase_V1):
         return delay_free, self._finished(request, params)
 
     def _finished(self, request: Request, params: dict[str, Any] | None) -> dict[str, Any] | None:
-        self._matched.pop(request.request_id, None)
-        self._declined.discard(request.request_id)
-        if self.scheduler_audit is None:
-            return params
-        return self.scheduler_audit.finished(request, params)
+        """The wrapped connector's params, with the producer's checksums where kvaudit
+        has them (the wrapped connector's params alone if kvaudit fails)."""
+        with self.guard("request_finished"):
+            self._matched.pop(request.request_id, None)
+            self._declined.discard(request.request_id)
+            if self.scheduler_audit is not None:
+                return self.scheduler_audit.finished(request, params)
+        return params
 
     def register_finished_partial_tail(
         self,

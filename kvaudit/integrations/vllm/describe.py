@@ -56,7 +56,7 @@ def describe_vllm_cache(
             layers = []
             for name in group.layer_names:
                 spec = _layer_spec(group.kv_cache_spec, name)
-                if spec.is_draft:
+                if getattr(spec, "is_draft", False):  # vLLM 0.33's specs say; 0.32's do not
                     drafts.append(name)
                 cache = kv_caches.get(name)
                 if cache is None:

@@ -34,12 +34,14 @@ class KVAuditMetadata(KVConnectorMetadata):
 @dataclass
 class KVAuditWorkerMetadata(KVConnectorWorkerMetadata):
     """Workers to scheduler: the wrapped connector's worker metadata, the workers'
-    partial checksums (summed by the scheduler over TP ranks and PP stages) and the
-    audited loads a worker's connector reported failed."""
+    partial checksums (summed by the scheduler over TP ranks and PP stages), the
+    audited loads a worker's connector reported failed, and the requests a worker could
+    not check (``unverified``: kvaudit's own failure, a verdict that did not come)."""
 
     inner: KVConnectorWorkerMetadata | None = None
     partials: list[WorkerPartials] = field(default_factory=list)
     failed: set[str] = field(default_factory=set)
+    unverified: set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """This worker's and another's, together (vLLM calls it once per worker)."""
@@ -51,7 +53,10 @@ class KVAuditWorkerMetadata(KVConnectorWorkerMetadata):
         else:
             inner = self.inner.aggregate(other.inner)
         return KVAuditWorkerMetadata(
-            inner, [*self.partials, *other.partials], self.failed | other.failed
+            inner,
+            [*self.partials, *other.partials],
+            self.failed | other.failed,
+            self.unverified | other.unverified,
         )
 
 
@@ -185,4 +190,5 @@ COUNTER_HELP = {
     "declined_sync_loads": "synchronous loads declined under policy fail",
     "dumps_written": "dumps written to the output folder",
     "overhead_seconds": "host seconds spent in kvaudit's calls on the workers",
+    "internal_errors": "failures of kvaudit's own code, caught (the engine went on)",
 }

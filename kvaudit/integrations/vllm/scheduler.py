@@ -297,17 +297,43 @@ class SchedulerAudit:
         checksums are dropped), and under policy ``fail`` the workers holding their part
         let it go, so that vLLM sees the failure (its aggregator reports a failed
         receive only once every worker reported the receive)."""
+        self.give_up(request_ids, "its load failed on a worker", producers=False)
+
+    def give_up(self, request_ids: Iterable[str], why: str, producers: bool = True) -> None:
+        """Stop checking these requests: each in flight is counted and logged
+        unverified, its workers' checksums are dropped, and a load held for its verdict
+        (policy ``fail``) is let go.
+
+        Args:
+            request_ids: Engine request ids (ones not in flight are ignored).
+            why: What the log line gives as the reason.
+            producers: Also drop producer jobs (whose checksums are then not sent).
+        """
+        dropped = set()
         for rid in request_ids:
             state = self._requests.get(rid)
-            if state is None or CONSUMER not in state.jobs:
+            if state is None:
                 continue
-            del state.jobs[CONSUMER]
-            state.partials.pop(CONSUMER, None)
+            consumer = state.jobs.pop(CONSUMER, None)
+            producer = state.jobs.pop(PRODUCER, None) if producers else None
+            if consumer is None and producer is None:
+                continue
+            dropped.add(rid)
+            state.partials.clear()
+            if producer is not None and consumer is None:
+                logger.warning("kvaudit: request %s: %s: its checksums are not sent",
+                               state.audit_id, why)  # fmt: skip
+                continue
             self.counters.unverified_requests += 1
-            logger.warning("kvaudit: request %s: its load failed on a worker: not compared",
-                           state.audit_id)  # fmt: skip
+            logger.warning("kvaudit: request %s: %s: not compared", state.audit_id, why)
             if self.config.policy == "fail" and state.load == "async":
                 self._step.released.add(rid)
+        # A job of this step not yet sent would be held after its release: not sent.
+        self._step.jobs = [job for job in self._step.jobs if job.request not in dropped]
+
+    def abandon(self) -> None:
+        """Give up every request in flight, after an internal error of kvaudit's."""
+        self.give_up(list(self._requests), "kvaudit failed while checking it (internal error)")
 
     # Worker results.
 
@@ -398,12 +424,14 @@ class SchedulerAudit:
                 found = self._stale.get((group.group_id, int(totals[p - mine.start])))
                 if found is not None and found != (state.audit_id, p):
                     stale.append(f"position {p} holds {found[0]} position {found[1]}")
+            found_text = "; ".join(stale) + " (a stale block)" if stale else (
+                f"none of the last {_STALE_INDEX_SIZE} blocks received from the producer "
+                "holds their checksums"
+            )  # fmt: skip
             logger.error(
-                "kvaudit: MISMATCH request %s group %d positions %s (blocks %s): stale "
-                "source: %s%s",
-                state.audit_id, group.group_id, sorted(positions), blocks,
-                "; ".join(stale) if stale else "none found among recent producers",
-                f" ({where})" if held or skipped else "",
+                "kvaudit: MISMATCH request %s group %d: positions %s (blocks %s) differ from "
+                "the producer's checksums; %s; %s",
+                state.audit_id, group.group_id, sorted(positions), blocks, where, found_text,
             )  # fmt: skip
             self.counters.mismatched_blocks += len(positions)
         if bad_blocks:

@@ -28,6 +28,11 @@ from .jobs import CONSUMER, PRODUCER, AuditJob, AuditStep, WorkerPartials
 
 logger = logging.getLogger("kvaudit.vllm")
 
+HOLD_LIMIT_S = 120.0
+"""The longest a worker holds a finished load for the scheduler's verdict (policy
+``fail``): past it the load is let go and the request reported unverified, so that no
+request waits forever on a verdict that cannot come."""
+
 
 class WorkerAudit:
     """One worker's audit: its checksummers, the jobs waiting for their KV, the checksums
@@ -77,6 +82,8 @@ class WorkerAudit:
         self._due: list[AuditJob] = []
         self._waiting_loads: dict[str, AuditJob] = {}
         self._held: set[str] = set()
+        self._held_since: dict[str, float] = {}
+        self._unverified: set[str] = set()
         self._released: set[str] = set()
         self._failed: set[str] = set()
         self._load_errors: set[int] = set()
@@ -158,14 +165,36 @@ class WorkerAudit:
             return finished, failed
         held_now = {job.request for job in loaded}
         self._held |= held_now
+        now = time.monotonic()
+        self._held_since.update((request, now) for request in held_now)
         finished -= held_now
-        verdicts = (self._released | self._failed | ended) & self._held
+        overdue = {r for r in self._held if now - self._held_since.get(r, now) > HOLD_LIMIT_S}
+        if overdue:
+            logger.warning(
+                "kvaudit: no verdict for requests %s within %.0f s: let go, unverified",
+                sorted(overdue), HOLD_LIMIT_S,
+            )  # fmt: skip
+            self._unverified |= overdue
+        verdicts = (self._released | self._failed | ended | overdue) & self._held
         finished |= verdicts
         failed |= (self._failed & verdicts) - ended
         self._held -= verdicts
+        for request in verdicts:
+            self._held_since.pop(request, None)
         self._released -= verdicts
         self._failed -= verdicts
         return finished, failed
+
+    def waiting_load(self, request: str) -> AuditJob | None:
+        """The job of a load this worker waits to checksum (None: none waiting).
+
+        Args:
+            request: The engine's request id.
+
+        Returns:
+            The job: its audit id and, per group, the first position and block ids.
+        """
+        return self._waiting_loads.get(request)
 
     def load_errors(self) -> set[int]:
         """Blocks the scheduler found corrupted (policy ``fail``), reported once."""
@@ -185,6 +214,36 @@ class WorkerAudit:
         """This worker's audited loads its connector reported failed, for the scheduler."""
         failed, self._failed_here = self._failed_here, set()
         return failed
+
+    def unverified(self) -> set[str]:
+        """Requests this worker gave up checking since the last call (an internal error,
+        a verdict that did not come in time), for the scheduler to report unverified.
+
+        Returns:
+            Engine request ids.
+        """
+        out, self._unverified = self._unverified, set()
+        return out
+
+    def abandon(self) -> set[str]:
+        """Drop every request in flight after an internal error: each is reported
+        unverified to the scheduler; loads held for a verdict are let go.
+
+        Returns:
+            The held loads to report finished to vLLM now.
+        """
+        touched = {job.request for job in self._due}
+        touched |= set(self._waiting_loads) | self._held
+        touched |= {job.request for p in self._outgoing + self._unwritten for job in p.jobs}
+        held = set(self._held)
+        self._due, self._outgoing, self._unwritten = [], [], []
+        self._waiting_loads.clear()
+        self._held.clear()
+        self._held_since.clear()
+        self._released.clear()
+        self._failed.clear()
+        self._unverified |= touched
+        return held
 
     def take_counters(self) -> dict[str, int | float]:
         """The worker's counters since the last call (dumps written, host seconds)."""
