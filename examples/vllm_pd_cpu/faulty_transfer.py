@@ -1,6 +1,6 @@
 """A transfer that goes wrong: NIXL, audited by kvaudit, with one bit of the received KV
-flipped in every second load a decode worker receives (``PD_FAULT_EVERY`` sets how many;
-0 plants none).
+flipped in every load of an odd number of tokens (the decode loads all of a prompt's
+tokens but the last: prompts of an even length arrive damaged, odd ones intact).
 
     "kv_connector": "NixlConnector",
     "kv_connector_module_path": "faulty_transfer"      # this folder on PYTHONPATH
@@ -15,7 +15,6 @@ WARNING: ``planted fault: request R layer L position P block B head 1 token T el
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -29,24 +28,17 @@ HEAD, TOKEN_IN_BLOCK, ELEMENT = 1, 3, 5
 class NixlConnector(audited.NixlConnector):
     """kvaudit's audited NixlConnector, whose decode workers damage some received KV."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)
-        self.every = int(os.environ.get("PD_FAULT_EVERY", "2"))
-        self.received = 0
-
     def _audited_results(
         self, finished_recving: set[str], failed_recving: set[str], ended: set[str]
     ) -> tuple[set[str], set[str]]:
         for request in sorted(finished_recving - failed_recving):
-            self.received += 1
-            if self.every and self.received % self.every == 0:
-                self._flip(request)
+            self._flip(request)
         return super()._audited_results(finished_recving, failed_recving, ended)
 
     def _flip(self, request: str) -> None:
         audit = self.worker_audit
         job = audit.waiting_load(request) if audit is not None else None
-        if job is None or not job.groups:
+        if job is None or not job.groups or job.num_tokens % 2 == 0:
             return
         start, blocks = job.groups[min(job.groups)]
         layer = sorted(audit.tensors)[0]
@@ -54,7 +46,7 @@ class NixlConnector(audited.NixlConnector):
         block_size = int(cache.shape[2])
         cell = cache[blocks[0], HEAD, TOKEN_IN_BLOCK]
         word = cell[ELEMENT : ELEMENT + 1].view(torch.int32)
-        word.bitwise_xor_(1 << 20)
+        word.bitwise_xor_(1 << 29)  # an exponent bit: the value scaled by 2**64
         logger.warning(
             "planted fault: request %s layer %s position %d block %d head %d token %d "
             "element %d", job.audit_id, layer, start, blocks[0], HEAD,

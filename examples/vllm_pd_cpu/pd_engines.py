@@ -101,6 +101,9 @@ def engine_env(side_channel_port: int, extra: Mapping[str, str] = ()) -> dict[st
             ),
         }
     )
+    extra = dict(extra)
+    if "PYTHONPATH" in extra:  # more folders, before the checkout's
+        extra["PYTHONPATH"] += os.pathsep + env["PYTHONPATH"]
     env.update(extra)
     return env
 

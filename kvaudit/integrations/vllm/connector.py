@@ -52,7 +52,7 @@ from .messages import (
     class_path,
 )
 from .scheduler import SchedulerAudit
-from .versions import warn_if_untested
+from .versions import follow_vllm_logging, warn_if_untested
 from .worker import WorkerAudit
 from .wrapped_class import WrappedClassQueries
 
@@ -125,6 +125,7 @@ class KVAuditConnector(WrappedClassQueries, KVConnectorBase_V1):
         self.worker_audit: WorkerAudit | None = None
         self.scheduler_audit: SchedulerAudit | None = None
         with self.guard("__init__"):
+            follow_vllm_logging()
             warn_if_untested()
             if role == KVConnectorRole.SCHEDULER:
                 parallel = vllm_config.parallel_config

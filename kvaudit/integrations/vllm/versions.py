@@ -70,3 +70,21 @@ def warn_if_untested(version: str | None = None) -> bool:
             tested,
         )
     return untested
+
+
+def follow_vllm_logging() -> None:
+    """Send kvaudit's log lines where vLLM sends its own, at vLLM's level.
+
+    ``vllm serve`` configures handlers on vLLM's logger only: without this, kvaudit's
+    INFO lines (each request's verdict) would go nowhere and its warnings would print
+    without the process and time vLLM's lines carry. A ``kvaudit`` logger that has
+    handlers of its own (the user's logging config) is left as it is.
+    """
+    ours = logging.getLogger("kvaudit")
+    theirs = logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(theirs.getEffectiveLevel())
