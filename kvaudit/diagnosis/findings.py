@@ -15,7 +15,13 @@ import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 
-from ..compare.model import DiffReport, GroupComparison, LocatedDifference, StaleSource
+from ..compare.model import (
+    DiffReport,
+    GroupComparison,
+    LocatedDifference,
+    StaleSource,
+    matches_text,
+)
 from ..core.ranges import ranges
 from .model import FaultKind, Finding
 
@@ -256,6 +262,8 @@ def _stale(
                 f"position {position}{tokens} holds "
                 + " or ".join(_source_text(s) for s in sources[:2])
             )
+        if position in group.stale_matches:
+            said[-1] += f" ({matches_text(group.stale_matches[position], min(len(sources), 2))})"
     text = _listed(said)
     if items:
         text += f" ({_where(items, group.layers)}): a slot reused or a stale sender"
@@ -282,7 +290,8 @@ def _foreign_tokens(
             f"{rid} {_span(first, first + run.count - 1)}" for rid, first in run.sources[:2]
         )
         verb = "holds" if run.count == 1 else "hold"
-        said.append(f"{_span(run.first, run.last)} (position {run.position}) {verb} {places}")
+        more = f" ({matches_text(run.matches, min(len(run.sources), 2))})" if run.matches else ""
+        said.append(f"{_span(run.first, run.last)} (position {run.position}) {verb} {places}{more}")
     text = _listed(said)
     if items:
         text += f" ({_where(items, group.layers)})"
