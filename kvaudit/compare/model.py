@@ -15,6 +15,19 @@ from ..core.validation import Positions
 
 NO_RECEIVED = "no producer checksums received"
 
+MAX_SOURCES = 8
+"""At most this many producer places are listed per traced block (or finer block) and
+per run of tokens: content that many places hold (zeros aside: a repeated pattern, a
+prompt shared by many requests) would otherwise make the report as large as the
+producer. How many there are is kept (``GroupComparison.stale_matches``,
+``TokenRun.matches``) and said: ``matches N places, first K shown``."""
+
+
+def matches_text(total: int, shown: int) -> str:
+    """What a report says of a list of places cut short: ``matches 1200 places, first 8
+    shown``."""
+    return f"matches {total} places, first {shown} shown"
+
 
 @dataclass
 class LocatedDifference:
@@ -80,7 +93,9 @@ class TokenRun:
     ``sources`` are the producer places ``(request, first token)`` whose tokens hold the
     same bytes in every slice that differs there; empty where none does (not traced: no
     producer slice holds these bytes). ``traced`` is False where the run was not looked
-    for (past the report's limit of runs traced).
+    for (past the report's limit of runs traced). ``matches`` is how many places hold the
+    run where more do than ``sources`` lists (the first ``MAX_SOURCES`` of them, in the
+    producer's order); None where every one is listed.
     """
 
     position: int
@@ -88,6 +103,7 @@ class TokenRun:
     count: int
     sources: tuple[tuple[str, int], ...] = ()
     traced: bool = True
+    matches: int | None = None
 
     @property
     def last(self) -> int:
@@ -108,7 +124,9 @@ class GroupComparison:
     group could not be compared (None when it was). ``located`` and ``stale_sources``
     (consumer position to the producer blocks holding its content) are filled by the
     locate step, and ``token_runs`` (the runs of differing tokens of positions that no
-    producer block holds, traced token by token) by the trace. ``layers`` (the group's
+    producer block holds, traced token by token) by the trace; ``stale_matches`` holds,
+    for each traced position whose sources were cut to the first ``MAX_SOURCES`` (per
+    block traced), how many producer blocks hold its content. ``layers`` (the group's
     layer names, in order) and ``heads`` (its global KV heads) are filled where a side's
     description is known, for the pictures and the diagnosis (empty and 0 where not).
     """
@@ -123,6 +141,7 @@ class GroupComparison:
     held: tuple[int, int] | None = None
     stale_sources: dict[int, list[StaleSource]] = field(default_factory=dict)
     token_runs: list[TokenRun] = field(default_factory=list)
+    stale_matches: dict[int, int] = field(default_factory=dict)
     layers: list[str] = field(default_factory=list)
     heads: int = 0
 

@@ -18,9 +18,17 @@ each block whose tokens differ on its own, its sources named at that size.
 
 The steps are separate so that processes holding parts of the sides can each do theirs
 (``kvaudit.distributed.spread_trace``): ``trace_units`` (what to trace), ``unit_digests``
-(the consumer's content of each), ``ProducerBlocks.matching`` (the producer blocks whose
+(the consumer's content of each), ``ProducerBlocks.match`` (the producer blocks whose
 slices held here match) and ``stale_sources`` (the sources, from every part's matches,
 finer blocks only where the whole finds none).
+
+The cost grows with the differing blocks plus the producer's blocks, never their
+product: blocks of the same content are matched once, and the producer's blocks are
+read once per block size traced, each slice's digest looked up among those of the
+units wanted (a dict by content), not compared with every unit. Content that is all
+zeros (a block never written, padding) is never a source: zeros say nothing of where a
+block came from. A block (or run of tokens) held in many places lists the first
+``MAX_SOURCES`` in the producer's order and says how many there are.
 
 Where the raw KV is not read (a record on one side, ``--no-locate``, a ``verify
 --against``: ``trace_by_checksums``), the producer blocks of the same group whose totals equal the
@@ -34,21 +42,30 @@ block found no source.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from ..core.scheme import valid_tokens
 from ..description import CacheDescription
 from ..locate import SliceReader
+from ..locate.slices import SliceCells, SliceId
 from ..records import Record
 from ..records.model import replica_zero_totals
 from ..sources.raw import RawWorker
 from .groups import SideChecksums, coarsen
-from .model import DiffReport, GroupComparison, LocatedDifference, StaleSource, TokenRun
+from .model import (
+    MAX_SOURCES,
+    DiffReport,
+    GroupComparison,
+    LocatedDifference,
+    StaleSource,
+    TokenRun,
+)
 
 Slice = tuple[str, int]
 
@@ -136,16 +153,55 @@ def trace_units(
     return units
 
 
+ZEROS = b""
+"""The digest of cells that are all zero: a label of its own, so that a unit whose every
+slice holds zeros can be told apart (and left without a source)."""
+
+
+def _digest(cells: np.ndarray) -> bytes:
+    """The digest of a slice's cells (``ZEROS`` where every byte is zero)."""
+    if not cells.any():
+        return ZEROS
+    return hashlib.blake2b(cells.tobytes(), digest_size=16).digest()
+
+
 def _digests(
     reader: SliceReader, request_id: str, group_id: int, lo: int, hi: int, layers: set[str]
 ) -> dict[Slice, bytes]:
     """Per replica-0 slice of ``layers`` that the reader's workers hold, a digest of its
     cells at request positions ``lo .. hi - 1`` (wherever in the request they sit)."""
-    found = reader.gather(request_id, group_id, lo, hi, layers)
-    result = {}
+    return _prefix_digests(reader, request_id, group_id, lo, [hi - lo], layers)[hi - lo]
+
+
+def _prefix_digests(
+    reader: SliceReader,
+    request_id: str,
+    group_id: int,
+    lo: int,
+    valids: Sequence[int],
+    layers: set[str],
+) -> dict[int, dict[Slice, bytes]]:
+    """Per count ``v`` of ``valids`` (ascending), ``_digests`` of positions ``lo .. lo +
+    v - 1``, from one read of the longest."""
+    found = reader.gather(request_id, group_id, lo, lo + valids[-1], layers)
+    return _block_digests(found, lo, valids)
+
+
+def _block_digests(
+    found: Mapping[SliceId, SliceCells], lo: int, valids: Sequence[int]
+) -> dict[int, dict[Slice, bytes]]:
+    """Per count ``v`` of ``valids``, the digest of each replica-0 slice's cells at
+    request positions ``lo .. lo + v - 1`` among cells read over a span holding them:
+    what a read of just those positions gives, the rows of those tokens (sorted)."""
+    result: dict[int, dict[Slice, bytes]] = {v: {} for v in valids}
     for (name, head, replica), item in found.items():
-        if replica == 0 and len(item.tokens):
-            result[name, head] = hashlib.blake2b(item.cells.tobytes(), digest_size=16).digest()
+        if replica != 0:
+            continue
+        start = int(np.searchsorted(item.tokens, lo))
+        for v in valids:
+            stop = int(np.searchsorted(item.tokens, lo + v))
+            if stop > start:
+                result[v][name, head] = _digest(item.cells[start:stop])
     return result
 
 
@@ -186,53 +242,101 @@ def _producer_blocks(producer: Sequence[RawWorker], group_id: int, size: int) ->
 
 
 class ProducerBlocks:
-    """The producer blocks of the groups traced, read and digested on demand, each once."""
+    """The producer blocks of the groups traced, read and digested when matched."""
 
     def __init__(self, producer: Sequence[RawWorker], layers: Mapping[int, set[str]]) -> None:
         self.producer, self.layers = producer, layers
         self.blocks: dict[tuple[int, int], dict[str, range]] = {}
-        self.readers: dict[tuple[str, int], SliceReader] = {}
         self.counts = {
             rid: int(request.num_tokens) for w in producer for rid, request in w.requests.items()
         }
-        self.digests: dict[tuple[str, int, int, int], dict[Slice, bytes]] = {}
 
     def order(self) -> list[str]:
         """The producer's request ids, in the order its workers list them."""
         return list(dict.fromkeys(rid for w in self.producer for rid in w.requests))
 
-    def matching(self, unit: TraceUnit, target: Mapping[Slice, bytes]) -> Matches:
-        """The producer blocks (at the unit's size, any request, at least the unit's valid
-        tokens) where the unit's slices held here all equal ``target`` (at least one),
-        with those slices."""
-        gid, size, valid = unit.group, unit.size, unit.valid
-        if (gid, size) not in self.blocks:
-            self.blocks[gid, size] = _producer_blocks(self.producer, gid, size)
-        found: Matches = {}
-        for rid, positions in self.blocks[gid, size].items():
-            for q in positions:
-                if int(valid_tokens(self.counts[rid], size, q)) < valid:
-                    continue
-                digests = self._digests(rid, gid, q * size, valid)
-                held = [s for s in unit.slices if s in digests]
-                if held and all(target.get(s) == digests[s] for s in held):
-                    found[rid, q] = set(held)
+    def match(
+        self, units: Sequence[TraceUnit], targets: Sequence[Mapping[Slice, bytes]]
+    ) -> list[Matches]:
+        """Per unit, the producer blocks (at the unit's size, any request, at least the
+        unit's valid tokens) where the unit's slices held here all equal its target (at
+        least one), with those slices.
+
+        Each producer block of a group and size is read once, its digests for every
+        count of valid tokens the units need taken from that one read, and each digest
+        looked up among the units' (a dict by content): the work grows with the units
+        plus the producer's blocks, and with the matches found.
+
+        Args:
+            units: The units traced.
+            targets: Per unit, the consumer's digest of each of its slices (where known).
+
+        Returns:
+            Per unit, its matching producer blocks with the slices matched there.
+
+        """
+        found: list[Matches] = [{} for _ in units]
+        wanted: dict[tuple[int, int], dict[tuple[int, Slice, bytes], list[int]]] = defaultdict(
+            lambda: defaultdict(list)
+        )
+        for k, (unit, target) in enumerate(zip(units, targets, strict=True)):
+            for piece in unit.slices:
+                if piece in target:
+                    wanted[unit.group, unit.size][unit.valid, piece, target[piece]].append(k)
+        for (gid, size), keys in wanted.items():
+            valids = sorted({valid for valid, _, _ in keys})
+            for rid, q, per_valid in self._scan(gid, size, valids):
+                for valid, digests in per_valid.items():
+                    candidates = {
+                        k for piece, d in digests.items() for k in keys.get((valid, piece, d), ())
+                    }
+                    for k in sorted(candidates):
+                        held = [piece for piece in units[k].slices if piece in digests]
+                        if all(targets[k].get(piece) == digests[piece] for piece in held):
+                            found[k][rid, q] = set(held)
         return found
 
-    def _digests(
-        self, request_id: str, group_id: int, first: int, valid: int
-    ) -> dict[Slice, bytes]:
-        key = (request_id, group_id, first, valid)
-        if key not in self.digests:
-            if (request_id, group_id) not in self.readers:
-                self.readers[request_id, group_id] = SliceReader.open(
-                    self.producer, request_id, group_id
-                )
-            reader = self.readers[request_id, group_id]
-            self.digests[key] = _digests(
-                reader, request_id, group_id, first, first + valid, self.layers[group_id]
+    def _scan(
+        self, group_id: int, size: int, valids: list[int]
+    ) -> Iterator[tuple[str, int, dict[int, dict[Slice, bytes]]]]:
+        """Each producer block ``(request, position)`` of the group at ``size`` that
+        holds at least the fewest of ``valids`` (ascending) tokens, with its digests per
+        count of valid tokens it holds. A request's blocks are read several at a time
+        (``READ_BLOCKS``, ``READ_BYTES``), each block once."""
+        if (group_id, size) not in self.blocks:
+            self.blocks[group_id, size] = _producer_blocks(self.producer, group_id, size)
+        layers = self.layers[group_id]
+        for rid, positions in self.blocks[group_id, size].items():
+            counts = valid_tokens(
+                self.counts[rid], size, np.arange(positions.start, positions.stop)
             )
-        return self.digests[key]
+            wanted = [
+                (q, valids[: bisect.bisect_right(valids, tokens)])
+                for q, tokens in zip(positions, counts.tolist(), strict=True)
+            ]
+            wanted = [(q, usable) for q, usable in wanted if usable]
+            reader = SliceReader.open(self.producer, rid, group_id) if wanted else None
+            step, k = 1, 0
+            while reader is not None and k < len(wanted):
+                part = wanted[k : k + step]
+                lo, hi = part[0][0] * size, part[-1][0] * size + part[-1][1][-1]
+                found = reader.gather(rid, group_id, lo, hi, layers)
+                for q, usable in part:
+                    yield rid, q, _block_digests(found, q * size, usable)
+                k += len(part)
+                held = sum(item.cells.nbytes for item in found.values())
+                # Grown at most fourfold a read: the next blocks may hold more bytes.
+                fit = READ_BYTES * len(part) // max(held, 1)
+                step = max(1, min(4 * len(part), READ_BLOCKS, fit))
+
+
+READ_BYTES = 16 << 20
+"""At most about this many bytes of the producer's cells are held by one read of the
+block trace, never the whole of a long request at once."""
+
+READ_BLOCKS = 256
+"""At most this many blocks of a request are read at once by the block trace: enough
+that what a read costs besides its blocks is spread thin."""
 
 
 def unit_layers(units: Iterable[TraceUnit]) -> dict[int, set[str]]:
@@ -243,26 +347,44 @@ def unit_layers(units: Iterable[TraceUnit]) -> dict[int, set[str]]:
     return layers
 
 
-def _sources(
+def _held(
     unit: TraceUnit, target: Mapping[Slice, bytes], found: Matches, rank: Mapping[str, int]
-) -> list[StaleSource]:
-    """The unit's sources: the producer blocks where every slice of the unit matched its
-    (complete) ``target``, in the producer's request order (``rank``), then by position."""
+) -> list[tuple[str, int]]:
+    """The producer blocks ``(request, position)`` where every slice of the unit matched
+    its (complete) ``target``, in the producer's request order (``rank``), then by
+    position."""
     if set(target) != set(unit.slices):
         return []  # a slice whose content is unknown matches nothing
-    held = sorted(
+    return sorted(
         (block for block, slices in found.items() if slices == set(unit.slices)),
         key=lambda block: (rank.get(block[0], len(rank)), block[0], block[1]),
     )
-    if unit.whole:
-        return [StaleSource(rid, unit.group, q) for rid, q in held]
-    return [StaleSource(rid, unit.group, q, unit.size, unit.index) for rid, q in held]
 
 
-Traced = dict[tuple[str, int], dict[int, list[StaleSource]]]
+def _zeros(unit: TraceUnit, target: Mapping[Slice, bytes]) -> bool:
+    """Whether every slice of the unit holds zeros: content that says nothing of where
+    it came from, never traced."""
+    return bool(unit.slices) and all(target.get(piece) == ZEROS for piece in unit.slices)
 
 
-"""Per (request, group), each traced position's sources."""
+@dataclass
+class Traced:
+    """Per (request, group), each traced position's sources (the first ``MAX_SOURCES``
+    per block traced) and, where more blocks hold its content, how many."""
+
+    sources: dict[tuple[str, int], dict[int, list[StaleSource]]] = field(
+        default_factory=lambda: defaultdict(dict)
+    )
+    matches: dict[tuple[str, int], dict[int, int]] = field(
+        default_factory=lambda: defaultdict(dict)
+    )
+
+    def fill(self, report: DiffReport) -> None:
+        """Set ``stale_sources`` and ``stale_matches`` of each traced group of ``report``."""
+        for request_id, gid, group in report.groups():
+            if (request_id, gid) in self.sources:
+                group.stale_sources = self.sources[request_id, gid]
+                group.stale_matches = dict(self.matches.get((request_id, gid), {}))
 
 
 Digest = Callable[[list[TraceUnit]], list[dict[Slice, bytes]]]
@@ -277,27 +399,67 @@ Match = Callable[[list[TraceUnit], list[dict[Slice, bytes]]], list[Matches]]
 """Each unit's matching producer blocks, with the slices matched (over every part)."""
 
 
+def _traced_blocks(
+    units: Sequence[TraceUnit], digest: Digest, match: Match, rank: Mapping[str, int]
+) -> list[tuple[list[tuple[str, int]], int]]:
+    """Per unit, the first ``MAX_SOURCES`` producer blocks holding its content and how
+    many do. Units of the same content (group, size, valid tokens, slices and digests)
+    are matched once; units of zeros, or of content not known whole, not at all."""
+    targets = digest(list(units))
+    keys: list[tuple[object, ...] | None] = []
+    first: dict[tuple[object, ...], int] = {}  # each content's first unit
+    for k, (unit, target) in enumerate(zip(units, targets, strict=True)):
+        if set(target) != set(unit.slices) or _zeros(unit, target):
+            keys.append(None)
+            continue
+        key = (unit.group, unit.size, unit.valid, tuple(sorted(target.items())))
+        keys.append(key)
+        first.setdefault(key, k)
+    found = match([units[k] for k in first.values()], [targets[k] for k in first.values()])
+    held = {
+        key: _held(units[k], targets[k], matches, rank)
+        for (key, k), matches in zip(first.items(), found, strict=True)
+    }
+    result = []
+    for key in keys:
+        blocks = held[key] if key is not None else []
+        result.append((blocks[:MAX_SOURCES], len(blocks)))
+    return result
+
+
 def stale_sources(
     units: Sequence[TraceUnit], digest: Digest, match: Match, order: Sequence[str]
 ) -> Traced:
     """Each traced position's sources: its whole unit's, else (only then traced) those of
-    its blocks at the finer size, in unit order. ``digest`` and ``match`` do the reading;
-    ``order`` is the producer's order of requests."""
+    its blocks at the finer size, in unit order; at most ``MAX_SOURCES`` per unit, with
+    how many there are where more. ``digest`` and ``match`` do the reading; ``order`` is
+    the producer's order of requests."""
     rank = {rid: k for k, rid in enumerate(order)}
-    traced: Traced = defaultdict(dict)
+    traced = Traced()
     whole = [unit for unit in units if unit.whole]
-    targets = digest(whole)
-    for unit, target, found in zip(whole, targets, match(whole, targets)):
-        traced[unit.request, unit.group][unit.position] = _sources(unit, target, found, rank)
+    for unit, (blocks, total) in zip(whole, _traced_blocks(whole, digest, match, rank)):
+        key = (unit.request, unit.group)
+        traced.sources[key][unit.position] = [StaleSource(rid, unit.group, q) for rid, q in blocks]
+        if total > len(blocks):
+            traced.matches[key][unit.position] = total
     finer = [
         unit
         for unit in units
-        if not unit.whole and not traced[unit.request, unit.group][unit.position]
+        if not unit.whole and not traced.sources[unit.request, unit.group][unit.position]
     ]
     if finer:
-        targets = digest(finer)
-        for unit, target, found in zip(finer, targets, match(finer, targets)):
-            traced[unit.request, unit.group][unit.position] += _sources(unit, target, found, rank)
+        counted: dict[tuple[str, int, int], tuple[int, bool]] = {}
+        for unit, (blocks, total) in zip(finer, _traced_blocks(finer, digest, match, rank)):
+            key = (unit.request, unit.group)
+            traced.sources[key][unit.position] += [
+                StaleSource(rid, unit.group, q, unit.size, unit.index) for rid, q in blocks
+            ]
+            where = (unit.request, unit.group, unit.position)
+            count, cut = counted.get(where, (0, False))
+            counted[where] = (count + total, cut or total > len(blocks))
+        for (request_id, gid, position), (total, cut) in counted.items():
+            if cut:
+                traced.matches[request_id, gid][position] = total
     return traced
 
 
@@ -324,16 +486,13 @@ def trace_report(
     units = trace_units(report, num_tokens, finest_sizes(w.description for w in workers))
     blocks = ProducerBlocks(producer, unit_layers(units))
 
-    def match(chosen: list[TraceUnit], targets: list[dict[Slice, bytes]]) -> list[Matches]:
-        return [blocks.matching(unit, target) for unit, target in zip(chosen, targets)]
-
     traced = stale_sources(
-        units, lambda chosen: unit_digests(consumer, chosen), match, blocks.order()
+        units, lambda chosen: unit_digests(consumer, chosen), blocks.match, blocks.order()
     )
+    traced.fill(report)
     budget = MAX_TOKEN_RUNS
     for request_id, gid, group in report.groups():
-        if (request_id, gid) in traced:
-            group.stale_sources = traced[request_id, gid]
+        if (request_id, gid) in traced.sources:
             budget = _trace_token_runs(group, request_id, gid, producer, consumer, blocks, budget)
 
 
@@ -418,6 +577,76 @@ def _run_cells(
     }
 
 
+RUN_CHUNK = 4096
+"""The producer's tokens read at once when a run of tokens is traced: a long request is
+read a part at a time, so that what is held stays small whatever its length."""
+
+FEW_CANDIDATES = 16
+"""A part of the producer with at most this many candidate places (where the first
+slice matches) reads each candidate's tokens in every layer; with more, it reads the
+part whole, a layer at a time, and checks every candidate at once."""
+
+
+def _starts_holding(
+    tokens: np.ndarray, cells: np.ndarray, starts: np.ndarray, want: np.ndarray
+) -> np.ndarray:
+    """Which of ``starts`` begin ``len(want)`` consecutive request positions that a
+    slice's ``tokens`` (sorted) all hold, their ``cells`` equal to ``want`` row by row,
+    as ``_run_cells`` and a comparison would say for each start."""
+    count = len(want)
+    lo = np.searchsorted(tokens, starts)
+    ok = np.searchsorted(tokens, starts + count) - lo == count
+    if cells.shape[1:] != want.shape[1:]:
+        return np.zeros(len(starts), dtype=bool)
+    for j in range(count):
+        held = np.flatnonzero(ok)
+        if not len(held):
+            break
+        ok[held] = (cells[lo[held] + j] == want[j]).all(axis=1)
+    return ok
+
+
+def _places(
+    reader: SliceReader,
+    rid: str,
+    group_id: int,
+    lo: int,
+    hi: int,
+    slices: Sequence[Slice],
+    target: Mapping[Slice, np.ndarray],
+) -> np.ndarray:
+    """The first tokens ``lo <= t < hi`` of the producer request ``rid`` from which every
+    slice holds the ``target`` cells (each ``[count, cell bytes]``)."""
+    count = len(target[slices[0]])
+    anchor = slices[0]
+    span = (lo, hi + count - 1)
+    held = reader.gather(rid, group_id, *span, {anchor[0]}).get((*anchor, 0))
+    if held is None:
+        return np.zeros(0, dtype=np.int64)
+    want = target[anchor]
+    starts = held.tokens[(held.cells == want[0]).all(axis=1)]
+    starts = starts[(starts >= lo) & (starts < hi)]
+    starts = starts[_starts_holding(held.tokens, held.cells, starts, want)]
+    if len(starts) <= FEW_CANDIDATES:
+        layers = {name for name, _ in slices}
+        kept = []
+        for first in starts.tolist():
+            cells = _run_cells(reader, rid, group_id, first, count, layers)
+            if all(s in cells and np.array_equal(cells[s], target[s]) for s in slices):
+                kept.append(first)
+        return np.array(kept, dtype=np.int64)
+    for layer in sorted({name for name, _ in slices[1:]}):
+        found = reader.gather(rid, group_id, *span, {layer})
+        for piece in (s for s in slices[1:] if s[0] == layer):
+            item = found.get((*piece, 0))
+            if item is None:
+                return np.zeros(0, dtype=np.int64)
+            starts = starts[_starts_holding(item.tokens, item.cells, starts, target[piece])]
+        if not len(starts):
+            break
+    return starts
+
+
 def trace_run(
     run: TokenRun,
     located: Sequence[LocatedDifference],
@@ -430,8 +659,10 @@ def trace_run(
     """The run with its sources: each producer place (any request, any first token).
 
     A source's tokens hold the consumer's cells of the run in every slice that differs
-    there. One layer of each producer request is read whole to find candidates; only
-    candidates are read in every layer.
+    there. The producer is read ``RUN_CHUNK`` tokens at a time: one layer finds the
+    candidates, which are then read in every layer (a part with many candidates whole,
+    a layer at a time). The first ``MAX_SOURCES`` places are kept, and how many there are
+    where more.
 
     Args:
         run: The run of differing tokens traced.
@@ -443,7 +674,8 @@ def trace_run(
         order: The producer's requests, in the order sources are listed.
 
     Returns:
-        The run, its ``sources`` filled (empty where none holds it).
+        The run, its ``sources`` filled (empty where none holds it) and its ``matches``
+        where more places hold it than are listed.
 
     """
     slices = sorted(
@@ -466,27 +698,23 @@ def trace_run(
     )
     if not slices or any(s not in target for s in slices):
         return run
-    anchor = slices[0]
-    row = target[anchor][0]
     counts = {rid: int(r.num_tokens) for w in producer for rid, r in w.requests.items()}
-    sources = []
+    sources: list[tuple[str, int]] = []
+    total = 0
     for rid in order:
         tokens = counts.get(rid, 0)
         if tokens < run.count:
             continue
         reader = SliceReader.open(producer, rid, group_id)
-        held = reader.gather(rid, group_id, 0, tokens, {anchor[0]}).get((*anchor, 0))
-        if held is None:
-            continue
-        equal = np.flatnonzero((held.cells == row).all(axis=1))
-        for index in equal.tolist():
-            first = int(held.tokens[index])
-            if (rid, first) == (request_id, run.first) or first + run.count > tokens:
-                continue
-            cells = _run_cells(reader, rid, group_id, first, run.count, layers)
-            if all(s in cells and np.array_equal(cells[s], target[s]) for s in slices):
-                sources.append((rid, first))
-    return replace(run, sources=tuple(sources))
+        last = tokens - run.count + 1  # past the last first token with room for the run
+        for lo in range(0, last, RUN_CHUNK):
+            places = _places(reader, rid, group_id, lo, min(lo + RUN_CHUNK, last), slices, target)
+            if rid == request_id:
+                places = places[places != run.first]  # the run itself
+            total += len(places)
+            sources += [(rid, int(first)) for first in places[: MAX_SOURCES - len(sources)]]
+    matches = total if total > len(sources) else None
+    return replace(run, sources=tuple(sources), matches=matches)
 
 
 __all__ = [
@@ -560,9 +788,11 @@ def _consumer_contents(
 
 def trace_by_checksums(report: DiffReport, producer: Record, consumer: Record) -> bool:
     """Fill the ``stale_sources`` of every differing group of ``report`` from the two
-    records' checksums (a position no producer block matches maps to an empty list).
-    Returns whether the trace is partial: some position found no source under
-    ``request`` numbering, where only sources at its own position can be found."""
+    records' checksums (a position no producer block matches maps to an empty list; the
+    first ``MAX_SOURCES`` are listed, ``stale_matches`` counts where more match; a block
+    whose total is 0, as zeros are, is not traced). Returns whether the trace is
+    partial: some position found no source under ``request`` numbering, where only
+    sources at its own position can be found."""
     index: dict[tuple[int, int, int], dict[Content, list[tuple[str, int]]]] = {}
     unmatched = False
     for request_id, gid, group in report.groups():
@@ -579,11 +809,16 @@ def trace_by_checksums(report: DiffReport, producer: Record, consumer: Record) -
         )
         for position in group.mismatched_positions:
             content = held.get(position)
-            matches = index[key].get(content, []) if content is not None else []
-            group.stale_sources[position] = [
+            # Zeros (which every scheme sums to 0) say nothing of where a block came from.
+            known = content is not None and content[0] != 0
+            matches = index[key].get(content, []) if known else []
+            sources = [
                 StaleSource(source, gid, at)
                 for source, at in matches
                 if (source, at) != (request_id, position)
             ]
-            unmatched = unmatched or not group.stale_sources[position]
+            group.stale_sources[position] = sources[:MAX_SOURCES]
+            if len(sources) > MAX_SOURCES:
+                group.stale_matches[position] = len(sources)
+            unmatched = unmatched or (known and not sources)
     return unmatched and consumer.positions == "request"

@@ -15,7 +15,13 @@ import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 
-from ..compare.model import DiffReport, GroupComparison, LocatedDifference, StaleSource
+from ..compare.model import (
+    DiffReport,
+    GroupComparison,
+    LocatedDifference,
+    StaleSource,
+    matches_text,
+)
 from ..core.ranges import ranges
 from .model import FaultKind, Finding
 
@@ -232,8 +238,18 @@ def _source_text(source: StaleSource) -> str:
 def _stale(
     group: GroupComparison, claim: Callable[[Callable[[LocatedDifference], bool]], list]
 ) -> list[Finding]:
-    """The positions the trace found in other producer blocks: one finding."""
-    traced = {position: sources for position, sources in group.stale_sources.items() if sources}
+    """The positions the trace found in other producer blocks: one finding. A position
+    whose differing cells all hold zeros is not one: zeros match zeros anywhere, which
+    says nothing of where they came from (the zeros or tail finding explains them)."""
+    zeros: dict[int, bool] = {}
+    for item in group.located:
+        if item.replica == 0:
+            zeros[item.position] = zeros.get(item.position, True) and item.consumer_zeros
+    traced = {
+        position: sources
+        for position, sources in group.stale_sources.items()
+        if sources and not zeros.get(position, False)
+    }
     if not traced:
         return []
     items = claim(lambda item: item.position in traced)
@@ -256,6 +272,8 @@ def _stale(
                 f"position {position}{tokens} holds "
                 + " or ".join(_source_text(s) for s in sources[:2])
             )
+        if position in group.stale_matches:
+            said[-1] += f" ({matches_text(group.stale_matches[position], min(len(sources), 2))})"
     text = _listed(said)
     if items:
         text += f" ({_where(items, group.layers)}): a slot reused or a stale sender"
@@ -282,7 +300,8 @@ def _foreign_tokens(
             f"{rid} {_span(first, first + run.count - 1)}" for rid, first in run.sources[:2]
         )
         verb = "holds" if run.count == 1 else "hold"
-        said.append(f"{_span(run.first, run.last)} (position {run.position}) {verb} {places}")
+        more = f" ({matches_text(run.matches, min(len(run.sources), 2))})" if run.matches else ""
+        said.append(f"{_span(run.first, run.last)} (position {run.position}) {verb} {places}{more}")
     text = _listed(said)
     if items:
         text += f" ({_where(items, group.layers)})"
@@ -392,19 +411,41 @@ def _drift(
 def _untraced(
     group: GroupComparison, claim: Callable[[Callable[[LocatedDifference], bool]], list]
 ) -> list[Finding]:
-    """Differing tokens of positions the trace found nowhere in the producer."""
+    """Differing tokens of positions the trace found nowhere in the producer: the tokens
+    of the entries it explains, each run of consecutive tokens at its position (the runs
+    of other entries, a NaN's explained by another finding, are not these)."""
     untraced = {p for p, sources in group.stale_sources.items() if not sources}
     items = claim(lambda item: item.position in untraced)
     if not items:
         return []
-    runs = [run for run in group.token_runs if run.traced and not run.sources]
-    said = [f"{_span(run.first, run.last)} (position {run.position})" for run in runs]
-    skipped = [run for run in group.token_runs if not run.traced]
-    what = _listed(said) if said else _token_text(items)
+    held: dict[int, set[int]] = defaultdict(set)
+    for item in items:
+        held[item.position].update(int(t) for t in item.tokens)
+    said = []
+    for position, tokens in sorted(held.items()):
+        for first, last in _spans(sorted(tokens)):
+            said.append(f"{_span(first, last)} (position {position})")
+    skipped = [
+        run
+        for run in group.token_runs
+        if not run.traced and any(run.first <= t <= run.last for t in held.get(run.position, ()))
+    ]
+    what = _listed(said)
     text = f"{what} differ in {_where(items, group.layers)}; no producer slice holds these bytes"
     if skipped:
         text += f" ({len(skipped)} more runs of tokens were not looked for)"
     return [_finding("untraced", text, items)]
+
+
+def _spans(tokens: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted tokens as runs of consecutive ones, ``(first, last)`` each."""
+    spans: list[tuple[int, int]] = []
+    for token in tokens:
+        if spans and token == spans[-1][1] + 1:
+            spans[-1] = (spans[-1][0], token)
+        else:
+            spans.append((token, token))
+    return spans
 
 
 def _replicas(group: GroupComparison) -> list[Finding]:

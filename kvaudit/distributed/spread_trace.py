@@ -102,7 +102,7 @@ def trace_spread(
 
     def match(chosen: list[TraceUnit], targets: list[dict[Slice, bytes]]) -> list[Matches]:
         def own() -> list[list[list[Any]]]:
-            found = [blocks.matching(unit, target) for unit, target in zip(chosen, targets)]
+            found = blocks.match(chosen, targets)
             return [[[rid, q, sorted(slices)] for (rid, q), slices in f.items()] for f in found]
 
         return _matches(comm.outcomes(own), len(chosen))
@@ -110,9 +110,7 @@ def trace_spread(
     order = list(dict.fromkeys(rid for item in producer.held for rid in item.requests))
     traced = stale_sources(units, digest, match, order)
     if rank == 0:
-        for request_id, gid, group in report.groups():
-            if (request_id, gid) in traced:
-                group.stale_sources = traced[request_id, gid]
+        traced.fill(report)
 
 
 __all__ = ["trace_spread"]

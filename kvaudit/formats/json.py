@@ -195,7 +195,7 @@ def group_to_json(group: GroupComparison) -> dict[str, Any]:
     held = None
     if group.held is not None:
         held = {"producer": int(group.held[0]), "consumer": int(group.held[1])}
-    return {
+    data: dict[str, Any] = {
         "compared": int(group.compared),
         "mismatched_positions": [int(position) for position in group.mismatched_positions],
         "missing_positions": [int(position) for position in group.missing_positions],
@@ -211,6 +211,11 @@ def group_to_json(group: GroupComparison) -> dict[str, Any]:
         },
         "token_runs": [_token_run_to_json(run) for run in group.token_runs],
     }
+    if group.stale_matches:  # only where a list was cut short: the sources' count
+        data["stale_matches"] = {
+            str(position): int(count) for position, count in sorted(group.stale_matches.items())
+        }
+    return data
 
 
 def _request_to_json(report: DiffReport, request_id: str) -> dict[str, Any]:
@@ -239,13 +244,16 @@ def finding_to_json(request_id: str, group_id: int, finding: Finding) -> dict[st
 
 def _token_run_to_json(run: TokenRun) -> dict[str, Any]:
     """A run of differing tokens traced token by token, with the producer places found."""
-    return {
+    data: dict[str, Any] = {
         "position": int(run.position),
         "first": int(run.first),
         "count": int(run.count),
         "traced": run.traced,
         "sources": [{"request": rid, "first": int(first)} for rid, first in run.sources],
     }
+    if run.matches is not None:  # only where the sources were cut short
+        data["matches"] = int(run.matches)
+    return data
 
 
 def diff_to_json(report: DiffReport) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import re
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 
-from ..compare.model import DiffReport, GroupComparison, StaleSource
+from ..compare.model import DiffReport, GroupComparison, StaleSource, matches_text
 from ..diagnosis import Finding, diagnose
 from .json import located_items
 
@@ -50,7 +50,7 @@ def failure_message(
             f"(block size {group.block_size}, {group.compared} compared)"
         )
     traced = [
-        f"position {position} holds {_list([_source_text(s) for s in sources], 3)}"
+        f"position {position} holds {_sources_text(group, position, sources)}"
         for position, sources in sorted(group.stale_sources.items())
         if sources
     ]
@@ -65,6 +65,17 @@ def failure_message(
             f"(block size {group.block_size})"
         )
     return "; ".join(parts)
+
+
+def _sources_text(group: GroupComparison, position: int, sources: Sequence[StaleSource]) -> str:
+    """A position's first sources, and how many more (all the places that match where
+    the list was cut short)."""
+    total = group.stale_matches.get(position)
+    if total is None:
+        return _list([_source_text(s) for s in sources], 3)
+    shown = min(len(sources), 3)
+    listed = ", ".join(_source_text(s) for s in sources[:shown])
+    return f"{listed} ({matches_text(total, shown)})"
 
 
 def _source_text(source: StaleSource) -> str:

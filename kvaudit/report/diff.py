@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..compare.model import DiffReport, GroupComparison
+from ..compare.model import DiffReport, GroupComparison, matches_text
 from ..core.ranges import ranges
 from ..diagnosis import Finding, diagnose
 from .side_names import DIFF_SIDE_NAMES, SideNames
@@ -100,7 +100,8 @@ def _result_cell(group: GroupComparison, allow_missing: bool) -> Text:
 
 def _stale_text(group: GroupComparison) -> list[str]:
     """Each traced differing position as ``4 holds req-a position 1``; a trace at a finer
-    block size as ``1 tokens 80-95 hold req-a position 2 at block size 16``."""
+    block size as ``1 tokens 80-95 hold req-a position 2 at block size 16``; a list cut
+    short (more places hold it) ends with ``(matches N places, first K shown)``."""
     lines = []
     for position, sources in sorted(group.stale_sources.items()):
         whole = [source for source in sources if source.block_size is None]
@@ -117,6 +118,8 @@ def _stale_text(group: GroupComparison) -> list[str]:
                 f"{position} tokens {unit * size}-{unit * size + size - 1} hold "
                 f"{', '.join(held_by)} at block size {size}"
             )
+        if position in group.stale_matches and lines:
+            lines[-1] += f" ({matches_text(group.stale_matches[position], len(sources))})"
     return lines
 
 

@@ -66,23 +66,35 @@ def make_console() -> Console:
     return console
 
 
+LONG_TABLE_ROWS = 2000
+"""A table of more rows than this (a long request's checksums: a row per block) is drawn
+as plain text on any console: no colours, and lines as long as the table is wide (a
+terminal narrower than the table wraps them itself). Rich lays out such a table in
+seconds to minutes; the plain lines take a fraction of a second per 100,000 rows."""
+
+
 def print_table(console: Console, table: Table) -> None:
     """Print a table as ``console.print(table)`` does, plain tables faster.
 
     A plain table (no colours) of one-line cells that fits is drawn line by line, as
     rich would draw it, in a fraction of the time (a dump's checksums are thousands of
-    rows).
+    rows). A table of more than ``LONG_TABLE_ROWS`` rows of such cells is drawn that way
+    on any console, colours or not, its lines never wrapped.
 
     Args:
         console: Where the table is printed.
         table: The table drawn.
 
     """
-    lines = _plain_lines(console, table) if console.color_system is None else None
+    long = table.row_count > LONG_TABLE_ROWS
+    plain = console.color_system is None or long
+    lines = _plain_lines(console, table, fit=not long) if plain else None
     if lines is None:
         console.print(table)
     else:
-        console.print(Segments([Segment("\n".join(lines) + "\n")]))
+        # One piece of text, not cropped: rich splits what it crops line by line, each
+        # split copying the rest of the text, which takes time the square of its length.
+        console.print(Segments([Segment("\n".join(lines) + "\n")]), crop=False)
 
 
 def _plain_cell(cell: object) -> str | None:
@@ -94,10 +106,11 @@ def _plain_cell(cell: object) -> str | None:
     return text if text == text.strip() else None
 
 
-def _plain_lines(console: Console, table: Table) -> list[str] | None:
+def _plain_lines(console: Console, table: Table, fit: bool = True) -> list[str] | None:
     """The lines rich draws for ``table`` when it is a plain one (the defaults: a header,
     edges, one space of padding, left or right justified columns of free width, no title
-    or footer) that fits the console; None for any other table."""
+    or footer) that fits the console (or, not ``fit``, however wide it is); None for any
+    other table."""
     columns = table.columns
     if not (
         columns
@@ -129,7 +142,7 @@ def _plain_lines(console: Console, table: Table) -> list[str] | None:
             return None
         texts.append(cells)
     widths = [max(map(len, cells)) + 2 for cells in texts]
-    if sum(widths) + len(widths) + 1 > console.width:
+    if fit and sum(widths) + len(widths) + 1 > console.width:
         return None
     safe = console.safe_box if table.safe_box is None else table.safe_box
     box = table.box.substitute(console.options, safe=safe)

@@ -5,6 +5,8 @@ The same rules over real faults (injected as they happen, then diffed) are check
 
 from __future__ import annotations
 
+import pytest
+
 from kvaudit.compare import GroupComparison, LocatedDifference, StaleSource, TokenRun
 from kvaudit.diagnosis import diagnose_group, layer_text
 
@@ -98,6 +100,49 @@ def test_tokens_of_another_request_and_untraced_tokens() -> None:
     assert found[1].text.startswith("tokens 50-52 (position 3) differ in head 0")
     assert found[1].text.endswith("no producer slice holds these bytes")
     assert [f.located for f in found] == [2, 2]
+
+
+@pytest.mark.parametrize("looked_for", [True, False])
+def test_untraced_names_only_the_tokens_of_the_entries_it_explains(looked_for: bool) -> None:
+    """Head 0's tokens 33-34 are found nowhere; head 1's token 40 holds a NaN (its own
+    finding), its run traced or not: neither is head 0's."""
+    located = [entry(2, 0, 0, [33, 34]), entry(2, 0, 1, [40], nonfinite=1)]
+    runs = [TokenRun(2, 33, 2, ()), TokenRun(2, 40, 1, (), traced=looked_for)]
+    found = diagnose_group(group(located, stale_sources={2: []}, token_runs=runs), 64)
+    assert kinds(found) == ["nonfinite", "untraced"]
+    assert "token 40 (position 2) in head 1 of " in found[0].text
+    assert found[1].text == (
+        f"tokens 33-34 (position 2) differ in head 0 of {L.format(0)}; "
+        "no producer slice holds these bytes"
+    )
+    assert found[1].tokens == (33, 34)
+
+
+def test_untraced_counts_the_runs_of_its_tokens_not_looked_for() -> None:
+    located = [entry(2, 0, 0, [33, 34]), entry(3, 0, 0, [50])]
+    runs = [TokenRun(2, 33, 2, (), traced=False), TokenRun(3, 50, 1, ())]
+    found = diagnose_group(group(located, stale_sources={2: [], 3: []}, token_runs=runs), 64)
+    assert kinds(found) == ["untraced"]
+    assert found[0].text == (
+        f"tokens 33-34 (position 2), token 50 (position 3) differ in head 0 of {L.format(0)}; "
+        "no producer slice holds these bytes (1 more runs of tokens were not looked for)"
+    )
+
+
+def test_zeros_are_never_a_stale_source() -> None:
+    """A tail never written holds zeros, which a padding request's block holds too: the
+    trace's match says nothing of a reused slot; the tail is what the entries show."""
+    located = [entry(3, layer, 0, list(range(48, 64)), consumer_zeros=True) for layer in (0, 1)]
+    stale = {3: [StaleSource("pad", 0, 0)]}
+    found = diagnose_group(group(located, compared=4, stale_sources=stale), 64)
+    assert kinds(found) == ["tail_not_written"]
+    assert found[0].text.startswith("tokens 48-63 of 64 differ in head 0 of ")
+    assert "and hold zeros" in found[0].text and "pad" not in found[0].text
+    # Zeros in one slice, other bytes in another: the match is evidence.
+    located[1] = entry(3, 1, 0, list(range(48, 64)))
+    found = diagnose_group(group(located, compared=4, stale_sources=stale), 64)
+    assert kinds(found) == ["stale_block"]
+    assert found[0].text.startswith("position 3 (tokens 48-63) holds pad position 0 (")
 
 
 def test_a_tail_is_the_request_end_in_every_slice() -> None:

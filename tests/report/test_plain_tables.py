@@ -8,6 +8,7 @@ import io
 
 import numpy as np
 import pytest
+import rich.segment
 import rich.table
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 import kvaudit.report.record
+import kvaudit.report.text
 from kvaudit.records import (
     GroupChecksums,
     Record,
@@ -123,3 +125,59 @@ def test_a_terminal_with_colours_gets_riches_table(monkeypatch: pytest.MonkeyPat
     console = SafeConsole(file=io.StringIO(), force_terminal=True, color_system="standard")
     with pytest.raises(AssertionError, match="rich drew the table"):
         print_table(console, build([("a", "left")], [[("1", True)]]))
+
+
+def table_lines(text: str) -> list[str]:
+    """The lines of the tables in ``text`` (the lines around them left out)."""
+    return [line for line in text.splitlines() if line[:1] in set("┏┃┡│└")]
+
+
+def by_rich(record: Record, width: int, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The record's tables as rich draws them on a plain console of ``width`` columns."""
+    buffer = io.StringIO()
+    console = SafeConsole(
+        file=buffer, width=width, color_system=None, markup=False, emoji=False, highlight=False
+    )
+    with monkeypatch.context() as patch:
+        patch.setattr(
+            kvaudit.report.record, "print_table", lambda console, table: console.print(table)
+        )
+        print_record(console, record)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(("keys", "terminal"), [(3, True), (8, False), (8, True)])
+def test_a_long_table_is_plain_text_on_any_console(
+    keys: int, terminal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past ``LONG_TABLE_ROWS`` rows, a table is drawn line by line on a colour terminal
+    too, and a table wider than the console is not wrapped: each line is the one rich
+    draws on a console wide enough for it."""
+    record = big_record(kvaudit.report.text.LONG_TABLE_ROWS + 1, keys)
+    wide = by_rich(record, 400, monkeypatch)
+    monkeypatch.setattr(rich.table.Table, "__rich_console__", refused)
+    buffer = io.StringIO()
+    colours = {"force_terminal": True, "color_system": "truecolor"} if terminal else {}
+    console = SafeConsole(file=buffer, width=80 if terminal else 160, **colours)  # type: ignore[arg-type]
+    print_record(console, record)
+    lines = table_lines(buffer.getvalue())
+    assert len(lines) == kvaudit.report.text.LONG_TABLE_ROWS + 5
+    assert max(map(len, lines)) > console.width
+    assert lines == table_lines(wide)
+
+
+def test_rich_never_splits_a_tables_text_line_by_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rich splits what it crops line by line, copying the rest of the text at each line:
+    the plain lines of a table go to it whole, uncropped, never through that split."""
+    longest = [0]
+    split = rich.segment.Segment.split_and_crop_lines
+
+    def measured(segments, *args, **kwargs):  # type: ignore[no-untyped-def]
+        segments = list(segments)
+        longest[0] = max([longest[0], *(len(segment.text) for segment in segments)])
+        return split(segments, *args, **kwargs)
+
+    monkeypatch.setattr(rich.segment.Segment, "split_and_crop_lines", measured)
+    text = render_text(print_record, big_record(1024, 3))
+    assert len(text) > 100_000
+    assert 0 < longest[0] < 200
