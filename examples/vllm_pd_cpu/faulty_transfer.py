@@ -1,6 +1,6 @@
 """A transfer that goes wrong: NIXL, audited by kvaudit, with one bit of the received KV
-flipped in every load of an odd number of tokens (the decode loads all of a prompt's
-tokens but the last: prompts of an even length arrive damaged, odd ones intact).
+flipped in every load of an odd number of tokens (the decode loads every token of a
+prompt: prompts of an odd length arrive damaged, even ones intact).
 
     "kv_connector": "NixlConnector",
     "kv_connector_module_path": "faulty_transfer"      # this folder on PYTHONPATH

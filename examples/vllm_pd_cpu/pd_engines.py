@@ -155,8 +155,8 @@ class PDPair:
         )
 
     def metrics(self, engine: Engine) -> dict[str, float]:
-        """The engine's Prometheus samples without labels' detail: name to value (summed
-        over label sets)."""
+        """The engine's Prometheus samples: each sample's name with its labels, and each
+        name alone (its samples summed over label sets), to its value."""
         with urllib.request.urlopen(f"{engine.url}/metrics", timeout=30) as answer:
             text = answer.read().decode()
         out: dict[str, float] = {}
@@ -167,6 +167,8 @@ class PDPair:
             name = name_labels.split("{")[0]
             with contextlib.suppress(ValueError):
                 out[name] = out.get(name, 0.0) + float(value)
+                if name_labels != name:
+                    out[name_labels] = float(value)
         return out
 
 

@@ -5,7 +5,7 @@ engine that does not start fails the test. Each pair of engines is started once 
 (about a minute each on two cores) and serves several checks:
 
 - ``log_pair``: decode policy ``log``, one bit flipped in the received KV of every prompt
-  of an even length (``examples/vllm_pd_cpu/faulty_transfer.py``): intact transfers
+  of an odd length (``examples/vllm_pd_cpu/faulty_transfer.py``): intact transfers
   verified block by block, planted faults caught inline and located by ``kvaudit diff``
   from the output folders' dumps, a local prefix-cache hit, chunked prefill, a client
   that disconnects, 16 concurrent requests with preemption (24 KV blocks on the decode),
@@ -127,7 +127,7 @@ def log_pair(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 def test_intact_and_damaged_transfers_are_told_apart(log_pair: PDPair) -> None:
-    prompts = [words(10 * i, 41 + i) for i in range(4)]  # 42 and 44 tokens: damaged
+    prompts = [words(10 * i, 41 + i) for i in range(4)]  # 41 and 43 tokens: damaged
     expected = [plain(log_pair, p) for p in prompts]
     got = [pd(log_pair, p) for p in prompts]
     decode_log = log_text(log_pair, "decode")
@@ -138,7 +138,7 @@ def test_intact_and_damaged_transfers_are_told_apart(log_pair: PDPair) -> None:
     matched = re.findall(r"kvaudit: request (\S+) group 0: positions? [\d-]+ compared: match",
                          decode_log)  # fmt: skip
     assert len(set(matched)) == 2 and not set(matched) & mismatched
-    assert [got[0], got[2]] == [expected[0], expected[2]]
+    assert [got[1], got[3]] == [expected[1], expected[3]]
     counters = kvaudit_counters(log_pair, "decode")
     assert (counters["consumer_requests"], counters["mismatched_requests"]) == (4, 2)
     assert counters["checked_blocks"] == 8
@@ -166,8 +166,8 @@ def test_diff_of_the_output_folders_locates_each_planted_fault(log_pair: PDPair)
 
 
 def test_a_local_prefix_hit_on_the_decode_is_not_compared(log_pair: PDPair) -> None:
-    first = words(500, 71)
-    longer = first + " " + words(600, 40)  # 111 tokens: intact
+    first = words(500, 70)
+    longer = first + " " + words(600, 40)  # 110 tokens: intact
     pd(log_pair, first)
     assert pd(log_pair, longer) == plain(log_pair, longer)
     assert re.search(
@@ -177,7 +177,7 @@ def test_a_local_prefix_hit_on_the_decode_is_not_compared(log_pair: PDPair) -> N
 
 
 def test_a_chunked_prefill_is_checksummed_once_complete(log_pair: PDPair) -> None:
-    prompt = words(700, 301)  # over max_num_batched_tokens (128): three chunks; intact
+    prompt = words(700, 300)  # over max_num_batched_tokens (128): three chunks; intact
     expected = plain(log_pair, prompt)
     before = kvaudit_counters(log_pair, "decode")
     got = pd(log_pair, prompt)
@@ -199,7 +199,7 @@ def test_a_client_that_disconnects_is_aborted_and_its_blocks_freed(log_pair: PDP
                   {**body, "max_tokens": 1500, "ignore_eos": True,
                    "kv_transfer_params": params["kv_transfer_params"]}, 2)  # fmt: skip
     assert wait_until(lambda: usage(log_pair) == 0, 180)
-    assert pd(log_pair, words(850, 45)) == plain(log_pair, words(850, 45))
+    assert pd(log_pair, words(850, 46)) == plain(log_pair, words(850, 46))
     assert kvaudit_counters(log_pair, "decode")["internal_errors"] == 0
 
 
@@ -208,7 +208,7 @@ def usage(pair: PDPair) -> float:
 
 
 def test_sixteen_concurrent_requests_with_preemption(log_pair: PDPair) -> None:
-    prompts = [words(100 + 31 * i, 33 + i) for i in range(16)]  # 8 of an even length
+    prompts = [words(100 + 31 * i, 33 + i) for i in range(16)]  # 8 of an odd length
     expected = [plain(log_pair, p, 24) for p in prompts]
     before = kvaudit_counters(log_pair, "decode")
     preempted = log_pair.metrics(log_pair.decode).get("vllm:num_preemptions_total", 0.0)
@@ -227,7 +227,7 @@ def test_sixteen_concurrent_requests_with_preemption(log_pair: PDPair) -> None:
     assert after["consumer_requests"] - before["consumer_requests"] == 16
     assert after["mismatched_requests"] - before["mismatched_requests"] == 8
     assert after["internal_errors"] == 0
-    intact = [i for i in range(16) if len(prompts[i].split()) % 2]
+    intact = [i for i in range(16) if len(prompts[i].split()) % 2 == 0]
     assert [got[i] for i in intact] == [expected[i] for i in intact]
     assert log_pair.metrics(log_pair.decode).get("vllm:num_preemptions_total", 0.0) > preempted
     assert wait_until(lambda: usage(log_pair) == 0, 120)
@@ -254,10 +254,27 @@ def fail_pair(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         yield pair
 
 
+def local_tokens(pair: PDPair) -> float:
+    """The decode's prompt tokens computed locally (not from a transfer)."""
+    return sum(
+        value
+        for key, value in pair.metrics(pair.decode).items()
+        if key.startswith("vllm:prompt_tokens_by_source_total{") and 'source="local_compute"' in key
+    )
+
+
 def test_policy_fail_recomputes_every_damaged_load(fail_pair: PDPair) -> None:
-    prompts = [words(300 + 13 * i, 49 + i) for i in range(4)]  # 50 and 52 tokens: damaged
+    prompts = [words(300 + 13 * i, 49 + i) for i in range(4)]  # 49 and 51 tokens: damaged
     expected = [plain(fail_pair, p) for p in prompts]
-    got = [pd(fail_pair, p) for p in prompts]
+    got = []
+    for prompt in prompts:
+        before = local_tokens(fail_pair)
+        got.append(pd(fail_pair, prompt))
+        computed = local_tokens(fail_pair) - before
+        if len(prompt.split()) % 2:  # damaged in its first block: all recomputed here
+            assert computed >= len(prompt.split()) - 1
+        else:  # intact: only the last token, as P/D computes it
+            assert computed <= 1
     assert got == expected
     counters = kvaudit_counters(fail_pair, "decode")
     assert counters["mismatched_requests"] == 2
