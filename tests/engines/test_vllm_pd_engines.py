@@ -307,3 +307,18 @@ def test_the_engines_serve_as_without_kvaudit_when_its_code_fails(failing_pair: 
         assert "kvaudit: internal error in" in text
         assert "Traceback" in text
     assert wait_until(lambda: usage(failing_pair) == 0, 120)
+
+
+# --- docs/vllm.md's walk-through, as a user runs it ---------------------------------------
+
+
+def test_the_walkthrough_runs_as_documented(tmp_path: Path) -> None:
+    """docs/vllm.md's command, from a working folder with a relative output folder."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "vllm_pd_cpu" / "walkthrough.py"),
+         "out/vllm-pd", "--base-port", "8130"],
+        capture_output=True, text=True, timeout=1200, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "walk-through done" in done.stdout
+    assert (tmp_path / "out" / "vllm-pd" / "decode" / "kvaudit-output.json").is_file()
