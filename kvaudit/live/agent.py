@@ -95,7 +95,7 @@ class Agent:
         max_reply_bytes: int = 1 << 30,
         max_held_bytes: int = 256 << 20,
         max_poll_bytes: int = 64 << 20,
-        poll_share: float = 0.5,
+        poll_share: float = 0.25,
         max_poll_seconds: float = 0.05,
     ) -> None:
         """Build the worker's checksummer and listen on ``path``.
@@ -127,8 +127,9 @@ class Agent:
             max_poll_bytes: What one ``poll()`` copies before it leaves the other requests
                 for the next one.
             poll_share: The most time a safe point takes, as a share of the engine's time
-                since the previous one (0.5: the engine keeps at least two thirds of its
-                step rate while clients ask).
+                since the previous one (0.25: the agent takes at most a fifth of the
+                engine's thread while clients ask; the engine keeps four fifths of its
+                step rate, less what the agent's I/O thread costs).
             max_poll_seconds: The most seconds one safe point takes (past one unit of
                 work that cannot be split, repaid at the next ones).
 

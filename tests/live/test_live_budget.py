@@ -144,7 +144,7 @@ def test_a_poll_answers_what_its_share_of_time_allows(folder: str) -> None:
     """16 checksums of one block each, 1 tick a block, 10 ticks of engine time between
     polls and a share of 0.5: 5 answered a poll (before: all 16 in the first poll)."""
     requests = {f"r{i}": blocks_of(i, 1) for i in range(16)}
-    engine = Engine(20, requests, folder)
+    engine = Engine(20, requests, folder, poll_share=0.5)
     with engine.agent:
         clients = [engine.ask({"op": "checksum", "requests": [f"r{i}"]}) for i in range(16)]
         engine.arrived(16)
@@ -164,7 +164,7 @@ def test_a_long_answer_is_split_over_polls_and_equals_one_computed_whole(folder:
     after 32 polls equals a checksum of every request at once (before: one poll read all
     256 positions)."""
     requests = {f"r{i}": blocks_of(i, 4) for i in range(64)}
-    engine = Engine(80, requests, folder)
+    engine = Engine(80, requests, folder, poll_share=0.5)
     with engine.agent:
         engine.agent._pace.seconds["checksum"] = TICK  # learnt already: sized from the start
         client = engine.ask({"op": "checksum", "positions": "block"})
@@ -191,7 +191,7 @@ def test_a_request_larger_than_a_poll_is_read_in_slices(folder: str) -> None:
     equals the request checksummed whole. A request whose blocks move meanwhile is an
     error reply, never checksums of blocks it no longer holds."""
     requests = {"big": blocks_of(0, 300), "other": blocks_of(300, 3)}
-    engine = Engine(310, requests, folder, max_poll_seconds=0.01)
+    engine = Engine(310, requests, folder, poll_share=0.5, max_poll_seconds=0.01)
     with engine.agent:
         engine.agent._pace.seconds["checksum"] = TICK
         client = engine.ask({"op": "checksum", "requests": ["other", "big"]})
@@ -223,7 +223,7 @@ def test_a_listing_is_of_one_moment_and_written_over_polls(folder: str) -> None:
     tables changed in place after that poll do not show in it."""
     requests = {f"r{i}": blocks_of(i, 4) for i in range(64)}
     expected = json.loads(json.dumps(listing_to_json(plain_requests(requests))))
-    engine = Engine(80, requests, folder)
+    engine = Engine(80, requests, folder, poll_share=0.5)
     written: list[str] = []
     from kvaudit.live import work
 
@@ -257,7 +257,7 @@ def test_an_answer_past_its_deadline_is_an_error_and_its_work_dropped(folder: st
     """A checksum the engine's polls cannot finish within ``wait_timeout``: its client
     gets a one-line error saying so, and the agent reads nothing more for it."""
     requests = {f"r{i}": blocks_of(i, 4) for i in range(64)}
-    engine = Engine(80, requests, folder, wait_timeout=0.5)
+    engine = Engine(80, requests, folder, poll_share=0.5, wait_timeout=0.5)
     with engine.agent:
         engine.agent._pace.seconds["checksum"] = TICK
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -273,6 +273,35 @@ def test_an_answer_past_its_deadline_is_an_error_and_its_work_dropped(folder: st
         assert "within 0.5 s" in reply["error"] and "\n" not in reply["error"]
         assert engine.poll(16 * TICK) == 0
         assert len(engine.read) == read and engine.agent.waiting() == 0
+
+
+def test_the_default_share_is_a_quarter(folder: str) -> None:
+    """By default a poll takes at most a quarter of the engine's time since the previous
+    one: 40 ticks of engine time, 10 one-block checksums answered."""
+    requests = {f"r{i}": blocks_of(i, 1) for i in range(12)}
+    engine = Engine(20, requests, folder)
+    with engine.agent:
+        clients = [engine.ask({"op": "checksum", "requests": [f"r{i}"]}) for i in range(12)]
+        engine.arrived(12)
+        assert [engine.poll(40 * TICK), engine.poll(40 * TICK)] == [10, 2]
+        for sock in clients:
+            assert read_reply(sock)["ok"] is True
+            sock.close()
+
+
+def test_an_engine_without_requests_lists_and_checksums_none(folder: str) -> None:
+    engine = Engine(4, {}, folder)
+    with engine.agent:
+        for message, key in (({"op": "list"}, "requests"), ({"op": "checksum"}, "record")):
+            client = engine.ask(message)
+            engine.arrived(1)
+            while not engine.poll(TICK):
+                pass
+            reply = read_reply(client)
+            client.close()
+            assert reply["ok"] is True
+            assert (reply[key] if key == "requests" else reply[key]["requests"]) == {}
+        assert reply["record"] == engine.reference({})
 
 
 def test_hello_needs_no_safe_point(folder: str) -> None:
