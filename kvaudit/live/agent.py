@@ -6,19 +6,24 @@ ranks and a function that returns the current requests' block tables. A backgrou
 thread accepts connections and reads requests (bounded in size and time); the requests
 are answered at a safe point: in ``poll()``, which the engine calls at each step
 boundary, or, when the engine hands over the lock it holds during its steps, on the
-agent's own thread while it holds that lock. Every failure becomes an error reply; the
-engine never sees an exception from a request. What the agent costs the engine is
-bounded: the copies one poll makes, the reply bytes held for clients at once, the ids
-one request names.
+agent's own thread while it holds that lock. ``hello`` needs nothing of the engine and
+is answered on the I/O thread. Every failure becomes an error reply; the engine never
+sees an exception from a request. What the agent costs the engine is bounded: in time,
+each safe point takes at most ``poll_share`` of the engine's time since the previous one
+(answers are split into units, ``work``); in bytes, the copies one poll makes and the
+reply bytes held for clients at once; the ids one request names.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import threading
+import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Mapping
 from typing import Any, BinaryIO
 
 from ..checksum.checksummer import Checksummer
@@ -28,12 +33,13 @@ from ..description import CacheDescription, description_to_dict
 from ..dumps.writing import write_dump, write_dump_into
 from ..records import WorkerInfo
 from ..views.inputs import LayerTensors, RequestBlocks, plain_requests, tensors_by_name
-from .messages import group_infos, listing_to_json, worker_record_to_json
-from .protocol import OPS, PROTOCOL, request_id_list, token_limits
+from .messages import group_infos
+from .protocol import OPS, PROTOCOL, encode_header, request_id_list, token_limits
 from .server import Reply, Server
+from .work import BlockTables, Busy, ChecksumJob, Job, ListJob, OnceJob, Pace, SafePoint
 
-BlockTables = Callable[[], Mapping[str, RequestBlocks]]
-"""Returns the requests in the cache now: request id to its blocks (engine block ids)."""
+__all__ = ["MAX_FETCH_BLOCKS", "Agent", "BlockTables", "socket_path"]
+
 MAX_FETCH_BLOCKS = 4096
 """The most block positions one fetch returns."""
 
@@ -60,10 +66,13 @@ class Agent:
     ``lock``: None to answer in ``poll()`` (call it at each step boundary); else a lock
     the engine holds during each step, and the agent answers on its own thread while it
     holds it. ``timeout`` bounds each connection's reading and writing (seconds),
-    ``wait_timeout`` how long a request waits for a safe point; ``max_reply_bytes``
+    ``wait_timeout`` how long a request waits for its answer; ``max_reply_bytes``
     bounds what one fetch or dump may copy, ``max_held_bytes`` the reply bytes held for
-    clients at once (a fetch past it is answered "busy"), ``max_poll_bytes`` what one
+    clients at once (a request past it is answered "busy"), ``max_poll_bytes`` what one
     ``poll()`` copies before it leaves the other requests for the next one.
+    ``poll_share`` bounds a safe point's time: at most that share of the engine's time
+    since the previous one (and never more than ``max_poll_seconds`` at once), the rest
+    of the work left for the next ones.
     """
 
     def __init__(
@@ -86,6 +95,8 @@ class Agent:
         max_reply_bytes: int = 1 << 30,
         max_held_bytes: int = 256 << 20,
         max_poll_bytes: int = 64 << 20,
+        poll_share: float = 0.25,
+        max_poll_seconds: float = 0.05,
     ) -> None:
         """Build the worker's checksummer and listen on ``path``.
 
@@ -108,20 +119,30 @@ class Agent:
             lock: None to answer in ``poll()``; else the lock the engine holds during
                 each step, which the agent's thread holds while it answers.
             timeout: Seconds each connection's reading and writing may take.
-            wait_timeout: Seconds a request waits for a safe point.
+            wait_timeout: Seconds a request waits for its answer (queued, and computed
+                over the engine's safe points); past it, an error reply.
             max_reply_bytes: The most bytes one fetch or dump may copy.
             max_held_bytes: The most reply bytes held for clients at once (a fetch past
                 it is answered "busy").
             max_poll_bytes: What one ``poll()`` copies before it leaves the other requests
                 for the next one.
+            poll_share: The most time a safe point takes, as a share of the engine's time
+                since the previous one (0.25: the agent takes at most a fifth of the
+                engine's thread while clients ask; the engine keeps four fifths of its
+                step rate, less what the agent's I/O thread costs).
+            max_poll_seconds: The most seconds one safe point takes (past one unit of
+                work that cannot be split, repaid at the next ones).
 
         Raises:
-            KvauditError: Tensors, ranks or a role that ``Checksummer`` refuses, or a
-                socket it cannot listen on.
+            KvauditError: Tensors, ranks or a role that ``Checksummer`` refuses, a share
+                or time that is not a positive number, or a socket it cannot listen on.
             ValueError: An unknown ``backend``, as ``Checksummer`` raises it.
 
         """
         self.path = os.fspath(path)
+        for name, value in (("poll_share", poll_share), ("max_poll_seconds", max_poll_seconds)):
+            if not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+                raise KvauditError(f"{name}: expected a positive number, got {short(value)}")
         self.description = description
         self.tensors = tensors_by_name(description, tensors, self.path)
         self.block_tables = block_tables
@@ -147,9 +168,19 @@ class Agent:
         ) // max(self.summer.num_blocks, 1)
         self.max_held_bytes = max_held_bytes
         self.max_poll_bytes = max_poll_bytes
+        self.poll_share = float(poll_share)
+        self.max_poll_seconds = float(max_poll_seconds)
         self.lock = lock
         self.polls = 0
-        self._server = Server(self.path, timeout, wait_timeout)
+        self._hello_text = encode_header(self._hello(), 0)[12:]
+        self._jobs: deque[Job] = deque()
+        self._pace = Pace()
+        # Seconds of the engine's time the agent may still take (negative: owed, after a
+        # unit that could not be split), and when it last gave the engine back its time.
+        self._clock = time.perf_counter
+        self._credit = 0.0
+        self._rested = self._clock()
+        self._server = Server(self.path, timeout, wait_timeout, instant=self._instant)
         # An engine that ends without close() (or drops the agent) still removes its
         # socket file when the interpreter exits.
         self._closer = weakref.finalize(self, self._server.close)
@@ -166,10 +197,12 @@ class Agent:
         self.close()
 
     def poll(self, max_requests: int = 16) -> int:
-        """Answer the requests that have arrived.
+        """Work on the requests that have arrived, within this safe point's time.
 
         The engine calls it at a step boundary, when its cache is neither written nor
-        freed.
+        freed. It takes at most ``poll_share`` of the engine's time since the previous
+        call (``max_poll_seconds`` at most; one unit of work that cannot be split may
+        pass it, and the next calls repay it): the rest of the work waits for them.
 
         Args:
             max_requests: The most requests answered in this call; so is what their
@@ -183,18 +216,11 @@ class Agent:
         self.polls += 1
         if self.lock is not None:
             return 0
-        answered = copied = 0
-        while answered < max_requests and copied < self.max_poll_bytes:
-            arrived = self._server.next_request()
-            if arrived is None:
-                break
-            copied += self._answer(*arrived)
-            answered += 1
-        return answered
+        return self._work(max_requests)
 
     def waiting(self) -> int:
-        """How many requests wait for the next ``poll()``."""
-        return self._server.waiting()
+        """How many requests wait for the next ``poll()``: queued, or partly answered."""
+        return self._server.waiting() + len(self._jobs)
 
     def close(self) -> None:
         """Stop serving: close the socket (and remove its file) and the connections."""
@@ -204,48 +230,117 @@ class Agent:
             self._handler.join(timeout=5)
 
     def _serve(self) -> None:
-        """The handler thread: answer each request while holding the engine's lock."""
+        """The handler thread: work on the requests while holding the engine's lock, for
+        at most ``poll_share`` of the time it leaves the lock to the engine."""
         assert self.lock is not None
         while not self._stop.is_set():
-            arrived = self._server.next_request(wait=0.1)
-            if arrived is None:
+            if not self._jobs and not self._server.has_request(wait=0.1):
+                continue
+            owed = -(self._credit + self.poll_share * (self._clock() - self._rested))
+            if owed >= 0:
+                # The engine's share first: the lock is left to it until the time is repaid.
+                self._stop.wait(min(owed / self.poll_share + 1e-4, 0.1))
                 continue
             with self.lock:
-                self._answer(*arrived)
+                self._work(1 << 30)
 
-    def _answer(self, connection: int, message: dict[str, Any]) -> int:
-        """Compute one reply and hand it to the server to send; the bytes it copied."""
+    def _work(self, max_requests: int) -> int:
+        """One safe point: units of the requests in arrival order while this safe point
+        has time left; how many requests it answered."""
+        now = self._clock()
+        earned = self.poll_share * max(now - self._rested, 0.0)
+        self._credit = min(self._credit + earned, self.max_poll_seconds)
+        self._server.safe_point()
+        point = SafePoint(self.block_tables, self.path)
+        answered = copied = 0
         try:
-            reply = self._handle(message)
-        except KvauditError as error:
-            reply = Reply({"ok": False, "error": error.message})
-        except Exception as error:  # a request must never take the engine down
-            text = " ".join(str(error).split())
-            reply = Reply({"ok": False, "error": f"{type(error).__name__}: {text}"})
-        self._server.reply(connection, reply)
-        return reply.payload_size
+            while self._credit > 0 and answered < max_requests and copied < self.max_poll_bytes:
+                job = self._next_job()
+                if job is None:
+                    break
+                start = self._clock()
+                reply = self._step(job, point)
+                spent = self._clock() - start
+                self._credit -= spent
+                self._pace.learn(job.kind, job.blocks, spent)
+                if reply is not None:
+                    self._jobs.popleft()
+                    self._server.reply(job.connection, reply)
+                    answered += 1
+                    copied += reply.payload_size
+        finally:
+            self._rested = self._clock()
+        return answered
 
-    def _handle(self, message: dict[str, Any]) -> Reply:
-        """The reply to one request (docs/live.md, "Protocol")."""
+    def _next_job(self) -> Job | None:
+        """The oldest request whose client still wants its answer (work for one that has
+        gone, or is past its deadline, is dropped), else the next arrived; None when
+        there is none."""
+        while self._jobs:
+            if self._server.wanted(self._jobs[0].connection):
+                return self._jobs[0]
+            self._jobs.popleft()
+        arrived = self._server.next_request()
+        if arrived is None:
+            return None
+        self._jobs.append(self._start(*arrived))
+        return self._jobs[0]
+
+    def _step(self, job: Job, point: SafePoint) -> Reply | None:
+        """One unit of a job; its failure as an error reply."""
+        job.blocks = 0
+        try:
+            return job.step(point, self._credit)
+        except Exception as error:  # a request must never take the engine down
+            return _error_reply(error)
+
+    def _start(self, connection: int, message: dict[str, Any]) -> Job:
+        """The job of one request (docs/live.md, "Protocol"); a request refused at once
+        is a job whose one unit is its error reply."""
+        op = message.get("op")
+        try:
+            if op == "list":
+                self._check_held()
+                return ListJob(connection, self.path, self._pace, lambda: self.polls)
+            if op == "checksum":
+                self._check_held()
+                return ChecksumJob(
+                    connection,
+                    message,
+                    self.summer,
+                    self._pace,
+                    lambda: self.polls,
+                    self.max_poll_seconds,
+                )
+            if op == "fetch":
+                return OnceJob(connection, lambda point: self._fetch(message, point.tables()))
+            if op == "dump":
+                return OnceJob(connection, lambda point: self._dump(message, point.tables()))
+            # The I/O thread answers the others itself; a server without it would not.
+            reply = self._instant(message) or Reply.of_json(self._hello_text)
+        except Exception as error:
+            reply = _error_reply(error)
+        return OnceJob(connection, lambda point: reply)
+
+    def _check_held(self) -> None:
+        """Refuse a request with a JSON reply while replies and answers being written
+        already hold ``max_held_bytes``."""
+        held = self._server.held_bytes() + sum(job.held for job in self._jobs)
+        if held >= self.max_held_bytes:
+            raise Busy(
+                f"busy: {held} bytes of replies wait for their clients (at most "
+                f"{self.max_held_bytes} at once), try again later"
+            )
+
+    def _instant(self, message: dict[str, Any]) -> Reply | None:
+        """The reply to a request that needs nothing of the engine (``hello``, or an
+        unknown op), on the I/O thread; None for the others."""
         op = message.get("op")
         if op not in OPS:
             raise KvauditError(f"unknown op {short(op)}, expected one of {', '.join(OPS)}")
         if op == "hello":
-            return Reply(self._hello())
-        requests = plain_requests(self.block_tables(), self.path)
-        if op == "list":
-            return Reply({"ok": True, "polls": self.polls, "requests": listing_to_json(requests)})
-        if op == "fetch":
-            return self._fetch(message, requests)
-        ids = request_id_list(message.get("requests"), self.path)
-        chosen = _chosen(requests, ids, token_limits(message.get("num_tokens"), self.path))
-        if op == "checksum":
-            positions = message.get("positions", "request")
-            if positions not in ("request", "block"):
-                raise KvauditError(f"positions: expected request or block, got {short(positions)}")
-            record = self.summer.checksum(chosen, positions)
-            return Reply({"ok": True, "polls": self.polls, "record": worker_record_to_json(record)})
-        return self._dump(message, chosen)
+            return Reply.of_json(self._hello_text)
+        return None
 
     def _hello(self) -> dict[str, Any]:
         worker = self.worker
@@ -265,9 +360,12 @@ class Agent:
             "groups": group_infos(self.summer.groups, self.tensors),
         }
 
-    def _dump(self, message: dict[str, Any], chosen: dict[str, RequestBlocks]) -> Reply:
-        """A dump of the chosen requests: written into the request's ``folder``, or, with
-        none, sent back as the reply's payload."""
+    def _dump(self, message: dict[str, Any], tables: Mapping[str, RequestBlocks]) -> Reply:
+        """A dump of the requests it names (every request when none): written into the
+        request's ``folder``, or, with none, sent back as the reply's payload."""
+        ids = request_id_list(message.get("requests"), self.path)
+        limits = token_limits(message.get("num_tokens"), self.path)
+        chosen = _chosen(tables, ids, limits, self.path)
         folder = message.get("folder")
         if folder is None:
             return self._payload(chosen)
@@ -281,13 +379,11 @@ class Agent:
         write_dump(target, self.description, self.tensors, chosen, worker=worker)
         return Reply({"ok": True, "polls": self.polls, "path": target})
 
-    def _fetch(self, message: dict[str, Any], requests: dict[str, RequestBlocks]) -> Reply:
+    def _fetch(self, message: dict[str, Any], tables: Mapping[str, RequestBlocks]) -> Reply:
         """A dump's bytes holding one request's blocks at worker positions ``lo .. hi - 1``
         of one group (``num_tokens``: the tokens the client reads)."""
         ids = request_id_list([message.get("request")], self.path, "request") or []
-        request = requests.get(ids[0])
-        if request is None:
-            raise KvauditError(f"request {ids[0]!r} is not in the cache now")
+        request = _chosen(tables, ids, {}, self.path)[ids[0]]
         group = check_int(message.get("group"), self.path, "group", 0, 1 << 20)
         lo = check_int(message.get("lo"), self.path, "lo", 0, MAX_TOKENS)
         hi = check_int(message.get("hi"), self.path, "hi", lo + 1, lo + MAX_FETCH_BLOCKS)
@@ -314,7 +410,7 @@ class Agent:
         size = self._check_size(chosen)
         held = self._server.held_bytes()
         if held and held + size > self.max_held_bytes:
-            raise KvauditError(
+            raise Busy(
                 f"busy: {held} bytes of replies wait for their clients (at most "
                 f"{self.max_held_bytes} at once), try again later"
             )
@@ -347,17 +443,30 @@ class Agent:
 
 
 def _chosen(
-    requests: Mapping[str, RequestBlocks], ids: list[str] | None, limits: Mapping[str, int]
+    tables: Mapping[str, RequestBlocks],
+    ids: list[str] | None,
+    limits: Mapping[str, int],
+    source: str,
 ) -> dict[str, RequestBlocks]:
-    """The named requests (all when ``ids`` is None), each cut to its token limit."""
+    """The named requests (all when ``ids`` is None) with plain block ids, each cut to its
+    token limit; only these are read from the block tables."""
     if ids is None:
-        ids = list(requests)
-    missing = [rid for rid in ids if rid not in requests]
+        ids = list(tables)
+    missing = [rid for rid in ids if rid not in tables]
     if missing:
         raise KvauditError(f"request {missing[0]!r} is not in the cache now")
+    requests = plain_requests({rid: tables[rid] for rid in ids}, source)
     return {
-        rid: RequestBlocks(
-            min(requests[rid].num_tokens, limits.get(rid, MAX_TOKENS)), requests[rid].groups
-        )
-        for rid in ids
+        rid: RequestBlocks(min(request.num_tokens, limits.get(rid, MAX_TOKENS)), request.groups)
+        for rid, request in requests.items()
     }
+
+
+def _error_reply(error: Exception) -> Reply:
+    """An error reply saying what went wrong in one line (``"busy": true`` for a request
+    refused for now)."""
+    if isinstance(error, KvauditError):
+        busy = {"busy": True} if isinstance(error, Busy) else {}
+        return Reply({"ok": False, "error": error.message, **busy})
+    text = " ".join(str(error).split())
+    return Reply({"ok": False, "error": f"{type(error).__name__}: {text}"})

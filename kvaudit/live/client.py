@@ -20,10 +20,35 @@ from .protocol import HEADER, MAX_PAYLOAD, MAX_REPLY_JSON, decode_json, encode_f
 TIMEOUT_VARIABLE = "KVAUDIT_LIVE_TIMEOUT"
 DEFAULT_TIMEOUT = 60.0
 """Seconds one request may take, connecting to the last byte of the reply."""
-BACKLOG_RETRY_SECONDS = 10.0
-"""How long a client retries an agent whose queue of connections is full."""
+BUSY_RETRY_SECONDS = 10.0
+"""How long a client retries a busy agent: its queue of connections full, or a "busy"
+reply (too many connections open, too many reply bytes waiting for their clients)."""
 _FIRST_BACKOFF = 0.005
 _LAST_BACKOFF = 0.25
+
+
+class _Backoff:
+    """A growing pause between tries (5 ms, doubling to 250 ms) for at most
+    ``BUSY_RETRY_SECONDS`` and never past the request's deadline."""
+
+    def __init__(self, deadline: float) -> None:
+        self.start = time.monotonic()
+        self.give_up = min(deadline, self.start + BUSY_RETRY_SECONDS)
+        self.pause = _FIRST_BACKOFF
+        self.tries = 0
+
+    def wait(self) -> bool:
+        """Sleep before the next try; False (no sleep) when it would pass the limit."""
+        if time.monotonic() + self.pause > self.give_up:
+            return False
+        time.sleep(self.pause)
+        self.pause = min(self.pause * 2, _LAST_BACKOFF)
+        self.tries += 1
+        return True
+
+    def waited(self) -> str:
+        """How long it retried, for the error message."""
+        return f"{time.monotonic() - self.start:.1f} s"
 
 
 def default_timeout() -> float:
@@ -139,19 +164,46 @@ def call(
     Returns:
         The reply's JSON and its payload.
 
+    A busy agent (its queue of connections full, or a reply saying ``"busy": true``) is
+    asked again after a growing pause, for at most ``BUSY_RETRY_SECONDS``: a busy reply
+    means the request was not carried out.
+
     Raises:
-        KvauditError: No agent, no answer within ``timeout`` seconds, an agent whose
-            queue of connections stayed full, the connection closed early, a malformed
-            reply or an error reply; names the socket.
+        KvauditError: No agent, no answer within ``timeout`` seconds, an agent that
+            stayed busy, the connection closed early, a malformed reply or an error
+            reply; names the socket.
 
     """
     limit = default_timeout() if timeout is None else timeout
     deadline = time.monotonic() + limit
     check_owner(path)
+    backoff = _Backoff(deadline)
+    while True:
+        reply, data = _exchange(path, message, limit, deadline, backoff, payload_to)
+        if reply.get("ok") is True:
+            return reply, data
+        if reply.get("busy") is not True or not backoff.wait():
+            break
+    error = reply.get("error")
+    text = " ".join(error.split()) if isinstance(error, str) else "an error reply"
+    if reply.get("busy") is True and backoff.tries:
+        text += f" (asked again for {backoff.waited()})"
+    raise KvauditError(f"the agent answered: {text[:500]}", path)
+
+
+def _exchange(
+    path: str,
+    message: Mapping[str, Any],
+    limit: float,
+    deadline: float,
+    backoff: _Backoff,
+    payload_to: BinaryIO | None,
+) -> tuple[dict[str, Any], bytes]:
+    """One request on a fresh connection: its reply (an error reply too) and payload."""
     sock: socket.socket | None = None
     try:
         try:
-            sock = _connect(path, deadline)
+            sock = _connect(path, deadline, backoff)
             # Refused before it was read (a busy agent): the reply says why.
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 sock.sendall(encode_frame(message))
@@ -176,24 +228,17 @@ def call(
     finally:
         if sock is not None:
             sock.close()
-    if reply.get("ok") is not True:
-        error = reply.get("error")
-        text = " ".join(error.split()) if isinstance(error, str) else "an error reply"
-        raise KvauditError(f"the agent answered: {text[:500]}", path)
     return reply, data
 
 
-def _connect(path: str, deadline: float) -> socket.socket:
-    """A socket connected to the agent, retrying with a growing pause while its queue
-    of connections is full (a burst of clients), for at most ``BACKLOG_RETRY_SECONDS``.
+def _connect(path: str, deadline: float, backoff: _Backoff) -> socket.socket:
+    """A socket connected to the agent, retrying with ``backoff``'s pauses while its
+    queue of connections is full (a burst of clients).
 
     Raises:
         KvauditError: The queue stayed full.
 
     """
-    pause = _FIRST_BACKOFF
-    start = time.monotonic()
-    give_up = min(deadline, start + BACKLOG_RETRY_SECONDS)
     while True:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(max(deadline - time.monotonic(), 0.001))
@@ -205,14 +250,12 @@ def _connect(path: str, deadline: float) -> socket.socket:
             if not isinstance(error, BlockingIOError):
                 raise
             # A unix socket's full backlog (EAGAIN): the agent is busy, not gone.
-            if time.monotonic() + pause > give_up:
+            if not backoff.wait():
                 raise KvauditError(
                     "busy: the agent's queue of connections stayed full for "
-                    f"{time.monotonic() - start:.1f} s, try again later",
+                    f"{backoff.waited()}, try again later",
                     path,
                 ) from None
-        time.sleep(pause)
-        pause = min(pause * 2, _LAST_BACKOFF)
 
 
 def _receive_into(

@@ -6,28 +6,78 @@ record's strict reader.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from ..core.scheme import to_hex
 from ..core.validation import worker_layout
-from ..records import RECORD_FORMAT, WorkerRecord
+from ..records import RECORD_FORMAT, RequestChecksums, WorkerRecord
 from ..views import GroupViews, LayerTensor
 from ..views.inputs import RequestBlocks
 
 
 def listing_to_json(requests: Mapping[str, RequestBlocks]) -> dict[str, Any]:
     """Request id to ``{"num_tokens": n, "groups": {"gid": [start, [block ids]]}}``."""
+    return {rid: listing_entry(request) for rid, request in requests.items()}
+
+
+def listing_entry(request: RequestBlocks) -> dict[str, Any]:
+    """One request of a listing: ``{"num_tokens": n, "groups": {"gid": [start, [ids]]}}``
+    (block ids as Python ints: ``plain_requests`` made them so)."""
     return {
-        rid: {
-            "num_tokens": int(request.num_tokens),
-            "groups": {
-                str(gid): [int(start), [int(b) for b in block_ids]]
-                for gid, (start, block_ids) in sorted(request.groups.items())
-            },
-        }
-        for rid, request in requests.items()
+        "num_tokens": int(request.num_tokens),
+        "groups": {
+            str(gid): [int(start), [int(b) for b in block_ids]]
+            for gid, (start, block_ids) in sorted(request.groups.items())
+        },
     }
+
+
+def json_member(key: str, value: object) -> bytes:
+    """``"key":value`` as compact JSON, a member of an object assembled piece by piece."""
+    return json.dumps({key: value}, separators=(",", ":"), allow_nan=False)[1:-1].encode()
+
+
+def object_with_members(
+    head: Mapping[str, Any], key: str, members: list[bytes], depth: int = 1
+) -> list[bytes]:
+    """Compact JSON of ``head`` whose last object ``depth`` levels in (``head`` itself at
+    1, its last member's value at 2) gains a last member ``key``: an object of
+    ``members`` (``"id":value`` each, from ``json_member``), in pieces that are joined
+    once, where they are sent, and never parsed again.
+
+    Args:
+        head: The reply's other members (the object at each level below it non-empty).
+        key: The name of the member added.
+        members: The added object's members.
+        depth: How deep the object that gains ``key`` lies.
+
+    Returns:
+        The pieces of the whole object's UTF-8 JSON text, in order.
+
+    """
+    text = json.dumps(head, separators=(",", ":"), allow_nan=False).encode()
+    pieces = [text[:-depth], b",", json_member(key, {})[:-1]]
+    for number, member in enumerate(members):
+        if number:
+            pieces.append(b",")
+        pieces.append(member)
+    pieces.append(b"}" * (depth + 1))
+    return pieces
+
+
+def hex_rows(values: np.ndarray) -> list[list[str]]:
+    """Each row of a 2-D array of uint64 as 16 lowercase hex digits per value, as
+    ``to_hex`` writes one (all at once: a request's values, without a call per value)."""
+    rows, width = values.shape
+    if not width:
+        return [[] for _ in range(rows)]
+    digits = np.ascontiguousarray(values, dtype=">u8").tobytes().hex()
+    words = [digits[i : i + 16] for i in range(0, len(digits), 16)]
+    return [words[i : i + width] for i in range(0, len(words), width)]
 
 
 def group_infos(
@@ -63,6 +113,16 @@ def group_infos(
 
 def worker_record_to_json(record: WorkerRecord) -> dict[str, Any]:
     """One worker's checksums as a record of that worker alone."""
+    return {
+        **worker_record_head(record),
+        "requests": {
+            rid: request_checksums_to_json(request) for rid, request in record.requests.items()
+        },
+    }
+
+
+def worker_record_head(record: WorkerRecord) -> dict[str, Any]:
+    """A worker record's JSON without its ``requests`` (which come last)."""
     worker = record.worker
     return {
         "format": RECORD_FORMAT,
@@ -84,21 +144,22 @@ def worker_record_to_json(record: WorkerRecord) -> dict[str, Any]:
             }
         ],
         "complete": not worker_layout([worker]),
-        "requests": {
-            rid: {
-                "num_tokens": int(request.num_tokens),
-                "groups": {
-                    str(gid): {
-                        "block_size": int(group.block_size),
-                        "start": int(group.start),
-                        "fingerprint": to_hex(group.fingerprint),
-                        "replica_keys": [[int(n), int(i)] for n, i in group.replica_keys],
-                        "values": [[to_hex(v) for v in row] for row in group.values.tolist()],
-                        "totals": [to_hex(v) for v in group.totals().tolist()],
-                    }
-                    for gid, group in sorted(request.groups.items())
-                },
+    }
+
+
+def request_checksums_to_json(request: RequestChecksums) -> dict[str, Any]:
+    """One request of a worker record: its token count and each group's checksums."""
+    return {
+        "num_tokens": int(request.num_tokens),
+        "groups": {
+            str(gid): {
+                "block_size": int(group.block_size),
+                "start": int(group.start),
+                "fingerprint": to_hex(group.fingerprint),
+                "replica_keys": [[int(n), int(i)] for n, i in group.replica_keys],
+                "values": hex_rows(group.values),
+                "totals": [row[0] for row in hex_rows(group.totals()[:, None])],
             }
-            for rid, request in record.requests.items()
+            for gid, group in sorted(request.groups.items())
         },
     }

@@ -6,21 +6,23 @@ Each connection carries one request frame (JSON, no payload) and gets one reply 
 a client may half-close its end after the request. A connection that sends more than
 ``MAX_REQUEST_JSON`` bytes, a payload, or does not finish within the timeout gets an
 error reply (when it can still be sent) and is closed. Reply payloads are streamed from
-their files to the socket (``sendfile``), never held in memory.
+their files to the socket (``sendfile``), never held in memory. A request that needs
+nothing of the engine (``instant``) is answered on this thread; the others wait for the
+agent, which takes them at the engine's safe points, within a deadline.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import select
 import selectors
 import socket
 import stat
 import threading
 import time
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -39,8 +41,14 @@ MAX_CONNECTIONS = 64
 _PIECE = 1 << 22
 """The most bytes one write hands the socket."""
 _BUSY = encode_frame(
-    {"ok": False, "error": f"busy: {MAX_CONNECTIONS} connections are open, try again later"}
+    {
+        "ok": False,
+        "busy": True,
+        "error": f"busy: {MAX_CONNECTIONS} connections are open, try again later",
+    }
 )
+Instant = Callable[[dict[str, Any]], "Reply | None"]
+"""Answers a request on the I/O thread when it needs nothing of the engine; else None."""
 
 
 def check_private_folder(folder: str) -> None:
@@ -86,6 +94,16 @@ class Reply:
         self.payload_size = os.fstat(payload.fileno()).st_size if payload is not None else 0
         self.head = encode_header(message, self.payload_size)
 
+    @classmethod
+    def of_json(cls, text: bytes | list[bytes]) -> Reply:
+        """A reply of JSON text already encoded (compact, UTF-8; or its pieces, joined
+        here in one copy), without a payload."""
+        pieces = [text] if isinstance(text, bytes) else text
+        reply = cls.__new__(cls)
+        reply.payload, reply.payload_size = None, 0
+        reply.head = b"".join([HEADER.pack(sum(map(len, pieces)), 0), *pieces])
+        return reply
+
     @property
     def size(self) -> int:
         """The frame's bytes: header, JSON and payload."""
@@ -104,6 +122,7 @@ class _Connection:
 
     sock: socket.socket
     deadline: float
+    arrived: float = 0.0
     inbox: bytearray = field(default_factory=bytearray)
     reply: Reply | None = None
     sent: int = 0
@@ -122,19 +141,24 @@ def _hung_up(sock: socket.socket) -> bool:
 class Server:
     """Listens on ``path`` (mode 0600, in a private folder) on a thread of its own;
     ``next_request`` gives each complete request in turn (a request whose client has gone
-    is dropped with it, never computed); ``reply`` sends the answer.
+    is dropped with it, never computed); ``reply`` sends the answer. ``instant``, when
+    given, answers on this thread the requests that need nothing of the engine.
 
     Every connection has a deadline: ``timeout`` seconds to send its request, then
-    ``wait_timeout`` seconds in the queue for the engine's safe point (past it the
-    server itself answers with an error), then ``timeout`` seconds to take its reply.
+    ``wait_timeout`` seconds for its answer, queued or being computed over the engine's
+    safe points (past it the server itself answers with an error, and ``wanted`` tells
+    the agent to drop the work), then ``timeout`` seconds to take its reply.
     ``held_bytes`` says how many bytes of replies wait for their clients.
     """
 
-    def __init__(self, path: str, timeout: float, wait_timeout: float) -> None:
+    def __init__(
+        self, path: str, timeout: float, wait_timeout: float, instant: Instant | None = None
+    ) -> None:
         self.path = path
         self.timeout = timeout
         self.wait_timeout = wait_timeout
-        self._arrived: queue.Queue[int] = queue.Queue()
+        self._instant = instant
+        self._arrived: deque[int] = deque()
         check_private_folder(os.path.dirname(os.path.abspath(path)))
         _remove_stale(path)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -151,30 +175,56 @@ class Server:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._lock = threading.Lock()
+        self._queued = threading.Condition(self._lock)
         self._replies: dict[int, Reply] = {}
         self._requests: dict[int, dict[str, Any]] = {}
+        # Requests the agent took and has not answered yet, while their clients wait.
+        self._taken: set[int] = set()
+        self._safe_point = float("-inf")
         self._connections: dict[int, _Connection] = {}
         self._held = 0
         self._next = 0
+        self.refused = 0
+        """Connections refused as busy (``MAX_CONNECTIONS`` open) so far."""
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvaudit-agent-io", daemon=True)
         self._thread.start()
 
     def next_request(self, wait: float = 0.0) -> tuple[int, dict[str, Any]] | None:
         """The next request of a client still connected, ``(connection, message)``,
-        waiting up to ``wait`` seconds for one; None when none came."""
-        while True:
-            try:
-                connection = self._arrived.get(timeout=wait) if wait else self._arrived.get_nowait()
-            except queue.Empty:
-                return None
-            with self._lock:
+        waiting up to ``wait`` seconds for one; None when none came. The request is the
+        caller's to answer (``reply``) while ``wanted`` says so."""
+        with self._queued:
+            if wait and not self._arrived:
+                self._queued.wait(wait)
+            while self._arrived:
+                connection = self._arrived.popleft()
                 message = self._requests.pop(connection, None)
-            if message is not None:
-                return connection, message
+                if message is not None:
+                    self._taken.add(connection)
+                    return connection, message
+            return None
+
+    def has_request(self, wait: float = 0.0) -> bool:
+        """Whether a request is queued, waiting up to ``wait`` seconds for one."""
+        with self._queued:
+            if wait and not self._requests:
+                self._queued.wait(wait)
+            return bool(self._requests)
+
+    def wanted(self, connection: int) -> bool:
+        """Whether a request taken with ``next_request`` still wants its answer: its
+        client is connected and its deadline has not passed."""
+        with self._lock:
+            return connection in self._taken
+
+    def safe_point(self) -> None:
+        """Note that the agent reached a safe point (for the message of a request that
+        waits past its deadline)."""
+        self._safe_point = time.monotonic()
 
     def waiting(self) -> int:
-        """How many requests of clients still connected wait for an answer."""
+        """How many requests of clients still connected wait in the queue."""
         with self._lock:
             return len(self._requests)
 
@@ -185,8 +235,13 @@ class Server:
             return self._held
 
     def reply(self, connection: int, reply: Reply) -> None:
-        """Queue a reply for the connection (dropped if it has gone) and wake the thread."""
+        """Queue a reply for the connection (dropped if it has gone or was answered past
+        its deadline) and wake the thread."""
         with self._lock:
+            if connection not in self._taken:
+                reply.close()
+                return
+            self._taken.discard(connection)
             self._replies[connection] = reply
             self._held += reply.size
         with contextlib.suppress(OSError):
@@ -240,6 +295,7 @@ class Server:
             except (BlockingIOError, OSError):
                 return
             if len(self._connections) >= MAX_CONNECTIONS:
+                self.refused += 1
                 # One short frame fits the socket's buffer: the client learns why.
                 with contextlib.suppress(OSError):
                     sock.setblocking(False)
@@ -283,12 +339,31 @@ class Server:
         except KvauditError as error:
             self._send(selector, cid, Reply({"ok": False, "error": error.message}))
             return
-        conn.waiting = True
         conn.inbox = bytearray()
-        conn.deadline = time.monotonic() + self.wait_timeout
-        with self._lock:
+        instant = self._answer_instantly(message)
+        if instant is not None:
+            self._send(selector, cid, instant)
+            return
+        conn.waiting = True
+        conn.arrived = time.monotonic()
+        conn.deadline = conn.arrived + self.wait_timeout
+        with self._queued:
             self._requests[cid] = message
-        self._arrived.put(cid)
+            self._arrived.append(cid)
+            self._queued.notify()
+
+    def _answer_instantly(self, message: dict[str, Any]) -> Reply | None:
+        """``instant``'s reply, or its failure as an error reply; None when the request
+        waits for the agent."""
+        if self._instant is None:
+            return None
+        try:
+            return self._instant(message)
+        except KvauditError as error:
+            return Reply({"ok": False, "error": error.message})
+        except Exception as error:  # this thread must keep serving whatever happens
+            text = " ".join(str(error).split())
+            return Reply({"ok": False, "error": f"{type(error).__name__}: {text}"})
 
     def _end_of_request(
         self, selector: selectors.BaseSelector, cid: int, conn: _Connection
@@ -316,7 +391,8 @@ class Server:
         with self._lock:
             replies, self._replies = self._replies, {}
         for cid, reply in replies.items():
-            if cid in self._connections:
+            conn = self._connections.get(cid)
+            if conn is not None and conn.waiting:
                 self._send(selector, cid, reply, held=True)
             else:
                 self._release(reply)
@@ -362,9 +438,10 @@ class Server:
             self._drop(selector, cid)
 
     def _expire(self, selector: selectors.BaseSelector) -> None:
-        """Close connections past their deadline; a queued request past its own gets an
-        error reply instead of waiting for ever for an engine that does not poll, and a
-        half-closed client that has gone since takes its request with it."""
+        """Close connections past their deadline; a request past its own gets an error
+        reply instead of waiting for ever (for an engine that does not poll, or for an
+        answer that needs more of the engine's time than it had), and a half-closed
+        client that has gone since takes its request with it."""
         now = time.monotonic()
         for cid, conn in list(self._connections.items()):
             if conn.waiting and conn.half_closed and _hung_up(conn.sock):
@@ -376,13 +453,30 @@ class Server:
             else:
                 with self._lock:
                     queued = self._requests.pop(cid, None) is not None
-                if queued:
-                    text = (
-                        f"the engine reached no safe point within {self.wait_timeout:g} s "
-                        "(it does not poll the agent, or its steps are this long)"
-                    )
+                    taken = cid in self._taken
+                    self._taken.discard(cid)
+                if queued or taken:
+                    text = self._late(queued, conn.arrived)
                     self._send(selector, cid, Reply({"ok": False, "error": text}))
-                # Else the engine is computing its reply now: it comes.
+                # Else the agent has just answered: its reply comes.
+
+    def _late(self, queued: bool, arrived: float) -> str:
+        """Why a request got no answer within ``wait_timeout``."""
+        within = f"within {self.wait_timeout:g} s"
+        if not queued:
+            return (
+                f"no answer {within}: the agent computes answers in its share of the "
+                "engine's time, and this one needed more; ask about fewer requests"
+            )
+        if self._safe_point < arrived:
+            return (
+                f"the engine reached no safe point {within} "
+                "(it does not poll the agent, or its steps are this long)"
+            )
+        return (
+            f"no answer {within}: the requests before it took the agent's share of the "
+            "engine's time; try again later"
+        )
 
     def _release(self, reply: Reply) -> None:
         with self._lock:
@@ -394,8 +488,9 @@ class Server:
         if conn is None:
             return
         with self._lock:
-            # A request not taken yet goes with its client: nobody would read the answer.
+            # A request not answered yet goes with its client: nobody would read the answer.
             self._requests.pop(cid, None)
+            self._taken.discard(cid)
         if conn.reply is not None:
             self._release(conn.reply)
         if conn.registered:

@@ -502,26 +502,58 @@ print(sorted(p.name for p in __import__("pathlib").Path({str(folder)!r}).iterdir
 
 
 def test_a_busy_agent_says_so(agent: Agent) -> None:
+    """With ``MAX_CONNECTIONS`` open, a client is told "busy" (after asking again until its
+    timeout); once they close, the next call is answered."""
     idle = []
     try:
         for _ in range(MAX_CONNECTIONS):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.connect(agent.path)
             idle.append(sock)
-        time.sleep(0.2)  # the agent's thread accepts them
-        with pytest.raises(KvauditError, match=f"busy: {MAX_CONNECTIONS} connections are open"):
-            call(agent.path, {"op": "list"}, timeout=5)
+        deadline = time.monotonic() + 10
+        while len(agent._server._connections) < MAX_CONNECTIONS and time.monotonic() < deadline:
+            time.sleep(0.01)  # the agent's thread accepts them
+        busy = f"busy: {MAX_CONNECTIONS} connections are open, try again later \\(asked again"
+        with pytest.raises(KvauditError, match=busy):
+            call(agent.path, {"op": "list"}, timeout=0.3)
+        assert agent._server.refused > 1  # asked more than once
     finally:
         for sock in idle:
             sock.close()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            reply, _ = call(agent.path, {"op": "list"}, timeout=5)
-            break
-        except KvauditError:
-            time.sleep(0.05)
+    reply, _ = call(agent.path, {"op": "list"}, timeout=10)
     assert "stable" in reply["requests"]
+
+
+def test_a_client_asks_a_busy_agent_again(agent: Agent) -> None:
+    """A client told "busy: 64 connections are open" asks again with a growing pause and
+    is answered once connections close (before: the first busy reply was its error)."""
+    idle = []
+    for _ in range(MAX_CONNECTIONS):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(agent.path)
+        idle.append(sock)
+    deadline = time.monotonic() + 10
+    while len(agent._server._connections) < MAX_CONNECTIONS and time.monotonic() < deadline:
+        time.sleep(0.01)
+    got: list[object] = []
+
+    def ask() -> None:
+        try:
+            got.append(call(agent.path, {"op": "list"}, timeout=30)[0])
+        except KvauditError as error:
+            got.append(error)
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    try:
+        while agent._server.refused < 2 and thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert agent._server.refused >= 2, got  # told busy, and asked again
+    finally:
+        for sock in idle:
+            sock.close()
+        thread.join()
+    assert isinstance(got[0], dict) and "stable" in got[0]["requests"], got
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user needs root")

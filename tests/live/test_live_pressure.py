@@ -114,15 +114,17 @@ class Polling:
 
 def test_the_engine_keeps_its_memory_and_steps_under_non_reading_clients() -> None:
     """64 clients each fetch 16 MiB and never read: the engine's RSS grows by no reply
-    (before: every reply held whole in memory, 64 x 16 MiB) and it keeps stepping."""
+    (before: every reply held whole in memory, 64 x 16 MiB) and it keeps stepping. Its
+    step rate is measured by ``bench/live_pressure.py``, never asserted here (a rate
+    depends on what else the machine runs)."""
     script = ROOT / "bench" / "live_pressure.py"
-    command = [sys.executable, str(script), "--clients", "64", "--fetch-mib", "16",
-               "--seconds", "2", "--json"]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    command = [sys.executable, str(script), "--misbehave", "non-reading", "--clients", "64",
+               "--fetch-mib", "16", "--seconds", "2", "--json"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     figures = json.loads(done.stdout)
     assert figures["rss_growth_mib"] < 96, figures
-    assert figures["step_rate_ratio"] > 0.2, figures
+    assert figures["busy_steps"] > 0, figures
 
 
 def test_reply_bytes_held_for_clients_are_bounded(folder: str) -> None:
@@ -140,7 +142,7 @@ def test_reply_bytes_held_for_clients_are_bounded(folder: str) -> None:
             while not agent._server.held_bytes() and time.monotonic() < deadline:
                 time.sleep(0.01)
             with pytest.raises(KvauditError, match=r"busy: \d+ bytes of replies wait"):
-                call(agent.path, fetch_of(32), timeout=5)
+                call(agent.path, fetch_of(32), timeout=1)  # asked again until its timeout
             reply, payload = read_reply(stalled)
             stalled.close()
             assert reply["ok"] is True and len(payload) > 32 * BLOCK_BYTES
@@ -157,7 +159,10 @@ def test_one_poll_copies_a_bounded_amount(folder: str) -> None:
     """Requests whose replies copy more than ``max_poll_bytes`` are answered over several
     polls, one step boundary taking at most that much (and always one request)."""
     cache = Cache(20, {"big": whole(16)})
-    with cache.agent(folder, max_poll_bytes=16 * BLOCK_BYTES) as agent:
+    # Time enough for every poll: only the bytes bound holds requests back here.
+    with cache.agent(
+        folder, max_poll_bytes=16 * BLOCK_BYTES, poll_share=1e9, max_poll_seconds=1e3
+    ) as agent:
         clients = []
         for _ in range(3):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -321,14 +326,14 @@ def test_more_requests_than_one_request_names_are_asked_in_batches(folder: str) 
         held.agent(os.path.join(folder, "p")) as producer,
         fewer.agent(os.path.join(folder, "c")) as consumer,
     ):
-        original = producer._handle
+        original = producer._start
 
-        def counting(message: dict) -> object:
+        def counting(connection: int, message: dict) -> object:
             if message.get("op") == "checksum":
                 sent.append(len(message.get("requests") or []))
-            return original(message)
+            return original(connection, message)
 
-        producer._handle = counting  # type: ignore[method-assign]
+        producer._start = counting  # type: ignore[method-assign]
         pollers = [Polling(producer), Polling(consumer)]
         try:
             result = CliRunner().invoke(
