@@ -20,7 +20,7 @@ from .options import (
     output_option,
     request_option,
 )
-from .output import emit, emit_table, stamp
+from .output import emit, emit_table, stamp, warn
 
 
 @main.command(epilog=EXIT_HELP)
@@ -54,6 +54,7 @@ def checksum(
     check_outputs({"-o": output}, [*sources, config_path])
     runtime = resolve_device(device or "auto")
     source = open_sources(sources, load_config(config_path), device)
+    warn(source.warnings)
     wanted = wanted_ids(request_ids)
     if wanted is not None:
         source.check_request_ids(wanted)

@@ -11,7 +11,7 @@ from ..core.exit_status import ExitStatus
 from .arguments import load_config, open_sources
 from .group import main
 from .options import EXIT_HELP, InventoryFormat, common_options, format_option
-from .output import emit, emit_table, stamp
+from .output import emit, emit_table, stamp, warn
 
 
 @main.command(epilog=EXIT_HELP)
@@ -31,7 +31,9 @@ def inspect(
     from ..sources import resolve_device
 
     resolve_device(device or "auto")  # rejects --device cuda without CUDA, as everywhere
-    inventory = open_sources(sources, load_config(config_path), device).inventory()
+    source = open_sources(sources, load_config(config_path), device)
+    warn(source.warnings)
+    inventory = source.inventory()
     if output_format == "json":
         emit(json_text(stamp(inventory_to_json(inventory))) + "\n", None)
     else:

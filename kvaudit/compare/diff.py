@@ -13,6 +13,7 @@ from ..sources import Source
 from ..sources.raw import FetchingWorker, RawWorker, fetched, fetches
 from .model import DiffReport
 from .options import DEFAULT_OPTIONS, CompareOptions
+from .pairing import pair_by_prompt
 from .records import compare_records
 from .sides import (
     check_wanted,
@@ -80,17 +81,26 @@ def diff_sources(
 
     """
     runtime, progress = options.device(), options.progress
+    pairing = pair_by_prompt(producer, consumer)
+    producer, consumer = pairing.producer, pairing.consumer
     ids = unique_ids(options.request_ids)
     if ids is not None:
+        ids = unique_ids([pairing.producer_id(rid) for rid in ids])
         check_wanted(producer, consumer, ids)
-    warnings = side_warnings(producer, consumer)
     counts = (producer.token_counts(), consumer.token_counts())
     windows = group_windows(producer, consumer)
     shared = shared_tokens(producer, consumer, ids)
     untrimmed = producer.raw_kv() if locate is not False else None
+    dumped = _dumped_kv(producer, consumer, locate)
+    warnings = [
+        *producer.warnings,
+        *consumer.warnings,
+        *pairing.notes,
+        *side_warnings(producer, consumer),
+    ]
     producer = trim_to(producer, shared)
     consumer = trim_to(consumer, shared)
-    raw = _raw_kv(producer, consumer, locate)
+    raw = _raw_kv(producer, consumer, locate, dumped is not None)
     positions = shared_numbering(producer, consumer)
     left = checksum_held(producer, ids, positions, runtime, progress)
     right = checksum_held(consumer, ids, positions, runtime, progress)
@@ -110,9 +120,66 @@ def diff_sources(
                 report.untraced = partial_note(why)
         else:
             trace_report(report, untrimmed or raw[0], raw[1], shared)
+    elif dumped is not None:
+        # Some requests' dumps: located where both sides dumped the request, traced by
+        # the checksums, which every request has.
+        group_shapes(report, [*dumped[0], *dumped[1]])
+        locate_report(report, *dumped, shared)
+        explain_unlocated(report, *dumped)
+        if trace_by_checksums(report, left, right):
+            report.untraced = partial_note(_dumped_only(producer, consumer))
     elif trace_by_checksums(report, left, right):
         report.untraced = partial_note(_unread(producer, consumer, locate))
     return report
+
+
+def _dumped_kv(
+    producer: Source, consumer: Source, locate: bool | None
+) -> tuple[list[RawWorker], list[RawWorker]] | None:
+    """Both sides' KV for locating where a side holds only some requests' dumps (an
+    output folder) and the other the raw KV or dumps too; None where both hold the raw
+    KV, a side holds neither, or ``locate`` is False."""
+    if locate is False:
+        return None
+    left, right = producer.raw_kv(), consumer.raw_kv()
+    if left is not None and right is not None:
+        return None
+    sides = [
+        raw if raw is not None else side.dumped_kv()
+        for raw, side in ((left, producer), (right, consumer))
+    ]
+    if sides[0] is None or sides[1] is None or fetches(sides[0]) or fetches(sides[1]):
+        return None
+    return sides[0], sides[1]  # type: ignore[return-value]
+
+
+def _dumped_only(producer: Source, consumer: Source) -> str:
+    """Why a trace by checksums where the sides hold some requests' dumps only."""
+    names = [", ".join(side.names) for side in (producer, consumer) if side.raw_kv() is None]
+    if len(names) == 2:
+        return f"{names[0]} and {names[1]} hold the KV of their dumped requests only"
+    return f"{names[0]} holds the KV of its dumped requests only"
+
+
+def explain_unlocated(
+    report: DiffReport, producer: Sequence[RawWorker], consumer: Sequence[RawWorker]
+) -> None:
+    """Say why each differing group that was located nowhere was not: a side holds no
+    dump of the request, or the dumps hold no difference at those positions (taken at
+    another time than the checksums)."""
+    listed = [{rid for worker in side for rid in worker.requests} for side in (producer, consumer)]
+    for request_id, _, group in report.groups():
+        if not group.differs or group.located:
+            continue
+        lacking = [
+            name for name, ids in zip(("producer", "consumer"), listed) if request_id not in ids
+        ]
+        if len(lacking) == 2:
+            group.not_located = "no dump of this request on either side"
+        elif lacking:
+            group.not_located = f"no dump of this request on the {lacking[0]}"
+        else:
+            group.not_located = "the dumps of this request do not differ at these positions"
 
 
 def group_shapes(report: DiffReport, workers: Sequence[RawWorker | FetchingWorker]) -> None:
@@ -158,13 +225,14 @@ def _unread(producer: Source, consumer: Source, locate: bool | None) -> str:
 
 
 def _raw_kv(
-    producer: Source, consumer: Source, locate: bool | None
+    producer: Source, consumer: Source, locate: bool | None, dumped: bool = False
 ) -> tuple[list[RawWorker], list[RawWorker]] | None:
     """Both sides' raw KV where differences are to be located (``locate``: None when
     both hold it, True always, False never), else None.
 
     Raises:
-        KvauditError: ``locate=True`` with a side that holds only checksums.
+        KvauditError: ``locate=True`` with a side that holds only checksums (and no dumps
+            to locate from: ``dumped``).
 
     """
     if locate is False:
@@ -172,7 +240,7 @@ def _raw_kv(
     left, right = producer.raw_kv(), consumer.raw_kv()
     if left is not None and right is not None:
         return left, right
-    if locate:
+    if locate and not dumped:
         side = producer if left is None else consumer
         raise KvauditError(
             f"--locate needs the raw KV on both sides; {', '.join(side.names)} is a "

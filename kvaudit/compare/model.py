@@ -129,6 +129,8 @@ class GroupComparison:
     block traced), how many producer blocks hold its content. ``layers`` (the group's
     layer names, in order) and ``heads`` (its global KV heads) are filled where a side's
     description is known, for the pictures and the diagnosis (empty and 0 where not).
+    ``not_located`` says why a differing group was not located where the sides hold the
+    KV of some requests only (an output folder's dumps), None otherwise.
     """
 
     compared: int = 0
@@ -144,6 +146,7 @@ class GroupComparison:
     stale_matches: dict[int, int] = field(default_factory=dict)
     layers: list[str] = field(default_factory=list)
     heads: int = 0
+    not_located: str | None = None
 
     @property
     def replicas_differing(self) -> list[ReplicaKey]:

@@ -88,6 +88,8 @@ def verify_sources(
     ids = unique_ids(options.request_ids)
     report = _verify_one_way(source, against, received, ids, options.device(), options.progress)
     options.judge(report)
+    read = [*(against.warnings if against is not None else []), *source.warnings]
+    report.warnings = [*read, *report.warnings]
     if received:
         report.untraced = "no trace possible: the producer sent only its checksums"
     return report

@@ -101,7 +101,8 @@ def diagnose_group(group: GroupComparison, num_tokens: int | None) -> list[Findi
     if unlocated:
         blocks = "the block" if len(unlocated) == 1 else "blocks"
         verb = "differs" if len(unlocated) == 1 else "differ"
-        text = f"{blocks} at {_at(unlocated)} {verb} (not located)"
+        why = f": {group.not_located}" if group.not_located else ""
+        text = f"{blocks} at {_at(unlocated)} {verb} (not located{why})"
         findings.append(Finding("differs", text, tuple(unlocated), (), (), 0))
     return findings
 

@@ -1,4 +1,5 @@
-"""Dump sets: one engine's dumps opened together, each checked, sorted by worker."""
+"""Dump sets: one engine's dumps opened together, each checked, sorted by worker; and a
+folder of dump sets, one per request (an output folder's ``dumps/``)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,12 @@ def expand_dump_paths(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
                 result.append(source)
                 continue
             files = safetensors_files(source) or example_connector_folders(source)
+            if not files and dump_folders(source):
+                fail(
+                    source,
+                    "holds a folder of dumps per request (an output folder's dumps/): give "
+                    "it alone, or with other such folders",
+                )
             if not files:
                 fail(source, "no .safetensors files or ExampleConnector folders in this directory")
             result.extend(files)
@@ -76,3 +83,112 @@ def open_dump_set(
     missing = worker_layout([dump.worker for dump in dumps])
     dumps.sort(key=lambda dump: (dump.worker.pp_rank, dump.worker.tp_rank))
     return DumpSet(dumps, not missing, missing)
+
+
+def dump_folders(directory: str | os.PathLike[str]) -> list[str]:
+    """The folders directly inside ``directory`` that hold kvaudit dump files of their own
+    (an output folder's ``dumps/``: a dump set per request), sorted by name; none when
+    ``directory`` holds dump files or ExampleConnector folders itself.
+
+    Raises:
+        KvauditError: A folder cannot be listed, or a dump file in one is not a regular
+            file.
+
+    """
+    source = os.fspath(directory)
+    if not os.path.isdir(source):  # a dump file, the usual argument, needs no more
+        return []
+    # Imported here: a dump file never needs the ExampleConnector reader.
+    from .example_connector import (
+        example_connector_folders,
+        is_example_connector,
+        safetensors_files,
+    )
+
+    if safetensors_files(source):
+        return []
+    if is_example_connector(source) or example_connector_folders(source):
+        return []
+    try:
+        names = sorted(os.listdir(source))
+    except OSError as error:
+        fail(source, f"cannot list: {error.strerror}")
+    folders = [os.path.join(source, name) for name in names]
+    return [folder for folder in folders if os.path.isdir(folder) and _names_dumps(folder)]
+
+
+def _names_dumps(folder: str) -> bool:
+    """Whether a folder lists a ``*.safetensors`` entry that is not a folder (what it is,
+    a FIFO or a device, is checked where it is opened)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    return any(
+        name.endswith(".safetensors") and not os.path.isdir(os.path.join(folder, name))
+        for name in names
+    )
+
+
+def is_dump_folders(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a folder of dump sets, one per request (``dump_folders``)."""
+    return bool(dump_folders(path))
+
+
+def open_dump_folders(
+    directories: Sequence[str | os.PathLike[str]],
+    config: CacheDescription | None = None,
+    *,
+    skip_bad: bool = False,
+) -> tuple[list[DumpSet], list[str]]:
+    """Open folders of dump sets (``dump_folders``): each inner folder one dump set, every
+    request in one set only, every dump of one engine in one role.
+
+    Args:
+        directories: The folders of dump sets.
+        config: A description that overrides each dump's; None to use the embedded ones.
+        skip_bad: Leave out an inner folder that cannot be opened, and say why (the
+            second value), rather than fail.
+
+    Returns:
+        The dump sets, in order of folder and name, and what was left out (one line
+        each).
+
+    Raises:
+        KvauditError: A bad dump (unless ``skip_bad``), a request in two sets, or dumps of
+            different roles, TP or PP sizes.
+
+    """
+    sets: list[DumpSet] = []
+    skipped: list[str] = []
+    holder: dict[str, str] = {}
+    for directory in directories:
+        for folder in dump_folders(directory):
+            try:
+                dump_set = open_dump_set([folder], config)
+            except KvauditError as error:
+                if not skip_bad:
+                    raise
+                skipped.append(str(error))
+                continue
+            for request_id in dump_set.request_ids:
+                if request_id in holder:
+                    fail(folder, f"request {request_id!r} is also in {holder[request_id]}")
+                holder[request_id] = folder
+            if sets:
+                _same_engine(sets[0], dump_set)
+            sets.append(dump_set)
+    return sets, skipped
+
+
+def _same_engine(first: DumpSet, other: DumpSet) -> None:
+    """Refuse dump sets whose workers disagree on the role or the TP and PP sizes."""
+    a, b = first.dumps[0], other.dumps[0]
+    for key in ("role", "tp_size", "pp_size"):
+        if getattr(a.worker, key) != getattr(b.worker, key):
+            fail(
+                b.path,
+                f"{key} {getattr(b.worker, key)}, but {a.path} has {key} "
+                f"{getattr(a.worker, key)}: the dumps of one folder come from one engine in "
+                "one role",
+            )

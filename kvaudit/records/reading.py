@@ -144,10 +144,45 @@ def _group_from_json(reader: RecordReader, value: object, path: str) -> GroupChe
     """One group of a request, validated: unique replica keys, rows one value per key,
     totals that are the sums of the replica-0 values."""
     data = reader.keys(value, path, _GROUP_KEYS, ("partial",))
+    block_size, start = group_span(reader, data, path)
+    fingerprint = reader.hex64(data["fingerprint"], join(path, "fingerprint"))
+    keys, values = group_values(reader, data, path)
+    partial = None
+    if "partial" in data:
+        partial = reader.string(data["partial"], join(path, "partial"))
+    group = GroupChecksums(block_size, start, keys, values, fingerprint, partial)
+
+    totals_path = join(path, "totals")
+    totals = reader.array(data["totals"], totals_path)
+    if len(totals) != group.count:
+        reader.fail(
+            totals_path, f"expected {group.count} totals (one per position), got {len(totals)}"
+        )
+    expected = group.totals().tolist()
+    for i, item in enumerate(totals):
+        total = reader.hex64(item, item_path(totals_path, i))
+        if total != expected[i]:
+            reader.fail(
+                item_path(totals_path, i),
+                f"{item} is not the sum of the replica-0 values, {to_hex(expected[i])}",
+            )
+    return group
+
+
+def group_span(reader: RecordReader, data: Mapping, path: str) -> tuple[int, int]:
+    """A group's ``block_size`` (from 1) and ``start`` (from 0), as a record and an output
+    folder's checksum line hold them."""
     block_size = reader.integer(data["block_size"], join(path, "block_size"), 1, MAX_BLOCK_SIZE)
     start = reader.integer(data["start"], join(path, "start"), 0, MAX_TOKENS)
-    fingerprint = reader.hex64(data["fingerprint"], join(path, "fingerprint"))
+    return block_size, start
 
+
+def group_values(
+    reader: RecordReader, data: Mapping, path: str
+) -> tuple[list[ReplicaKey], np.ndarray]:
+    """A group's ``replica_keys`` and ``values``, as a record and an output folder's
+    checksum line hold them: unique keys ``[replicas, index]`` with the index below the
+    replicas, at least one, and rows of one value (16 lowercase hex digits) per key."""
     keys_path = join(path, "replica_keys")
     keys: list[ReplicaKey] = []
     for k, item in enumerate(reader.array(data["replica_keys"], keys_path)):
@@ -176,23 +211,4 @@ def _group_from_json(reader: RecordReader, value: object, path: str) -> GroupChe
                 row_path, f"expected {len(keys)} values (one per replica key), got {len(row)}"
             )
         values[i] = [reader.hex64(item, item_path(row_path, k)) for k, item in enumerate(row)]
-    partial = None
-    if "partial" in data:
-        partial = reader.string(data["partial"], join(path, "partial"))
-    group = GroupChecksums(block_size, start, keys, values, fingerprint, partial)
-
-    totals_path = join(path, "totals")
-    totals = reader.array(data["totals"], totals_path)
-    if len(totals) != len(rows):
-        reader.fail(
-            totals_path, f"expected {len(rows)} totals (one per position), got {len(totals)}"
-        )
-    expected = group.totals().tolist()
-    for i, item in enumerate(totals):
-        total = reader.hex64(item, item_path(totals_path, i))
-        if total != expected[i]:
-            reader.fail(
-                item_path(totals_path, i),
-                f"{item} is not the sum of the replica-0 values, {to_hex(expected[i])}",
-            )
-    return group
+    return keys, values

@@ -6,8 +6,11 @@ gives a ``Record``. Its capabilities, each None where it lacks them: ``trimmed``
 checksummed again over fewer tokens), ``raw_kv`` (its workers' raw KV, for locating
 differences: rows at hand, or fetched on demand from a running engine), ``value_kv``
 (every row of given requests at hand, for comparing values), ``carried_checksums``
-(dumps carrying checksums to verify) and ``positions`` (a record's fixed position
-numbering).
+(dumps carrying checksums to verify), ``positions`` (a record's fixed position
+numbering), ``dumped_kv`` (raw KV of some of its requests, for locating only: an output
+folder's dumps) and ``prompt_digests`` with ``renamed`` (requests that another engine
+names differently, paired by their prompts). ``warnings`` says what its files warranted
+a warning about (a torn line skipped).
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ class Source(ABC):
 
     def __init__(self, names: Sequence[str]) -> None:
         self.names = list(names)
+        self.warnings: list[str] = []
 
     @property
     @abstractmethod
@@ -137,6 +141,27 @@ class Source(ABC):
         (``FetchingWorker``: a running engine's agent); None when the source holds only
         checksums."""
         return None
+
+    def dumped_kv(self) -> list[RawWorker] | None:
+        """The raw KV of some of the source's requests, for locating their differences
+        when the source holds only checksums of the others (an output folder's dumps);
+        None when it holds none (or holds the raw KV of all: ``raw_kv``)."""
+        return None
+
+    def prompt_digests(self) -> Mapping[str, str] | None:
+        """Each request's prompt digest (``kvaudit.integrations.output.prompt_digest``)
+        where the source knows it, in order of appearance; None when it knows none."""
+        return None
+
+    def renamed(self, names: Mapping[str, str]) -> Source:
+        """The same source with requests renamed (``names``: old id to new id; the new ids
+        not held already).
+
+        Raises:
+            KvauditError: The source cannot rename its requests.
+
+        """
+        raise KvauditError(f"{', '.join(self.names)}: a {self.kind} cannot rename its requests")
 
     def value_kv(self, request_ids: Sequence[str] | None) -> list[RawWorker] | None:
         """Each worker's raw KV holding every row of the requests (all when None) at hand,

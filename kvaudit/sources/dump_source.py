@@ -1,5 +1,6 @@
 """Dump sets as sources: dump files, directories of dumps and ExampleConnector folders,
-one engine's workers, memory-mapped and checksummed in bounded batches.
+one engine's workers, memory-mapped and checksummed in bounded batches; and folders of
+dump sets, one per request (an output folder's ``dumps/``), read as one set.
 
 Dumps are the kind a SOURCE argument is when no other kind claims it, so a path that does
 not exist is reported as a missing dump.
@@ -7,14 +8,17 @@ not exist is reported as a missing dump.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
-from ..checksum.dump_set import checksum_dump_set, total_bytes
+from ..checksum.dump_set import checksum_dump_set, checksum_dump_sets, total_bytes
+from ..core.errors import KvauditError
 from ..description import CacheDescription
 from ..dumps import DumpSet, open_dump_set
+from ..dumps.dump_sets import is_dump_folders, open_dump_folders
 from ..records import Record, WorkerInfo
-from .base import Progress, Runtime
-from .raw import RawKVSource
+from .base import Progress, Runtime, trim
+from .raw import FetchingWorker, RawKVSource, RawWorker
 from .registry import OpenOptions
 
 
@@ -66,8 +70,93 @@ class DumpSource(RawKVSource):
         )
 
 
-def open_dumps(names: Sequence[str], claimed: Sequence[str], options: OpenOptions) -> DumpSource:
-    """The dumps kind's opener (the fallback kind): every argument a dump or a folder."""
+class DumpFoldersSource(RawKVSource):
+    """Folders of dump sets, one per request (an output folder's ``dumps/``): one
+    engine's dumps of those requests, a worker's dumps of different requests in
+    different files."""
+
+    kind = "dumps"
+
+    def __init__(self, names: Sequence[str], dump_sets: Sequence[DumpSet]) -> None:
+        super().__init__(names, [dump for dump_set in dump_sets for dump in dump_set.dumps])
+        self.dump_sets = list(dump_sets)
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [rid for dump_set in self.dump_sets for rid in dump_set.request_ids]
+
+    def layout(self) -> tuple[bool, list[tuple[int, int]]]:
+        # Each set's layout was checked when opened; a worker no set holds is missing.
+        present = {(dump.worker.pp_rank, dump.worker.tp_rank) for dump in self.workers}
+        missing = {ranks for dump_set in self.dump_sets for ranks in dump_set.missing}
+        missing -= present
+        return not missing, sorted(missing)
+
+    def work(self, request_ids: Sequence[str] | None) -> int:
+        total = 0
+        for dump_set in self.dump_sets:
+            listed = set(dump_set.request_ids)
+            ids = None if request_ids is None else [r for r in request_ids if r in listed]
+            if ids is None or ids:
+                total += total_bytes(dump_set, ids)
+        return total
+
+    def trimmed(self, num_tokens: Mapping[str, int]) -> DumpFoldersSource:
+        sets = [
+            DumpSet(
+                [
+                    dataclasses.replace(dump, requests=trim(dump.requests, num_tokens))
+                    for dump in dump_set.dumps
+                ],
+                dump_set.complete,
+                list(dump_set.missing),
+            )
+            for dump_set in self.dump_sets
+        ]
+        return DumpFoldersSource(self.names, sets)
+
+    def raw_kv(self) -> list[RawWorker | FetchingWorker]:
+        return sorted(self.workers, key=lambda raw: (raw.worker.pp_rank, raw.worker.tp_rank))
+
+    def value_kv(self, request_ids: Sequence[str] | None) -> list[RawWorker]:
+        # The by-value comparison reads one dump per worker.
+        raise KvauditError(
+            f"{', '.join(self.names)} holds a dump set per request: compare values one "
+            "request's folder at a time (FOLDER/REQUEST)"
+        )
+
+    def carried_checksums(self) -> DumpSet:
+        complete, missing = self.layout()
+        return DumpSet(list(self.workers), complete, missing)
+
+    def _stated_worker(self) -> WorkerInfo | None:
+        return self.workers[0].worker if self.workers else None
+
+    def checksum(
+        self,
+        request_ids: Sequence[str] | None,
+        positions: str | None,
+        runtime: Runtime,
+        progress: Progress | None = None,
+    ) -> Record:
+        return checksum_dump_sets(
+            self.dump_sets,
+            request_ids=None if request_ids is None else list(request_ids),
+            positions=positions or "request",
+            backend=runtime.backend,
+            device=runtime.device,
+            progress=progress,
+        )
+
+
+def open_dumps(
+    names: Sequence[str], claimed: Sequence[str], options: OpenOptions
+) -> DumpSource | DumpFoldersSource:
+    """The dumps kind's opener (the fallback kind): every argument a dump or a folder, or
+    every argument a folder of dump sets, one per request."""
+    if names and all(is_dump_folders(name) for name in names):
+        sets, _ = open_dump_folders(names, options.config)
+        return DumpFoldersSource(names, sets)
     return DumpSource(names, open_dump_set(names, options.config))
 
 

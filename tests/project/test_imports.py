@@ -37,7 +37,7 @@ LAYERS: list[list[str]] = [
     ["numeric.budget", "numeric.value_errors", "numeric.native", "numeric.reads"],
     ["numeric.mapped_rows"],
     ["numeric.layers", "numeric.scheduling"],
-    ["corrupt", "compare.sides", "compare.options"],
+    ["corrupt", "compare.sides", "compare.options", "compare.pairing"],
     ["compare.diff", "compare.received", "compare.stored"],
     ["compare.verify", "compare", "numeric"],
     ["diagnosis"],
