@@ -22,6 +22,7 @@ request: no P/D), greedy, float32.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -322,3 +323,24 @@ def test_the_walkthrough_runs_as_documented(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "walk-through done" in done.stdout
     assert (tmp_path / "out" / "vllm-pd" / "decode" / "kvaudit-output.json").is_file()
+
+
+# --- vLLM's offline P/D: two LLM instances, no proxy -------------------------------------
+
+
+def test_offline_pd_requests_are_paired_by_their_prompts(model: Path, tmp_path: Path) -> None:
+    """vLLM's own offline P/D pattern: the engines name each prompt's request differently;
+    kvaudit diff of their output folders pairs them by prompt and compares every one."""
+    for role in ("producer", "consumer"):
+        done = subprocess.run(
+            [sys.executable, str(HERE / "offline_pd.py"), role, str(model), str(tmp_path)],
+            capture_output=True, text=True, timeout=900, check=False,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    diff = kvaudit_cli("diff", tmp_path / "prefill", tmp_path / "decode", "--allow-missing",
+                       "--format", "json")  # fmt: skip
+    assert diff.returncode == 0, diff.stdout[-3000:] + diff.stderr[-3000:]
+    report = json.loads(diff.stdout)
+    assert len(report["requests"]) == 3
+    assert sum("paired by prompt" in w for w in report["warnings"]) == 3

@@ -23,7 +23,9 @@ class AuditJob:
     ``groups``: per group, the first position and the block ids of consecutive positions;
     ``local_tokens``: a consumer's tokens held in its prefix cache, not loaded (their
     positions are not in ``groups``); ``attempt``: which load of the request (vLLM loads
-    again after a failed one): checksums of an earlier attempt are dropped.
+    again after a failed one): checksums of an earlier attempt are dropped; ``prompt``:
+    the digest of the request's prompt tokens (``output.prompt_digest``), written with its
+    checksums so that ``kvaudit diff`` pairs requests the engines name differently.
     """
 
     request: str
@@ -36,6 +38,7 @@ class AuditJob:
     received: bytes | None = None
     local_tokens: int = 0
     attempt: int = 0
+    prompt: str | None = None
 
 
 @dataclass

@@ -21,6 +21,7 @@ import numpy as np
 from ...core.errors import KvauditError
 from ...records import RequestChecksums, WorkerRecord, combine_workers
 from ...records.wire import decode_wire, decode_wire_base64, encode_wire_base64
+from ..output import prompt_digest
 from .checks import (
     AuditCounters,
     GroupLayout,
@@ -45,6 +46,7 @@ class _Request:
     request: str
     audit_id: str
     prompt_tokens: int
+    prompt: str | None = None
     tables: list[list[int]] = field(default_factory=list)
     role: str | None = None
     produced: bool = False
@@ -60,6 +62,16 @@ class _Request:
     wire: str | None = None
     jobs: dict[str, AuditJob] = field(default_factory=dict)
     partials: dict[str, dict[tuple[int, int], WorkerRecord]] = field(default_factory=dict)
+
+
+def _prompt(request: Any) -> str | None:
+    """The digest of a request's prompt tokens, which pairs it with the other engine's
+    request of the same prompt when the engines name it differently (None: no token ids,
+    as for a prompt given as embeddings)."""
+    tokens = getattr(request, "prompt_token_ids", None)
+    if not tokens:
+        return None
+    return prompt_digest(tokens)
 
 
 class SchedulerAudit:
@@ -93,7 +105,8 @@ class SchedulerAudit:
         """Note a request the engine took (``on_new_request``)."""
         rid = request.request_id
         params = request.kv_transfer_params or {}
-        state = _Request(rid, str(params.get(PARAM_ID) or rid), int(request.num_prompt_tokens))
+        state = _Request(rid, str(params.get(PARAM_ID) or rid), int(request.num_prompt_tokens),
+                         _prompt(request))  # fmt: skip
         wire = params.get(PARAM_WIRE)
         if isinstance(wire, str):
             state.received = wire
@@ -205,6 +218,7 @@ class SchedulerAudit:
             state.request, state.audit_id, PRODUCER, state.prompt_tokens,
             self._groups_of(state, state.prompt_tokens),
             dump=self.config.rotate_dumps or self.dump_sampled(state.audit_id),
+            prompt=state.prompt,
         )  # fmt: skip
         state.jobs[PRODUCER] = job
         self._step.jobs.append(job)
@@ -228,7 +242,7 @@ class SchedulerAudit:
         job = AuditJob(
             state.request, state.audit_id, CONSUMER, num_tokens, groups, load=state.load,
             dump=self.dump_sampled(state.audit_id), received=received,
-            local_tokens=state.local_tokens, attempt=state.attempts,
+            local_tokens=state.local_tokens, attempt=state.attempts, prompt=state.prompt,
         )  # fmt: skip
         state.jobs[CONSUMER] = job
         self._step.jobs.append(job)

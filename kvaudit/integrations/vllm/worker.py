@@ -84,6 +84,7 @@ class WorkerAudit:
         self._held: set[str] = set()
         self._held_since: dict[str, float] = {}
         self._unverified: set[str] = set()
+        self._warned_write = False
         self._released: set[str] = set()
         self._failed: set[str] = set()
         self._load_errors: set[int] = set()
@@ -351,7 +352,15 @@ class WorkerAudit:
             for job in partial.jobs:
                 checksums = record.requests.get(job.request)
                 if checksums is not None:
-                    lines.append(output.checksum_line(record, checksums, job.audit_id, job.role))
+                    lines.append(output.checksum_line(record, checksums, job.audit_id,
+                                                      job.role, prompt=job.prompt))  # fmt: skip
         self._unwritten = keep
-        if lines:
+        if not lines:
+            return
+        try:
             output.append_checksums(self.config.output, lines, self.worker)
+        except OSError as error:  # a full disk: the verdicts stand, the folder lacks them
+            if not self._warned_write:
+                self._warned_write = True
+                logger.warning("kvaudit: checksums not written to %s: %s (logged once)",
+                               self.config.output, error)  # fmt: skip
