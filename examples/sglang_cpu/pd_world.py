@@ -19,6 +19,7 @@ import json
 import os
 import zlib
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from types import MethodType, SimpleNamespace
 
@@ -227,7 +228,7 @@ def prefill_rank(
 
     world_size = tp_size * pp_size
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+        "gloo", init_method=file_init(init_file), rank=rank, world_size=world_size
     )
     stages = [
         dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)), backend="gloo")
@@ -476,19 +477,29 @@ def run_prefill(
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
+def file_init(path: str | Path) -> str:
+    """A gloo ``init_method`` for the rendezvous file ``path``, relative or absolute
+    (``file://`` of a relative path would read its first folder as a host)."""
+    return f"file://{Path(path).absolute()}"
+
+
 @contextlib.contextmanager
-def decode_process(rank: int, init_file: str, tp_size: int = 2) -> Iterator[object]:
+def decode_process(
+    rank: int, init_file: str, tp_size: int = 2, timeout: timedelta | None = None
+) -> Iterator[object]:
     """In a spawned process, one decode TP rank's setting: its gloo group (every rank of
-    the decode), SGLang's published context (decode mode, the fake backend, SGLang's
-    checksum on, SGLang's CI mode off) and kvaudit's hooks installed; yields the group."""
+    the decode, collectives bounded by ``timeout`` where given), SGLang's published
+    context (decode mode, the fake backend, SGLang's checksum on, SGLang's CI mode off)
+    and kvaudit's hooks installed; yields the group."""
     import torch.distributed as dist
     from sglang.srt.runtime_context import get_context, get_parallel
 
     os.environ.pop("SGLANG_IS_IN_CI", None)
+    bound = {} if timeout is None else {"timeout": timeout}
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=tp_size
+        "gloo", init_method=file_init(init_file), rank=rank, world_size=tp_size, **bound
     )
-    group = dist.new_group(list(range(tp_size)), backend="gloo")
+    group = dist.new_group(list(range(tp_size)), backend="gloo", **bound)
     override = get_context().override_server_args(
         disaggregation_mode="decode",
         tp_size=tp_size,

@@ -45,13 +45,14 @@ def kvaudit(*args: object, show: bool = True) -> subprocess.CompletedProcess[str
 
 def main(out: Path) -> int:
     import torch.distributed as dist
-    from pd_world import CHANGED, Decode, register_inline, run_prefill
+    from pd_world import CHANGED, Decode, file_init, register_inline, run_prefill
     from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang.srt.runtime_context import get_context, get_parallel
 
     from kvaudit.integrations.sglang import inline
 
     logging.basicConfig(stream=sys.stdout, format="%(levelname)s %(message)s")
+    out = out.absolute()  # the engines' folders and gloo's rendezvous files, from any cwd
     out.mkdir(parents=True, exist_ok=True)
     run = out / "run"
     run.mkdir(exist_ok=True)
@@ -63,7 +64,7 @@ def main(out: Path) -> int:
         KVAUDIT_SGLANG_OUTPUT=str(out / "decode"), KVAUDIT_SGLANG_MAX_DUMP_BYTES=str(10**8)
     )
     os.environ.pop("SGLANG_IS_IN_CI", None)  # SGLang raises on a mismatch in its own CI
-    dist.init_process_group("gloo", init_method=f"file://{run / 'decode'}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=file_init(run / "decode"), rank=0, world_size=1)
     group = dist.new_group([0], backend="gloo")
     get_context().override_server_args(
         disaggregation_mode="decode",

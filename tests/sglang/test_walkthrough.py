@@ -1,6 +1,9 @@
 """docs/sglang.md's CPU walk-through (examples/sglang_cpu/walkthrough.py) runs as written: a
 TP=2 prefill and a TP=1 decode through SGLang's own code, a planted fault caught inline
-where SGLang's own check admits the transfer unverified, then located by ``kvaudit diff``."""
+where SGLang's own check admits the transfer unverified, then located by ``kvaudit diff``.
+Run as docs/sglang.md writes it, with a relative output folder (``out/sglang-cpu``, from
+a temporary working directory): gloo's rendezvous files and the engines' folders must not
+depend on an absolute path."""
 
 from __future__ import annotations
 
@@ -15,9 +18,10 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 def test_the_walkthrough_catches_and_locates_the_fault(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("KVAUDIT_SGLANG_OUTPUT", None)
+    script = ROOT / "examples" / "sglang_cpu" / "walkthrough.py"
     done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "sglang_cpu" / "walkthrough.py"), str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=600, check=False,
+        [sys.executable, str(script), "out/sglang-cpu"],
+        capture_output=True, text=True, env=env, timeout=600, check=False, cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.splitlines()
@@ -35,3 +39,6 @@ def test_the_walkthrough_catches_and_locates_the_fault(tmp_path: Path) -> None:
         "these bytes"
     ) in lines
     assert lines[-1] == "walk-through done: caught inline and located"
+    out = tmp_path / "out" / "sglang-cpu"  # where the relative folder is, nowhere else
+    assert (out / "prefill" / "dumps" / "req-bad").is_dir()
+    assert (out / "decode" / "dumps" / "req-bad").is_dir()

@@ -1,5 +1,7 @@
 """docs/vllm.md's CPU walk-through (examples/vllm_cpu/walkthrough.py) runs as written: a
-broken transfer caught inline after a local prefix hit, dumped and located."""
+broken transfer caught inline after a local prefix hit, dumped and located. Run as
+docs/vllm.md writes it, with a relative output folder (``out/vllm-cpu``, from a temporary
+working directory)."""
 
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 def test_the_walkthrough_catches_and_locates_the_fault(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "vllm_cpu" / "walkthrough.py"), str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=600, check=False,
+        [sys.executable, str(ROOT / "examples" / "vllm_cpu" / "walkthrough.py"), "out/vllm-cpu"],
+        capture_output=True, text=True, env=env, timeout=600, check=False, cwd=tmp_path,
     )  # fmt: skip
+    out = tmp_path / "out" / "vllm-cpu"  # where the relative folder is
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "walk-through done: caught inline and located" in done.stdout
     assert (
@@ -27,8 +30,8 @@ def test_the_walkthrough_catches_and_locates_the_fault(tmp_path: Path) -> None:
         "checksums"
     ) in done.stdout
     located = subprocess.run(
-        [sys.executable, "-m", "kvaudit", "diff", tmp_path / "prefill" / "dumps" / "req-7",
-         tmp_path / "decode" / "dumps" / "req-7", "--allow-missing", "--format", "json"],
+        [sys.executable, "-m", "kvaudit", "diff", out / "prefill" / "dumps" / "req-7",
+         out / "decode" / "dumps" / "req-7", "--allow-missing", "--format", "json"],
         capture_output=True, text=True, env=env, timeout=300, check=False,
     )  # fmt: skip
     [entry] = json.loads(located.stdout)["requests"]["req-7"]["groups"]["0"]["located"]

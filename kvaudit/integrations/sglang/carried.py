@@ -69,9 +69,15 @@ def split_layer_word(word: int) -> tuple[tuple[int, int], int]:
 
 @dataclass(frozen=True)
 class Unverified:
-    """A request that arrived without a kvaudit checksum it can be verified with, and why."""
+    """A request that arrived without a kvaudit checksum it can be verified with: why
+    (``reason``, counted) and, where it helps, the values seen (``detail``, logged)."""
 
     reason: str
+    detail: str = ""
+
+
+MALFORMED = "malformed kvaudit checksum row"
+"""The reason of a row with kvaudit's marker whose words no kvaudit prefill writes."""
 
 
 def content_signature(raw: Mapping[str, Any], layers: Sequence[str] | None = None) -> int:
@@ -148,6 +154,13 @@ def read_carried(metadata_buffers: Any, index: int) -> Carried | Unverified:
     if marker != MARKER:
         return Unverified(f"unknown kvaudit marker {marker:#x} (another kvaudit version)")
     layers, room = split_layer_word(words[SLOT_LAYERS])
-    return Carried(
-        words[SLOT_SUM], words[SLOT_FIRST], words[SLOT_END], words[SLOT_SIGNATURE], layers, room
-    )
+    first, end = words[SLOT_FIRST], words[SLOT_END]
+    # A row no kvaudit prefill writes (a torn or foreign write): the request is
+    # unverified, never a reason to lose the batch's other requests.
+    if not layers[0] < layers[1]:
+        return Unverified(
+            MALFORMED, f"layer range {layers[0]}..{layers[1] - 1} is empty or inverted"
+        )
+    if not first < end:
+        return Unverified(MALFORMED, f"token range {first}..{end} is empty or inverted")
+    return Carried(words[SLOT_SUM], first, end, words[SLOT_SIGNATURE], layers, room)

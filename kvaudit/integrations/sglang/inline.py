@@ -23,6 +23,9 @@ layout, so:
   transfer-failed counter). A request is verified when the carried layers are every layer
   the decode holds, and counted as ``partial`` (never as verified) when they are fewer (a
   PP prefill whose stages' rows overwrote one another on a decode with fewer stages).
+  A row that cannot be read (empty or inverted ranges, another kvaudit version) leaves its
+  request unverified, never the batch; every rank makes the same collectives whatever
+  its rows hold, and the verdicts come from the gathered values, so the ranks agree.
 
 With ``KVAUDIT_SGLANG_OUTPUT`` set, each process writes its checksums and bounded dumps
 into the engine's output folder (``recording``). The hooks are installed by
@@ -42,6 +45,7 @@ from sglang.srt.disaggregation.checksum import is_health_check_req
 from ...records import WorkerRecord
 from ...views.inputs import RequestBlocks
 from .carried import (
+    MALFORMED,
     MOD64,
     Carried,
     Unverified,
@@ -257,51 +261,98 @@ def commit_carried(queue: Any, decode_req: Any) -> None:
     try:
         carried = read_carried(queue.metadata_buffers, decode_req.metadata_buffer_index)
     except Exception as error:
-        carried = Unverified(f"checksum row unreadable: {error}")
-    setattr(decode_req.req, ATTRIBUTE, carried)
+        carried = Unverified("checksum row unreadable", str(error))
+    try:
+        setattr(decode_req.req, ATTRIBUTE, carried)
+    except Exception:  # a request that takes no attribute arrives without a checksum
+        _failed("keeping the checksum row")
 
 
-def _unverified(req: Any, reason: str) -> None:
+def _unverified(req: Any, reason: str, detail: str = "") -> None:
+    """Count ``req`` unverified for ``reason``; log it once per reason (the first
+    request's id and ``detail`` with it), so the log and the set of logged lines stay
+    bounded however many requests arrive."""
     STATS.unverified += 1
     STATS.reasons[reason] += 1
-    _log_once(f"request {req.rid} admitted unverified: {reason} (logged once per reason)")
+    if reason not in _logged:
+        _logged.add(reason)
+        logger.warning(
+            "kvaudit: request %s admitted unverified: %s%s (logged once per reason)",
+            req.rid,
+            reason,
+            f" ({detail})" if detail else "",
+        )
 
 
-def _carried_rows(reqs: list[Any]) -> tuple[list[list[int]], dict[int, str]]:
-    """This rank's words per request for the first gather: ``[kind, total, first, end,
-    signature, layers]`` (kind 0: nothing to verify, 1: carried, 2: unverified), and the
-    reasons of the unverified ones. Each request's carried value is taken (verified once:
-    a retraction re-enters the batch)."""
+NOTHING, CARRIED, UNREADABLE = 0, 1, 2
+"""Kinds of a rank's row in the first gather: nothing to verify (no kvaudit checksum
+expected: a health check, a request SGLang's own path did not commit), a carried checksum,
+a row that cannot be used (unverified, with a reason on the rank that holds it)."""
+
+
+def _carried_row(req: Any) -> tuple[list[int], Unverified | None]:
+    """This rank's six words for ``req`` in the first gather, ``[kind, total, first, end,
+    signature, layers]``, and why it is ``UNREADABLE``; the request's carried value is
+    taken (verified once: a retraction re-enters the batch).
+
+    Raises:
+        ValueError: A carried value that cannot be put in the gather (a range or layers
+            no kvaudit prefill writes).
+
+    """
+    carried = getattr(req, ATTRIBUTE, None)
+    setattr(req, ATTRIBUTE, None)
+    if carried is None:
+        return [NOTHING] * 6, None
+    if is_health_check_req(req):
+        STATS.skipped += 1
+        return [NOTHING] * 6, None
+    if isinstance(carried, Unverified):
+        return [UNREADABLE] + [0] * 5, carried
+    c = carried
+    row = [CARRIED, c.total, c.first, c.end, c.signature, layer_word(c.layers, c.room)]
+    if not all(isinstance(v, int) and 0 <= v < MOD64 for v in row) or not c.first < c.end:
+        raise ValueError(f"words {row[1:]} do not fit a checksum row")
+    return row, None
+
+
+def _carried_rows(reqs: list[Any]) -> tuple[list[list[int]], dict[int, Unverified]]:
+    """This rank's words per request for the first gather (``_carried_row``), and why
+    each ``UNREADABLE`` one is. Never raises: a request whose row cannot be read is
+    unverified on its own, so every rank sends one row per request whatever it holds."""
     rows: list[list[int]] = []
-    reasons: dict[int, str] = {}
+    reasons: dict[int, Unverified] = {}
     for i, req in enumerate(reqs):
-        carried = getattr(req, ATTRIBUTE, None)
-        setattr(req, ATTRIBUTE, None)
-        if carried is None:
-            rows.append([0] * 6)
-        elif is_health_check_req(req):
-            STATS.skipped += 1
-            rows.append([0] * 6)
-        elif isinstance(carried, Unverified):
-            reasons[i] = carried.reason
-            rows.append([2, 0, 0, 0, 0, 0])
-        else:
-            c = carried
-            rows.append([1, c.total, c.first, c.end, c.signature, layer_word(c.layers, c.room)])
+        try:
+            row, why = _carried_row(req)
+        except Exception as error:  # this request only: the batch's others go on
+            row, why = [UNREADABLE] + [0] * 5, Unverified(MALFORMED, str(error))
+        if why is not None:
+            reasons[i] = why
+        rows.append(row)
     return rows, reasons
 
 
-def _candidates(parts: list[list[list[int]]], i: int) -> list[Carried]:
+def _candidates(parts: list[list[list[int]]], i: int) -> tuple[list[Carried], bool]:
     """The distinct values the ranks' rows carried for request ``i``, in rank order (the
-    decode's TP ranks may each have kept another prefill stage's row)."""
+    decode's TP ranks may each have kept another prefill stage's row), and whether some
+    rank's row was ``UNREADABLE``. A pure function of the gathered words: every rank
+    gets the same answer."""
     seen: list[Carried] = []
+    unreadable = False
     for part in parts:
         kind, total, first, end, signature, word = part[i]
-        if kind == 1:
-            carried = Carried(total, first, end, signature, *split_layer_word(word))
+        if kind == CARRIED:
+            layers, room = split_layer_word(word)
+            if not (layers[0] < layers[1] and first < end):
+                unreadable = True  # never sent by a kvaudit rank; checked all the same
+                continue
+            carried = Carried(total, first, end, signature, layers, room)
             if carried not in seen:
                 seen.append(carried)
-    return seen
+        elif kind != NOTHING:
+            unreadable = True
+    return seen, unreadable
 
 
 def _consumer_part(
@@ -383,11 +434,30 @@ def abort_mismatched(scheduler: Any, batch: Any, mismatched: list[tuple[int, str
     return aborted
 
 
+PEER_UNREADABLE = "checksum row unreadable on a peer rank"
+
+
+def _held_row(scheduler: Any) -> list[int]:
+    """This rank's layers for the second gather: ``[1, first, end]``, or zeros where its
+    pool cannot be described."""
+    try:
+        first, end = rank_checksummer(scheduler, CONSUMER).layers
+        return [1, int(first), int(end)] if 0 <= first < end < MOD64 else [0, 0, 0]
+    except Exception:
+        return [0, 0, 0]
+
+
 def decode_checks(scheduler: Any, batch: Any) -> list[tuple[int, str]]:
     """On every decode attention TP rank (two collectives over ``attn_tp_cpu_group``, made
     whenever the batch has requests, so the ranks stay in step): verify each request of
     the batch that carries a kvaudit checksum, once; count, log and write the verdicts.
     Aborting is ``abort_mismatched``'s.
+
+    Every rank takes part in the same collectives with the same shapes whatever its rows
+    hold (a row that cannot be read is sent as ``UNREADABLE``), and every verdict is a
+    function of the gathered values only, so the ranks agree on each request: a
+    mismatch on any rank aborts it on all; a row unreadable on any rank leaves it
+    unverified on all (never verified), the batch's other requests checked as usual.
 
     Returns:
         ``(index into the batch, message)`` per mismatched request.
@@ -399,12 +469,17 @@ def decode_checks(scheduler: Any, batch: Any) -> list[tuple[int, str]]:
     group = getattr(scheduler, "attn_tp_cpu_group", None)
     local, reasons = _carried_rows(reqs)
     parts = gather_ranks(local, group)  # what every rank's row carried
-    plans = {i: _candidates(parts, i) for i in range(len(reqs))}
-    for i, req in enumerate(reqs):
-        if not plans[i] and any(part[i][0] == 2 for part in parts):
-            _unverified(req, reasons.get(i, "unverified on a peer rank"))
+    plans: dict[int, list[Carried]] = {}
+    unreadable: dict[int, Unverified] = {}
+    for i in range(len(reqs)):
+        plans[i], bad = _candidates(parts, i)
+        if bad:
+            unreadable[i] = reasons.get(i, Unverified(PEER_UNREADABLE))
+    # Counted once no collective is left (nothing of this rank's may come between two).
+    alone = [(reqs[i], unreadable[i]) for i in unreadable if not plans[i]]
     checks = [(i, carried) for i in range(len(reqs)) for carried in plans[i]]
     if not checks:
+        _record_unverified(alone)
         return []
     mine: list[list[int]] = []
     errors: dict[int, str] = {}
@@ -418,63 +493,119 @@ def decode_checks(scheduler: Any, batch: Any) -> list[tuple[int, str]]:
             continue
         kept.setdefault(i, (blocks, record))
         mine.append([1, total, residual])
-    sums = gather_ranks(mine, group)  # every rank's part of every check
-    try:
-        held = rank_checksummer(scheduler, CONSUMER).layers
-    except Exception:
-        held = None
+    # Every rank's part of every check, and the layers each rank holds last: a verdict
+    # of "every layer" is then the same on every rank.
+    gathered = gather_ranks([*mine, _held_row(scheduler)], group)
+    sums = [part[:-1] for part in gathered]
+    helds = [part[-1] for part in gathered]
+    held = (helds[0][1], helds[0][2]) if all(h == helds[0] and h[0] for h in helds) else None
     numbered: dict[int, list[int]] = {}
     for n, (i, _) in enumerate(checks):
         numbered.setdefault(i, []).append(n)
-    mismatched: list[tuple[int, str]] = []
-    for i, numbers in numbered.items():
-        req = reqs[i]
-        verified: list[LayerSpan] = []
-        failed: list[str] = []
-        problem: str | None = None
-        for n in numbers:
-            carried = checks[n][1]
-            if max(part[n][0] for part in sums) == 2:
-                problem = problem or errors.get(n, "not comparable on a peer rank")
-                continue
-            total = sum(part[n][1] for part in sums) % MOD64
-            residual = sum(part[n][2] for part in sums) % MOD64
-            if total == carried.total and residual == 0:
-                verified.append(carried.layers)
-                continue
-            what = "replicas disagree" if total == carried.total else "mismatch"
-            failed.append(
-                f"kvaudit KV checksum {what} req={req.rid} tokens={carried.first}..{carried.end} "
-                f"layers={_layers_text(carried.layers)} expected={carried.total:#018x} "
-                f"got={total:#018x} replica_residual={residual:#x}"
-            )
-        if i in kept:
-            blocks, record = kept[i]
-            _write_output(scheduler, CONSUMER, req.rid, record, blocks, dump=bool(failed))
-        if failed:
-            msg = "; ".join(failed)
-            logger.error(msg)
-            STATS.mismatched += 1
-            mismatched.append((i, msg))
-            continue
-        if not verified:
-            _unverified(req, problem or "not comparable")
-            continue
-        covered = {layer for first, end in verified for layer in range(first, end)}
-        if held is not None and covered == set(range(*held)) and problem is None:
-            STATS.verified += 1
-            continue
-        spans = ", ".join(_layers_text(span) for span in verified)
-        reason = f"verified on layers {spans} of {_layers_text(held) if held else '?'} only" + (
-            f"; the rest: {problem}"
-            if problem
-            else ": the prefill's PP stages each send "
-            "their own row and this decode kept the last to arrive"
-        )
-        STATS.partial += 1
-        STATS.reasons[reason] += 1
-        _log_once(f"request {req.rid} {reason} (logged once per reason)")
+    # The verdicts first, from the gathered values only (the same on every rank), so that
+    # what the ranks abort is agreed whatever happens to this rank's counting after it.
+    verdicts = {
+        i: _verdict(reqs[i].rid, checks, numbers, sums, errors) for i, numbers in numbered.items()
+    }
+    mismatched = [(i, "; ".join(v.failed)) for i, v in verdicts.items() if v.failed]
+    _record_unverified(alone)
+    for i, verdict in verdicts.items():
+        try:
+            _record_verdict(scheduler, reqs[i], verdict, kept.get(i), unreadable.get(i), held)
+        except Exception:  # counting and logging only: the verdict stands
+            _failed("recording the decode's verdicts")
     return mismatched
+
+
+def _record_unverified(requests: list[tuple[Any, Unverified]]) -> None:
+    """Count the requests no rank carried a usable value for, each with its reason."""
+    try:
+        for req, why in requests:
+            _unverified(req, why.reason, why.detail)
+    except Exception:  # counting and logging only
+        _failed("recording the decode's verdicts")
+
+
+@dataclass
+class _Verdict:
+    """One request's outcome over the checks of what its rows carried: the layer spans
+    that agreed, the mismatch lines, and why a check was not compared."""
+
+    verified: list[LayerSpan] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    problem: str | None = None
+
+
+def _verdict(
+    rid: str,
+    checks: list[tuple[int, Carried]],
+    numbers: list[int],
+    sums: list[list[list[int]]],
+    errors: dict[int, str],
+) -> _Verdict:
+    """The verdict on one request from every rank's parts of its checks ``numbers``
+    (``errors``: this rank's reasons for the checks it could not compare, the text of a
+    problem only, never of what is decided)."""
+    verdict = _Verdict()
+    for n in numbers:
+        carried = checks[n][1]
+        if max(part[n][0] for part in sums) == 2:
+            verdict.problem = verdict.problem or errors.get(n, "not comparable on a peer rank")
+            continue
+        total = sum(part[n][1] for part in sums) % MOD64
+        residual = sum(part[n][2] for part in sums) % MOD64
+        if total == carried.total and residual == 0:
+            verdict.verified.append(carried.layers)
+            continue
+        what = "replicas disagree" if total == carried.total else "mismatch"
+        verdict.failed.append(
+            f"kvaudit KV checksum {what} req={rid} tokens={carried.first}..{carried.end} "
+            f"layers={_layers_text(carried.layers)} expected={carried.total:#018x} "
+            f"got={total:#018x} replica_residual={residual:#x}"
+        )
+    return verdict
+
+
+def _record_verdict(
+    scheduler: Any,
+    req: Any,
+    verdict: _Verdict,
+    kept: tuple[RequestBlocks, WorkerRecord | None] | None,
+    unreadable: Unverified | None,
+    held: LayerSpan | None,
+) -> None:
+    """Count, log and write one request's verdict (the output folder: this rank's
+    checksums, and a dump on a mismatch)."""
+    if kept is not None:
+        blocks, record = kept
+        _write_output(scheduler, CONSUMER, req.rid, record, blocks, dump=bool(verdict.failed))
+    if verdict.failed:
+        logger.error("; ".join(verdict.failed))
+        STATS.mismatched += 1
+        return
+    if unreadable is not None:  # compared equal where readable: still never verified
+        _unverified(req, unreadable.reason, unreadable.detail)
+        return
+    problem = verdict.problem
+    if not verdict.verified:
+        _unverified(req, problem or "not comparable")
+        return
+    covered = {layer for first, end in verdict.verified for layer in range(first, end)}
+    if held is not None and covered == set(range(*held)) and problem is None:
+        STATS.verified += 1
+        return
+    spans = ", ".join(_layers_text(span) for span in verdict.verified)
+    reason = f"verified on layers {spans} of {_layers_text(held) if held else '?'} only" + (
+        f"; the rest: {problem}"
+        if problem
+        else ": the prefill's PP stages each send "
+        "their own row and this decode kept the last to arrive"
+    )
+    STATS.partial += 1
+    STATS.reasons[reason] += 1
+    if reason not in _logged:  # keyed by the reason: the set stays bounded
+        _logged.add(reason)
+        logger.warning("kvaudit: request %s %s (logged once per reason)", req.rid, reason)
 
 
 def _failed(where: str) -> None:
