@@ -78,7 +78,16 @@ def serve(prefill: str, decode: str, port: int, timeout: float) -> ThreadingHTTP
         def log_message(self, format: str, *args: Any) -> None:
             return
 
-    return ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    return _Server(("127.0.0.1", port), Handler)
+
+
+class _Server(ThreadingHTTPServer):
+    """The proxy's server: a listen queue for many clients at once (the standard
+    library's default of 5 resets connections that arrive together), threads that do
+    not keep the process alive."""
+
+    request_queue_size = 128
+    daemon_threads = True
 
 
 def main() -> None:

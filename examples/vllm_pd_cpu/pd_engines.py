@@ -43,7 +43,8 @@ class EngineSettings:
     for NIXL alone (no kvaudit: the baseline); ``module``: the connector's module path
     (kvaudit's audited connectors, or a test's subclass of them); ``args``: more
     ``vllm serve`` arguments; ``env``: more environment variables; ``nixl_threads``:
-    NIXL's UCX worker threads (``num_threads``, vLLM's default 4), each of which polls.
+    NIXL's UCX worker threads (``num_threads``, vLLM's default 4), each of which polls;
+    ``transfer``: more fields of ``--kv-transfer-config`` (``kv_load_failure_policy``).
     """
 
     kvaudit: Mapping[str, Any] | None = None
@@ -51,6 +52,7 @@ class EngineSettings:
     args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     nixl_threads: int = 1
+    transfer: Mapping[str, Any] = field(default_factory=dict)
 
 
 def transfer_config(role: str, settings: EngineSettings) -> dict[str, Any]:
@@ -69,6 +71,7 @@ def transfer_config(role: str, settings: EngineSettings) -> dict[str, Any]:
         "kv_role": role,
         "kv_buffer_device": "cpu",
         "kv_connector_extra_config": {"num_threads": settings.nixl_threads},
+        **settings.transfer,
     }
     if settings.kvaudit is not None:
         config["kv_connector_module_path"] = settings.module
