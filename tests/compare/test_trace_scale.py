@@ -18,7 +18,8 @@ import pytest
 from click.testing import CliRunner, Result
 from helpers import kvbuild as kb
 
-import kvaudit.compare.trace as trace
+import kvaudit.compare.trace_blocks as trace_blocks
+import kvaudit.compare.trace_runs as trace_runs
 from kvaudit.cli import main
 from kvaudit.compare.model import MAX_SOURCES
 
@@ -115,13 +116,13 @@ def test_the_trace_work_grows_with_the_blocks_not_their_product(
     would ask each pair's valid tokens (72 x 96 = 6912 times); an index by content asks
     once per differing block and per producer request."""
     calls = [0]
-    real = trace.valid_tokens
+    real = trace_blocks.valid_tokens
 
     def counted(*args: object) -> np.ndarray:
         calls[0] += 1
         return real(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(trace, "valid_tokens", counted)
+    monkeypatch.setattr(trace_blocks, "valid_tokens", counted)
     report, _ = diff_json(*shared[:2])
     differing = sum(len(g["mismatched_positions"]) for g in groups(report))
     assert differing == 3 * SHARED
@@ -202,8 +203,8 @@ def test_a_run_many_places_hold_lists_the_first_and_says_how_many(
     """A run of tokens half a request's places hold: the first 8 places listed, in the
     producer's order, with how many; the JSON stays small. Read in parts of ``chunk``
     tokens, checking ``few`` candidates one by one (else a part at once): the same."""
-    monkeypatch.setattr(trace, "RUN_CHUNK", chunk)
-    monkeypatch.setattr(trace, "FEW_CANDIDATES", few)
+    monkeypatch.setattr(trace_runs, "RUN_CHUNK", chunk)
+    monkeypatch.setattr(trace_runs, "FEW_CANDIDATES", few)
     producer, consumer, want = long_request(2048, count, seed=20 + count)
     expected = token_holders(producer, want, ("long", 86))
     assert len(expected) > 500 and expected[0] == {"request": "short", "first": 9}

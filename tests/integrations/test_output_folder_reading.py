@@ -204,7 +204,7 @@ def test_bad_bytes_are_one_line_naming_the_line(
 def test_a_line_past_the_length_limit_is_refused(
     folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(output, "MAX_LINE_BYTES", 400)
+    monkeypatch.setattr(output.reading, "MAX_LINE_BYTES", 400)
     status, text = run("checksum", str(folder))
     assert status == 2
     assert f"{lines_file(folder)}: line 1: longer than the 400 bytes of a checksum line" in text
@@ -373,7 +373,7 @@ def test_a_full_disk_leaves_a_torn_line_and_the_next_append_starts_a_new_one(
         real_write(descriptor, bytes(data[: len(data) // 3]))
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(output.os, "write", full)
+    monkeypatch.setattr(output.writing.os, "write", full)
     with pytest.raises(OSError, match="No space left"):
         output.append_checksums(folder, [lines[0], lines[1]], WORKER)
     monkeypatch.undo()
@@ -393,7 +393,9 @@ def test_short_writes_are_completed(folder: Path, monkeypatch: pytest.MonkeyPatc
     lines = path.read_text().splitlines()
     path.unlink()
     real_write = os.write
-    monkeypatch.setattr(output.os, "write", lambda fd, data: real_write(fd, bytes(data[:7])))
+    monkeypatch.setattr(
+        output.writing.os, "write", lambda fd, data: real_write(fd, bytes(data[:7]))
+    )
     output.append_checksums(folder, lines, WORKER)
     monkeypatch.undo()
     assert path.read_text() == "".join(line + "\n" for line in lines)

@@ -33,7 +33,7 @@ LAYERS: list[list[str]] = [
     ["sources"],
     ["locate.cells", "locate.slices"],
     ["compare.model", "compare.groups", "compare.records", "locate", "numeric.model"],
-    ["compare.trace"],
+    ["compare.trace_blocks", "compare.trace_runs", "compare.trace_checksums", "compare.trace"],
     ["numeric.budget", "numeric.value_errors", "numeric.native", "numeric.reads"],
     ["numeric.mapped_rows"],
     ["numeric.layers", "numeric.scheduling"],

@@ -1,0 +1,196 @@
+"""One checksum line of an output folder checked as strictly as a record's keys, and
+merged into its worker's record."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ...core.validation import (
+    MAX_TOKENS,
+    MAX_WORKERS,
+    POSITION_NUMBERINGS,
+    check_positions,
+    join,
+)
+from ...records import GroupChecksums, RequestChecksums, WorkerInfo, WorkerRecord
+from ...records.reading import RecordReader, group_span, group_values, item_path
+from .layout import LINE_FORMATS
+
+_LINE_KEYS = (
+    "format",
+    "request",
+    "role",
+    "num_tokens",
+    "positions",
+    "worker",
+    "fingerprints",
+    "not_covered",
+    "groups",
+)
+_LINE_ROLES = ("producer", "consumer")
+_WORKER_KEYS = ("tp_rank", "tp_size", "pp_rank", "pp_size", "engine")
+_GROUP_KEYS = ("block_size", "start", "replica_keys", "values")
+
+
+def check_line(
+    reader: RecordReader, data: Any, ranks: tuple[int, int], record: WorkerRecord | None
+) -> dict[str, Any]:
+    """A checksum line, every key checked as a record's are: the format, the role, the
+    position numbering, the worker (its folder's ranks; its sizes those of the file's
+    other lines), counts and ranges, and each group's positions against the tokens.
+
+    Args:
+        reader: The reader naming the file and line in its errors.
+        data: The line's parsed JSON.
+        ranks: ``(pp_rank, tp_rank)`` of the worker folder the line is in.
+        record: The worker's record from its earlier lines (None: the first line).
+
+    Returns:
+        The line, with ``groups`` and ``fingerprints`` parsed.
+
+    Raises:
+        KvauditError: A key missing, unknown, of the wrong type or out of range.
+
+    """
+    line = reader.keys(data, "", _LINE_KEYS, ("prompt",))
+    if line["format"] not in LINE_FORMATS:
+        reader.fail("format", f"expected {LINE_FORMATS[0]!r}, {reader.got(line['format'])}")
+    request = reader.string(line["request"], "request")
+    role = line["role"]
+    if role not in _LINE_ROLES:
+        reader.fail("role", f"expected producer or consumer, {reader.got(role)}")
+    num_tokens = reader.integer(line["num_tokens"], "num_tokens", 0, MAX_TOKENS)
+    if line["positions"] not in POSITION_NUMBERINGS:
+        reader.fail(
+            "positions",
+            f"expected one of {', '.join(POSITION_NUMBERINGS)}, {reader.got(line['positions'])}",
+        )
+    worker = _check_worker(reader, line["worker"], ranks, record, line["positions"])
+    fp_path = "fingerprints"
+    fingerprints = {
+        reader.group_id(key, fp_path): reader.hex64(value, item_path(fp_path, key))
+        for key, value in reader.obj(line[fp_path], fp_path).items()
+    }
+    nc_path = "not_covered"
+    not_covered = {
+        reader.group_id(key, nc_path): reader.string(value, item_path(nc_path, key))
+        for key, value in reader.obj(line[nc_path], nc_path).items()
+    }
+    groups: dict[int, GroupChecksums] = {}
+    for key, value in reader.obj(line["groups"], "groups").items():
+        gid = reader.group_id(key, "groups")
+        path = item_path("groups", key)
+        group = reader.keys(value, path, _GROUP_KEYS)
+        block_size, start = group_span(reader, group, path)
+        keys, values = group_values(reader, group, path)
+        checks = GroupChecksums(block_size, start, keys, values, fingerprints.get(gid, 0))
+        check_positions(reader.source, path, num_tokens, block_size, start, checks.count)
+        groups[gid] = checks
+    result = {
+        "request": request,
+        "role": role,
+        "num_tokens": num_tokens,
+        "positions": line["positions"],
+        "worker": worker,
+        "fingerprints": fingerprints,
+        "not_covered": not_covered,
+        "groups": groups,
+    }
+    if "prompt" in line:
+        result["prompt"] = _prompt(reader, line["prompt"])
+    return result
+
+
+def _prompt(reader: RecordReader, value: object) -> str:
+    """A prompt digest: 16 lowercase hex digits."""
+    reader.hex64(value, "prompt")
+    return str(value)
+
+
+def _check_worker(
+    reader: RecordReader,
+    value: object,
+    ranks: tuple[int, int],
+    record: WorkerRecord | None,
+    line_positions: str,
+) -> dict[str, Any]:
+    """A line's ``worker``: sizes from 1 to ``MAX_WORKERS`` (their product too), ranks
+    below them and those of the folder it is in; the sizes and position numbering of the
+    worker's earlier lines."""
+    data = reader.keys(value, "worker", _WORKER_KEYS)
+    worker = {
+        "tp_size": reader.integer(data["tp_size"], "worker.tp_size", 1, MAX_WORKERS),
+        "pp_size": reader.integer(data["pp_size"], "worker.pp_size", 1, MAX_WORKERS),
+        "tp_rank": reader.integer(data["tp_rank"], "worker.tp_rank", 0, MAX_WORKERS),
+        "pp_rank": reader.integer(data["pp_rank"], "worker.pp_rank", 0, MAX_WORKERS),
+        "engine": reader.string(data["engine"], "worker.engine"),
+    }
+    if worker["tp_size"] * worker["pp_size"] > MAX_WORKERS:
+        reader.fail(
+            "worker",
+            f"tp_size {worker['tp_size']} x pp_size {worker['pp_size']} is more than the "
+            f"{MAX_WORKERS} workers kvaudit reads",
+        )
+    for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size")):
+        reader.rank(worker[rank], worker[size], join("worker", rank))
+    if (worker["pp_rank"], worker["tp_rank"]) != ranks:
+        reader.fail(
+            "worker",
+            f"pp_rank {worker['pp_rank']}, tp_rank {worker['tp_rank']}, but the line is in "
+            f"the folder of pp{ranks[0]}-tp{ranks[1]}",
+        )
+    if record is not None:
+        if line_positions != record.positions:
+            reader.fail(
+                "positions",
+                f"{line_positions}, but the worker's earlier lines number positions by "
+                f"{record.positions}",
+            )
+        for size in ("tp_size", "pp_size"):
+            if worker[size] != getattr(record.worker, size):
+                reader.fail(
+                    join("worker", size),
+                    f"{worker[size]}, but the worker's earlier lines give "
+                    f"{getattr(record.worker, size)}",
+                )
+    return worker
+
+
+def merge_line(record: WorkerRecord | None, line: Mapping[str, Any], source: str) -> WorkerRecord:
+    """``record`` with the line's request (a later line replaces an earlier one).
+
+    Args:
+        record: The worker's record so far (None: a new one is made).
+        line: A line as ``check_line`` returns it.
+        source: What the record names as its source (the worker's checksum file).
+
+    Returns:
+        The record, the line's request in it.
+
+    """
+    w = line["worker"]
+    role = line["role"]
+    info = WorkerInfo(
+        w["tp_rank"], w["tp_size"], w["pp_rank"], w["pp_size"], role, w["engine"], source
+    )
+    if record is None:
+        record = WorkerRecord(info, line["positions"], {}, {}, {})
+    elif record.worker.role != role:
+        # A kv_both engine: its worker holds both roles; every replica counts as a consumer's.
+        record.worker = WorkerInfo(**{**record.worker.__dict__, "role": "consumer"})
+    record.positions = line["positions"]
+    record.fingerprints.update(line["fingerprints"])
+    record.not_covered.update(line["not_covered"])
+    groups = {
+        gid: GroupChecksums(
+            group.block_size,
+            group.start,
+            group.replica_keys,
+            group.values,
+            record.fingerprints.get(gid, 0),
+        )
+        for gid, group in line["groups"].items()
+    }
+    record.requests[line["request"]] = RequestChecksums(line["num_tokens"], groups)
+    return record

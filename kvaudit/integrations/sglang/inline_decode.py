@@ -1,0 +1,273 @@
+"""The decode side of the inline check: the checksum row kept when a transfer is
+committed, then, before the request joins a batch, what the ranks' rows carried
+gathered (one collective), each rank's part of the same tokens checksummed over each
+carried stage's layers, and the sums gathered (a second collective) and judged
+(``inline_verdicts``); a mismatch aborted through SGLang's own path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang.srt.disaggregation.checksum import is_health_check_req
+
+from ...records import WorkerRecord
+from ...views.inputs import RequestBlocks
+from .carried import (
+    MALFORMED,
+    MOD64,
+    Carried,
+    Unverified,
+    layer_word,
+    read_carried,
+    room_bits,
+    split_layer_word,
+)
+from .describe import NotDescribable
+from .inline_state import STATS, log_fault, rank_checksummer
+from .inline_verdicts import judge, record_unverified, record_verdict
+from .ranks import CONSUMER, block_sums, gather_ranks
+
+ATTRIBUTE = "kvaudit_carried"
+"""The attribute of a decode ``Req`` that holds what its checksum row carried."""
+
+
+def commit_carried(queue: Any, decode_req: Any) -> None:
+    """On the decode, when a transfer is committed: keep what the row carries on the
+    request (before SGLang's ``clear_slot`` zeroes it)."""
+    try:
+        carried = read_carried(queue.metadata_buffers, decode_req.metadata_buffer_index)
+    except Exception as error:
+        carried = Unverified("checksum row unreadable", str(error))
+    try:
+        setattr(decode_req.req, ATTRIBUTE, carried)
+    except Exception:  # a request that takes no attribute arrives without a checksum
+        log_fault("keeping the checksum row")
+
+
+NOTHING, CARRIED, UNREADABLE = 0, 1, 2
+"""Kinds of a rank's row in the first gather: nothing to verify (no kvaudit checksum
+expected: a health check, a request SGLang's own path did not commit), a carried checksum,
+a row that cannot be used (unverified, with a reason on the rank that holds it)."""
+
+
+def _carried_row(req: Any) -> tuple[list[int], Unverified | None]:
+    """This rank's six words for ``req`` in the first gather, ``[kind, total, first, end,
+    signature, layers]``, and why it is ``UNREADABLE``; the request's carried value is
+    taken (verified once: a retraction re-enters the batch).
+
+    Raises:
+        ValueError: A carried value that cannot be put in the gather (a range or layers
+            no kvaudit prefill writes).
+
+    """
+    carried = getattr(req, ATTRIBUTE, None)
+    setattr(req, ATTRIBUTE, None)
+    if carried is None:
+        return [NOTHING] * 6, None
+    if is_health_check_req(req):
+        STATS.skipped += 1
+        return [NOTHING] * 6, None
+    if isinstance(carried, Unverified):
+        return [UNREADABLE] + [0] * 5, carried
+    c = carried
+    row = [CARRIED, c.total, c.first, c.end, c.signature, layer_word(c.layers, c.room)]
+    if not all(isinstance(v, int) and 0 <= v < MOD64 for v in row) or not c.first < c.end:
+        raise ValueError(f"words {row[1:]} do not fit a checksum row")
+    return row, None
+
+
+def _carried_rows(reqs: list[Any]) -> tuple[list[list[int]], dict[int, Unverified]]:
+    """This rank's words per request for the first gather (``_carried_row``), and why
+    each ``UNREADABLE`` one is. Never raises: a request whose row cannot be read is
+    unverified on its own, so every rank sends one row per request whatever it holds."""
+    rows: list[list[int]] = []
+    reasons: dict[int, Unverified] = {}
+    for i, req in enumerate(reqs):
+        try:
+            row, why = _carried_row(req)
+        except Exception as error:  # this request only: the batch's others go on
+            row, why = [UNREADABLE] + [0] * 5, Unverified(MALFORMED, str(error))
+        if why is not None:
+            reasons[i] = why
+        rows.append(row)
+    return rows, reasons
+
+
+def _candidates(parts: list[list[list[int]]], i: int) -> tuple[list[Carried], bool]:
+    """The distinct values the ranks' rows carried for request ``i``, in rank order (the
+    decode's TP ranks may each have kept another prefill stage's row), and whether some
+    rank's row was ``UNREADABLE``. A pure function of the gathered words: every rank
+    gets the same answer."""
+    seen: list[Carried] = []
+    unreadable = False
+    for part in parts:
+        kind, total, first, end, signature, word = part[i]
+        if kind == CARRIED:
+            layers, room = split_layer_word(word)
+            if not (layers[0] < layers[1] and first < end):
+                unreadable = True  # never sent by a kvaudit rank; checked all the same
+                continue
+            carried = Carried(total, first, end, signature, layers, room)
+            if carried not in seen:
+                seen.append(carried)
+        elif kind != NOTHING:
+            unreadable = True
+    return seen, unreadable
+
+
+def _consumer_part(
+    scheduler: Any, req: Any, carried: Carried
+) -> tuple[int, int, RequestBlocks, WorkerRecord | None]:
+    """This decode rank's part of the checksum of what ``carried`` covers: ``(total,
+    residual, blocks, record)``, the record kept when it covers every layer of the pool.
+
+    Raises:
+        NotDescribable: What the row carried cannot be compared here (another signature,
+            page size, range or layers); the message says why.
+
+    """
+    whole = rank_checksummer(scheduler, CONSUMER)
+    summer = whole if carried.layers == whole.layers else None
+    if summer is None:
+        summer = rank_checksummer(scheduler, CONSUMER, carried.layers)
+    if carried.signature != summer.signature:
+        raise NotDescribable(
+            f"content signature {carried.signature:#x} differs from this decode's "
+            f"{summer.signature:#x} (layers, heads, head size or dtype)"
+        )
+    if carried.first % summer.page_size:
+        raise NotDescribable(
+            f"range start {carried.first} is not a block boundary of the decode "
+            f"(page size {summer.page_size})"
+        )
+    if carried.room != room_bits(req.bootstrap_room):
+        raise NotDescribable(
+            f"the row carries bootstrap room {carried.room:#x}, this request's is "
+            f"{room_bits(req.bootstrap_room):#x} (low 32 bits): another transfer's row"
+        )
+    tokens = len(req.origin_input_ids)
+    if not carried.first < carried.end == tokens:
+        raise NotDescribable(
+            f"range {carried.first}..{carried.end} does not end at the request's {tokens} tokens"
+        )
+    held = getattr(req.kv, "cache_protected_len", None)
+    if held is None or carried.first != int(held):
+        # The prefill rounds the decode's prefix down to its own page: tokens before
+        # cache_protected_len are the decode's own cached prefix, never sent.
+        raise NotDescribable(
+            f"range start {carried.first} is not where this decode's cached prefix ends "
+            f"({held} tokens): the first page holds tokens the decode did not receive"
+        )
+    row = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+    blocks = summer.range_blocks(row, carried.first, carried.end)
+    record = summer.range_record(req.rid, blocks)
+    total, residual = block_sums(record, req.rid)
+    return total, residual, blocks, record if summer is whole else None
+
+
+def abort_mismatched(scheduler: Any, batch: Any, mismatched: list[tuple[int, str]]) -> list[int]:
+    """Abort each mismatched request through SGLang's ``_handle_kv_checksum_mismatch``
+    (which raises in SGLang's CI, as for its own check) and filter them from the batch.
+
+    Args:
+        scheduler: The decode scheduler.
+        batch: The prebuilt batch ``decode_checks`` checked.
+        mismatched: ``(index into the batch, message)`` per mismatched request.
+
+    Returns:
+        The indices of the aborted requests.
+
+    """
+    aborted = [i for i, _ in mismatched]
+    if not aborted:
+        return []
+    reqs = list(batch.reqs)
+    try:
+        for i, msg in mismatched:
+            scheduler._handle_kv_checksum_mismatch(reqs[i], msg)
+    finally:  # the KV of an aborted request is released: never computed on
+        batch.filter_batch(keep_indices=[i for i in range(len(reqs)) if i not in aborted])
+    return aborted
+
+
+PEER_UNREADABLE = "checksum row unreadable on a peer rank"
+
+
+def _held_row(scheduler: Any) -> list[int]:
+    """This rank's layers for the second gather: ``[1, first, end]``, or zeros where its
+    pool cannot be described."""
+    try:
+        first, end = rank_checksummer(scheduler, CONSUMER).layers
+        return [1, int(first), int(end)] if 0 <= first < end < MOD64 else [0, 0, 0]
+    except Exception:
+        return [0, 0, 0]
+
+
+def decode_checks(scheduler: Any, batch: Any) -> list[tuple[int, str]]:
+    """On every decode attention TP rank (two collectives over ``attn_tp_cpu_group``, made
+    whenever the batch has requests, so the ranks stay in step): verify each request of
+    the batch that carries a kvaudit checksum, once; count, log and write the verdicts.
+    Aborting is ``abort_mismatched``'s.
+
+    Every rank takes part in the same collectives with the same shapes whatever its rows
+    hold (a row that cannot be read is sent as ``UNREADABLE``), and every verdict is a
+    function of the gathered values only, so the ranks agree on each request: a
+    mismatch on any rank aborts it on all; a row unreadable on any rank leaves it
+    unverified on all (never verified), the batch's other requests checked as usual.
+
+    Returns:
+        ``(index into the batch, message)`` per mismatched request.
+
+    """
+    reqs = list(batch.reqs)
+    if not reqs:
+        return []
+    group = getattr(scheduler, "attn_tp_cpu_group", None)
+    local, reasons = _carried_rows(reqs)
+    parts = gather_ranks(local, group)  # what every rank's row carried
+    plans: dict[int, list[Carried]] = {}
+    unreadable: dict[int, Unverified] = {}
+    for i in range(len(reqs)):
+        plans[i], bad = _candidates(parts, i)
+        if bad:
+            unreadable[i] = reasons.get(i, Unverified(PEER_UNREADABLE))
+    # Counted once no collective is left (nothing of this rank's may come between two).
+    alone = [(reqs[i], unreadable[i]) for i in unreadable if not plans[i]]
+    checks = [(i, carried) for i in range(len(reqs)) for carried in plans[i]]
+    if not checks:
+        record_unverified(alone)
+        return []
+    mine: list[list[int]] = []
+    errors: dict[int, str] = {}
+    kept: dict[int, tuple[RequestBlocks, WorkerRecord | None]] = {}
+    for n, (i, carried) in enumerate(checks):
+        try:
+            total, residual, blocks, record = _consumer_part(scheduler, reqs[i], carried)
+        except Exception as error:  # not compared, with the reason
+            errors[n] = str(error)
+            mine.append([2, 0, 0])
+            continue
+        kept.setdefault(i, (blocks, record))
+        mine.append([1, total, residual])
+    # Every rank's part of every check, and the layers each rank holds last: a verdict
+    # of "every layer" is then the same on every rank.
+    gathered = gather_ranks([*mine, _held_row(scheduler)], group)
+    sums = [part[:-1] for part in gathered]
+    helds = [part[-1] for part in gathered]
+    held = (helds[0][1], helds[0][2]) if all(h == helds[0] and h[0] for h in helds) else None
+    numbered: dict[int, list[int]] = {}
+    for n, (i, _) in enumerate(checks):
+        numbered.setdefault(i, []).append(n)
+    # The verdicts first, from the gathered values only (the same on every rank), so that
+    # what the ranks abort is agreed whatever happens to this rank's counting after it.
+    verdicts = {
+        i: judge(reqs[i].rid, checks, numbers, sums, errors) for i, numbers in numbered.items()
+    }
+    mismatched = [(i, "; ".join(v.failed)) for i, v in verdicts.items() if v.failed]
+    record_unverified(alone)
+    for i, verdict in verdicts.items():
+        try:
+            record_verdict(scheduler, reqs[i], verdict, kept.get(i), unreadable.get(i), held)
+        except Exception:  # counting and logging only: the verdict stands
+            log_fault("recording the decode's verdicts")
+    return mismatched
