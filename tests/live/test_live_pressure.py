@@ -322,9 +322,12 @@ def test_more_requests_than_one_request_names_are_asked_in_batches(folder: str) 
     os.mkdir(os.path.join(folder, "p"))
     os.mkdir(os.path.join(folder, "c"), 0o700)
     sent: list[int] = []
+    # What is counted here is the batches, not the agent's share of the engine's time:
+    # a whole share and a long wait, so that a busy machine cannot time the answer out.
+    patient = {"poll_share": 1.0, "max_poll_seconds": 1.0, "wait_timeout": 600.0}
     with (
-        held.agent(os.path.join(folder, "p")) as producer,
-        fewer.agent(os.path.join(folder, "c")) as consumer,
+        held.agent(os.path.join(folder, "p"), **patient) as producer,
+        fewer.agent(os.path.join(folder, "c"), **patient) as consumer,
     ):
         original = producer._start
 
