@@ -303,10 +303,38 @@ def start_pd(
             if not started[2].alive() or time.monotonic() > deadline:
                 raise RuntimeError("the proxy did not start:\n" + tail(proxy_log))
             time.sleep(0.2)
-        yield PDPair(started[0], started[1], started[2], model, out)
+        pair = PDPair(started[0], started[1], started[2], model, out)
+        _warm_up(pair)
+        yield pair
     finally:
         for engine in reversed(started):
             _stop(engine)
+
+
+WARM_UP_PROMPT = "w0 w1 w2 w3"
+"""The first request through a new pair (4 tokens: an even count, so the faulty
+transfer leaves it intact)."""
+
+
+def _warm_up(pair: PDPair, attempts: int = 4) -> None:
+    """Send one request through the pair until it succeeds: the first P/D request makes
+    NIXL's handshake between the engines, which vLLM gives 5 s; on two busy cores it can
+    take longer and that request fails (HTTP 500 from the decode). Later requests reuse
+    the handshake.
+
+    Raises:
+        RuntimeError: No attempt succeeded (the decode's log tail in the message).
+    """
+    for _ in range(attempts):
+        try:
+            pair.complete(WARM_UP_PROMPT, max_tokens=1, timeout=300)
+            return
+        except (urllib.error.URLError, OSError):
+            time.sleep(2)
+    raise RuntimeError(
+        f"no request went through the P/D pair in {attempts} attempts; the decode's log "
+        "ends:\n" + tail(pair.decode.log)
+    )
 
 
 def tail(path: Path, lines: int = 40) -> str:
