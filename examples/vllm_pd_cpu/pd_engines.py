@@ -316,24 +316,27 @@ WARM_UP_PROMPT = "w0 w1 w2 w3"
 transfer leaves it intact)."""
 
 
-def _warm_up(pair: PDPair, attempts: int = 4) -> None:
-    """Send one request through the pair until it succeeds: the first P/D request makes
-    NIXL's handshake between the engines, which vLLM gives 5 s; on two busy cores it can
-    take longer and that request fails (HTTP 500 from the decode). Later requests reuse
-    the handshake.
+def _warm_up(pair: PDPair, attempts: int = 6) -> None:
+    """Send requests through the pair until one's KV arrives over NIXL: the first P/D
+    request makes NIXL's handshake between the engines, which vLLM gives 5 s; on two busy
+    cores it can take longer, and that request fails or is computed by the decode itself
+    (``kv_load_failure_policy``). Later requests reuse the handshake.
 
     Raises:
-        RuntimeError: No attempt succeeded (the decode's log tail in the message).
+        RuntimeError: No attempt's KV arrived (the decode's log tail in the message).
     """
+    hits = "vllm:external_prefix_cache_hits_total"
     for _ in range(attempts):
-        try:
+        before = pair.metrics(pair.decode).get(hits, 0.0)
+        with contextlib.suppress(urllib.error.URLError, OSError):
             pair.complete(WARM_UP_PROMPT, max_tokens=1, timeout=300)
-            return
-        except (urllib.error.URLError, OSError):
-            time.sleep(2)
+        for _ in range(10):  # the counters follow the answer within an iteration or two
+            if pair.metrics(pair.decode).get(hits, 0.0) > before:
+                return
+            time.sleep(0.5)
     raise RuntimeError(
-        f"no request went through the P/D pair in {attempts} attempts; the decode's log "
-        "ends:\n" + tail(pair.decode.log)
+        f"no request's KV went over NIXL in {attempts} attempts; the decode's log ends:\n"
+        + tail(pair.decode.log)
     )
 
 
