@@ -16,6 +16,7 @@ position costs), and returns the reply once the job is done:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -107,7 +108,7 @@ class SafePoint:
         return self._tables
 
 
-class Job:
+class Job(ABC):
     """One client's request, done in units (``step``); ``blocks`` is what the last unit
     took (for ``Pace``), ``held`` the reply bytes written so far."""
 
@@ -119,6 +120,7 @@ class Job:
         self.held = 0
         self._parts: list[bytes] = []
 
+    @abstractmethod
     def step(self, point: SafePoint, seconds: float) -> Reply | None:
         """Do one unit at this safe point, sized to ``seconds``; the reply once done.
 
@@ -126,7 +128,6 @@ class Job:
             KvauditError: The request cannot be answered (an error reply).
 
         """
-        raise NotImplementedError
 
     def _add(self, part: bytes) -> None:
         self._parts.append(part)
