@@ -45,6 +45,15 @@ def completion(prefill: str, decode: str, body: dict[str, Any], timeout: float) 
     return post(f"{decode}/v1/completions", {**body, "kv_transfer_params": params}, timeout)
 
 
+class _Server(ThreadingHTTPServer):
+    """The proxy's server: a listen queue for many clients at once (the standard
+    library's default of 5 resets connections that arrive together), threads that do
+    not keep the process alive."""
+
+    request_queue_size = 128
+    daemon_threads = True
+
+
 def serve(prefill: str, decode: str, port: int, timeout: float) -> ThreadingHTTPServer:
     """The proxy's server on ``127.0.0.1:port`` (not yet serving)."""
 
@@ -79,15 +88,6 @@ def serve(prefill: str, decode: str, port: int, timeout: float) -> ThreadingHTTP
             return
 
     return _Server(("127.0.0.1", port), Handler)
-
-
-class _Server(ThreadingHTTPServer):
-    """The proxy's server: a listen queue for many clients at once (the standard
-    library's default of 5 resets connections that arrive together), threads that do
-    not keep the process alive."""
-
-    request_queue_size = 128
-    daemon_threads = True
 
 
 def main() -> None:

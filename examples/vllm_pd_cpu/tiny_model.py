@@ -69,7 +69,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--seed", type=int, default=0)
-    make_tiny_llama(parser.parse_args().folder, parser.parse_args().seed)
+    args = parser.parse_args()
+    make_tiny_llama(args.folder, args.seed)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--base-port", type=int, default=8100)
-    out = parser.parse_args().out.resolve()
+    args = parser.parse_args()
+    out = args.out.resolve()
     model = make_tiny_llama(out / "tiny-llama")
 
     def audit(side: str) -> dict[str, object]:
@@ -37,7 +38,7 @@ def main() -> int:
 
     prefill = EngineSettings(audit("prefill"))
     decode = EngineSettings(audit("decode"), module="faulty_transfer")
-    with start_pd(model, out, prefill, decode, base_port=parser.parse_args().base_port,
+    with start_pd(model, out, prefill, decode, base_port=args.base_port,
                   max_model_len=512) as pair:  # fmt: skip
         start = len((out / "decode.log").read_bytes())  # after the pair's warm-up request
         for count in (41, 42):
