@@ -8,6 +8,7 @@ plans once, then checksums requests into a ``WorkerRecord``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -106,6 +107,7 @@ class Checksummer:
         engine: str = "",
         source: str = "",
         left_out: Mapping[int, str] | None = None,
+        strong_lane: bool = True,
     ) -> None:
         """Build the worker's views and plans once (and warm up their kernels).
 
@@ -132,6 +134,9 @@ class Checksummer:
             left_out: The worker's groups that the description does not hold, with the
                 reason (an engine's group its integration cannot describe); every record
                 reports them as not covered.
+            strong_lane: Whether records carry the strong lane beside the seed lane
+                (docs/checksum.md); False computes the seed lane alone, as the seed
+                engine's records hold it.
 
         Raises:
             KvauditError: An unknown role, a rank outside its size, a left-out group that
@@ -142,6 +147,7 @@ class Checksummer:
 
         """
         self.left_out = dict(left_out or {})
+        self.strong_lane = strong_lane
         self.worker = WorkerInfo(tp_rank, tp_size, pp_rank, pp_size, role, engine, source)
         check_worker(self.worker, role, source or None)
         self.description = description
@@ -252,19 +258,31 @@ class Checksummer:
                         (req_id, start, list(block_ids), blocks.num_tokens)
                     )
         # Queue every group's launches before reading any result back: one wait in all.
-        launched: list[tuple[int, list[tuple[str, int, list[int], int]], Array]] = []
+        launched: list[Launched] = []
         for group_id, segments in batches.items():
             plan = self.plans[group_id]
             rows = np.stack(_rows(segments, self.groups[group_id].group.block_size, positions))
             host: Array = plan.checksum(*rows) if not plan.uses_torch else launch_torch(plan, rows)
-            launched.append((group_id, segments, host))
+            strong = plan.strong(*rows) if self.strong_lane else None
+            launched.append(Launched(group_id, segments, host, strong))
         done = None
-        if any(on_cuda(self.plans[group_id].device) for group_id, _, _ in launched):
+        if any(on_cuda(self.plans[item.group_id].device) for item in launched):
             import torch
 
             done = torch.cuda.Event()
             done.record()
         return PendingChecksums(record, launched, self, done)
+
+
+@dataclass(frozen=True)
+class Launched:
+    """One group's rows on their way: the segments (request, start, block ids, tokens),
+    the seed lane's values (host or device) and the strong lane's residues (or None)."""
+
+    group_id: int
+    segments: list[tuple[str, int, list[int], int]]
+    host: Array
+    strong: np.ndarray | None
 
 
 def on_cuda(device: str) -> bool:
@@ -301,7 +319,7 @@ class PendingChecksums:
     def __init__(
         self,
         record: WorkerRecord,
-        launched: list[tuple[int, list[tuple[str, int, list[int], int]], Array]],
+        launched: list[Launched],
         checksummer: Checksummer,
         done: torch.cuda.Event | None,
     ) -> None:
@@ -327,18 +345,21 @@ class PendingChecksums:
         if self._done is not None:
             self._done.synchronize()
         record, summer = self._record, self._checksummer
-        for group_id, segments, host in self._launched:
+        for launched in self._launched:
+            group_id, host, strong = launched.group_id, launched.host, launched.strong
             values = (host if isinstance(host, np.ndarray) else host.numpy()).view(np.uint64)
             row = 0
-            for req_id, start, block_ids, _ in segments:
+            for req_id, start, block_ids, _ in launched.segments:
+                end = row + len(block_ids)
                 record.requests[req_id].groups[group_id] = GroupChecksums(
                     block_size=summer.groups[group_id].group.block_size,
                     start=start,
                     replica_keys=list(summer.plans[group_id].replica_keys),
-                    values=values[row : row + len(block_ids)].copy(),
+                    values=values[row:end].copy(),
                     fingerprint=summer.groups[group_id].fingerprint,
+                    strong=None if strong is None else strong[row:end].copy(),
                 )
-                row += len(block_ids)
+                row = end
         self._result, self._launched = record, []
         return record
 

@@ -10,7 +10,7 @@ the others take and return torch tensors on the plan's device.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,6 +34,8 @@ class GroupPlan:
     """The parts' device (``cpu``, ``cuda:0``)."""
     uses_torch: bool
     """Whether rows and results are torch tensors on ``device`` (else numpy arrays)."""
+    parts: list[LaunchPart] = field(default_factory=list)
+    """Every part of every launch, for the strong lane (:meth:`strong`)."""
 
     @classmethod
     def create(
@@ -72,7 +74,8 @@ class GroupPlan:
                     )
                 )
         launches = [resolved.launch(parts) for parts in layouts.values()]
-        return cls(replica_keys, launches, device, resolved.uses_torch)
+        every_part = [part for parts in layouts.values() for part in parts]
+        return cls(replica_keys, launches, device, resolved.uses_torch, every_part)
 
     def warm_up(self) -> None:
         """Prepare every launch ahead of use (compile kernels, allocate buffers)."""
@@ -93,6 +96,42 @@ class GroupPlan:
         if len(block_ids):
             for launch in self.launches:
                 launch.accumulate(block_ids, first_tokens, valid_tokens, out)
+        return out
+
+
+    def strong(
+        self, block_ids: np.ndarray, first_tokens: np.ndarray, valid_tokens: np.ndarray
+    ) -> np.ndarray | None:
+        """The strong lane's ``[rows, replica keys]`` residues (uint64) of the rows, or None
+        where the plan's device has no strong path (docs/checksum.md, "The strong lane").
+
+        Args:
+            block_ids: The rows' block ids (numpy int64).
+            first_tokens: Each row's first token position.
+            valid_tokens: Each row's valid token count.
+
+        Returns:
+            The residues modulo ``2**64 - 59``, one column per replica key.
+
+        """
+        from .strong import StrongPart, add_mod
+
+        out = np.zeros((len(block_ids), len(self.replica_keys)), dtype=np.uint64)
+        if not len(block_ids):
+            return out
+        if self.device != "cpu":
+            from .kernels import triton_strong
+
+            return triton_strong.strong_sums(self, block_ids, first_tokens, valid_tokens)
+        counted = np.flatnonzero(valid_tokens > 0)
+        for part in self.parts:
+            from .kernels.numpy_cpu import as_numpy
+
+            strong_part = StrongPart.of(part, as_numpy(part.pieces))
+            sums = strong_part.row_sums(
+                block_ids[counted], first_tokens[counted], valid_tokens[counted]
+            )
+            out[counted, part.column] = add_mod(out[counted, part.column], sums)
         return out
 
 
