@@ -67,7 +67,14 @@ class GroupChecksums:
             The group's fingerprint, block size, start and per-position totals.
 
         """
-        return WireGroup(group_id, self.fingerprint, self.block_size, self.start, self.totals())
+        return WireGroup(
+            group_id,
+            self.fingerprint,
+            self.block_size,
+            self.start,
+            self.totals(),
+            self.strong_totals(),
+        )
 
 
 def replica_zero_totals(values: np.ndarray, replica_keys: Sequence[ReplicaKey]) -> np.ndarray:
