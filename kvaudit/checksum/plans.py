@@ -98,7 +98,6 @@ class GroupPlan:
                 launch.accumulate(block_ids, first_tokens, valid_tokens, out)
         return out
 
-
     def strong(
         self, block_ids: np.ndarray, first_tokens: np.ndarray, valid_tokens: np.ndarray
     ) -> np.ndarray | None:
@@ -114,7 +113,8 @@ class GroupPlan:
             The residues modulo ``2**64 - 59``, one column per replica key.
 
         """
-        from .strong import StrongPart, add_mod
+        from ..records.model import strong_add
+        from .strong import StrongPart
 
         out = np.zeros((len(block_ids), len(self.replica_keys)), dtype=np.uint64)
         if not len(block_ids):
@@ -131,7 +131,7 @@ class GroupPlan:
             sums = strong_part.row_sums(
                 block_ids[counted], first_tokens[counted], valid_tokens[counted]
             )
-            out[counted, part.column] = add_mod(out[counted, part.column], sums)
+            out[counted, part.column] = strong_add(out[counted, part.column], sums)
         return out
 
 

@@ -28,7 +28,6 @@ from ..core.scheme import (
     STRONG_TOKEN_PLACES,
     strong_weight,
 )
-from ..records.model import strong_add as add_mod
 from .kernels import LaunchPart
 
 NATIVE = "kvaudit._native._strong_sums"

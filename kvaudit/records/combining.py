@@ -127,9 +127,7 @@ def _combine_group(
     values = np.zeros((end - start, len(keys)), dtype=np.uint64)
     # The strong lane only where every worker's part carries it: a sum missing a part
     # would read as a mismatch.
-    strong = (
-        np.zeros_like(values) if all(group.strong is not None for _, group in parts) else None
-    )
+    strong = np.zeros_like(values) if all(group.strong is not None for _, group in parts) else None
     for _, group in parts:
         columns = [column[tuple(key)] for key in group.replica_keys]
         rows = slice(group.start - start, group.end - start)
