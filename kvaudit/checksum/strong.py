@@ -29,11 +29,12 @@ from ..core.scheme import (
     strong_weight,
 )
 from .kernels import LaunchPart
+from .kernels.numpy_cpu import shared_pool
 
 NATIVE = "kvaudit._native._strong_sums"
 """The C extension with the strong lane's loop."""
 
-CHUNK_ROWS_BYTES = 16 << 20
+CHUNK_ROWS_BYTES = 4 << 20
 """Bytes of block rows one C call or numpy step covers."""
 
 _UNSIGNED = {2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -100,7 +101,8 @@ class StrongPart:
         counts = np.minimum(valid_tokens, self.tokens_per_row).astype(np.int64)
         native = extension(NATIVE)
         sums = np.zeros(len(block_ids), dtype=np.uint64)
-        for start in range(0, len(block_ids), self.chunk_rows):
+
+        def run(start: int) -> None:
             part = slice(start, start + self.chunk_rows)
             ids = np.ascontiguousarray(block_ids[part], dtype=np.int64)
             first = np.ascontiguousarray(first_tokens[part], dtype=np.int64)
@@ -113,6 +115,14 @@ class StrongPart:
                 sums[part] = out.view(np.uint64)
             else:
                 sums[part] = self._numpy_row_sums(ids, first, count)
+
+        starts = range(0, len(block_ids), self.chunk_rows)
+        if native is not None and len(starts) > 1:
+            # The C loop releases the GIL: chunks run on the numpy backend's threads.
+            shared_pool().map(run, starts)
+        else:
+            for start in starts:
+                run(start)
         return sums
 
     def _numpy_row_sums(
