@@ -185,3 +185,39 @@ def test_the_seed_lane_alone_is_available() -> None:
     group = summer.checksum({"r": RequestBlocks(TOKENS, {0: (0, [1])})}).requests["r"].groups[0]
     assert group.strong is None
     assert int(group.values[0, 0]) == lanes(caches())[0]
+
+
+def is_prime(n: int) -> bool:
+    """Miller-Rabin with the first 12 primes as bases: exact below 3.3 * 10**24."""
+    bases = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
+    if n < 2:
+        return False
+    for p in bases:
+        if n % p == 0:
+            return n == p
+    d, r = n - 1, 0
+    while d % 2 == 0:
+        d, r = d // 2, r + 1
+    for a in bases:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def test_the_modulus_is_prime_and_2_is_a_primitive_root_of_it() -> None:
+    # docs/checksum.md rests the two-bit guarantee on both facts.
+    factors = {2: 2, 11: 1, 137: 1, 547: 1, 5594472617641: 1}
+    product = 1
+    for q, e in factors.items():
+        assert is_prime(q)
+        product *= q**e
+    assert is_prime(PRIME) and product == PRIME - 1
+    assert all(pow(2, (PRIME - 1) // q, PRIME) != 1 for q in factors)
+    assert pow(2, (PRIME - 1) // 2, PRIME) == PRIME - 1  # so -1 = 2**((P-1)/2)
