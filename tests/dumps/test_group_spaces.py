@@ -392,3 +392,22 @@ def tempfile_dir() -> str:
 
     # A short path: unix socket paths are limited to about 100 bytes.
     return tempfile.mkdtemp(prefix="kva-", dir="/tmp")
+
+
+def test_stored_checksums_need_one_block_space(tmp_path: Path) -> None:
+    from kvaudit.core.errors import KvauditError
+
+    _, workers = build()
+    worker = two_spaces(workers[0])
+    blocks = {rid: RequestBlocks(n, dict(groups)) for rid, (n, groups) in worker.requests.items()}
+    path = tmp_path / "s.safetensors"
+    with pytest.raises(KvauditError, match="need one block space for every group"):
+        write_dump(
+            path,
+            parse_description(worker.description, "d"),
+            worker.tensors,
+            blocks,
+            worker=WorkerInfo(0, 1, 0, 1, "offload", "t"),
+            stored_checksums=np.zeros(64, dtype=np.int64),
+        )
+    assert not path.exists()
