@@ -57,7 +57,7 @@ class Checksummer:
         worker: WorkerInfo,
         *,
         backend: str = "auto",
-        num_blocks: int | None = None,
+        num_blocks: int | Mapping[int, int] | None = None,
         source: str = "",
     ) -> Checksummer:
         """A checksummer over ``tensors`` in ``worker``'s place (ranks, role, engine).
@@ -103,7 +103,7 @@ class Checksummer:
         pp_size: int = 1,
         role: Role = "consumer",
         backend: str = "auto",
-        num_blocks: int | None = None,
+        num_blocks: int | Mapping[int, int] | None = None,
         engine: str = "",
         source: str = "",
         left_out: Mapping[int, str] | None = None,
@@ -127,8 +127,9 @@ class Checksummer:
                 ``"offload"`` checksum every replica.
             backend: ``"auto"`` (Triton on CUDA tensors, numpy on the CPU), ``"numpy"``,
                 ``"torch"`` or ``"triton"``.
-            num_blocks: The number of manager blocks the tensors hold; None for the
-                description's ``num_blocks``.
+            num_blocks: The number of manager blocks the tensors hold, for every group or
+                per group id; None for each group's block space (its own ``num_blocks``,
+                else the description's).
             engine: The engine's name, kept in the record.
             source: What names the tensors in errors and in the record.
             left_out: The worker's groups that the description does not hold, with the
@@ -157,13 +158,16 @@ class Checksummer:
                 f"group {min(described)} is left out, but the description holds it",
                 source or None,
             )
-        self.num_blocks = description.num_blocks if num_blocks is None else num_blocks
+        # Each group's rows (groups may have block spaces of their own); ``num_blocks``
+        # is the top-level space's, or the one count given for every group.
+        self.group_rows = description.group_rows(num_blocks)
+        self.num_blocks = num_blocks if isinstance(num_blocks, int) else description.num_blocks
         self.groups: dict[int, GroupViews] = build_group_views(
             description,
             tensors_by_name(description, tensors, source or None),
             tp_rank=tp_rank,
             tp_size=tp_size,
-            num_blocks=self.num_blocks,
+            num_blocks=self.group_rows,
         )
         self.plans: dict[int, GroupPlan] = {}
         for group_id, group_views in self.groups.items():
@@ -250,7 +254,7 @@ class Checksummer:
         # One pass per group over the rows of all requests.
         batches: dict[int, list[tuple[str, int, list[int], int]]] = {}
         for req_id, blocks in plain_requests(requests, self.worker.source or None).items():
-            _check_request(req_id, blocks, self.groups, self.num_blocks, self.worker.source)
+            _check_request(req_id, blocks, self.groups, self.group_rows, self.worker.source)
             record.requests[req_id] = RequestChecksums(blocks.num_tokens)
             for group_id, (start, block_ids) in blocks.groups.items():
                 if group_id in self.plans:
@@ -385,7 +389,7 @@ def _check_request(
     req_id: str,
     blocks: RequestBlocks,
     groups: Mapping[int, GroupViews],
-    num_blocks: int,
+    group_rows: Mapping[int, int],
     source: str,
 ) -> None:
     """Reject a request whose token count, positions or block ids cannot be right."""
@@ -415,6 +419,7 @@ def _check_request(
                 where,
             )
         seen: set[int] = set()
+        num_blocks = group_rows[group_id]
         for block_id in block_ids:
             if not is_int(block_id) or not 0 <= block_id < num_blocks:
                 raise KvauditError(

@@ -19,7 +19,7 @@ from ..core.scheme import valid_tokens
 from ..core.validation import Positions
 from ..description import LayerEntry
 from ..dumps import Dump
-from ..dumps.layers import kernel_blocks_per_block, layer_parts
+from ..dumps.layers import kernel_blocks_per_block, layer_groups, layer_parts
 from ..dumps.safetensors_io import tensor_nbytes
 from ..records import GroupChecksums, RequestChecksums, WorkerRecord
 from ..sources.base import Progress
@@ -31,12 +31,22 @@ if TYPE_CHECKING:
 
 
 def batch_rows(dump: Dump, batch_bytes: int) -> int:
-    """Consecutive rows of a dump that make about ``batch_bytes``."""
-    total = sum(
-        tensor_nbytes(part) for tensor in dump.layer_arrays.values() for part in layer_parts(tensor)
-    )
-    row_bytes = total // dump.num_rows if dump.num_rows else 0
-    return max(1, min(dump.num_rows, batch_bytes // max(row_bytes, 1)))
+    """Consecutive rows of a dump that make about ``batch_bytes`` (per group space: a
+    row of every layer, as the staging buffers hold them)."""
+    if isinstance(dump.num_rows, int):
+        total = sum(
+            tensor_nbytes(part)
+            for tensor in dump.layer_arrays.values()
+            for part in layer_parts(tensor)
+        )
+        row_bytes = total // dump.num_rows if dump.num_rows else 0
+        return max(1, min(dump.num_rows, batch_bytes // max(row_bytes, 1)))
+    groups = layer_groups(dump.description)
+    row_bytes = 0
+    for name, tensor in dump.layer_arrays.items():
+        rows = dump.space(groups[name]).num_rows
+        row_bytes += sum(tensor_nbytes(part) for part in layer_parts(tensor)) // max(rows, 1)
+    return max(1, min(dump.max_rows(), batch_bytes // max(row_bytes, 1)))
 
 
 Table = tuple[int, np.ndarray]
@@ -62,8 +72,9 @@ class DumpBatches(ABC):
 
     @abstractmethod
     def submit(self, first: int, count: int, tables: list[Table], done: Finish) -> None:
-        """Checksum the tables' rows, all within dump rows ``first .. first + count - 1``,
-        and pass their values to ``done``, now or by ``drain``."""
+        """Checksum the tables' rows, all within dump rows ``first .. first + count - 1``
+        (of one row space: the tables' groups share it), and pass their values to
+        ``done``, now or by ``drain``."""
 
     @abstractmethod
     def drain(self) -> None:
@@ -93,7 +104,40 @@ class DumpBatches(ABC):
             gid: np.zeros((count, len(checksummer.plans[gid].replica_keys)), np.uint64)
             for gid, count in entries.counts.items()
         }
-        order = np.argsort(row, kind="stable")
+        # Groups with rows of their own (a dump listing blocks per group) are read space
+        # by space; otherwise every group shares one space and the file is read once.
+        spaces: dict[int, list[int]] = {}
+        for group_id in entries.counts:
+            spaces.setdefault(id(self.dump.space(group_id)), []).append(group_id)
+        for members_of_space in spaces.values():
+            in_space = np.flatnonzero(np.isin(group, members_of_space))
+            columns = (row, group, position, tokens, slot)
+            self._batches(in_space, columns, values, positions, progress, group_bytes)
+        self.drain()
+        for request_id, group_id, start, first_slot, count in entries.keys:
+            views = checksummer.groups[group_id]
+            record.requests[request_id].groups[group_id] = GroupChecksums(
+                block_size=views.group.block_size,
+                start=start,
+                replica_keys=list(checksummer.plans[group_id].replica_keys),
+                values=values[group_id][first_slot : first_slot + count].copy(),
+                fingerprint=views.fingerprint,
+            )
+        return record
+
+    def _batches(
+        self,
+        selected: np.ndarray,
+        columns: tuple[np.ndarray, ...],
+        values: dict[int, np.ndarray],
+        positions: Positions,
+        progress: Progress | None,
+        group_bytes: dict[int, int],
+    ) -> None:
+        """Submit the ``selected`` entries (of one row space) batch by batch in row order,
+        their values landing in ``values`` at their slots."""
+        row, group, position, tokens, slot = columns
+        order = selected[np.argsort(row[selected], kind="stable")]
         sorted_rows = row[order]
         done = 0
         while done < len(order):
@@ -120,17 +164,6 @@ class DumpBatches(ABC):
 
             self.submit(first, int(sorted_rows[end - 1]) - first + 1, tables, finish)
             done = end
-        self.drain()
-        for request_id, group_id, start, first_slot, count in entries.keys:
-            views = checksummer.groups[group_id]
-            record.requests[request_id].groups[group_id] = GroupChecksums(
-                block_size=views.group.block_size,
-                start=start,
-                replica_keys=list(checksummer.plans[group_id].replica_keys),
-                values=values[group_id][first_slot : first_slot + count].copy(),
-                fingerprint=views.fingerprint,
-            )
-        return record
 
     def _table(
         self,

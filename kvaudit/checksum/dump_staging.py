@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..dumps import Dump
-from ..dumps.layers import layer_parts, owner_layers
+from ..dumps.layers import layer_groups, layer_parts, owner_layers
 from ..dumps.safetensors_io import as_integers
 from .checksummer import Checksummer, launch_torch
 from .dump_batches import DumpBatches, Finish, Table, batch_rows, row_axis
@@ -56,6 +57,7 @@ class StagedBatches(DumpBatches):
                 name: tuple(torch.from_numpy(part) for part in layer_parts(array))
                 for name, array in dump.layer_arrays.items()
             }
+        self.groups = layer_groups(dump.description)
         count = slots if slots is not None else (2 if self.cuda else 1)
         self.slots = [self._slot(backend) for _ in range(count)]
         self.turn = 0
@@ -107,7 +109,13 @@ class StagedBatches(DumpBatches):
         self.turn += 1
         # Its buffers are free once its last batch's checksums are in.
         self._finish(slot)
-        for name, sources in self.sources.items():
+        names: Iterable[str] = self.sources
+        if self.dump.per_group:
+            # The batch's rows are rows of its groups' space: only their layers hold them.
+            read = {group_id for group_id, _ in tables}
+            names = [name for name in self.sources if self.groups[name] in read]
+        for name in names:
+            sources = self.sources[name]
             self.dump.check_unchanged()  # a shrunk file would end the read with SIGBUS
             axis, per_row = self.axes[name]
             start, length = first * per_row, count * per_row
