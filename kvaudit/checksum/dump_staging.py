@@ -10,11 +10,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ..dumps import Dump
 from ..dumps.layers import layer_groups, layer_parts, owner_layers
 from ..dumps.safetensors_io import as_integers
 from .checksummer import Checksummer, launch_torch
-from .dump_batches import DumpBatches, Finish, Table, batch_rows, row_axis
+from .dump_batches import DumpBatches, Finish, Table, batch_rows, row_axis, strong_lanes
 
 if TYPE_CHECKING:
     import torch
@@ -131,7 +133,8 @@ class StagedBatches(DumpBatches):
         plans = slot.checksummer.plans
         if not self.cuda:
             outs = [launch_torch(plans[group_id], table) for group_id, table in relative]
-            slot.pending = _Pending(outs, done, None)
+            # Now, while the slot's buffers hold this batch.
+            slot.pending = _Pending(outs, done, None, strong_lanes(slot.checksummer, relative))
             return
         torch = self.torch
         # Everything is queued from this thread and nothing waited for: the checksums wait
@@ -141,9 +144,10 @@ class StagedBatches(DumpBatches):
             stream = torch.cuda.current_stream()
             stream.wait_event(copied)
             outs = [launch_torch(plans[group_id], table) for group_id, table in relative]
+            strong = strong_lanes(slot.checksummer, relative)
             summed = torch.cuda.Event()
             summed.record(stream)
-        slot.pending = _Pending(outs, done, summed)
+        slot.pending = _Pending(outs, done, summed, strong)
 
     def _finish(self, slot: _Slot) -> None:
         """Hand the slot's last batch's checksums on, once they are on the host."""
@@ -152,7 +156,7 @@ class StagedBatches(DumpBatches):
             return
         if pending.summed is not None:
             pending.summed.synchronize()
-        pending.done(pending.outs)
+        pending.done(pending.outs, pending.strong)
 
     def _send(self, slot: _Slot) -> torch.cuda.Event:
         """Queue the copy of the slot's pinned buffers to its device buffers on the copy
@@ -199,6 +203,8 @@ class _Pending:
     outs: list[Array]
     done: Finish
     summed: torch.cuda.Event | None
+    strong: list[np.ndarray | None]
+    """The strong lane of each table (computed at submit: the buffers are reused)."""
 
 
 def _part_view(

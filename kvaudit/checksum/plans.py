@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..core.arrays import Array, data_ptr, device_type, element_size, is_numpy, strides
-from ..core.scheme import ReplicaKey
+from ..core.scheme import ReplicaKey, strong_add
 from ..views import LayerView
 from .kernels import BackendChoice, Launch, LaunchPart, resolve_backend
 
@@ -113,7 +113,6 @@ class GroupPlan:
             The residues modulo ``2**64 - 59``, one column per replica key.
 
         """
-        from ..records.model import strong_add
         from .strong import StrongPart
 
         out = np.zeros((len(block_ids), len(self.replica_keys)), dtype=np.uint64)

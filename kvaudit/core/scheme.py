@@ -44,6 +44,14 @@ def strong_weight(place: int) -> int:
     return pow(59, place % (STRONG_PRIME - 1), STRONG_PRIME)
 
 
+def strong_add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``(a + b) mod (2**64 - 59)`` of residues (uint64 arrays)."""
+    gap, prime = np.uint64(59), np.uint64(STRONG_PRIME)
+    total = a + b
+    total = np.where(total < a, total + gap, total)  # a carry past 2**64 is worth 59
+    return np.where(total >= prime, total - prime, total)
+
+
 def valid_tokens(
     num_tokens: int | np.ndarray, block_size: int, positions: np.ndarray | int
 ) -> np.ndarray:

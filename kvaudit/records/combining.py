@@ -10,9 +10,9 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from ..core.errors import KvauditError
-from ..core.scheme import MASK64
+from ..core.scheme import MASK64, strong_add
 from ..core.validation import POSITION_NUMBERINGS, describe_worker, worker_layout
-from .model import GroupChecksums, RequestChecksums, WorkerRecord, WorkerSummary, strong_add
+from .model import GroupChecksums, RequestChecksums, WorkerRecord, WorkerSummary
 from .record import Record
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..core.scheme import STRONG_PRIME, ReplicaKey
+from ..core.scheme import ReplicaKey, strong_add
 from ..core.validation import Positions, Role
 from .wire import WireChecksums, WireGroup
 
@@ -112,14 +112,6 @@ def strong_replica_zero_totals(
         if index == 0:
             totals = strong_add(totals, strong[:, k])
     return totals
-
-
-def strong_add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``(a + b) mod (2**64 - 59)`` of residues (uint64 arrays)."""
-    gap, prime = np.uint64(59), np.uint64(STRONG_PRIME)
-    total = a + b
-    total = np.where(total < a, total + gap, total)  # a carry past 2**64 is worth 59
-    return np.where(total >= prime, total - prime, total)
 
 
 @dataclass
