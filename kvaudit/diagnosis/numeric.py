@@ -8,8 +8,8 @@ import math
 
 from ..core.ranges import ranges
 from ..numeric.model import GroupNumeric, NumericReport, SliceErrors
-from .findings import heads_text, layer_text
 from .model import Finding
+from .words import heads_text, layer_text
 
 BROAD_SHARE = 0.5
 """Over the tolerance in at least this share of a group's slices reads as a gap

@@ -226,7 +226,7 @@ def test_each_entry_is_explained_once() -> None:
         entry(3, 0, 0, [50, 51]),
     ]
     found = diagnose_group(group(located), 64)
-    assert kinds(found) == ["heads_exchanged", "zeros", "bit_flip", "differs"]
+    assert kinds(found) == ["heads_duplicated", "zeros", "bit_flip", "differs"]
     assert [f.positions for f in found] == [(0,), (1,), (2,), (3,)]
     assert sum(f.located for f in found) == len(located)
 
