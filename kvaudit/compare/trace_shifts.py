@@ -6,7 +6,8 @@ For each differing token (replica 0, not traced to another block, not zeros, mor
 byte changed) and each shift ``N`` of at most ``MAX_SHIFT`` slots either way, the
 consumer's cells at token ``t`` are compared with the producer's at ``t - N`` in every
 slice that differs at ``t``. Runs of at least ``MIN_RUN`` consecutive tokens that agree
-for one shift are a ``TokenShift``; the best shift (most tokens) is taken first, then the
+for one shift, and for no other (content repeated along the request fits many shifts
+and shows none), are a ``TokenShift``; the best shift (most tokens) is taken first, then the
 next among the tokens left. One layer is read at a time, over the differing tokens and
 ``MAX_SHIFT`` on each side, so that what is held stays small; a group whose differing
 tokens span more than ``MAX_SHIFT_TOKENS`` is not looked at (a shift that long is a
@@ -90,6 +91,12 @@ def _bad_tokens(
     return bad
 
 
+def _unique(bad: dict[int, set[int]], shift: int, tokens: range) -> bool:
+    """Whether no other shift explains every one of the tokens too: content repeated
+    along the request (a pattern, padding) fits many shifts and shows none."""
+    return all(any(t in bad[n] for t in tokens) for n in bad if n != shift)
+
+
 def _runs(tokens: Sequence[int]) -> list[tuple[int, int]]:
     """Sorted tokens as runs of consecutive ones."""
     runs: list[tuple[int, int]] = []
@@ -132,7 +139,11 @@ def trace_shifts(
     shifts: list[tuple[int, int, int]] = []
     while left:
         best = max(bad, key=lambda n: (len(left - bad[n]), -abs(n), n))
-        runs = [r for r in _runs(sorted(left - bad[best])) if r[1] - r[0] + 1 >= MIN_RUN]
+        runs = [
+            (first, last)
+            for first, last in _runs(sorted(left - bad[best]))
+            if last - first + 1 >= MIN_RUN and _unique(bad, best, range(first, last + 1))
+        ]
         if not runs:
             break
         shifts += [(first, last, best) for first, last in runs]

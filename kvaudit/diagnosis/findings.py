@@ -25,7 +25,7 @@ from ..compare.model import (
     matches_text,
 )
 from ..core.ranges import ranges
-from .kinds import diverges, duplicated, kv_exchanged, shifted, single
+from .kinds import diverges, duplicated, element_text, kv_exchanged, shifted, single
 from .model import FaultKind, Finding
 from .words import (
     at,
@@ -222,7 +222,12 @@ def _foreign_tokens(
     group: GroupComparison, claim: Callable[[Callable[[LocatedDifference], bool]], list]
 ) -> list[Finding]:
     """The runs of tokens the token trace found elsewhere in the producer."""
-    found = [run for run in group.token_runs if run.sources]
+    shifted_tokens = {t for s in group.token_shifts for t in range(s.first, s.last + 1)}
+    found = [
+        run
+        for run in group.token_runs
+        if run.sources and not set(range(run.first, run.last + 1)) <= shifted_tokens
+    ]
     if not found:
         return []
     covered = {(run.position, t) for run in found for t in range(run.first, run.last + 1)}
@@ -287,10 +292,13 @@ def _tail(
 def _nonfinite_text(items: Sequence[LocatedDifference], layers: Sequence[str]) -> str:
     count = sum(item.nonfinite for item in items)
     noun = "element is" if count == 1 else "elements are"
-    return (
+    text = (
         f"{count} consumer {noun} NaN or infinite where the producer's are finite, at "
         f"{token_text(items)} in {where(items, layers)}"
     )
+    if len(items) == 1 and items[0].element is not None:
+        text += f": {element_text(items[0].element)}"
+    return text
 
 
 def _zeros_text(items: Sequence[LocatedDifference], layers: Sequence[str]) -> str:

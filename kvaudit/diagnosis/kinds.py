@@ -16,6 +16,10 @@ from ..core.ranges import ranges
 from .model import FaultKind, Finding
 from .words import at, heads_of, layer_text, listed, make_finding, positions_of, span, tokens_of
 
+KV_SCALE = 8.0
+"""Another sequence's KV differs from the producer's by at most a few times the largest
+value around it (``scaled_error``); junk bytes read as values reach far beyond."""
+
 Claim = Callable[[Callable[[LocatedDifference], bool]], list[LocatedDifference]]
 """Takes the entries not yet explained that pass a test: they are the finding's."""
 
@@ -98,7 +102,8 @@ def shifted(group: GroupComparison, claim: Claim) -> list[Finding]:
             text += f" ({word} {ranges(shift.residue)} of the same blocks hold other bytes)"
         said.append(text)
     where = f"{heads_of(items)} of {layer_text([i.layer for i in items], group.layers)}"
-    return [make_finding("tokens_shifted", f"{listed(said)}, in {where}", items)]
+    text = f"{listed(said)}, in {where} at {at(positions_of(items))}"
+    return [make_finding("tokens_shifted", text, items)]
 
 
 def diverges(
@@ -108,8 +113,8 @@ def diverges(
     group: GroupComparison,
 ) -> list[Finding]:
     """Every token from one on differs and every layer and head differs at that token,
-    the consumer holding KV there (not zeros), every token before it the producer's: the
-    same prefix, then another sequence."""
+    the consumer holding KV there (not zeros, no NaN, values of the producer's scale),
+    every token before it the producer's: the same prefix, then another sequence."""
     rows = [item for item in left if not item.replica]
     if num_tokens is None or not rows or not group.layers or group.heads < 1:
         return []
@@ -122,6 +127,8 @@ def diverges(
         return []
     if all(item.consumer_zeros for item in rows):
         return []  # never written: the tail finding's
+    if any(item.nonfinite or not item.scaled_error <= KV_SCALE for item in rows):
+        return []  # bytes that are no KV (junk, NaN): not another sequence's KV
     items = claim(lambda item: not item.replica)
     text = (
         f"the consumer's KV diverges from token {first}: tokens {first}-{last} of {num_tokens} "

@@ -160,7 +160,11 @@ def located_items(item: LocatedDifference) -> list[tuple[str, object]]:
         if entry.name in ("kv_exchanged", "element") and not value:
             continue  # said only where found: the entry reads as before elsewhere
         if entry.name == "element":
-            value = dataclasses.asdict(value)
+            # Strict JSON holds no NaN or infinity: such a value is written as its name.
+            value = {
+                key: str(x) if isinstance(x, float) and not math.isfinite(x) else x
+                for key, x in dataclasses.asdict(value).items()
+            }
         items.append((entry.name, value))
     return items
 
