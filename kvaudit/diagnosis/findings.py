@@ -342,8 +342,8 @@ def _untraced(
     group: GroupComparison, claim: Callable[[Callable[[LocatedDifference], bool]], list]
 ) -> list[Finding]:
     """Differing tokens of positions the trace found nowhere in the producer: the tokens
-    of the entries it explains, each run of consecutive tokens at its position (the runs
-    of other entries, a NaN's explained by another finding, are not these)."""
+    of the entries it explains, each run of consecutive tokens with its positions (the
+    runs of other entries, a NaN's explained by another finding, are not these)."""
     untraced = {p for p, sources in group.stale_sources.items() if not sources}
     items = claim(lambda item: item.position in untraced)
     if not items:
@@ -351,10 +351,10 @@ def _untraced(
     held: dict[int, set[int]] = defaultdict(set)
     for item in items:
         held[item.position].update(int(t) for t in item.tokens)
-    said = []
-    for position, tokens in sorted(held.items()):
-        for first, last in spans(sorted(tokens)):
-            said.append(f"{span(first, last)} (position {position})")
+    said = []  # runs of consecutive tokens, across positions: each place said whole
+    for first, last in spans(sorted({t for tokens in held.values() for t in tokens})):
+        places = sorted(p for p, tokens in held.items() if any(first <= t <= last for t in tokens))
+        said.append(f"{span(first, last)} ({at(places)})")
     skipped = [
         run
         for run in group.token_runs

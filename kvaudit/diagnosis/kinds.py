@@ -98,8 +98,9 @@ def shifted(group: GroupComparison, claim: Claim) -> list[Finding]:
             f"{span(shift.first, shift.last)} hold the producer's {source}"
         )
         if shift.residue:
-            word = "token" if len(shift.residue) == 1 else "tokens"
-            text += f" ({word} {ranges(shift.residue)} of the same blocks hold other bytes)"
+            one = len(shift.residue) == 1
+            word, verb = ("token", "holds") if one else ("tokens", "hold")
+            text += f" ({word} {ranges(shift.residue)} of the same blocks {verb} other bytes)"
         said.append(text)
     where = f"{heads_of(items)} of {layer_text([i.layer for i in items], group.layers)}"
     text = f"{listed(said)}, in {where} at {at(positions_of(items))}"
