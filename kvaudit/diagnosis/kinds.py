@@ -78,7 +78,7 @@ def shifted(group: GroupComparison, claim: Claim) -> list[Finding]:
     for shift in group.token_shifts:
         covered.update(range(shift.first, shift.last + 1))
         covered.update(shift.residue)
-    ranged = [t for shift in group.token_shifts for t in range(shift.first, shift.last + 1)]
+    ranged = {t for shift in group.token_shifts for t in range(shift.first, shift.last + 1)}
     items = claim(
         lambda item: (
             not item.replica
