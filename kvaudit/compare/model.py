@@ -29,6 +29,25 @@ def matches_text(total: int, shown: int) -> str:
     return f"matches {total} places, first {shown} shown"
 
 
+@dataclass(frozen=True)
+class ElementChange:
+    """The one element of a located entry that differs: its place in the cell and its
+    value on each side, read in its dtype.
+
+    ``part`` is ``K`` or ``V`` where the cell is a K row then a V row (empty otherwise),
+    ``index`` the element's index within that part (within the cell where ``part`` is
+    empty), ``dtype`` the dtype's name; ``before`` is the producer's value (the reference
+    replica's, for a replica), ``after`` the consumer's: floats for a floating dtype,
+    else integers.
+    """
+
+    part: str
+    index: int
+    dtype: str
+    before: float | int
+    after: float | int
+
+
 @dataclass
 class LocatedDifference:
     """One (layer, global head) slice that differs at a compared block position.
@@ -48,6 +67,9 @@ class LocatedDifference:
     ``nonfinite`` counts the consumer elements that are NaN or infinite where the
     producer's are finite; ``holds`` is the other producer slice ``(layer, head)`` whose
     cells at the block's tokens the consumer slice holds byte for byte (None: none does).
+    ``kv_exchanged`` says the consumer's K rows hold the producer's V rows of the same
+    slice and tokens, and its V rows the producer's K rows; ``element`` describes the
+    one element that differs where exactly one does (None otherwise).
     """
 
     position: int
@@ -66,6 +88,26 @@ class LocatedDifference:
     consumer_zeros: bool = False
     nonfinite: int = 0
     holds: tuple[str, int] | None = None
+    kv_exchanged: bool = False
+    element: ElementChange | None = None
+
+
+@dataclass(frozen=True)
+class TokenShift:
+    """Consumer tokens ``first .. last`` of one request that hold the producer's tokens
+    ``first - shift .. last - shift`` of the same request, in every slice that differs
+    there: KV written ``shift`` slots late (negative: early).
+
+    ``slices`` are the ``(layer, head)`` slices compared, ``residue`` the differing
+    tokens of the same positions that the shift does not explain (the slot the shift
+    left behind, typically).
+    """
+
+    first: int
+    last: int
+    shift: int
+    slices: tuple[tuple[str, int], ...] = ()
+    residue: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -130,7 +172,9 @@ class GroupComparison:
     layer names, in order) and ``heads`` (its global KV heads) are filled where a side's
     description is known, for the pictures and the diagnosis (empty and 0 where not).
     ``not_located`` says why a differing group was not located where the sides hold the
-    KV of some requests only (an output folder's dumps), None otherwise.
+    KV of some requests only (an output folder's dumps), None otherwise. ``token_shifts``
+    are the runs of differing tokens that hold the same request's tokens a few slots
+    away (``kvaudit.compare.trace_shifts``).
     """
 
     compared: int = 0
@@ -147,6 +191,7 @@ class GroupComparison:
     layers: list[str] = field(default_factory=list)
     heads: int = 0
     not_located: str | None = None
+    token_shifts: list[TokenShift] = field(default_factory=list)
 
     @property
     def replicas_differing(self) -> list[ReplicaKey]:

@@ -157,6 +157,14 @@ def located_items(item: LocatedDifference) -> list[tuple[str, object]]:
             if value is None:
                 continue
             value = {"layer": value[0], "head": int(value[1])}
+        if entry.name in ("kv_exchanged", "element") and not value:
+            continue  # said only where found: the entry reads as before elsewhere
+        if entry.name == "element":
+            # Strict JSON holds no NaN or infinity: such a value is written as its name.
+            value = {
+                key: str(x) if isinstance(x, float) and not math.isfinite(x) else x
+                for key, x in dataclasses.asdict(value).items()
+            }
         items.append((entry.name, value))
     return items
 
@@ -211,6 +219,17 @@ def group_to_json(group: GroupComparison) -> dict[str, Any]:
         },
         "token_runs": [_token_run_to_json(run) for run in group.token_runs],
     }
+    if group.token_shifts:  # only where found: a report reads as before elsewhere
+        data["token_shifts"] = [
+            {
+                "first": int(shift.first),
+                "last": int(shift.last),
+                "shift": int(shift.shift),
+                "slices": [[layer, int(head)] for layer, head in shift.slices],
+                "residue": [int(t) for t in shift.residue],
+            }
+            for shift in group.token_shifts
+        ]
     if group.stale_matches:  # only where a list was cut short: the sources' count
         data["stale_matches"] = {
             str(position): int(count) for position, count in sorted(group.stale_matches.items())

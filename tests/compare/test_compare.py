@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from helpers.report_keys import DIFF_KEYS, GROUP_KEYS
+from helpers.report_keys import DIFF_KEYS, GROUP_KEYS, OPTIONAL_GROUP_KEYS
 
 from kvaudit.compare import (
     DiffReport,
@@ -615,7 +615,7 @@ def check_json_shape(data: dict) -> None:
         assert set(request["num_tokens"]) == {"producer", "consumer"}
         for gid, group in request["groups"].items():
             assert gid.isdigit()
-            assert set(group) == GROUP_KEYS
+            assert GROUP_KEYS <= set(group) <= GROUP_KEYS | OPTIONAL_GROUP_KEYS
             assert type(group["compared"]) is int
             assert all(type(p) is int for p in group["mismatched_positions"])
             for pair in group["replicas_differing"]:

@@ -25,4 +25,6 @@ GROUP_KEYS = {
     "stale_sources",
     "token_runs",
 }
+OPTIONAL_GROUP_KEYS = {"stale_matches", "token_shifts"}
+"""A group's keys written only where they say something (a list cut short, a shift)."""
 FINDING_KEYS = {"request", "group", "kind", "text", "positions", "tokens", "slices", "located"}

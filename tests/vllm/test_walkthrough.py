@@ -25,9 +25,9 @@ def test_the_walkthrough_catches_and_locates_the_fault(tmp_path: Path) -> None:
     assert "walk-through done: caught inline and located" in done.stdout
     assert (
         "kvaudit: MISMATCH request req-7 group 0: positions [3] (blocks [4]) differ from the "
-        "producer's checksums; position 3 compared; 0-2 held locally (prefix cache), not "
-        "compared; none of the last 65536 blocks received from the producer holds their "
-        "checksums"
+        "producer's checksums (position 3 compared; 0-2 held locally (prefix cache), not "
+        "compared); looked up among the last 65536 blocks received from the producer: no "
+        "recent producer block holds these checksums"
     ) in done.stdout
     located = subprocess.run(
         [sys.executable, "-m", "kvaudit", "diff", out / "prefill" / "dumps" / "req-7",

@@ -89,6 +89,44 @@ def compared_text(compared: list[int], held: int, skipped: int) -> str:
     return "; ".join(parts)
 
 
+def mismatch_line(
+    audit_id: str,
+    group_id: int,
+    positions: list[int],
+    blocks: list[int],
+    where: str,
+    stale: list[str],
+    searched: int,
+) -> str:
+    """The MISMATCH log line: what was compared, what differs, and what the search of
+    recent producer blocks for the differing checksums found (a search, not a cause).
+
+    Args:
+        audit_id: The request's id.
+        group_id: The group.
+        positions: The positions whose checksums differ.
+        blocks: Their block ids here.
+        where: What was compared (``compared_text``).
+        stale: Per differing position holding a recent producer block's checksum,
+            ``position P holds R position Q``; empty where none does.
+        searched: How many recent producer blocks were searched.
+
+    Returns:
+        The line.
+
+    """
+    found = (
+        "; ".join(stale) + " (a stale block)"
+        if stale
+        else "no recent producer block holds these checksums"
+    )
+    return (
+        f"kvaudit: MISMATCH request {audit_id} group {group_id}: positions {positions} "
+        f"(blocks {blocks}) differ from the producer's checksums ({where}); looked up among "
+        f"the last {searched} blocks received from the producer: {found}"
+    )
+
+
 def replica_differences(mine: Any) -> list[int]:
     """Positions where a consumer replica ``(R, r)`` differs from ``(R, 0)``."""
     keys = [tuple(k) for k in mine.replica_keys]

@@ -27,6 +27,7 @@ from .checks import (
     GroupLayout,
     compared_positions,
     compared_text,
+    mismatch_line,
     position_span,
     replica_differences,
 )
@@ -438,15 +439,8 @@ class SchedulerAudit:
                 found = self._stale.get((group.group_id, int(totals[p - mine.start])))
                 if found is not None and found != (state.audit_id, p):
                     stale.append(f"position {p} holds {found[0]} position {found[1]}")
-            found_text = "; ".join(stale) + " (a stale block)" if stale else (
-                f"none of the last {_STALE_INDEX_SIZE} blocks received from the producer "
-                "holds their checksums"
-            )  # fmt: skip
-            logger.error(
-                "kvaudit: MISMATCH request %s group %d: positions %s (blocks %s) differ from "
-                "the producer's checksums; %s; %s",
-                state.audit_id, group.group_id, sorted(positions), blocks, where, found_text,
-            )  # fmt: skip
+            logger.error(mismatch_line(state.audit_id, group.group_id, sorted(positions), blocks,
+                                       where, stale, _STALE_INDEX_SIZE))  # fmt: skip
             self.counters.mismatched_blocks += len(positions)
         if bad_blocks:
             self.counters.mismatched_requests += 1
