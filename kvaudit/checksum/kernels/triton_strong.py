@@ -215,24 +215,26 @@ def _strong_kernel(
         # The row's weight: its head's (with the part's slice and piece offset), then its
         # token place's. A dead row is zero and stays zero.
         head_weight = tl.load(head_weights_ptr + entry.to(tl.int64) * HEADS + h)
-        lo, hi = _mul_mod(lo, hi, head_weight)
         if KERNEL_BLOCKS * TOKENS > 1:
             token_weight = tl.load(token_weights_ptr + (first + u) % TOKEN_PLACES)
+            lo, hi = _mul_mod(lo, hi, head_weight)
             lo, hi = _mul_mod(lo, hi, token_weight)
+        else:
+            lo, hi = _mul_mod(lo, hi, head_weight)
         acc_lo += lo
         acc_hi += hi
-    low_sum = tl.sum(acc_lo, axis=0)
-    high_sum = tl.sum(acc_hi, axis=0)
+    cell = limbs_ptr + (row.to(tl.int64) * num_columns + column) * 2
     if KERNEL_BLOCKS * TOKENS == 1:
         # One token a block (a state's rows): every row of the program has the same token
         # place, so its weight applies once, to the program's folded total, not per row.
-        low_sum, high_sum = _fold(low_sum, high_sum, 0, 0)
-        low_sum, high_sum = _mul_mod(
-            low_sum, high_sum, tl.load(token_weights_ptr + first % TOKEN_PLACES)
-        )
-    cell = limbs_ptr + (row.to(tl.int64) * num_columns + column) * 2
-    tl.atomic_add(cell, low_sum, sem="relaxed")
-    tl.atomic_add(cell + 1, high_sum, sem="relaxed")
+        low_sum, high_sum = _fold(tl.sum(acc_lo, axis=0), tl.sum(acc_hi, axis=0), 0, 0)
+        token_weight = tl.load(token_weights_ptr + first % TOKEN_PLACES)
+        low_sum, high_sum = _mul_mod(low_sum, high_sum, token_weight)
+        tl.atomic_add(cell, low_sum, sem="relaxed")
+        tl.atomic_add(cell + 1, high_sum, sem="relaxed")
+    else:
+        tl.atomic_add(cell, tl.sum(acc_lo, axis=0), sem="relaxed")
+        tl.atomic_add(cell + 1, tl.sum(acc_hi, axis=0), sem="relaxed")
     if SEED:
         total = tl.sum(seed_acc, axis=0)
         tl.atomic_add(seed_ptr + row.to(tl.int64) * num_columns + column, total, sem="relaxed")
