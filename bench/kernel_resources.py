@@ -147,7 +147,7 @@ def main() -> int:
         print(f"{kernel}: lowest modelled bandwidth over the seed kernel's: {worst}")
     print(
         "The model counts loads in flight only: the strong lane's extra integer work per "
-        "element is not in it (bench/gpu.py --strong times both lanes on a GPU)."
+        "element is not in it (bench/gpu.py's part (s) times both lanes on a GPU)."
     )
     return 1 if spills else 0
 
