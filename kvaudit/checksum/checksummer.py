@@ -178,6 +178,10 @@ class Checksummer:
             )
             if plan is not None:
                 plan.warm_up()
+                if strong_lane and fuses_lanes(plan):
+                    from .kernels import triton_strong
+
+                    triton_strong.warm_up(plan, fused=True)
                 self.plans[group_id] = plan
 
     @property
@@ -266,8 +270,12 @@ class Checksummer:
         for group_id, segments in batches.items():
             plan = self.plans[group_id]
             rows = np.stack(_rows(segments, self.groups[group_id].group.block_size, positions))
-            host: Array = plan.checksum(*rows) if not plan.uses_torch else launch_torch(plan, rows)
-            strong = plan.strong(*rows) if self.strong_lane else None
+            strong: Array | None = None
+            if self.strong_lane and fuses_lanes(plan):
+                host, strong = launch_fused(plan, rows)
+            else:
+                host = plan.checksum(*rows) if not plan.uses_torch else launch_torch(plan, rows)
+                strong = plan.strong(*rows) if self.strong_lane else None
             launched.append(Launched(group_id, segments, host, strong))
         done = None
         if any(on_cuda(self.plans[item.group_id].device) for item in launched):
@@ -286,12 +294,39 @@ class Launched:
     group_id: int
     segments: list[tuple[str, int, list[int], int]]
     host: Array
-    strong: np.ndarray | None
+    strong: Array | None
 
 
 def on_cuda(device: str) -> bool:
     """Whether a plan's device is a CUDA device."""
     return device.startswith("cuda")
+
+
+def fuses_lanes(plan: GroupPlan) -> bool:
+    """Whether one kernel pass computes both lanes of the plan (the Triton backend's)."""
+    return plan.backend == "triton"
+
+
+def launch_fused(plan: GroupPlan, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Triton plan's seed values and strong residues of rows ``[3, n]`` from one pass of
+    the strong kernel over the KV: like :func:`launch_torch`, nothing is waited for."""
+    import torch
+
+    from .kernels import triton_strong
+
+    tensor = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+    cuda = on_cuda(plan.device)
+    if cuda:
+        tensor = tensor.pin_memory()
+    ids, first_tokens, valid_tokens = tensor.to(plan.device, non_blocking=True)
+    shape = (len(ids), len(plan.replica_keys))
+    seed = torch.zeros(shape, dtype=torch.int64, device=plan.device)
+    strong = triton_strong.strong_sums(plan, ids, first_tokens, valid_tokens, seed_out=seed)
+    if not cuda:
+        return seed, strong
+    host = torch.empty(shape, dtype=torch.int64, pin_memory=True)
+    host.copy_(seed, non_blocking=True)
+    return host, strong
 
 
 def launch_torch(plan: GroupPlan, rows: np.ndarray) -> torch.Tensor:
@@ -352,6 +387,8 @@ class PendingChecksums:
         for launched in self._launched:
             group_id, host, strong = launched.group_id, launched.host, launched.strong
             values = (host if isinstance(host, np.ndarray) else host.numpy()).view(np.uint64)
+            if strong is not None and not isinstance(strong, np.ndarray):
+                strong = strong.numpy().view(np.uint64)
             row = 0
             for req_id, start, block_ids, _ in launched.segments:
                 end = row + len(block_ids)

@@ -36,6 +36,11 @@ class GroupPlan:
     """Whether rows and results are torch tensors on ``device`` (else numpy arrays)."""
     parts: list[LaunchPart] = field(default_factory=list)
     """Every part of every launch, for the strong lane (:meth:`strong`)."""
+    backend: str = ""
+    """The resolved backend's name: a ``triton`` plan computes the strong lane with the
+    Triton kernel too (on a GPU, or on the CPU under the interpreter)."""
+    strong_launches: list | None = field(default=None, repr=False, compare=False)
+    """The strong kernel's launches, built on first use (kernels/triton_strong.py)."""
 
     @classmethod
     def create(
@@ -75,7 +80,7 @@ class GroupPlan:
                 )
         launches = [resolved.launch(parts) for parts in layouts.values()]
         every_part = [part for parts in layouts.values() for part in parts]
-        return cls(replica_keys, launches, device, resolved.uses_torch, every_part)
+        return cls(replica_keys, launches, device, resolved.uses_torch, every_part, resolved.name)
 
     def warm_up(self) -> None:
         """Prepare every launch ahead of use (compile kernels, allocate buffers)."""
@@ -100,9 +105,11 @@ class GroupPlan:
 
     def strong(
         self, block_ids: np.ndarray, first_tokens: np.ndarray, valid_tokens: np.ndarray
-    ) -> np.ndarray | None:
-        """The strong lane's ``[rows, replica keys]`` residues (uint64) of the rows, or None
-        where the plan's device has no strong path (docs/checksum.md, "The strong lane").
+    ) -> Array:
+        """The strong lane's ``[rows, replica keys]`` residues of the rows (docs/checksum.md,
+        "The strong lane"): uint64 numpy on the CPU paths; from the Triton kernel (a ``triton``
+        plan, or any plan off the CPU) int64 bits in a torch tensor, on a GPU a pinned host
+        tensor whose copy is queued, not waited for (see ``triton_strong.strong_sums``).
 
         Args:
             block_ids: The rows' block ids (numpy int64).
@@ -115,13 +122,13 @@ class GroupPlan:
         """
         from .strong import StrongPart
 
-        out = np.zeros((len(block_ids), len(self.replica_keys)), dtype=np.uint64)
-        if not len(block_ids):
-            return out
-        if self.device != "cpu":
+        if self.device != "cpu" or self.backend == "triton":
             from .kernels import triton_strong
 
             return triton_strong.strong_sums(self, block_ids, first_tokens, valid_tokens)
+        out = np.zeros((len(block_ids), len(self.replica_keys)), dtype=np.uint64)
+        if not len(block_ids):
+            return out
         counted = np.flatnonzero(valid_tokens > 0)
         for part in self.parts:
             from .kernels.numpy_cpu import as_numpy
