@@ -170,9 +170,11 @@ def scale_differences(producer: Record, consumer: Record) -> list[str]:
     """Each scale that differs between the two sides' layers, one line each:
     ``scale differs: consumer k_scale 2.0, producer 1.0, model.layers.2``.
 
-    Only layers both sides give facts of are compared (a record without facts, written
-    before they were kept, compares nothing); a scale not given counts as 1.0 (the values
-    are the stored ones), so ``none`` against ``1.0`` does not differ.
+    Only layers both sides give facts of and store in one dtype are compared (a record
+    without facts, written before they were kept, compares nothing; a bf16 side against
+    an fp8 one holds other bytes for the same values, which ``diff --numeric`` compares
+    through the scales); a scale not given counts as 1.0 (the values are the stored
+    ones), so ``none`` against ``1.0`` does not differ.
 
     Args:
         producer: The producer's record.
@@ -186,7 +188,7 @@ def scale_differences(producer: Record, consumer: Record) -> list[str]:
     lines = []
     for name, fact in side_facts(consumer).items():
         other = produced.get(name)
-        if other is None:
+        if other is None or other.dtype != fact.dtype:
             continue
         for key in ("k_scale", "v_scale"):
             mine, theirs = getattr(fact, key), getattr(other, key)

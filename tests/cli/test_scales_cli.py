@@ -221,3 +221,13 @@ def test_differing_fingerprints_name_the_dtype(tmp_path: Path) -> None:
     [reason] = reasons
     assert reason.startswith("fingerprints differ (")
     assert reason.endswith("): dtype bfloat16 vs float8_e4m3fn")
+
+
+def test_scales_of_another_dtype_are_not_compared(tmp_path: Path) -> None:
+    """A bf16 producer without scales against an fp8 consumer with k_scale 2.0: other
+    bytes for the same values, compared by value through the scale; the scale itself is
+    no mismatch (the fingerprints' dtype is what differs)."""
+    producer = dumps(tmp_path / "p", PRODUCER, "producer", dtype="bfloat16")
+    consumer = dumps(tmp_path / "c", CONSUMER, "consumer", scales={LAYER2: {"k_scale": 2.0}})
+    result = run("diff", producer, consumer, "--format", "json")
+    assert "scales_differ" not in json.loads(result.output)
