@@ -11,16 +11,24 @@ checksums, and only these facts tell them apart.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from ..core.dtypes import dtype_name
 from ..core.validation import Checker, join
-from .model import LayerFacts
+from .model import LayerFacts, WorkerSummary
 
 if TYPE_CHECKING:
     from ..description import CacheDescription
-    from .record import Record
+
+
+class WithWorkers(Protocol):
+    """What the comparisons here read of a ``Record`` (which this layer cannot import):
+    its workers."""
+
+    @property
+    def workers(self) -> Sequence[WorkerSummary]: ...
+
 
 FACT_KEYS = ("group", "spec_class", "dtype", "head_size", "head_size_v", "k_scale", "v_scale")
 """The keys of a layer's entry in a record worker's ``layers`` (docs/cli.md, checksum)."""
@@ -152,7 +160,7 @@ def facts_from_json(reader: Checker, value: object, path: str) -> dict[str, Laye
     return facts
 
 
-def side_facts(record: Record) -> dict[str, LayerFacts]:
+def side_facts(record: WithWorkers) -> dict[str, LayerFacts]:
     """A record's layer facts over its workers (a layer's first worker that gives it: TP
     ranks hold the same layers; PP stages, other layers)."""
     facts: dict[str, LayerFacts] = {}
@@ -166,7 +174,7 @@ def _scale_text(scale: float | None) -> str:
     return "none" if scale is None else repr(float(scale))
 
 
-def scale_differences(producer: Record, consumer: Record) -> list[str]:
+def scale_differences(producer: WithWorkers, consumer: WithWorkers) -> list[str]:
     """Each scale that differs between the two sides' layers, one line each:
     ``scale differs: consumer k_scale 2.0, producer 1.0, model.layers.2``.
 
@@ -205,7 +213,7 @@ def _names(names: list[str]) -> str:
     return shown if len(names) <= LISTED_LAYERS else f"{shown} ({len(names)} layers in all)"
 
 
-def fingerprint_difference(producer: Record, consumer: Record, group: int) -> str | None:
+def fingerprint_difference(producer: WithWorkers, consumer: WithWorkers, group: int) -> str | None:
     """What differs between the two sides' layers of a group, for a fingerprint that
     differs: ``dtype bfloat16 vs float8_e4m3fn``, ``head_size 128 vs 64``, ``spec_class
     ...``, the layers only one side holds; None where a side gives no facts or the facts
