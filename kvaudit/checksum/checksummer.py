@@ -32,6 +32,7 @@ from ..records import (
     WorkerInfo,
     WorkerRecord,
 )
+from ..records.layers import layer_facts
 from ..views import GroupViews, build_group_views
 from ..views.inputs import LayerTensors, RequestBlocks, plain_requests, tensors_by_name
 from .plans import GroupPlan
@@ -152,6 +153,9 @@ class Checksummer:
         self.worker = WorkerInfo(tp_rank, tp_size, pp_rank, pp_size, role, engine, source)
         check_worker(self.worker, role, source or None)
         self.description = description
+        # Kept in every record: what the checksums cannot show (the scales of a quantized
+        # cache) and what names the field behind a differing fingerprint.
+        self.layer_facts = layer_facts(description)
         described = {group.id for group in description.groups} & self.left_out.keys()
         if described:
             raise KvauditError(
@@ -253,7 +257,12 @@ class Checksummer:
                 f"unknown position numbering {positions!r}, expected request or block"
             )
         record = WorkerRecord(
-            self.worker, positions, self.fingerprints, self.not_covered, requests={}
+            self.worker,
+            positions,
+            self.fingerprints,
+            self.not_covered,
+            requests={},
+            layers=self.layer_facts,
         )
         # One pass per group over the rows of all requests.
         batches: dict[int, list[tuple[str, int, list[int], int]]] = {}

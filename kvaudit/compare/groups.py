@@ -170,14 +170,19 @@ def _positions_text(positions: list[int]) -> str:
 
 
 def _incomparable(
-    producer: SideChecksums, consumer: SideChecksums, numbering: Positions
+    producer: SideChecksums,
+    consumer: SideChecksums,
+    numbering: Positions,
+    differing: str | None = None,
 ) -> str | None:
     """Why the two sides cannot be compared position by position (their fingerprints or
-    block sizes), or None."""
+    block sizes), or None; ``differing`` names what differs between the sides' layers
+    where their descriptions are known (``dtype bfloat16 vs float8_e4m3fn``)."""
     if producer.fingerprint != consumer.fingerprint:
+        what = differing or "the layers, specs or dtypes differ"
         return (
             f"fingerprints differ (producer {to_hex(producer.fingerprint)}, consumer "
-            f"{to_hex(consumer.fingerprint)}): the layers, specs or dtypes differ"
+            f"{to_hex(consumer.fingerprint)}): {what}"
         )
     fine, coarse = sorted((producer.block_size, consumer.block_size))
     if fine == coarse:
@@ -249,11 +254,14 @@ def compare_sides(
     *,
     per_key: bool,
     window: Window | None = None,
+    differing: str | None = None,
 ) -> GroupComparison:
     """One group compared by the module's rules, both sides complete and holding it;
-    ``window`` is the group's attention window (None: every position)."""
+    ``window`` is the group's attention window (None: every position), ``differing``
+    what differs between the sides' layers where their fingerprints do (None: not
+    known)."""
     coarse = max(producer.block_size, consumer.block_size)
-    reason = _incomparable(producer, consumer, numbering)
+    reason = _incomparable(producer, consumer, numbering, differing)
     if reason is not None:
         return GroupComparison(unverified=reason, block_size=coarse)
 

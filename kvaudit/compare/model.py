@@ -237,6 +237,9 @@ class DiffReport:
     user should know (swapped roles, a set compared with itself); ``untraced`` says why
     the trace of differing blocks to producer blocks is partial (by request-numbered
     checksums, a block left without a source) or absent, None when it is neither.
+    ``scale_differences`` lists each layer scale that differs between the sides (``scale
+    differs: consumer k_scale 2.0, producer 1.0, LAYER``): a mismatch, whatever the
+    checksums say.
     """
 
     positions: Positions
@@ -248,6 +251,7 @@ class DiffReport:
     allow_empty: bool = False
     warnings: list[str] = field(default_factory=list)
     untraced: str | None = None
+    scale_differences: list[str] = field(default_factory=list)
 
     def group_ok(self, group: GroupComparison) -> bool:
         """Whether a group passes under the report's ``allow_missing``.
@@ -290,9 +294,9 @@ class DiffReport:
 
         Every compared block matched, nothing was left unverified or missing (unless
         allowed), something was compared (unless allowed) and the consumer has every
-        producer request.
+        producer request, and no layer's scale differs.
         """
-        if self.only_in_producer or self.empty_reason is not None:
+        if self.only_in_producer or self.scale_differences or self.empty_reason is not None:
             return False
         return all(self.group_ok(group) for _, _, group in self.groups())
 

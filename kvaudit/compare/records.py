@@ -13,6 +13,9 @@ Per request present on both sides and per group either side holds:
   block of for a request has every expected position missing.
 - A request only the producer has is a failure (the consumer never got it); a request
   only the consumer has is informational (it may have been computed locally).
+- A layer whose K or V scale (a quantized cache's) differs between the sides' layer
+  facts is a mismatch of the whole report (``scale_differences``), whatever the
+  checksums say: they are over the stored bytes, which equal scales do not change.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import numpy as np
 from ..core.errors import KvauditError
 from ..description import LEFT_OUT_BY_DESCRIPTION
 from ..records import GroupChecksums, Record
+from ..records.layers import fingerprint_difference, scale_differences
 from .groups import SideChecksums, Window, compare_sides, held_positions, missing_and_expected
 from .model import DiffReport, GroupComparison
 
@@ -186,6 +190,11 @@ def _compare_request(
                 consumer.positions,
                 per_key=per_key,
                 window=windows.get(gid),
+                differing=(
+                    fingerprint_difference(producer, consumer, gid)
+                    if left.fingerprint != right.fingerprint
+                    else None
+                ),
             )
             continue
         consumer_holds_none = (
@@ -257,6 +266,7 @@ def compare(
         only_producer,
         only_consumer,
         num_tokens={rid: counts[rid] for rid in wanted},
+        scale_differences=scale_differences(producer, consumer),
     )
 
 

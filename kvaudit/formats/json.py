@@ -8,10 +8,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..core.scheme import to_hex
 from ..records import RECORD_FORMAT, GroupChecksums, Record, WorkerSummary
+from ..records.layers import facts_to_json
 
 # The results are only read here: writing a record imports no comparison.
 if TYPE_CHECKING:
@@ -107,7 +109,7 @@ def record_to_json(record: Record) -> dict[str, Any]:
 def _worker_to_json(summary: WorkerSummary) -> dict[str, Any]:
     """A worker's entry of a record's JSON ``workers``."""
     worker = summary.worker
-    return {
+    data: dict[str, Any] = {
         "source": worker.source,
         "tp_rank": worker.tp_rank,
         "tp_size": worker.tp_size,
@@ -117,6 +119,9 @@ def _worker_to_json(summary: WorkerSummary) -> dict[str, Any]:
         "fingerprints": {str(gid): to_hex(fp) for gid, fp in sorted(summary.fingerprints.items())},
         "not_covered": {str(gid): reason for gid, reason in sorted(summary.not_covered.items())},
     }
+    if summary.layers:  # where the worker's description is known
+        data["layers"] = facts_to_json(summary.layers)
+    return data
 
 
 def _group_to_json(group: GroupChecksums) -> dict[str, Any]:
@@ -287,7 +292,7 @@ def diff_to_json(report: DiffReport) -> dict[str, Any]:
     """
     from ..diagnosis import diagnose
 
-    return {
+    data: dict[str, Any] = {
         "format": DIFF_FORMAT,
         "ok": report.ok,
         "diagnosis": [
@@ -305,6 +310,9 @@ def diff_to_json(report: DiffReport) -> dict[str, Any]:
         "only_in_consumer": list(report.only_in_consumer),
         "untraced": report.untraced,
     }
+    if report.scale_differences:  # only where a layer's scale differs (a quantized cache)
+        data["scales_differ"] = list(report.scale_differences)
+    return data
 
 
 def diff_json_text(report: DiffReport) -> str:
@@ -360,6 +368,7 @@ def inventory_to_json(inventory: Inventory) -> dict[str, Any]:
                         "fingerprint": to_hex(group.fingerprint),
                         "covered": group.covered,
                         "reason": group.reason,
+                        **_scales_json(group.scales),
                     }
                     for group in item.groups
                 },
@@ -418,3 +427,13 @@ def planted_to_json(fault: PlantedFault) -> dict[str, Any]:
     if fault.origin is not None:
         data["from"] = dataclasses.asdict(fault.origin)
     return data
+
+
+def _scales_json(
+    scales: Sequence[tuple[str, float | None, float | None]],
+) -> dict[str, dict[str, dict[str, float | None]]]:
+    """An inventory group's ``scales`` entry, only where a layer has one (a quantized
+    cache): each such layer's K and V scales."""
+    if not scales:
+        return {}
+    return {"scales": {name: {"k_scale": k, "v_scale": v} for name, k, v in scales}}

@@ -147,6 +147,15 @@ def diff_junit(report: DiffReport, suite_name: str = "kvaudit.diff", name: str =
             failure = ET.SubElement(case, "failure", {"message": xml_text(message), "type": kind})
             body = "\n".join([*(finding.line for finding in found), _located_text(group)])
             failure.text = xml_text(body.strip("\n")) or None
+    if report.scale_differences:
+        # Layer scales are the engine's, not a request's: one case for them all.
+        case = _case(suite, prefix, "", "scales")
+        case.set("classname", prefix)
+        tests += 1
+        failures += 1
+        message = "; ".join(report.scale_differences)
+        failure = ET.SubElement(case, "failure", {"message": xml_text(message), "type": "scale"})
+        failure.text = xml_text("\n".join(report.scale_differences))
     for request_id in report.only_in_producer:
         case = _case(suite, prefix, request_id, "request")
         tests += 1

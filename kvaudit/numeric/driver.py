@@ -85,6 +85,7 @@ def numeric_sources(
     )
     options.judge(report)
     report.warnings = structure.warnings
+    report.scale_differences = list(structure.scale_differences)
     report.missing = _missing(structure)
     report.copies_differing = [
         (rid, gid, list(group.replica_mismatches))

@@ -5,7 +5,8 @@ engine (a dump set) and is what ``kvaudit checksum --format json`` writes (docs/
 ``kvaudit.formats`` writes it, ``Record.from_json`` reads it back).
 
 Modules, each using only those above it: ``model`` (the per-request and per-worker
-dataclasses), ``reading`` (the checks of a record's JSON entries), ``record`` (``Record``),
+dataclasses), ``layers`` (a description's layer facts, and what two records' facts
+say differs), ``reading`` (the checks of a record's JSON entries), ``record`` (``Record``),
 ``combining`` (``combine_workers``).
 """
 
@@ -13,6 +14,7 @@ from .combining import combine_workers
 from .model import (
     RECORD_FORMAT,
     GroupChecksums,
+    LayerFacts,
     RequestChecksums,
     WorkerInfo,
     WorkerRecord,
@@ -24,6 +26,7 @@ from .record import Record
 __all__ = [
     "RECORD_FORMAT",
     "GroupChecksums",
+    "LayerFacts",
     "Record",
     "RequestChecksums",
     "WorkerInfo",

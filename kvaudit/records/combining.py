@@ -75,7 +75,9 @@ def combine_workers(records: Sequence[WorkerRecord]) -> Record:
             group.partial = _partial(request_id, gid, records, contributing)
 
     workers = [
-        WorkerSummary(record.worker, dict(record.fingerprints), dict(record.not_covered))
+        WorkerSummary(
+            record.worker, dict(record.fingerprints), dict(record.not_covered), dict(record.layers)
+        )
         for record in records
     ]
     return Record(first.positions, workers, not missing, requests, missing)

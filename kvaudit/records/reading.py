@@ -99,7 +99,7 @@ class RecordReader(Checker):
 
 def worker_from_json(reader: RecordReader, value: object, path: str) -> WorkerSummary:
     """One ``workers`` entry, validated."""
-    data = reader.keys(value, path, _WORKER_KEYS, ("engine",))
+    data = reader.keys(value, path, _WORKER_KEYS, ("engine", "layers"))
     role = reader.role(reader.string(data["role"], join(path, "role")), join(path, "role"))
     info = WorkerInfo(
         tp_rank=reader.integer(data["tp_rank"], join(path, "tp_rank")),
@@ -120,7 +120,12 @@ def worker_from_json(reader: RecordReader, value: object, path: str) -> WorkerSu
         reader.group_id(key, nc_path): reader.string(reason, item_path(nc_path, key))
         for key, reason in reader.obj(data["not_covered"], nc_path).items()
     }
-    return WorkerSummary(info, fingerprints, not_covered)
+    layers = {}
+    if "layers" in data:  # optional: records written before layer facts were kept lack it
+        from .layers import facts_from_json
+
+        layers = facts_from_json(reader, data["layers"], join(path, "layers"))
+    return WorkerSummary(info, fingerprints, not_covered, layers)
 
 
 def request_from_json(reader: RecordReader, value: object, path: str) -> RequestChecksums:

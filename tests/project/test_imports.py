@@ -23,7 +23,7 @@ LAYERS: list[list[str]] = [
     ["views.attention", "views.state", "views.replicas"],
     ["views"],
     ["views.inputs", "checksum.kernels", "checksum.strong", "checksum.plans"],
-    ["records.model", "records.reading"],
+    ["records.model", "records.layers", "records.reading"],
     ["records"],
     ["checksum.checksummer"],
     ["dumps"],

@@ -18,7 +18,16 @@ import numpy as np
 from ...core.files import atomic_path
 from ...core.scheme import to_hex
 from ...records import RequestChecksums, WorkerInfo, WorkerRecord
-from .layout import CHECKSUMS, FORMAT, LINE_FORMAT, MARKER, ROTATED, rotated_name, worker_folder
+from .layout import (
+    CHECKSUMS,
+    DESCRIPTION,
+    FORMAT,
+    LINE_FORMAT,
+    MARKER,
+    ROTATED,
+    rotated_name,
+    worker_folder,
+)
 
 MAX_CHECKSUM_BYTES = 64 << 20
 """The default size ``checksums.jsonl`` grows to before it is rotated (64 MiB: about
@@ -72,9 +81,9 @@ def write_description(
     import yaml  # only the connector writes YAML; readers of the folder never import it
 
     text = yaml.safe_dump(dict(description), sort_keys=False).encode("utf-8")
-    _write_whole(folder / "cache.yaml", text)
+    _write_whole(folder / DESCRIPTION, text)
     if worker.pp_size == 1 and worker.tp_rank == 0:
-        _write_whole(Path(output) / "cache.yaml", text)
+        _write_whole(Path(output) / DESCRIPTION, text)
     marker = json.dumps({"format": FORMAT, "engine": engine}).encode("utf-8")
     _write_whole(Path(output) / MARKER, marker)
 

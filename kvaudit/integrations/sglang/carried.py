@@ -80,6 +80,11 @@ MALFORMED = "malformed kvaudit checksum row"
 """The reason of a row with kvaudit's marker whose words no kvaudit prefill writes."""
 
 
+def _entry_name(entry: Any) -> str:
+    """A description layer entry's name (the entry itself, or its ``name``)."""
+    return entry if isinstance(entry, str) else str(entry["name"])
+
+
 def content_signature(raw: Mapping[str, Any], layers: Sequence[str] | None = None) -> int:
     """A 63-bit nonzero hash of what a checksum of a description's layers covers,
     independent of TP width, page size and block count: kind, layer names, model KV
@@ -99,7 +104,8 @@ def content_signature(raw: Mapping[str, Any], layers: Sequence[str] | None = Non
         "kvaudit-sglang-inline",
         2,
         spec["type"],
-        tuple(group["layers"] if layers is None else layers),
+        # Names only: a layer entry with its own spec (its scales) is a mapping.
+        tuple(_entry_name(entry) for entry in (group["layers"] if layers is None else layers)),
         raw.get("model_kv_heads"),
         spec["head_size"],
         spec.get("head_size_v"),

@@ -11,6 +11,7 @@ from typing import Any
 
 from ...records import WorkerRecord
 from ...views.inputs import RequestBlocks
+from .describe import sglang_attention_layers
 from .ranks import PRODUCER, LayerSpan, RankChecksummer, attention_tp, pipeline_ranks
 from .recording import Recorder, settings_from_environment
 
@@ -149,8 +150,24 @@ def rank_checksummer(scheduler: Any, role: str, layers: LayerSpan | None = None)
             total_kv_heads=int(total),
             role=role,
             layers=layers,
+            attention=attention_layers(scheduler),
         )
     return cached[1][key]
+
+
+def attention_layers(scheduler: Any) -> dict[int, Any] | None:
+    """The scheduler's model's ``RadixAttention`` layers by layer id, for the scales of an
+    fp8 pool; None where the model cannot be reached (a scheduler without a model
+    runner): the description then gives no scales, and nothing else changes."""
+    runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
+    model = getattr(runner, "model", None)
+    if model is None:
+        return None
+    try:
+        return sglang_attention_layers(model)
+    except Exception:  # never the engine's failure: no scales is the worst it costs
+        log_fault("reading the attention layers' KV scales")
+        return None
 
 
 def recorder(scheduler: Any, role: str) -> Recorder | None:

@@ -50,6 +50,7 @@ def sglang_agent(
     engine: str = "sglang",
     names: LayerNames = DEFAULT_LAYER_NAME,
     lock: threading.Lock | threading.RLock | None = None,
+    attention: Mapping[int, Any] | None = None,
     **options: Any,
 ) -> Agent:
     """An agent serving one SGLang worker's pool on ``path``.
@@ -75,6 +76,8 @@ def sglang_agent(
         role: ``producer`` (a prefill) or ``consumer`` (a decode).
         engine: The engine's name, kept in records and dumps.
         names: The layer names, as for ``describe_sglang_cache``.
+        attention: The model's ``RadixAttention`` layers by layer id
+            (``sglang_attention_layers``), for the scales of an fp8 pool; None: none.
         lock: None to answer in ``poll()``; else the lock the scheduler holds during each
             step.
         **options: ``kvaudit.live.Agent``'s limits (``timeout``, ``wait_timeout``,
@@ -89,7 +92,12 @@ def sglang_agent(
 
     """
     raw = describe_sglang_cache(
-        pool, tp_rank=tp_rank, tp_size=tp_size, total_kv_heads=total_kv_heads, names=names
+        pool,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        total_kv_heads=total_kv_heads,
+        names=names,
+        attention=attention,
     )
     description = parse_description(raw, f"the SGLang pool of {engine} pp {pp_rank} tp {tp_rank}")
     page_size = int(pool.page_size)

@@ -5,6 +5,7 @@ a transfer. Imports SGLang (through ``describe``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -45,11 +46,17 @@ class RankChecksummer:
         role: str,
         names: Any = DEFAULT_LAYER_NAME,
         layers: LayerSpan | None = None,
+        attention: Mapping[int, Any] | None = None,
     ) -> None:
         from ...checksum.checksummer import Checksummer
 
         raw = describe_sglang_cache(
-            pool, tp_rank=tp_rank, tp_size=tp_size, total_kv_heads=total_kv_heads, names=names
+            pool,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            total_kv_heads=total_kv_heads,
+            names=names,
+            attention=attention,
         )
         ids = layer_ids(pool)
         held = (ids[0], ids[-1] + 1)
@@ -63,10 +70,14 @@ class RankChecksummer:
         if span != held:
             (group,) = raw["groups"]
             chosen = [
-                name for i, name in zip(ids, group["layers"], strict=True) if span[0] <= i < span[1]
+                entry
+                for i, entry in zip(ids, group["layers"], strict=True)
+                if span[0] <= i < span[1]
             ]
             raw = {**raw, "groups": [{**group, "layers": chosen}]}
-            caches = {name: caches[name] for name in chosen}
+            # An entry is a name, or a mapping with its name (a layer with its own scales).
+            kept = [entry if isinstance(entry, str) else entry["name"] for entry in chosen]
+            caches = {name: caches[name] for name in kept}
         self.raw = raw
         self.description = parse_description(raw, "sglang")
         self.tensors = caches
