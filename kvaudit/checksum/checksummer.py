@@ -27,6 +27,7 @@ from ..core.validation import (
 from ..description import CacheDescription
 from ..records import (
     GroupChecksums,
+    LayerSums,
     RequestChecksums,
     WorkerInfo,
     WorkerRecord,
@@ -58,6 +59,7 @@ class Checksummer:
         backend: str = "auto",
         num_blocks: int | None = None,
         source: str = "",
+        layer_sums: bool = False,
     ) -> Checksummer:
         """A checksummer over ``tensors`` in ``worker``'s place (ranks, role, engine).
 
@@ -68,6 +70,7 @@ class Checksummer:
             backend: As ``Checksummer`` takes it.
             num_blocks: As ``Checksummer`` takes it.
             source: What names the tensors in errors and in the record.
+            layer_sums: As ``Checksummer`` takes it.
 
         Returns:
             The checksummer, its views and plans built.
@@ -89,6 +92,7 @@ class Checksummer:
             num_blocks=num_blocks,
             engine=worker.engine,
             source=source,
+            layer_sums=layer_sums,
         )
 
     def __init__(
@@ -106,6 +110,7 @@ class Checksummer:
         engine: str = "",
         source: str = "",
         left_out: Mapping[int, str] | None = None,
+        layer_sums: bool = False,
     ) -> None:
         """Build the worker's views and plans once (and warm up their kernels).
 
@@ -132,6 +137,8 @@ class Checksummer:
             left_out: The worker's groups that the description does not hold, with the
                 reason (an engine's group its integration cannot describe); every record
                 reports them as not covered.
+            layer_sums: Also split each block's total per layer and K or V plane
+                (``GroupChecksums.layer_sums``), in the same pass over the KV.
 
         Raises:
             KvauditError: An unknown role, a rank outside its size, a left-out group that
@@ -164,7 +171,10 @@ class Checksummer:
             if not group_views.covered:
                 continue
             plan = GroupPlan.create(
-                group_views.views, first_replica_only=role == "producer", backend=backend
+                group_views.views,
+                first_replica_only=role == "producer",
+                backend=backend,
+                layer_sums=layer_sums,
             )
             if plan is not None:
                 plan.warm_up()
@@ -328,7 +338,10 @@ class PendingChecksums:
             self._done.synchronize()
         record, summer = self._record, self._checksummer
         for group_id, segments, host in self._launched:
-            values = (host if isinstance(host, np.ndarray) else host.numpy()).view(np.uint64)
+            wide = (host if isinstance(host, np.ndarray) else host.numpy()).view(np.uint64)
+            plan = summer.plans[group_id]
+            values, sums = plan.split(wide)
+            parts = plan.layer_parts
             row = 0
             for req_id, start, block_ids, _ in segments:
                 record.requests[req_id].groups[group_id] = GroupChecksums(
@@ -337,6 +350,9 @@ class PendingChecksums:
                     replica_keys=list(summer.plans[group_id].replica_keys),
                     values=values[row : row + len(block_ids)].copy(),
                     fingerprint=summer.groups[group_id].fingerprint,
+                    layer_sums=None
+                    if sums is None
+                    else LayerSums(list(parts), sums[row : row + len(block_ids)].copy()),
                 )
                 row += len(block_ids)
         self._result, self._launched = record, []

@@ -131,6 +131,9 @@ class GroupComparison:
     description is known, for the pictures and the diagnosis (empty and 0 where not).
     ``not_located`` says why a differing group was not located where the sides hold the
     KV of some requests only (an output folder's dumps), None otherwise.
+    ``layer_differences`` gives, per differing position, the ``(layer number, plane)``
+    whose layer sums differ, where both sides' records hold layer sums (an in-engine
+    audit's output folder): what names the layer and K or V without a dump.
     """
 
     compared: int = 0
@@ -147,6 +150,7 @@ class GroupComparison:
     layers: list[str] = field(default_factory=list)
     heads: int = 0
     not_located: str | None = None
+    layer_differences: dict[int, list[tuple[int, str]]] = field(default_factory=dict)
 
     @property
     def replicas_differing(self) -> list[ReplicaKey]:

@@ -9,10 +9,13 @@ dataclasses), ``reading`` (the checks of a record's JSON entries), ``record`` (`
 ``combining`` (``combine_workers``).
 """
 
-from .combining import combine_workers
+from .combining import combine_workers, layer_sums_sum
 from .model import (
+    PLANES,
     RECORD_FORMAT,
     GroupChecksums,
+    LayerPart,
+    LayerSums,
     RequestChecksums,
     WorkerInfo,
     WorkerRecord,
@@ -22,13 +25,17 @@ from .model import (
 from .record import Record
 
 __all__ = [
+    "PLANES",
     "RECORD_FORMAT",
     "GroupChecksums",
+    "LayerPart",
+    "LayerSums",
     "Record",
     "RequestChecksums",
     "WorkerInfo",
     "WorkerRecord",
     "WorkerSummary",
     "combine_workers",
+    "layer_sums_sum",
     "replica_zero_totals",
 ]

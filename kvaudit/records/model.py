@@ -17,6 +17,27 @@ from .wire import WireChecksums, WireGroup
 RECORD_FORMAT = "kvaudit.record/1"
 
 
+PLANES = ("K", "V", "KV")
+"""A layer part's plane: its K rows, its V rows, or whole cells (a fused row, a latent, a
+state)."""
+
+LayerPart = tuple[int, str]
+"""A layer sum's label: ``(layer number, plane)``."""
+
+
+@dataclass
+class LayerSums:
+    """A group's per-block totals split per layer and plane (docs/checksum.md, "Layer sums").
+
+    ``values[i, k]`` is the part of position ``i``'s total (the replica-0 columns) that
+    layer ``parts[k][0]``'s plane ``parts[k][1]`` adds, uint64; summed over ``k`` it is
+    the position's total. Like the totals, each adds up over TP ranks and PP stages.
+    """
+
+    parts: list[LayerPart]
+    values: np.ndarray
+
+
 @dataclass
 class GroupChecksums:
     """One group's checksums of one request.
@@ -33,6 +54,7 @@ class GroupChecksums:
     values: np.ndarray
     fingerprint: int
     partial: str | None = None
+    layer_sums: LayerSums | None = None
 
     @property
     def count(self) -> int:

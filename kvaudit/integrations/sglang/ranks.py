@@ -45,6 +45,7 @@ class RankChecksummer:
         role: str,
         names: Any = DEFAULT_LAYER_NAME,
         layers: LayerSpan | None = None,
+        layer_sums: bool = False,
     ) -> None:
         from ...checksum.checksummer import Checksummer
 
@@ -83,6 +84,7 @@ class RankChecksummer:
             pp_size=pp_size,
             role=role,
             engine=ENGINES[role],
+            layer_sums=layer_sums,
         )
         if self.checksummer.not_covered:
             raise NotDescribable(
