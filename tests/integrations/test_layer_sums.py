@@ -215,3 +215,18 @@ def test_a_bad_layer_sums_entry_is_one_line_exit_2(tmp_path: Path, change, words
     assert status == 2, text
     assert text.count("\n") == 1 and words in text and "line 2" in text, text
     assert 'groups["0"].layer_sums' in text, text
+
+
+def test_the_settings_turn_layer_sums_on_by_default_and_refuse_bad_values() -> None:
+    from kvaudit.core.errors import KvauditError
+    from kvaudit.integrations.sglang.recording import settings_from_environment
+    from kvaudit.integrations.vllm.config import parse_config
+
+    assert parse_config({}).layer_sums is True
+    assert parse_config({"layer_sums": False}).layer_sums is False
+    with pytest.raises(KvauditError, match="layer_sums: expected true or false, got 'yes'"):
+        parse_config({"layer_sums": "yes"})
+    assert settings_from_environment({}).layer_sums is True
+    assert settings_from_environment({"KVAUDIT_SGLANG_LAYER_SUMS": "0"}).layer_sums is False
+    with pytest.raises(KvauditError, match="KVAUDIT_SGLANG_LAYER_SUMS: expected 0 or 1"):
+        settings_from_environment({"KVAUDIT_SGLANG_LAYER_SUMS": "2"})
