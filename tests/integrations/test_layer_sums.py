@@ -230,3 +230,33 @@ def test_the_settings_turn_layer_sums_on_by_default_and_refuse_bad_values() -> N
     assert settings_from_environment({"KVAUDIT_SGLANG_LAYER_SUMS": "0"}).layer_sums is False
     with pytest.raises(KvauditError, match="KVAUDIT_SGLANG_LAYER_SUMS: expected 0 or 1"):
         settings_from_environment({"KVAUDIT_SGLANG_LAYER_SUMS": "2"})
+
+
+def test_layer_sums_compare_at_the_coarser_block_and_whole_where_planes_differ() -> None:
+    from kvaudit.compare.groups import layer_differences
+    from kvaudit.records import GroupChecksums, LayerSums
+
+    def side(block: int, parts: list, rows: list[list[int]]) -> GroupChecksums:
+        values = np.array(rows, dtype=np.uint64)
+        totals = values.sum(axis=1, dtype=np.uint64).reshape(-1, 1)
+        return GroupChecksums(block, 0, [(1, 0)], totals, 0, None, LayerSums(parts, values))
+
+    kv = [(0, "K"), (0, "V"), (1, "K"), (1, "V")]
+    # Two 16-token blocks against one 32-token block: (1+3, 2+4) = (4, 6) against (4, 7).
+    fine = side(16, kv, [[1, 2, 5, 6], [3, 4, 7, 8]])
+    coarse = side(32, kv, [[4, 7, 12, 14]])
+    assert layer_differences(fine, coarse, (32, 32), [0]) == {0: [(0, "V")]}
+    # A consumer that stores layer 1 as whole cells: layer 1 is compared whole.
+    whole = side(32, [(0, "K"), (0, "V"), (1, "KV")], [[4, 6, 27]])
+    assert layer_differences(fine, whole, (32, 32), [0]) == {0: [(1, "KV")]}
+    assert layer_differences(fine, side(32, kv, [[4, 6, 12, 14]]), (32, 32), [0]) == {}
+
+
+def test_the_differing_layer_sums_in_words() -> None:
+    from kvaudit.diagnosis.findings import layer_parts_text
+
+    assert layer_parts_text([(2, "V")]) == "layer 2 V differs"
+    assert layer_parts_text([(5, "KV")]) == "layer 5 differs"
+    every = [(n, p) for n in range(4) for p in ("K", "V")]
+    assert layer_parts_text(every) == "layers 0-3 K and V differ"
+    assert layer_parts_text([(1, "K"), (3, "V"), (4, "V")]) == "layer 1 K, layers 3-4 V differ"
