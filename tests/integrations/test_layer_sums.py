@@ -260,3 +260,44 @@ def test_the_differing_layer_sums_in_words() -> None:
     every = [(n, p) for n in range(4) for p in ("K", "V")]
     assert layer_parts_text(every) == "layers 0-3 K and V differ"
     assert layer_parts_text([(1, "K"), (3, "V"), (4, "V")]) == "layer 1 K, layers 3-4 V differ"
+
+
+TRITON_CHILD = """
+import numpy as np
+from test_layer_sums import make_layers
+from kvaudit.checksum.checksummer import Checksummer, RequestBlocks
+from kvaudit.description import parse_description
+
+for layout in ("KNTHD", "NHTC"):
+    description, tensors, _ = make_layers(0, 1, layout)
+    parsed = parse_description(description, "test")
+    request = {"r": RequestBlocks(10, {0: (0, [4, 1, 3])})}
+    groups = [
+        Checksummer(parsed, tensors, role="consumer", backend=backend, layer_sums=True)
+        .checksum(request).requests["r"].groups[0]
+        for backend in ("numpy", "triton")
+    ]
+    assert groups[0].layer_sums.parts == groups[1].layer_sums.parts
+    np.testing.assert_array_equal(groups[0].layer_sums.values, groups[1].layer_sums.values)
+    np.testing.assert_array_equal(groups[0].values, groups[1].values)
+print("same")
+"""
+
+
+def test_the_triton_kernel_gives_the_same_layer_sums() -> None:
+    """The Triton kernel (under Triton's interpreter where no GPU is here) with its parts'
+    columns per layer and plane, the whole-cell layout split into K and V halves."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    here = Path(__file__).resolve().parent
+    root = here.parents[1]
+    path = os.pathsep.join([str(here), str(root / "tests"), str(root)])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    done = subprocess.run(
+        [sys.executable, "-c", TRITON_CHILD], capture_output=True, text=True, env=env,
+        timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "same", done.stderr[-3000:]
