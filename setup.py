@@ -42,6 +42,7 @@ EXTENSIONS = [
         flags=("-ffp-contract=off",),
     ),
     extension("kvaudit._native._value_reads", "kvaudit/_native/_value_reads.c"),
+    extension("kvaudit._native._strong_sums", "kvaudit/_native/_strong_sums.c"),
 ]
 
 setup(ext_modules=EXTENSIONS)

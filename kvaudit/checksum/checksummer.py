@@ -8,6 +8,7 @@ plans once, then checksums requests into a ``WorkerRecord``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -57,7 +58,7 @@ class Checksummer:
         worker: WorkerInfo,
         *,
         backend: str = "auto",
-        num_blocks: int | None = None,
+        num_blocks: int | Mapping[int, int] | None = None,
         source: str = "",
         layer_sums: bool = False,
     ) -> Checksummer:
@@ -106,10 +107,11 @@ class Checksummer:
         pp_size: int = 1,
         role: Role = "consumer",
         backend: str = "auto",
-        num_blocks: int | None = None,
+        num_blocks: int | Mapping[int, int] | None = None,
         engine: str = "",
         source: str = "",
         left_out: Mapping[int, str] | None = None,
+        strong_lane: bool = True,
         layer_sums: bool = False,
     ) -> None:
         """Build the worker's views and plans once (and warm up their kernels).
@@ -130,14 +132,18 @@ class Checksummer:
                 ``"offload"`` checksum every replica.
             backend: ``"auto"`` (Triton on CUDA tensors, numpy on the CPU), ``"numpy"``,
                 ``"torch"`` or ``"triton"``.
-            num_blocks: The number of manager blocks the tensors hold; None for the
-                description's ``num_blocks``.
+            num_blocks: The number of manager blocks the tensors hold, for every group or
+                per group id; None for each group's block space (its own ``num_blocks``,
+                else the description's).
             engine: The engine's name, kept in the record.
             source: What names the tensors in errors and in the record.
             left_out: The worker's groups that the description does not hold, with the
                 reason (an engine's group its integration cannot describe); every record
                 reports them as not covered.
-            layer_sums: Also split each block's total per layer and K or V plane
+            strong_lane: Whether records carry the strong lane beside the seed lane
+                (docs/checksum.md); False computes the seed lane alone, as the seed
+                engine's records hold it.
+            layer_sums: Also split each block's seed-lane total per layer and K or V plane
                 (``GroupChecksums.layer_sums``), in the same pass over the KV.
 
         Raises:
@@ -149,6 +155,7 @@ class Checksummer:
 
         """
         self.left_out = dict(left_out or {})
+        self.strong_lane = strong_lane
         self.worker = WorkerInfo(tp_rank, tp_size, pp_rank, pp_size, role, engine, source)
         check_worker(self.worker, role, source or None)
         self.description = description
@@ -158,13 +165,16 @@ class Checksummer:
                 f"group {min(described)} is left out, but the description holds it",
                 source or None,
             )
-        self.num_blocks = description.num_blocks if num_blocks is None else num_blocks
+        # Each group's rows (groups may have block spaces of their own); ``num_blocks``
+        # is the top-level space's, or the one count given for every group.
+        self.group_rows = description.group_rows(num_blocks)
+        self.num_blocks = num_blocks if isinstance(num_blocks, int) else description.num_blocks
         self.groups: dict[int, GroupViews] = build_group_views(
             description,
             tensors_by_name(description, tensors, source or None),
             tp_rank=tp_rank,
             tp_size=tp_size,
-            num_blocks=self.num_blocks,
+            num_blocks=self.group_rows,
         )
         self.plans: dict[int, GroupPlan] = {}
         for group_id, group_views in self.groups.items():
@@ -254,7 +264,7 @@ class Checksummer:
         # One pass per group over the rows of all requests.
         batches: dict[int, list[tuple[str, int, list[int], int]]] = {}
         for req_id, blocks in plain_requests(requests, self.worker.source or None).items():
-            _check_request(req_id, blocks, self.groups, self.num_blocks, self.worker.source)
+            _check_request(req_id, blocks, self.groups, self.group_rows, self.worker.source)
             record.requests[req_id] = RequestChecksums(blocks.num_tokens)
             for group_id, (start, block_ids) in blocks.groups.items():
                 if group_id in self.plans:
@@ -262,19 +272,31 @@ class Checksummer:
                         (req_id, start, list(block_ids), blocks.num_tokens)
                     )
         # Queue every group's launches before reading any result back: one wait in all.
-        launched: list[tuple[int, list[tuple[str, int, list[int], int]], Array]] = []
+        launched: list[Launched] = []
         for group_id, segments in batches.items():
             plan = self.plans[group_id]
             rows = np.stack(_rows(segments, self.groups[group_id].group.block_size, positions))
             host: Array = plan.checksum(*rows) if not plan.uses_torch else launch_torch(plan, rows)
-            launched.append((group_id, segments, host))
+            strong = plan.strong(*rows) if self.strong_lane else None
+            launched.append(Launched(group_id, segments, host, strong))
         done = None
-        if any(on_cuda(self.plans[group_id].device) for group_id, _, _ in launched):
+        if any(on_cuda(self.plans[item.group_id].device) for item in launched):
             import torch
 
             done = torch.cuda.Event()
             done.record()
         return PendingChecksums(record, launched, self, done)
+
+
+@dataclass(frozen=True)
+class Launched:
+    """One group's rows on their way: the segments (request, start, block ids, tokens),
+    the seed lane's values (host or device) and the strong lane's residues (or None)."""
+
+    group_id: int
+    segments: list[tuple[str, int, list[int], int]]
+    host: Array
+    strong: np.ndarray | None
 
 
 def on_cuda(device: str) -> bool:
@@ -311,7 +333,7 @@ class PendingChecksums:
     def __init__(
         self,
         record: WorkerRecord,
-        launched: list[tuple[int, list[tuple[str, int, list[int], int]], Array]],
+        launched: list[Launched],
         checksummer: Checksummer,
         done: torch.cuda.Event | None,
     ) -> None:
@@ -337,24 +359,27 @@ class PendingChecksums:
         if self._done is not None:
             self._done.synchronize()
         record, summer = self._record, self._checksummer
-        for group_id, segments, host in self._launched:
+        for launched in self._launched:
+            group_id, host, strong = launched.group_id, launched.host, launched.strong
             wide = (host if isinstance(host, np.ndarray) else host.numpy()).view(np.uint64)
             plan = summer.plans[group_id]
             values, sums = plan.split(wide)
             parts = plan.layer_parts
             row = 0
-            for req_id, start, block_ids, _ in segments:
+            for req_id, start, block_ids, _ in launched.segments:
+                end = row + len(block_ids)
                 record.requests[req_id].groups[group_id] = GroupChecksums(
                     block_size=summer.groups[group_id].group.block_size,
                     start=start,
                     replica_keys=list(summer.plans[group_id].replica_keys),
-                    values=values[row : row + len(block_ids)].copy(),
+                    values=values[row:end].copy(),
                     fingerprint=summer.groups[group_id].fingerprint,
+                    strong=None if strong is None else strong[row:end].copy(),
                     layer_sums=None
                     if sums is None
-                    else LayerSums(list(parts), sums[row : row + len(block_ids)].copy()),
+                    else LayerSums(list(parts), sums[row:end].copy()),
                 )
-                row += len(block_ids)
+                row = end
         self._result, self._launched = record, []
         return record
 
@@ -380,7 +405,7 @@ def _check_request(
     req_id: str,
     blocks: RequestBlocks,
     groups: Mapping[int, GroupViews],
-    num_blocks: int,
+    group_rows: Mapping[int, int],
     source: str,
 ) -> None:
     """Reject a request whose token count, positions or block ids cannot be right."""
@@ -410,6 +435,7 @@ def _check_request(
                 where,
             )
         seen: set[int] = set()
+        num_blocks = group_rows[group_id]
         for block_id in block_ids:
             if not is_int(block_id) or not 0 <= block_id < num_blocks:
                 raise KvauditError(

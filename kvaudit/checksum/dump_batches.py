@@ -19,7 +19,7 @@ from ..core.scheme import valid_tokens
 from ..core.validation import Positions
 from ..description import LayerEntry
 from ..dumps import Dump
-from ..dumps.layers import kernel_blocks_per_block, layer_parts
+from ..dumps.layers import kernel_blocks_per_block, layer_groups, layer_parts
 from ..dumps.safetensors_io import tensor_nbytes
 from ..records import GroupChecksums, RequestChecksums, WorkerRecord
 from ..sources.base import Progress
@@ -31,19 +31,30 @@ if TYPE_CHECKING:
 
 
 def batch_rows(dump: Dump, batch_bytes: int) -> int:
-    """Consecutive rows of a dump that make about ``batch_bytes``."""
-    total = sum(
-        tensor_nbytes(part) for tensor in dump.layer_arrays.values() for part in layer_parts(tensor)
-    )
-    row_bytes = total // dump.num_rows if dump.num_rows else 0
-    return max(1, min(dump.num_rows, batch_bytes // max(row_bytes, 1)))
+    """Consecutive rows of a dump that make about ``batch_bytes`` (per group space: a
+    row of every layer, as the staging buffers hold them)."""
+    if isinstance(dump.num_rows, int):
+        total = sum(
+            tensor_nbytes(part)
+            for tensor in dump.layer_arrays.values()
+            for part in layer_parts(tensor)
+        )
+        row_bytes = total // dump.num_rows if dump.num_rows else 0
+        return max(1, min(dump.num_rows, batch_bytes // max(row_bytes, 1)))
+    groups = layer_groups(dump.description)
+    row_bytes = 0
+    for name, tensor in dump.layer_arrays.items():
+        rows = dump.space(groups[name]).num_rows
+        row_bytes += sum(tensor_nbytes(part) for part in layer_parts(tensor)) // max(rows, 1)
+    return max(1, min(dump.max_rows(), batch_bytes // max(row_bytes, 1)))
 
 
 Table = tuple[int, np.ndarray]
 """One group's rows of a batch: its id and ``[3, n]`` int64 dump rows, first tokens and
 valid tokens."""
-Finish = Callable[[list["Array"]], None]
-"""What takes a batch's ``[rows, replica keys]`` values, one per table, on the host."""
+Finish = Callable[[list["Array"], list["np.ndarray | None"]], None]
+"""What takes a batch's ``[rows, replica keys]`` values, one per table, on the host, and
+the strong lane's (None where a plan computes none)."""
 
 
 class DumpBatches(ABC):
@@ -62,8 +73,9 @@ class DumpBatches(ABC):
 
     @abstractmethod
     def submit(self, first: int, count: int, tables: list[Table], done: Finish) -> None:
-        """Checksum the tables' rows, all within dump rows ``first .. first + count - 1``,
-        and pass their values to ``done``, now or by ``drain``."""
+        """Checksum the tables' rows, all within dump rows ``first .. first + count - 1``
+        (of one row space: the tables' groups share it), and pass their values to
+        ``done``, now or by ``drain``."""
 
     @abstractmethod
     def drain(self) -> None:
@@ -93,7 +105,47 @@ class DumpBatches(ABC):
             gid: np.zeros((count, len(checksummer.plans[gid].replica_keys)), np.uint64)
             for gid, count in entries.counts.items()
         }
-        order = np.argsort(row, kind="stable")
+        strong: dict[int, np.ndarray | None] = {
+            gid: np.zeros_like(group_values) if checksummer.strong_lane else None
+            for gid, group_values in values.items()
+        }
+        # Groups with rows of their own (a dump listing blocks per group) are read space
+        # by space; otherwise every group shares one space and the file is read once.
+        spaces: dict[int, list[int]] = {}
+        for group_id in entries.counts:
+            spaces.setdefault(id(self.dump.space(group_id)), []).append(group_id)
+        for members_of_space in spaces.values():
+            in_space = np.flatnonzero(np.isin(group, members_of_space))
+            columns = (row, group, position, tokens, slot)
+            self._batches(in_space, columns, (values, strong), positions, progress, group_bytes)
+        self.drain()
+        for request_id, group_id, start, first_slot, count in entries.keys:
+            views = checksummer.groups[group_id]
+            record.requests[request_id].groups[group_id] = GroupChecksums(
+                block_size=views.group.block_size,
+                start=start,
+                replica_keys=list(checksummer.plans[group_id].replica_keys),
+                values=values[group_id][first_slot : first_slot + count].copy(),
+                fingerprint=views.fingerprint,
+                strong=_slots(strong[group_id], first_slot, count),
+            )
+        return record
+
+    def _batches(
+        self,
+        selected: np.ndarray,
+        columns: tuple[np.ndarray, ...],
+        lanes: tuple[dict[int, np.ndarray], dict[int, np.ndarray | None]],
+        positions: Positions,
+        progress: Progress | None,
+        group_bytes: dict[int, int],
+    ) -> None:
+        """Submit the ``selected`` entries (of one row space) batch by batch in row order,
+        their values landing in ``lanes`` (the seed lane's, the strong lane's; a group's
+        strong entry becomes None once a plan gives none) at their slots."""
+        row, group, position, tokens, slot = columns
+        values, strong = lanes
+        order = selected[np.argsort(row[selected], kind="stable")]
         sorted_rows = row[order]
         done = 0
         while done < len(order):
@@ -109,28 +161,24 @@ class DumpBatches(ABC):
                 for group_id, m in members
             ]
 
-            def finish(outs: list[Array], members: list = members) -> None:
+            def finish(
+                outs: list[Array], strong_outs: list[np.ndarray | None], members: list = members
+            ) -> None:
                 covered = 0
-                for (group_id, m), out in zip(members, outs, strict=True):
+                for (group_id, m), out, strong_out in zip(members, outs, strong_outs, strict=True):
                     host = out if isinstance(out, np.ndarray) else out.cpu().numpy()
                     values[group_id][slot[m]] = host.view(np.uint64)
+                    group_strong = strong[group_id]
+                    if group_strong is not None and strong_out is None:
+                        strong[group_id] = None
+                    elif group_strong is not None and strong_out is not None:
+                        group_strong[slot[m]] = strong_out
                     covered += len(m) * group_bytes[group_id]
                 if progress is not None and covered:
                     progress(covered)
 
             self.submit(first, int(sorted_rows[end - 1]) - first + 1, tables, finish)
             done = end
-        self.drain()
-        for request_id, group_id, start, first_slot, count in entries.keys:
-            views = checksummer.groups[group_id]
-            record.requests[request_id].groups[group_id] = GroupChecksums(
-                block_size=views.group.block_size,
-                start=start,
-                replica_keys=list(checksummer.plans[group_id].replica_keys),
-                values=values[group_id][first_slot : first_slot + count].copy(),
-                fingerprint=views.fingerprint,
-            )
-        return record
 
     def _table(
         self,
@@ -173,11 +221,25 @@ class MappedBatches(DumpBatches):
     def submit(self, first: int, count: int, tables: list[Table], done: Finish) -> None:
         plans = self.checksummer.plans
         self.dump.check_unchanged()  # a shrunk file would end the read with SIGBUS
-        done([plans[group_id].checksum(*table) for group_id, table in tables])
+        outs = [plans[group_id].checksum(*table) for group_id, table in tables]
+        done(outs, strong_lanes(self.checksummer, tables))
         self.dump.drop_pages()
 
     def drain(self) -> None:
         """Nothing to wait for: each batch is done when submitted."""
+
+
+def strong_lanes(checksummer: Checksummer, tables: list[Table]) -> list[np.ndarray | None]:
+    """The strong lane of each table's rows (None for all when the checksummer computes
+    the seed lane alone)."""
+    if not checksummer.strong_lane:
+        return [None] * len(tables)
+    return [checksummer.plans[group_id].strong(*table) for group_id, table in tables]
+
+
+def _slots(strong: np.ndarray | None, first: int, count: int) -> np.ndarray | None:
+    """A group's strong values of ``count`` slots from ``first`` (None without them)."""
+    return None if strong is None else strong[first : first + count].copy()
 
 
 class _Entries:

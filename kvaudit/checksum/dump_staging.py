@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ..dumps import Dump
-from ..dumps.layers import layer_parts, owner_layers
+from ..dumps.layers import layer_groups, layer_parts, owner_layers
 from ..dumps.safetensors_io import as_integers
 from .checksummer import Checksummer, launch_torch
-from .dump_batches import DumpBatches, Finish, Table, batch_rows, row_axis
+from .dump_batches import DumpBatches, Finish, Table, batch_rows, row_axis, strong_lanes
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +59,7 @@ class StagedBatches(DumpBatches):
                 name: tuple(torch.from_numpy(part) for part in layer_parts(array))
                 for name, array in dump.layer_arrays.items()
             }
+        self.groups = layer_groups(dump.description)
         count = slots if slots is not None else (2 if self.cuda else 1)
         self.slots = [self._slot(backend) for _ in range(count)]
         self.turn = 0
@@ -107,7 +111,13 @@ class StagedBatches(DumpBatches):
         self.turn += 1
         # Its buffers are free once its last batch's checksums are in.
         self._finish(slot)
-        for name, sources in self.sources.items():
+        names: Iterable[str] = self.sources
+        if self.dump.per_group:
+            # The batch's rows are rows of its groups' space: only their layers hold them.
+            read = {group_id for group_id, _ in tables}
+            names = [name for name in self.sources if self.groups[name] in read]
+        for name in names:
+            sources = self.sources[name]
             self.dump.check_unchanged()  # a shrunk file would end the read with SIGBUS
             axis, per_row = self.axes[name]
             start, length = first * per_row, count * per_row
@@ -123,7 +133,8 @@ class StagedBatches(DumpBatches):
         plans = slot.checksummer.plans
         if not self.cuda:
             outs = [launch_torch(plans[group_id], table) for group_id, table in relative]
-            slot.pending = _Pending(outs, done, None)
+            # Now, while the slot's buffers hold this batch.
+            slot.pending = _Pending(outs, done, None, strong_lanes(slot.checksummer, relative))
             return
         torch = self.torch
         # Everything is queued from this thread and nothing waited for: the checksums wait
@@ -133,9 +144,10 @@ class StagedBatches(DumpBatches):
             stream = torch.cuda.current_stream()
             stream.wait_event(copied)
             outs = [launch_torch(plans[group_id], table) for group_id, table in relative]
+            strong = strong_lanes(slot.checksummer, relative)
             summed = torch.cuda.Event()
             summed.record(stream)
-        slot.pending = _Pending(outs, done, summed)
+        slot.pending = _Pending(outs, done, summed, strong)
 
     def _finish(self, slot: _Slot) -> None:
         """Hand the slot's last batch's checksums on, once they are on the host."""
@@ -144,7 +156,7 @@ class StagedBatches(DumpBatches):
             return
         if pending.summed is not None:
             pending.summed.synchronize()
-        pending.done(pending.outs)
+        pending.done(pending.outs, pending.strong)
 
     def _send(self, slot: _Slot) -> torch.cuda.Event:
         """Queue the copy of the slot's pinned buffers to its device buffers on the copy
@@ -191,6 +203,8 @@ class _Pending:
     outs: list[Array]
     done: Finish
     summed: torch.cuda.Event | None
+    strong: list[np.ndarray | None]
+    """The strong lane of each table (computed at submit: the buffers are reused)."""
 
 
 def _part_view(

@@ -10,13 +10,13 @@ the others take and return torch tensors on the plan's device.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..core.arrays import Array, data_ptr, device_type, element_size, is_numpy, strides
-from ..core.scheme import ReplicaKey
+from ..core.scheme import ReplicaKey, strong_add
 from ..views import LayerView
 from ..views.model import PieceView
 from .kernels import BackendChoice, Launch, LaunchPart, resolve_backend
@@ -36,6 +36,8 @@ class GroupPlan:
     """The parts' device (``cpu``, ``cuda:0``)."""
     uses_torch: bool
     """Whether rows and results are torch tensors on ``device`` (else numpy arrays)."""
+    parts: list[LaunchPart] = field(default_factory=list)
+    """Every part of every launch, for the strong lane (:meth:`strong`)."""
     columns: list[tuple[ReplicaKey, int, str]] | None = None
     """With layer sums, each output column's replica key, layer number and plane; None:
     one column per replica key."""
@@ -128,8 +130,21 @@ class GroupPlan:
                     )
                 )
         launches = [resolved.launch(parts) for parts in layouts.values()]
+        # The strong lane reads each view's own parts into its replica key's column: the
+        # layer sums' columns and K/V halves are the seed lane's alone.
+        every_part = [
+            LaunchPart(
+                _for_backend(part.pieces, resolved.uses_torch),
+                view.first_slice,
+                replica_keys.index(view.replica_key),
+                part.piece_offset,
+                part.cell_pieces,
+            )
+            for view in views
+            for part in view.parts
+        ]
         columns = labels if layer_sums else None
-        return cls(replica_keys, launches, device, resolved.uses_torch, columns)
+        return cls(replica_keys, launches, device, resolved.uses_torch, every_part, columns)
 
     def warm_up(self) -> None:
         """Prepare every launch ahead of use (compile kernels, allocate buffers)."""
@@ -150,6 +165,41 @@ class GroupPlan:
         if len(block_ids):
             for launch in self.launches:
                 launch.accumulate(block_ids, first_tokens, valid_tokens, out)
+        return out
+
+    def strong(
+        self, block_ids: np.ndarray, first_tokens: np.ndarray, valid_tokens: np.ndarray
+    ) -> np.ndarray | None:
+        """The strong lane's ``[rows, replica keys]`` residues (uint64) of the rows, or None
+        where the plan's device has no strong path (docs/checksum.md, "The strong lane").
+
+        Args:
+            block_ids: The rows' block ids (numpy int64).
+            first_tokens: Each row's first token position.
+            valid_tokens: Each row's valid token count.
+
+        Returns:
+            The residues modulo ``2**64 - 59``, one column per replica key.
+
+        """
+        from .strong import StrongPart
+
+        out = np.zeros((len(block_ids), len(self.replica_keys)), dtype=np.uint64)
+        if not len(block_ids):
+            return out
+        if self.device != "cpu":
+            from .kernels import triton_strong
+
+            return triton_strong.strong_sums(self, block_ids, first_tokens, valid_tokens)
+        counted = np.flatnonzero(valid_tokens > 0)
+        for part in self.parts:
+            from .kernels.numpy_cpu import as_numpy
+
+            strong_part = StrongPart.of(part, as_numpy(part.pieces))
+            sums = strong_part.row_sums(
+                block_ids[counted], first_tokens[counted], valid_tokens[counted]
+            )
+            out[counted, part.column] = strong_add(out[counted, part.column], sums)
         return out
 
 

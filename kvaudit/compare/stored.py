@@ -192,6 +192,6 @@ def _stored_check(dump: Dump, record: Record, fingerprint: int, rid: str, gid: i
     positions = list(range(start, start + count))
     group = record.requests[rid].groups[gid]
     recomputed = group.values[start - group.start : start - group.start + count]
-    stored = dump.stored_checksums[[dump.row_of(block_id) for block_id in block_ids[:count]]]
+    stored = dump.stored_checksums[[dump.row_of(block_id, gid) for block_id in block_ids[:count]]]
     failed = verify_stored_blocks(rid, gid, positions, recomputed, stored, hashes, fingerprint)
     return StoredCheck(rid, gid, block_size, checked=positions, failed=failed)

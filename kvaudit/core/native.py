@@ -15,6 +15,7 @@ EXTENSIONS = {
     "kvaudit._native._row_sums": "checksum",
     "kvaudit._native._element_errors": "numeric errors",
     "kvaudit._native._value_reads": "numeric reads",
+    "kvaudit._native._strong_sums": "strong lane",
 }
 """Each C extension (the ``EXTENSIONS`` of setup.py) and what it computes."""
 

@@ -21,6 +21,37 @@ def slice_number(layer_number: int, head: int) -> int:
     return wrapped - (1 << 64) if wrapped >> 63 else wrapped
 
 
+STRONG_PRIME = (1 << 64) - 59
+"""The strong lane's modulus: the largest prime below 2**64; 2 is a primitive root of it."""
+
+STRONG_TOKEN_PLACES = 4096
+"""Tokens that take distinct places in a slice: a token's place uses ``t mod 4096``."""
+
+STRONG_PIECE_PLACES = 1 << 20
+"""Places a cell's pieces have before the next token's begin."""
+
+
+def strong_place(slice_index: int, token: int, piece: int) -> int:
+    """``E = (s * 4096 + t mod 4096) * 2**20 + k``: the place of piece ``k`` of token
+    ``t`` of slice ``s = (L * H + h) mod 2**64`` in the strong lane, whose weight is
+    ``2**(64 E)`` modulo :data:`STRONG_PRIME` (docs/checksum.md, "The strong lane")."""
+    token_place = (slice_index & MASK64) * STRONG_TOKEN_PLACES + token % STRONG_TOKEN_PLACES
+    return token_place * STRONG_PIECE_PLACES + piece
+
+
+def strong_weight(place: int) -> int:
+    """``2**(64 * place)`` modulo :data:`STRONG_PRIME` (``2**64`` is 59 modulo it)."""
+    return pow(59, place % (STRONG_PRIME - 1), STRONG_PRIME)
+
+
+def strong_add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``(a + b) mod (2**64 - 59)`` of residues (uint64 arrays)."""
+    gap, prime = np.uint64(59), np.uint64(STRONG_PRIME)
+    total = a + b
+    total = np.where(total < a, total + gap, total)  # a carry past 2**64 is worth 59
+    return np.where(total >= prime, total - prime, total)
+
+
 def valid_tokens(
     num_tokens: int | np.ndarray, block_size: int, positions: np.ndarray | int
 ) -> np.ndarray:

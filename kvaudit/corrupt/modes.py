@@ -288,13 +288,15 @@ def _stale(
             continue
         start, block_ids = listed
         for offset, block_id in enumerate(block_ids):
-            row = dump.row_of(block_id)
+            row = dump.row_of(block_id, block.group_id)
             if row not in seen:
                 seen.add(row)
                 others.append(StaleOrigin(request_id, start + offset, block_id, row))
+    # Rows of the block's own group space: another group's rows are other tensors.
+    space = dump.space(block.group_id)
     rest = [
-        StaleOrigin(None, None, _block_id(dump, row), row)
-        for row in range(dump.num_rows)
+        StaleOrigin(None, None, space.block_of(row), row)
+        for row in range(space.num_rows)
         if row not in seen
     ]
     valid = slice(0, min(upto, block.valid))
@@ -316,11 +318,6 @@ def _stale(
         if differs:
             return Fault(changes, origin=origin)
     raise block.fail("stale would change nothing: no other block of the dump differs")
-
-
-def _block_id(dump: Dump, row: int) -> int:
-    """The engine block a dump row holds."""
-    return dump.block_ids[row] if dump.block_ids is not None else row
 
 
 def _shift(

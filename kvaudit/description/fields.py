@@ -14,7 +14,7 @@ from ..core.validation import MAX_COUNT, Checker, join, short_text
 from .model import LAYOUT_AXES, SPEC_TYPES
 
 TOP_KEYS = ("kvaudit", "num_blocks", "model_kv_heads", "draft_layers", "groups")
-GROUP_KEYS = ("id", "transfer", "host_resident", "spec", "layers")
+GROUP_KEYS = ("id", "num_blocks", "transfer", "host_resident", "spec", "layers")
 LAYER_KEYS = ("name", "spec", "shares")
 SPLIT_KEYS = ("axis", "segments")
 COMMON_SPEC_KEYS = ("type", "block_size", "kernel_block_size")

@@ -3,6 +3,7 @@ layouts, as typed, immutable dataclasses (docs/cache-description.md)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..core.dtypes import BFLOAT16, DType
@@ -129,6 +130,8 @@ class GroupDescription:
     layers: tuple[LayerEntry, ...]
     transfer: bool = True
     host_resident: bool = False
+    # The group's own block space (a second pool, state slots); None: the top-level one.
+    num_blocks: int | None = None
 
     @property
     def block_size(self) -> int:
@@ -163,6 +166,47 @@ class CacheDescription:
             if group.id == group_id:
                 return group
         raise KeyError(group_id)
+
+    def blocks_of(self, group_id: int) -> int:
+        """The manager blocks of a group's block space (its own ``num_blocks``, else the
+        top-level one).
+
+        Args:
+            group_id: The group's id.
+
+        Returns:
+            The number of blocks each of the group's layer caches holds.
+
+        Raises:
+            KeyError: The description has no such group.
+
+        """
+        own = self.group(group_id).num_blocks
+        return self.num_blocks if own is None else own
+
+    @property
+    def has_group_spaces(self) -> bool:
+        """Whether some group has a block space of its own (``num_blocks`` of its own)."""
+        return any(group.num_blocks is not None for group in self.groups)
+
+    def group_rows(self, num_blocks: int | Mapping[int, int] | None = None) -> dict[int, int]:
+        """Each group's rows: ``num_blocks`` for every group when an int, a group's entry
+        when a mapping, else (None, or a group the mapping lacks) its block space's size.
+
+        Args:
+            num_blocks: The rows tensors hold, for all groups or per group id.
+
+        Returns:
+            Group id to the rows its layers' tensors hold.
+
+        """
+        if isinstance(num_blocks, int):
+            return {group.id: num_blocks for group in self.groups}
+        given = num_blocks or {}
+        return {
+            group.id: given[group.id] if group.id in given else self.blocks_of(group.id)
+            for group in self.groups
+        }
 
 
 FORMAT_VERSION = 1

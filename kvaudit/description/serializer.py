@@ -75,9 +75,13 @@ def description_to_dict(description: CacheDescription) -> dict[str, Any]:
     groups = []
     for group in description.groups:
         group_spec = _spec_to_dict(group.spec)
+        # A group's own block space only where it has one: other descriptions serialize
+        # as before, byte for byte.
+        own = {} if group.num_blocks is None else {"num_blocks": group.num_blocks}
         groups.append(
             {
                 "id": group.id,
+                **own,
                 "transfer": group.transfer,
                 "host_resident": group.host_resident,
                 "spec": group_spec,

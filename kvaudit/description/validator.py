@@ -84,9 +84,12 @@ class _Validator(SpecChecker):
     def group(
         self, value: object, path: str, index: int, layers: dict[str, _RawLayer]
     ) -> GroupDescription:
-        raw = self.mapping(value, path, GROUP_KEYS, "id, transfer, host_resident, spec, layers")
+        raw = self.mapping(
+            value, path, GROUP_KEYS, "id, num_blocks, transfer, host_resident, spec, layers"
+        )
         # The wire format carries group ids as u32.
         group_id = self.field_int(raw, path, "id", default=index, minimum=0, maximum=2**32 - 1)
+        num_blocks = self.field_int(raw, path, "num_blocks")
         transfer = self.boolean(raw, path, "transfer", True)
         host_resident = self.boolean(raw, path, "host_resident", False)
         spec_path = join(path, "spec")
@@ -116,6 +119,7 @@ class _Validator(SpecChecker):
             layers=tuple(entries),
             transfer=transfer,
             host_resident=host_resident,
+            num_blocks=num_blocks,
         )
 
     def layer(

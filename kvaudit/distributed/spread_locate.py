@@ -58,8 +58,8 @@ def block_dump(dump: Dump, request_id: str, group_id: int, lo: int, hi: int, pat
     group of ``dump``, rows as they are dumped (written to ``path`` and read back)."""
     request = dump.requests[request_id]
     start, block_ids = request.groups[group_id]
-    rows = [dump.row_of(block_id) for block_id in block_ids[lo - start : hi - start]]
-    description = dataclasses.replace(dump.description, num_blocks=dump.num_rows)
+    rows = [dump.row_of(block_id, group_id) for block_id in block_ids[lo - start : hi - start]]
+    description = dump.rows_description()
     blocks = {request_id: RequestBlocks(request.num_tokens, {group_id: (lo, rows)})}
     write_dump(path, description, dump.tensors, blocks, worker=dump.worker)
     try:

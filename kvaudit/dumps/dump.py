@@ -4,6 +4,7 @@ tensor) and the dataclasses of an opened dump, its requests and a set of dumps.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -83,6 +84,32 @@ class DumpRequest:
     received: bytes | None = None
 
 
+class RowSpace:
+    """One block space's dumped rows: how many, and the engine block each row holds (row
+    ``i`` is block ``block_ids[i]``, or block ``i`` when ``block_ids`` is None)."""
+
+    def __init__(self, num_rows: int, block_ids: list[int] | None) -> None:
+        self.num_rows = num_rows
+        self.block_ids = block_ids
+        self._rows: dict[int, int] | None = None
+        if block_ids is not None:
+            self._rows = {block_id: row for row, block_id in enumerate(block_ids)}
+
+    def holds(self, block_id: int) -> bool:
+        """Whether the space has a row of this engine block."""
+        if self._rows is not None:
+            return block_id in self._rows
+        return 0 <= block_id < self.num_rows
+
+    def row(self, block_id: int) -> int:
+        """The row of a block the space holds (``holds`` says whether it does)."""
+        return self._rows[block_id] if self._rows is not None else block_id
+
+    def block_of(self, row: int) -> int:
+        """The engine block a row holds."""
+        return self.block_ids[row] if self.block_ids is not None else row
+
+
 @dataclass
 class Dump:
     """One worker's dump, opened and checked, its tensors memory-mapped (read-only).
@@ -90,7 +117,10 @@ class Dump:
     ``tensors`` holds each layer's cache (K and V tensors for layouts that keep them
     apart) whose ``N`` axis (state layers: first axis) is the dumped rows' kernel blocks;
     row ``i`` is engine block ``block_ids[i]``, or block ``i`` when ``block_ids`` is None
-    (the whole cache). The tensors view the file's pages: never write to them.
+    (the whole cache). Where the dump lists blocks per group (``kvaudit.blocks`` an
+    object: groups with block spaces of their own), ``num_rows`` and ``block_ids`` are per
+    group id and each group's layers hold that group's rows; ``space(group_id)`` gives
+    any group's rows either way. The tensors view the file's pages: never write to them.
     ``arrays`` holds the same bytes as numpy arrays of integers of the element's size
     (``kvaudit.core.arrays``): what the CPU path reads without importing torch.
     """
@@ -99,8 +129,8 @@ class Dump:
     worker: WorkerInfo
     description: CacheDescription
     tensors: dict[str, LayerTensor]
-    num_rows: int
-    block_ids: list[int] | None
+    num_rows: int | dict[int, int]
+    block_ids: list[int] | dict[int, list[int] | None] | None
     requests: dict[str, DumpRequest]
     stored_checksums: np.ndarray | None = None
     # The file mappings the tensors view (kept open as long as the dump is).
@@ -110,31 +140,88 @@ class Dump:
     def __post_init__(self) -> None:
         if self.arrays is None:
             self.arrays = {name: _arrays_of(tensor) for name, tensor in self.tensors.items()}
-        self._rows: dict[int, int] | None = None
-        if self.block_ids is not None:
-            self._rows = {block_id: row for row, block_id in enumerate(self.block_ids)}
+        self.spaces: dict[int, RowSpace] = {}
+        if isinstance(self.num_rows, dict):
+            assert isinstance(self.block_ids, dict)
+            for group_id, rows in self.num_rows.items():
+                self.spaces[group_id] = RowSpace(rows, self.block_ids.get(group_id))
+        else:
+            assert not isinstance(self.block_ids, dict)
+            # One space for every group: the same object, so that batches read each row
+            # of every layer once.
+            shared = RowSpace(self.num_rows, self.block_ids)
+            self.spaces = {group.id: shared for group in self.description.groups}
 
     @property
     def name(self) -> str:
         """The dump in messages: its path."""
         return self.path
 
-    def holds(self, block_id: int) -> bool:
-        """Whether the dump holds a row of this engine block."""
-        if self._rows is not None:
-            return block_id in self._rows
-        return 0 <= block_id < self.num_rows
+    @property
+    def per_group(self) -> bool:
+        """Whether the dump's groups have rows of their own (``kvaudit.blocks`` per group)."""
+        return isinstance(self.num_rows, dict)
 
-    def row_of(self, block_id: int) -> int:
-        """The row that holds an engine block.
+    def space(self, group_id: int | None = None) -> RowSpace:
+        """The rows a group's layers hold; with no group, the one space every group
+        shares.
 
         Raises:
-            KvauditError: The dump does not hold the block.
+            KvauditError: The description has no such group, or no group is named where
+                the dump's groups have rows of their own.
 
         """
-        if not self.holds(block_id):
-            raise KvauditError(f"the dump does not hold block {block_id}", source=self.path)
-        return self._rows[block_id] if self._rows is not None else block_id
+        if group_id is None:
+            if self.per_group:
+                raise KvauditError(
+                    "the dump lists its blocks per group: a block id needs its group",
+                    source=self.path,
+                )
+            return next(iter(self.spaces.values()))
+        space = self.spaces.get(group_id)
+        if space is None:
+            raise KvauditError(f"the dump has no group {group_id}", source=self.path)
+        return space
+
+    def holds(self, block_id: int, group_id: int | None = None) -> bool:
+        """Whether the dump holds a row of this engine block (of the group's space)."""
+        return self.space(group_id).holds(block_id)
+
+    def row_of(self, block_id: int, group_id: int | None = None) -> int:
+        """The row (of the group's layers) that holds an engine block.
+
+        Raises:
+            KvauditError: The dump does not hold the block, or no group is named where
+                the dump's groups have rows of their own.
+
+        """
+        space = self.space(group_id)
+        if not space.holds(block_id):
+            raise KvauditError(
+                f"the dump does not hold block {block_id} of group {group_id}"
+                if self.per_group
+                else f"the dump does not hold block {block_id}",
+                source=self.path,
+            )
+        return space.row(block_id)
+
+    def rows_description(self) -> CacheDescription:
+        """The description with the dump's rows as its whole cache (each group's rows its
+        block space), for writing the dump's rows as a dump of their own."""
+        if isinstance(self.num_rows, int):
+            groups = tuple(
+                dataclasses.replace(group, num_blocks=None) for group in self.description.groups
+            )
+            return dataclasses.replace(self.description, num_blocks=self.num_rows, groups=groups)
+        groups = tuple(
+            dataclasses.replace(group, num_blocks=self.num_rows[group.id])
+            for group in self.description.groups
+        )
+        return dataclasses.replace(self.description, groups=groups)
+
+    def max_rows(self) -> int:
+        """The most rows any group's layers hold."""
+        return max((space.num_rows for space in self.spaces.values()), default=0)
 
     def row_bytes(self) -> dict[int, int]:
         """Per group, the bytes of one dumped row its checksummed layers read."""
@@ -147,7 +234,8 @@ class Dump:
                 tensor = self.layer_arrays.get(entry.name)
                 if tensor is not None:
                     total += sum(tensor_nbytes(part) for part in layer_parts(tensor))
-            result[group.id] = total // self.num_rows if self.num_rows else 0
+            rows = self.space(group.id).num_rows
+            result[group.id] = total // rows if rows else 0
         return result
 
     def drop_pages(self) -> None:

@@ -244,6 +244,7 @@ def open_example_connectors(folders: Sequence[str], config: CacheDescription | N
                 for gid, (start, ids) in request.groups.items()
             }
             requests[request_id] = DumpRequest(request.num_tokens, groups)
+        assert isinstance(dump.num_rows, int)  # a folder's rows are one space
         offset += dump.num_rows
     tensors = {}
     for entry in owner_layers(first.description):

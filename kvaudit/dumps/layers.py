@@ -6,7 +6,7 @@ description (the same for reading and writing).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from ..core.dtypes import dtype_name, dtype_size
@@ -53,6 +53,16 @@ def tensor_names(entry: LayerEntry) -> list[str]:
 def owner_layers(description: CacheDescription) -> list[LayerEntry]:
     """The layers that own a cache tensor (every layer but those that share one)."""
     return [entry for group in description.groups for entry in group.layers if entry.shares is None]
+
+
+def layer_groups(description: CacheDescription) -> dict[str, int]:
+    """Each layer's group id, by layer name."""
+    return {entry.name: group.id for group in description.groups for entry in group.layers}
+
+
+def rows_of_layer(rows: int | Mapping[int, int], group_id: int) -> int:
+    """The rows a layer of the group holds: ``rows`` itself, or the group's entry."""
+    return rows if isinstance(rows, int) else rows[group_id]
 
 
 def check_layer(

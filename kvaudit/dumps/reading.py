@@ -50,7 +50,14 @@ from .hints import (
     other_engine_hint,
     own_description_option,
 )
-from .layers import check_layer, kernel_blocks_per_block, owner_layers, tensor_names
+from .layers import (
+    check_layer,
+    kernel_blocks_per_block,
+    layer_groups,
+    owner_layers,
+    rows_of_layer,
+    tensor_names,
+)
 from .safetensors_io import PAD_PREFIX, Entry, Header, array_view, map_file, read_header
 
 _WORKER_KEYS = ("tp_rank", "tp_size", "pp_rank", "pp_size", "role", "engine")
@@ -101,37 +108,97 @@ def _embedded_description(metadata: Mapping[str, str], source: str) -> CacheDesc
     return _parse_description(data, f"{source} ({META_CACHE})")
 
 
+GroupBlocks = dict[int, list[int] | None]
+"""``kvaudit.blocks`` per group: each group's listed block ids, None for its whole space."""
+
+
 def _parse_blocks(
     metadata: Mapping[str, str],
     description: CacheDescription,
     source: str,
     worker: WorkerInfo,
     given: bool,
-) -> list[int] | None:
+) -> list[int] | GroupBlocks | None:
+    """``kvaudit.blocks``: None (absent: the whole cache), one list for every group, or
+    (an object) a list per group; where some group has a block space of its own, an
+    absent key reads as every group's whole space."""
     if META_BLOCKS not in metadata:
+        if description.has_group_spaces:
+            return {group.id: None for group in description.groups}
         return None
     data = _json(metadata, META_BLOCKS, source)
+    if isinstance(data, dict):
+        return _parse_group_blocks(data, description, source, worker, given)
     if not isinstance(data, list):
-        fail(source, f"{META_BLOCKS}: expected a list of block ids, got {short(data)}")
+        fail(
+            source,
+            f"{META_BLOCKS}: expected a list of block ids or an object of lists by group id, "
+            f"got {short(data)}",
+        )
+    if description.has_group_spaces:
+        # One list for groups of different spaces: each id must be in every space.
+        smallest = min(description.groups, key=lambda group: description.blocks_of(group.id))
+        space = description.blocks_of(smallest.id)
+        label = f" (group {smallest.id}'s block space)"
+    else:
+        space, label = description.num_blocks, ""
+    return _block_list(data, META_BLOCKS, space, label, source, worker, given)
+
+
+def _block_list(
+    data: list[Any],
+    where: str,
+    space: int,
+    label: str,
+    source: str,
+    worker: WorkerInfo,
+    given: bool,
+) -> list[int]:
+    """One list of block ids in a space of ``space`` blocks: integers in it, none twice."""
     seen: set[int] = set()
     for index, block_id in enumerate(data):
-        if given and is_int(block_id) and block_id >= description.num_blocks:
+        if given and is_int(block_id) and block_id >= space:
             fail(
                 source,
-                f"{META_BLOCKS}[{index}]: block id {block_id} is past the last block "
-                f"{description.num_blocks - 1}; "
-                + other_engine_hint(worker.role, description.num_blocks),
+                f"{where}[{index}]: block id {block_id} is past the last block "
+                f"{space - 1}{label}; " + other_engine_hint(worker.role, space),
             )
-        if not is_int(block_id) or not 0 <= block_id < description.num_blocks:
+        if not is_int(block_id) or not 0 <= block_id < space:
             fail(
                 source,
-                f"{META_BLOCKS}[{index}]: expected a block id from 0 to "
-                f"{description.num_blocks - 1}, got {short(block_id)}",
+                f"{where}[{index}]: expected a block id from 0 to {space - 1}{label}, got "
+                f"{short(block_id)}",
             )
         if block_id in seen:
-            fail(source, f"{META_BLOCKS}[{index}]: block {block_id} is listed twice")
+            fail(source, f"{where}[{index}]: block {block_id} is listed twice")
         seen.add(block_id)
     return [int(block_id) for block_id in data]
+
+
+def _parse_group_blocks(
+    data: dict[Any, Any],
+    description: CacheDescription,
+    source: str,
+    worker: WorkerInfo,
+    given: bool,
+) -> GroupBlocks:
+    """``kvaudit.blocks`` as an object: each named group's list, the others whole."""
+    group_ids = {group.id for group in description.groups}
+    result: GroupBlocks = {group.id: None for group in description.groups}
+    for key, items in data.items():
+        group_id = _group_key(source, META_BLOCKS, key, group_ids)
+        where = f"{META_BLOCKS}.{group_id}"
+        if not isinstance(items, list):
+            fail(source, f"{where}: expected a list of block ids, got {short(items)}")
+        space = description.blocks_of(group_id)
+        if len(items) > space:
+            fail(
+                source,
+                f"{where}: {len(items)} block ids, more than the {space} blocks of group "
+                f"{group_id}'s space",
+            )
+        result[group_id] = _block_list(items, where, space, "", source, worker, given)
+    return result
 
 
 def check_group_blocks(
@@ -178,7 +245,7 @@ def _group_key(source: str, where: str, key: object, group_ids: set[int]) -> int
 def _parse_requests(
     metadata: Mapping[str, str],
     description: CacheDescription,
-    holds: Callable[[int], bool],
+    holds: Mapping[int, Callable[[int], bool]],
     source: str,
 ) -> dict[str, DumpRequest]:
     if META_REQUESTS not in metadata:
@@ -215,7 +282,7 @@ def _parse_requests(
             if not isinstance(entry, list) or len(entry) != 2:
                 fail(source, f"{group_where}: expected [start, [block ids]], got {short(entry)}")
             check_group_blocks(
-                source, group_where, entry[0], entry[1], holds, "is not held by the dump"
+                source, group_where, entry[0], entry[1], holds[group_id], "is not held by the dump"
             )
             block_size = description.group(group_id).block_size
             check_positions(
@@ -235,15 +302,36 @@ def _parse_requests(
     return requests
 
 
-def check_metadata(metadata: Mapping[str, str], row_ids: list[int] | None, source: str) -> None:
+def check_metadata(metadata: Mapping[str, str], source: str) -> None:
     """Read a dump's metadata back as ``open_dump`` reads it (its worker, description,
     rows and requests), for a writer: what a reader would refuse is refused before
     anything is written."""
     worker = _parse_worker(metadata, source)
     description = _embedded_description(metadata, source)
-    _parse_blocks(metadata, description, source, worker, given=False)
-    holds = range(description.num_blocks) if row_ids is None else set(row_ids)
-    _parse_requests(metadata, description, holds.__contains__, source)
+    blocks = _parse_blocks(metadata, description, source, worker, given=False)
+    _, _, holds = _row_spaces(description, blocks)
+    _parse_requests(metadata, description, holds, source)
+
+
+def _row_spaces(
+    description: CacheDescription, blocks: list[int] | GroupBlocks | None
+) -> tuple[int | dict[int, int], list[int] | GroupBlocks | None, dict[int, Callable[[int], bool]]]:
+    """A dump's rows (one count, or per group), its block ids as ``Dump`` keeps them, and
+    per group what says whether it holds a block."""
+    if isinstance(blocks, dict):
+        rows = {
+            group_id: description.blocks_of(group_id) if ids is None else len(ids)
+            for group_id, ids in blocks.items()
+        }
+        # Called once per listed block: a C method, not a Python function.
+        holds = {
+            group_id: (range(rows[group_id]) if ids is None else set(ids)).__contains__
+            for group_id, ids in blocks.items()
+        }
+        return rows, blocks, holds
+    num_rows = len(blocks) if blocks is not None else description.num_blocks
+    shared = (set(blocks) if blocks is not None else range(num_rows)).__contains__
+    return num_rows, blocks, {group.id: shared for group in description.groups}
 
 
 def _parse_hashes(
@@ -282,13 +370,16 @@ def _parse_hashes(
 
 
 def _dump_tensors(
-    source: str, header: Header, description: CacheDescription, rows: int
+    source: str, header: Header, description: CacheDescription, num_rows: int | dict[int, int]
 ) -> tuple[dict[str, Entry | tuple[Entry, Entry]], Entry | None]:
-    """Every layer's tensor entries, checked against the description, and the stored
-    checksums' entry."""
+    """Every layer's tensor entries, checked against the description (each layer's rows:
+    ``num_rows``, or its group's entry), and the stored checksums' entry."""
     found: dict[str, Entry | tuple[Entry, Entry]] = {}
     used: set[str] = set()
+    groups = layer_groups(description)
     for entry in owner_layers(description):
+        rows = rows_of_layer(num_rows, groups[entry.name])
+        what = "rows" if isinstance(num_rows, int) else f"rows of group {groups[entry.name]}"
         names = tensor_names(entry)
         present = [name for name in names if name in header.tensors]
         if len(present) < len(names):
@@ -306,12 +397,19 @@ def _dump_tensors(
             [part.dtype for part in parts],
             names,
             rows,
-            "rows",
+            what,
         )
         found[entry.name] = (parts[0], parts[1]) if len(parts) == 2 else parts[0]
         used.update(names)
     stored = header.tensors.get(STORED_CHECKSUMS)
+    if stored is not None and not isinstance(num_rows, int):
+        fail(
+            source,
+            f"tensor {STORED_CHECKSUMS}: stored checksums need one {META_BLOCKS} list for "
+            "every group, not a list per group",
+        )
     if stored is not None:
+        rows = num_rows
         if stored.dtype != INT64 or stored.shape != (rows,):
             fail(
                 source,
@@ -351,8 +449,10 @@ def _check_whole_cache_rows(
     """A whole-cache dump read under a given description: a layer whose tensor matches
     its description but for the rows means the description is probably the other
     engine's (one check, on the first such layer)."""
+    groups = layer_groups(description)
     for entry in owner_layers(description):
         spec = entry.spec
+        space = description.blocks_of(groups[entry.name])
         item = header.tensors.get(tensor_names(entry)[0])
         if item is None or spec.is_state or "N" not in spec.layout:
             continue
@@ -363,11 +463,11 @@ def _check_whole_cache_rows(
         shape = list(item.shape)
         if len(shape) != len(spec.layout) or shape[:axis] + shape[axis + 1 :] != others:
             return
-        if shape[axis] != description.num_blocks * per_row:
+        if shape[axis] != space * per_row:
             fail(
                 source,
                 f"layer {entry.name} holds {shape[axis] // per_row} blocks (the whole cache); "
-                + other_engine_hint(worker.role, description.num_blocks),
+                + other_engine_hint(worker.role, space),
             )
         return
 
@@ -418,12 +518,10 @@ def open_dump(path: str | os.PathLike[str], config: CacheDescription | None = No
             fail(source, f"unknown metadata key {key}; expected {', '.join(META_KEYS)}")
     worker = _parse_worker(metadata, source)
     description = config if config is not None else _embedded_description(metadata, source)
-    block_ids = _parse_blocks(metadata, description, source, worker, config is not None)
-    if block_ids is None and config is not None:
+    blocks = _parse_blocks(metadata, description, source, worker, config is not None)
+    if META_BLOCKS not in metadata and config is not None:
         _check_whole_cache_rows(source, header, config, worker)
-    num_rows = len(block_ids) if block_ids is not None else description.num_blocks
-    # Called once per listed block: a C method, not a Python function.
-    holds = (set(block_ids) if block_ids is not None else range(num_rows)).__contains__
+    num_rows, block_ids, holds = _row_spaces(description, blocks)
     requests = _parse_requests(metadata, description, holds, source)
     try:
         entries, stored_entry = _dump_tensors(source, header, description, num_rows)

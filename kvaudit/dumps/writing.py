@@ -10,7 +10,7 @@ import itertools
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
@@ -37,7 +37,14 @@ from .dump import (
     META_WORKER,
     STORED_CHECKSUMS,
 )
-from .layers import check_layer, kernel_blocks_per_block, layer_parts, owner_layers, tensor_names
+from .layers import (
+    check_layer,
+    kernel_blocks_per_block,
+    layer_groups,
+    layer_parts,
+    owner_layers,
+    tensor_names,
+)
 from .reading import check_group_blocks, check_metadata
 from .safetensors_io import (
     Output,
@@ -109,13 +116,16 @@ def _layer_outputs(
     target: str,
     description: CacheDescription,
     tensors: Mapping[str, LayerTensor],
-    rows: torch.Tensor,
+    group_rows: Mapping[int, torch.Tensor],
 ) -> list[Output]:
-    """The tensors of every layer's dumped rows, checked against the description."""
+    """The tensors of every layer's dumped rows (its group's), checked against the
+    description."""
     import torch
 
     outputs = []
+    groups = layer_groups(description)
     for entry in owner_layers(description):
+        rows = group_rows[groups[entry.name]]
         tensor = tensors.get(entry.name)
         if tensor is None:
             if entry.name in description.draft_layers:
@@ -135,7 +145,7 @@ def _layer_outputs(
             [tuple(part.shape) for part in parts],
             [part.dtype for part in parts],
             names,
-            description.num_blocks,
+            description.blocks_of(groups[entry.name]),
             "blocks",
         )
         if spec.is_state:
@@ -174,8 +184,6 @@ def _request_metadata(
     """``kvaudit.requests``, each request checked as a reader checks it."""
     group_ids = {group.id for group in description.groups}
 
-    holds = range(description.num_blocks).__contains__
-    not_held = f"is not in the cache (0..{description.num_blocks - 1})"
     out: dict[str, Any] = {}
     for request_id, request in requests.items():
         where = f"request {request_id!r}"
@@ -192,6 +200,9 @@ def _request_metadata(
             if group_id not in group_ids:
                 fail(target, f"{where}: group {group_id} is not a group of the cache description")
             group_where = f"{where} group {group_id}"
+            space = description.blocks_of(group_id)
+            not_held = f"is not in the cache (0..{space - 1})"
+            holds = range(space).__contains__
             check_group_blocks(target, group_where, start, list(block_ids), holds, not_held)
             groups[str(group_id)] = [int(start), [int(block_id) for block_id in block_ids]]
         item: dict[str, Any] = {"num_tokens": int(num_tokens), "groups": groups}
@@ -235,6 +246,46 @@ def _stored_output(
     return Output(STORED_CHECKSUMS, torch.int64, (len(rows),), write_bytes(data))
 
 
+def dump_bytes(
+    description: CacheDescription,
+    tensors: Mapping[str, LayerTensor],
+    requests: Iterable[RequestBlocks],
+) -> int:
+    """About the bytes a dump of the requests' blocks holds, known before writing it.
+
+    Each layer's tensor holds its group's block space (``CacheDescription.blocks_of``);
+    one list of rows serves every layer unless groups have spaces of their own, where
+    each group dumps only its own blocks.
+
+    Args:
+        description: The cache the tensors hold.
+        tensors: The live whole caches, by layer name.
+        requests: The requests whose blocks would be dumped (engine block ids).
+
+    Returns:
+        The bytes of the layers' rows (metadata left out).
+
+    """
+    groups = layer_groups(description)
+    per_block: dict[int, int] = dict.fromkeys(groups.values(), 0)
+    for name, tensor in tensors.items():
+        group_id = groups.get(name)
+        if group_id is None:
+            continue
+        space = max(1, description.blocks_of(group_id))
+        per_block[group_id] += (
+            sum(part.numel() * part.element_size() for part in layer_parts(tensor)) // space
+        )
+    listed: dict[int, set[int]] = {group_id: set() for group_id in per_block}
+    for request in requests:
+        for group_id, (_, block_ids) in request.groups.items():
+            listed.setdefault(group_id, set()).update(int(b) for b in block_ids)
+    if not description.has_group_spaces:
+        every = set().union(*listed.values())
+        return len(every) * sum(per_block.values())
+    return sum(len(listed[group_id]) * size for group_id, size in per_block.items())
+
+
 def write_dump(
     path: str | os.PathLike[str],
     description: CacheDescription,
@@ -253,10 +304,12 @@ def write_dump(
     per block; any strides, any device), by layer name or as vLLM's ``kv_caches`` list in
     the description's layer order; block ids may be lists, numpy arrays or tensors. Only
     the requests' blocks are dumped, rows in ascending block id order (``kvaudit.blocks``),
-    unless ``whole_cache``.
-    ``stored_checksums`` holds one entry per engine block. The file is written to a
-    temporary file in the same directory, synced and renamed over ``path``: on any error
-    nothing is left and an existing file at ``path`` is untouched.
+    unless ``whole_cache``. Where a group has a block space of its own (its own
+    ``num_blocks``), its tensors hold that space and each group dumps its own blocks
+    (``kvaudit.blocks`` an object by group id). ``stored_checksums`` holds one entry per
+    engine block (one block space only). The file is written to a temporary file in the
+    same directory, synced and renamed over ``path``: on any error nothing is left and an
+    existing file at ``path`` is untouched.
 
     Args:
         path: The dump file written.
@@ -353,20 +406,37 @@ def _dump_parts(
     request_items = _request_metadata(
         target, description, requests, block_hashes or {}, received or {}
     )
-    if whole_cache:
-        row_ids = list(range(description.num_blocks))
-    else:
-        row_ids = sorted(
-            {
-                int(block_id)
-                for request in requests.values()
-                for _, block_ids in request.groups.values()
-                for block_id in block_ids
-            }
+    # Where groups have block spaces of their own each group dumps its own rows
+    # (``kvaudit.blocks`` per group); otherwise one list of rows serves every group.
+    per_group = description.has_group_spaces
+    if per_group and stored_checksums is not None:
+        fail(
+            target,
+            "stored_checksums: stored checksums need one block space for every group; "
+            "this description gives groups block spaces of their own",
         )
-    rows = torch.tensor(row_ids, dtype=torch.int64)
-    outputs = _layer_outputs(target, description, tensors, rows)
+    group_ids: dict[int, list[int]] = {}
+    for group in description.groups:
+        if whole_cache:
+            space = description.blocks_of(group.id) if per_group else description.num_blocks
+            group_ids[group.id] = list(range(space))
+        else:
+            group_ids[group.id] = sorted(
+                {
+                    int(block_id)
+                    for request in requests.values()
+                    for gid, (_, block_ids) in request.groups.items()
+                    if per_group is False or gid == group.id
+                    for block_id in block_ids
+                }
+            )
+    row_ids = group_ids[description.groups[0].id]
+    group_rows = {
+        group_id: torch.tensor(ids, dtype=torch.int64) for group_id, ids in group_ids.items()
+    }
+    outputs = _layer_outputs(target, description, tensors, group_rows)
     if stored_checksums is not None:
+        rows = group_rows[description.groups[0].id]
         outputs.append(_stored_output(target, stored_checksums, description.num_blocks, rows))
 
     compact = {"separators": (",", ":")}
@@ -387,7 +457,10 @@ def _dump_parts(
         META_REQUESTS: json.dumps(request_items, **compact),
     }
     if not whole_cache:
-        metadata[META_BLOCKS] = json.dumps(row_ids, **compact)
-    check_metadata(metadata, None if whole_cache else row_ids, target)
+        listed: Any = (
+            {str(group_id): ids for group_id, ids in group_ids.items()} if per_group else row_ids
+        )
+        metadata[META_BLOCKS] = json.dumps(listed, **compact)
+    check_metadata(metadata, target)
     placed = end_to_end(outputs)
     return header_bytes(metadata, placed), placed

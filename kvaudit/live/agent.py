@@ -30,7 +30,7 @@ from ..checksum.checksummer import Checksummer
 from ..core.errors import KvauditError
 from ..core.validation import MAX_TOKENS, Role, check_int, short
 from ..description import CacheDescription, description_to_dict
-from ..dumps.writing import write_dump, write_dump_into
+from ..dumps.writing import dump_bytes, write_dump, write_dump_into
 from ..records import WorkerInfo
 from ..views.inputs import LayerTensors, RequestBlocks, plain_requests, tensors_by_name
 from .messages import group_infos
@@ -160,12 +160,6 @@ class Agent:
             source=self.path,
         )
         self.max_reply_bytes = max_reply_bytes
-        # What one block holds over every layer: a copy's size, known before copying.
-        self._block_bytes = sum(
-            part.numel() * part.element_size()
-            for tensor in self.tensors.values()
-            for part in (tensor if isinstance(tensor, tuple) else (tensor,))
-        ) // max(self.summer.num_blocks, 1)
         self.max_held_bytes = max_held_bytes
         self.max_poll_bytes = max_poll_bytes
         self.poll_share = float(poll_share)
@@ -432,11 +426,11 @@ class Agent:
         blocks = {
             b for request in chosen.values() for _, ids in request.groups.values() for b in ids
         }
-        per_block = self._block_bytes
-        size = len(blocks) * per_block
+        # Each group's layers hold its own block space: a copy's size, known before copying.
+        size = dump_bytes(self.description, self.tensors, chosen.values())
         if size > self.max_reply_bytes:
             raise KvauditError(
-                f"{len(blocks)} blocks of {per_block} bytes: more than the "
+                f"{len(blocks)} blocks, {size} bytes: more than the "
                 f"{self.max_reply_bytes} bytes one request may copy"
             )
         return size

@@ -169,4 +169,4 @@ def block_row(
         )
     block_id = block_ids[position - start]
     block_size = dump.description.group(group_id).block_size
-    return dump.row_of(block_id), position * block_size, block_id
+    return dump.row_of(block_id, group_id), position * block_size, block_id

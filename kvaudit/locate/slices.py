@@ -83,7 +83,9 @@ class SliceReader:
                         used = np.array([0])
                     else:
                         used = np.arange(max(lo, first), min(hi, first + block_size)) - first
-                    block = read_block(view, dump.row_of(block_ids[position - start]))[:, used]
+                    block = read_block(view, dump.row_of(block_ids[position - start], group_id))[
+                        :, used
+                    ]
                     for h in range(view.heads):
                         key = (view.name, view.first_head + h, view.replica_key[1])
                         if key not in kinds:

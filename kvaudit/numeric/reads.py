@@ -268,7 +268,7 @@ def plan_rows(
         last = min((hi - 1) // block_size, start + len(block_ids) - 1)
         if last < first:
             continue
-        rows = [worker.row_of(block_ids[p - start]) for p in range(first, last + 1)]
+        rows = [worker.row_of(block_ids[p - start], group_id) for p in range(first, last + 1)]
         # Request positions first * block_size + u; those in lo .. hi - 1 are consecutive.
         skip = max(lo - first * block_size, 0)
         count = min(hi, (last + 1) * block_size) - max(lo, first * block_size)

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from ..core.errors import KvauditError
-from ..core.scheme import MASK64
+from ..core.scheme import MASK64, strong_add
 from ..core.validation import POSITION_NUMBERINGS, describe_worker, worker_layout
 from .model import GroupChecksums, LayerSums, RequestChecksums, WorkerRecord, WorkerSummary
 from .record import Record
@@ -125,11 +125,18 @@ def _combine_group(
     start = min(group.start for _, group in parts)
     end = max(group.end for _, group in parts)
     values = np.zeros((end - start, len(keys)), dtype=np.uint64)
+    # The strong lane only where every worker's part carries it: a sum missing a part
+    # would read as a mismatch.
+    strong = np.zeros_like(values) if all(group.strong is not None for _, group in parts) else None
     for _, group in parts:
         columns = [column[tuple(key)] for key in group.replica_keys]
         rows = slice(group.start - start, group.end - start)
         # uint64 addition wraps modulo 2**64, as the definition requires.
         values[rows, columns] += np.asarray(group.values, dtype=np.uint64)
+        if strong is not None and group.strong is not None:
+            strong[rows, columns] = strong_add(
+                strong[rows, columns], np.asarray(group.strong, dtype=np.uint64)
+            )
 
     held = {id(record): group for record, group in parts}
     fingerprint = 0
@@ -144,6 +151,7 @@ def _combine_group(
         replica_keys=[(int(r), int(i)) for r, i in keys],
         values=values,
         fingerprint=fingerprint & MASK64,
+        strong=strong,
         layer_sums=layer_sums_sum([group for _, group in parts], start, end),
     )
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..core.scheme import ReplicaKey
+from ..core.scheme import ReplicaKey, strong_add
 from ..core.validation import Positions, Role
 from .wire import WireChecksums, WireGroup
 
@@ -43,9 +43,13 @@ class GroupChecksums:
     """One group's checksums of one request.
 
     ``values[i, k]`` is the checksum of position ``start + i`` under
-    ``replica_keys[k]`` (uint64). ``partial`` says why the values are partial sums (a
-    worker that covers the group lacks the request or some of its positions), None when
-    every worker that covers the group added its part.
+    ``replica_keys[k]`` (uint64, the seed lane); ``strong[i, k]`` the same position's
+    strong lane (a residue modulo ``2**64 - 59``, docs/checksum.md), or ``strong`` None
+    where the record holds the seed lane alone. ``partial`` says why the values are
+    partial sums (a worker that covers the group lacks the request or some of its
+    positions), None when every worker that covers the group added its part.
+    ``layer_sums``: the seed lane's totals split per layer and K or V plane (None where not
+    recorded).
     """
 
     block_size: int
@@ -54,6 +58,7 @@ class GroupChecksums:
     values: np.ndarray
     fingerprint: int
     partial: str | None = None
+    strong: np.ndarray | None = None
     layer_sums: LayerSums | None = None
 
     @property
@@ -70,6 +75,12 @@ class GroupChecksums:
         """Per position, the sum of the columns whose replica index is 0 (uint64)."""
         return replica_zero_totals(self.values, self.replica_keys)
 
+    def strong_totals(self) -> np.ndarray | None:
+        """Per position, the strong lane's sum of the replica-0 columns (None without it)."""
+        if self.strong is None:
+            return None
+        return strong_replica_zero_totals(self.strong, self.replica_keys)
+
     def to_wire(self, group_id: int) -> WireGroup:
         """The group's totals as a producer sends them.
 
@@ -80,7 +91,14 @@ class GroupChecksums:
             The group's fingerprint, block size, start and per-position totals.
 
         """
-        return WireGroup(group_id, self.fingerprint, self.block_size, self.start, self.totals())
+        return WireGroup(
+            group_id,
+            self.fingerprint,
+            self.block_size,
+            self.start,
+            self.totals(),
+            self.strong_totals(),
+        )
 
 
 def replica_zero_totals(values: np.ndarray, replica_keys: Sequence[ReplicaKey]) -> np.ndarray:
@@ -98,6 +116,26 @@ def replica_zero_totals(values: np.ndarray, replica_keys: Sequence[ReplicaKey]) 
     if not columns:
         return np.zeros(values.shape[0], dtype=np.uint64)
     return values[:, columns].sum(axis=1, dtype=np.uint64)
+
+
+def strong_replica_zero_totals(
+    strong: np.ndarray, replica_keys: Sequence[ReplicaKey]
+) -> np.ndarray:
+    """Per row of ``strong``, the sum modulo ``2**64 - 59`` of the replica-0 columns.
+
+    Args:
+        strong: Strong-lane residues, one row per position and one column per replica key.
+        replica_keys: The ``(R, r)`` of each column.
+
+    Returns:
+        The totals (uint64 residues); zeros when no column is of replica 0.
+
+    """
+    totals = np.zeros(strong.shape[0], dtype=np.uint64)
+    for k, (_, index) in enumerate(replica_keys):
+        if index == 0:
+            totals = strong_add(totals, strong[:, k])
+    return totals
 
 
 @dataclass

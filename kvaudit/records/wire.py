@@ -3,7 +3,10 @@
 Layout (KVC2), little-endian: magic ``KVC2``, ``num_tokens`` u64, ``numbering`` u8 (0
 request positions, 1 block positions), ``num_groups`` u16; per group ``group_id`` u32,
 ``fingerprint`` u64, ``block_size`` u32, ``start`` u32, ``count`` u32, then ``count``
-u64 totals. Decoding is strict: anything malformed is a ``WireFormatError``.
+u64 totals. KVC3, what kvaudit sends, is KVC2 with each group's ``count`` u64 totals of
+the strong lane (residues below ``2**64 - 59``) after its seed totals; KVC2 (the seed
+lane alone) is still read. Decoding is strict: anything malformed is a
+``WireFormatError``.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.errors import WireFormatError
-from ..core.scheme import MASK64
+from ..core.scheme import MASK64, STRONG_PRIME
 from ..core.validation import MAX_TOKENS, Positions, check_positions
 
-MAGIC = b"KVC2"
+MAGIC = b"KVC3"
+SEED_MAGIC = b"KVC2"
+"""The seed lane alone (a sender without the strong lane)."""
 RETIRED_MAGIC = b"KVC1"
 # Wire code of each position numbering.
 NUMBERING_CODES: dict[Positions, int] = {"request": 0, "block": 1}
@@ -40,10 +45,14 @@ class WireGroup:
     block_size: int
     start: int
     totals: np.ndarray
+    strong: np.ndarray | None = None
+    """The strong lane's totals of the same positions, or None (the seed lane alone)."""
 
     def __post_init__(self) -> None:
         # Same bits whatever integer type the caller had (int64 wrap-around included).
         self.totals = np.ascontiguousarray(self.totals, dtype=np.uint64)
+        if self.strong is not None:
+            self.strong = np.ascontiguousarray(self.strong, dtype=np.uint64)
 
     @property
     def count(self) -> int:
@@ -60,6 +69,8 @@ class WireGroup:
             and self.block_size == other.block_size
             and self.start == other.start
             and np.array_equal(self.totals, other.totals)
+            and (self.strong is None) == (other.strong is None)
+            and (self.strong is None or np.array_equal(self.strong, other.strong))
         )
 
 
@@ -85,8 +96,8 @@ def _check_field(name: str, value: int, limit: int, group_id: int) -> None:
         )
 
 
-def _encode_group(group: WireGroup) -> list[bytes]:
-    """One group's header and totals as bytes."""
+def _encode_group(group: WireGroup, strong: bool) -> list[bytes]:
+    """One group's header and totals (then its strong totals, for KVC3) as bytes."""
     _check_field("group_id", group.group_id, _U32_MAX, group.group_id)
     _check_field("fingerprint", group.fingerprint, MASK64, group.group_id)
     _check_field("block_size", group.block_size, _U32_MAX, group.group_id)
@@ -106,7 +117,21 @@ def _encode_group(group: WireGroup) -> list[bytes]:
         int(group.start),
         group.count,
     )
-    return [header, group.totals.astype("<u8", copy=False).tobytes()]
+    parts = [header, group.totals.astype("<u8", copy=False).tobytes()]
+    if strong:
+        assert group.strong is not None
+        if group.strong.shape != group.totals.shape:
+            raise WireFormatError(
+                f"group {group.group_id}: {group.strong.shape[0]} strong totals for "
+                f"{group.count} positions",
+                source="<wire>",
+            )
+        if bool((group.strong >= np.uint64(STRONG_PRIME)).any()):
+            raise WireFormatError(
+                f"group {group.group_id}: a strong total is not below 2**64 - 59", source="<wire>"
+            )
+        parts.append(group.strong.astype("<u8", copy=False).tobytes())
+    return parts
 
 
 def encode_wire(checksums: WireChecksums) -> bytes:
@@ -116,7 +141,8 @@ def encode_wire(checksums: WireChecksums) -> bytes:
         checksums: The request's token count, position numbering and group totals.
 
     Returns:
-        The KVC2 bytes, laid out as the module describes.
+        KVC3 bytes where every group carries the strong lane, else KVC2 bytes, laid out
+        as the module describes.
 
     Raises:
         WireFormatError: An unknown numbering, a token count, a field or the number of
@@ -136,9 +162,11 @@ def encode_wire(checksums: WireChecksums) -> bytes:
     groups = checksums.groups
     if len(groups) > _U16_MAX:
         raise WireFormatError(f"{len(groups)} groups do not fit in 16 bits", source="<wire>")
+    strong = bool(groups) and all(group.strong is not None for group in groups)
+    magic = MAGIC if strong else SEED_MAGIC
     parts = [
         _HEADER.pack(
-            MAGIC, int(checksums.num_tokens), NUMBERING_CODES[checksums.numbering], len(groups)
+            magic, int(checksums.num_tokens), NUMBERING_CODES[checksums.numbering], len(groups)
         )
     ]
     seen: set[int] = set()
@@ -146,12 +174,12 @@ def encode_wire(checksums: WireChecksums) -> bytes:
         if group.group_id in seen:
             raise WireFormatError(f"group {group.group_id} appears twice", source="<wire>")
         seen.add(group.group_id)
-        parts.extend(_encode_group(group))
+        parts.extend(_encode_group(group, strong))
     return b"".join(parts)
 
 
-def _decode_header(data: bytes, source: str) -> tuple[int, Positions, int]:
-    """``(num_tokens, numbering, num_groups)`` of the buffer's header."""
+def _decode_header(data: bytes, source: str) -> tuple[int, Positions, int, bool]:
+    """``(num_tokens, numbering, num_groups, strong)`` of the buffer's header."""
     size = len(data)
     if size >= 4 and data[:4] == RETIRED_MAGIC:
         raise WireFormatError(
@@ -160,14 +188,16 @@ def _decode_header(data: bytes, source: str) -> tuple[int, Positions, int]:
             source,
         )
     if size < _HEADER.size:
-        if data[: min(size, 4)] != MAGIC[: min(size, 4)]:
+        if all(data[: min(size, 4)] != m[: min(size, 4)] for m in (MAGIC, SEED_MAGIC)):
             raise WireFormatError(f"wrong magic {data[:4]!r} at byte 0, expected {MAGIC!r}", source)
         raise WireFormatError(
             f"truncated: {size} bytes, the header needs {_HEADER.size}", source=source
         )
     magic, num_tokens, numbering, num_groups = _HEADER.unpack_from(data, 0)
-    if magic != MAGIC:
-        raise WireFormatError(f"wrong magic {magic!r} at byte 0, expected {MAGIC!r}", source)
+    if magic not in (MAGIC, SEED_MAGIC):
+        raise WireFormatError(
+            f"wrong magic {magic!r} at byte 0, expected {MAGIC!r} or {SEED_MAGIC!r}", source
+        )
     if numbering not in _NUMBERING_NAMES:
         raise WireFormatError(
             f"unknown numbering {numbering} at byte 12, expected 0 (request) or 1 (block)",
@@ -178,14 +208,14 @@ def _decode_header(data: bytes, source: str) -> tuple[int, Positions, int]:
             f"num_tokens {num_tokens} at byte 4 is more than the {MAX_TOKENS} kvaudit reads",
             source,
         )
-    return num_tokens, _NUMBERING_NAMES[numbering], num_groups
+    return num_tokens, _NUMBERING_NAMES[numbering], num_groups, magic == MAGIC
 
 
 def decode_wire(data: bytes, source: str = "<wire>") -> WireChecksums:
     """The producer checksums in wire bytes.
 
     Args:
-        data: The KVC2 bytes (any bytes-like object).
+        data: The KVC3 or KVC2 bytes (any bytes-like object).
         source: What the bytes are named in errors.
 
     Returns:
@@ -201,7 +231,8 @@ def decode_wire(data: bytes, source: str = "<wire>") -> WireChecksums:
     """
     data = bytes(data)
     size = len(data)
-    num_tokens, numbering, num_groups = _decode_header(data, source)
+    num_tokens, numbering, num_groups, strong = _decode_header(data, source)
+    lanes = 2 if strong else 1
     offset = _HEADER.size
     groups: list[WireGroup] = []
     seen: set[int] = set()
@@ -218,7 +249,7 @@ def decode_wire(data: bytes, source: str = "<wire>") -> WireChecksums:
         if block_size == 0:
             raise WireFormatError(f"group {group_id} at byte {offset}: block size 0", source)
         offset += _GROUP.size
-        needed = count * _TOTAL_BYTES
+        needed = count * _TOTAL_BYTES * lanes
         if size - offset < needed:
             raise WireFormatError(
                 f"count {count} of group {group_id} does not fit: at byte {offset} it needs "
@@ -236,7 +267,19 @@ def decode_wire(data: bytes, source: str = "<wire>") -> WireChecksums:
         )
         # A copy: the caller owns the totals, not a read-only view of the buffer.
         totals = np.frombuffer(data, dtype="<u8", count=count, offset=offset).astype(np.uint64)
-        groups.append(WireGroup(group_id, fingerprint, block_size, start, totals))
+        strong_totals = None
+        if strong:
+            at = offset + count * _TOTAL_BYTES
+            strong_totals = np.frombuffer(data, dtype="<u8", count=count, offset=at).astype(
+                np.uint64
+            )
+            if bool((strong_totals >= np.uint64(STRONG_PRIME)).any()):
+                raise WireFormatError(
+                    f"group {group_id}: a strong total at byte {at} or after is not below "
+                    "2**64 - 59",
+                    source,
+                )
+        groups.append(WireGroup(group_id, fingerprint, block_size, start, totals, strong_totals))
         seen.add(group_id)
         offset += needed
     if offset != size:
@@ -267,7 +310,7 @@ def decode_wire_base64(text: str, source: str = "<wire>") -> WireChecksums:
     """The producer checksums in base64 wire text.
 
     Args:
-        text: The base64 text of KVC2 bytes.
+        text: The base64 text of KVC3 or KVC2 bytes.
         source: What the text is named in errors.
 
     Returns:

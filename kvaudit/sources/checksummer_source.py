@@ -15,7 +15,7 @@ from ..core.validation import worker_layout
 from ..records import Record
 from ..views.inputs import RequestBlocks, tensors_by_name
 from .base import Progress, Runtime, Source, request_ids_of, token_counts_of, trim
-from .inventory import Inventory, WorkerInventory, group_info, request_inventory
+from .inventory import Inventory, WorkerInventory, group_info, request_inventory, uniform_rows
 from .raw import FetchingWorker, RawWorker, TensorWorker, checksum_each
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ class ChecksummerSource(Source):
         workers = [
             WorkerInventory(
                 summer.worker,
-                summer.num_blocks,
+                uniform_rows(summer.group_rows),
                 [group_info(views, None) for _, views in sorted(summer.groups.items())],
             )
             for summer in self.checksummers
@@ -111,7 +111,7 @@ class ChecksummerSource(Source):
                     worker=dataclasses.replace(summer.worker, source=name),
                     description=summer.description,
                     tensors=tensors_by_name(summer.description, tensors, name),
-                    num_rows=summer.num_blocks,
+                    num_rows=dict(summer.group_rows),
                     requests=dict(mapping),
                 )
             )

@@ -143,7 +143,8 @@ def _load_live(name: str, config: CacheDescription | None) -> TensorWorker:
         description=description,
         tensors=tensors,
         worker=_live_worker_info(name, rank),
-        num_rows=description.num_blocks if num_blocks is None else num_blocks,
+        # Without a count given, each group holds its block space (its own num_blocks).
+        num_rows=description.group_rows() if num_blocks is None else num_blocks,
         requests=listed,
     )
 

@@ -69,7 +69,16 @@ class Inventory:
 def raw_inventory(worker: RawWorker) -> WorkerInventory:
     """One raw worker's ranks, rows and groups (from its views, built once per worker)."""
     groups = [group_info(views, worker.layer_arrays) for views in worker.array_views.values()]
-    return WorkerInventory(worker.worker, worker.num_rows, groups)
+    return WorkerInventory(worker.worker, uniform_rows(worker.num_rows), groups)
+
+
+def uniform_rows(num_rows: int | Mapping[int, int]) -> int | None:
+    """A worker's rows when every group holds as many; None where groups' block spaces
+    differ (each group's rows are its own)."""
+    if isinstance(num_rows, int):
+        return num_rows
+    counts = set(num_rows.values())
+    return counts.pop() if len(counts) == 1 else None
 
 
 def group_info(views: GroupViews, tensors: Mapping[str, LayerTensor] | None) -> GroupInfo:

@@ -67,8 +67,9 @@ class RawWorker(Protocol):
         planting read these)."""
 
     @property
-    def num_rows(self) -> int:
-        """The block rows each tensor holds."""
+    def num_rows(self) -> int | dict[int, int]:
+        """The block rows each tensor holds: one count, or per group id where groups hold
+        rows of their own block spaces."""
 
     @property
     def requests(self) -> Mapping[str, Listing]:
@@ -78,8 +79,8 @@ class RawWorker(Protocol):
     def group_views(self) -> dict[int, GroupViews]:
         """Every group's views of the rows, built once."""
 
-    def row_of(self, block_id: int) -> int:
-        """The row that holds an engine block."""
+    def row_of(self, block_id: int, group_id: int | None = None) -> int:
+        """The row of the group's layers that holds an engine block."""
 
     def drop_pages(self) -> None:
         """Release the memory its rows hold resident, if they are file pages."""
@@ -142,18 +143,20 @@ def fetched(
 
 @dataclass
 class TensorWorker:
-    """One worker's whole cache in memory (``num_rows`` blocks, engine block ids; any
-    strides, any device), with who it is and its requests' blocks: a ``RawWorker``."""
+    """One worker's whole cache in memory (``num_rows`` blocks, or per group id; engine
+    block ids; any strides, any device), with who it is and its requests' blocks: a
+    ``RawWorker``."""
 
     name: str
     worker: WorkerInfo
     description: CacheDescription
     tensors: Mapping[str, LayerTensor]
-    num_rows: int
+    num_rows: int | dict[int, int]
     requests: dict[str, RequestBlocks]
 
-    def row_of(self, block_id: int) -> int:
-        """Row ``i`` is engine block ``i`` (the checksummer checks the range)."""
+    def row_of(self, block_id: int, group_id: int | None = None) -> int:
+        """Row ``i`` is engine block ``i`` of every group's space (the checksummer checks
+        the range)."""
         return block_id
 
     def drop_pages(self) -> None:
@@ -218,7 +221,7 @@ def request_rows(
         result[request_id] = RequestBlocks(
             request.num_tokens,
             {
-                group_id: (start, [worker.row_of(block_id) for block_id in block_ids])
+                group_id: (start, [worker.row_of(block_id, group_id) for block_id in block_ids])
                 for group_id, (start, block_ids) in request.groups.items()
             },
         )

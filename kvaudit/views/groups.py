@@ -32,22 +32,25 @@ def build_group_views(
     *,
     tp_rank: int = 0,
     tp_size: int = 1,
-    num_blocks: int | None = None,
+    num_blocks: int | Mapping[int, int] | None = None,
 ) -> dict[int, GroupViews]:
     """Every group's views on this worker, keyed by group id.
 
-    ``num_blocks`` is the number of manager blocks the tensors hold (default: the
-    description's); a dump holds only its dumped rows.
+    ``num_blocks`` is the number of manager blocks the tensors hold, for every group or
+    per group id (default: each group's block space, ``CacheDescription.group_rows``); a
+    dump holds only its dumped rows.
     """
     Checker(None).rank(tp_rank, tp_size, "tp_rank")
     check_model_kv_heads(description, tp_size)
-    blocks = description.num_blocks if num_blocks is None else num_blocks
+    group_rows = description.group_rows(num_blocks)
     result = {}
     for group in description.groups:
         fingerprint = group_fingerprint(group, tp_size, description.draft_layers)
         group_views = GroupViews(group, fingerprint)
         try:
-            group_views.views = _group_views(description, group, tensors, tp_rank, tp_size, blocks)
+            group_views.views = _group_views(
+                description, group, tensors, tp_rank, tp_size, group_rows[group.id]
+            )
         except UnsupportedGroupError as error:
             group_views.reason = str(error)
         result[group.id] = group_views

@@ -75,7 +75,7 @@ def test_cases_read_rows_in_place_and_gathered(monkeypatch: pytest.MonkeyPatch) 
 def test_pool_returns_in_order_and_raises_the_first_error() -> None:
     """The chunks' pool: results in the items' order whatever thread ends first, the
     first item's error (in order) raised in the caller, and the pool usable after it."""
-    pool = numpy_cpu._pool()
+    pool = numpy_cpu.shared_pool()
     threads = set()
 
     def slow_first(item: int) -> int:

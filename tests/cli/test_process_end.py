@@ -84,7 +84,7 @@ PROBE = textwrap.dedent(
                     file.write("a result")
     if mode == "interrupted pool":
         from kvaudit.cli import main
-        from kvaudit.checksum.kernels.numpy_cpu import _pool
+        from kvaudit.checksum.kernels.numpy_cpu import shared_pool
 
         @main.command("probe")
         def probe():
@@ -94,7 +94,7 @@ PROBE = textwrap.dedent(
                 time.sleep(0.3)
                 mark(f"ended-{index}")
 
-            _pool().map(work, range(4))
+            shared_pool().map(work, range(4))
             mark("returned")
     sys.argv = ["kvaudit", *sys.argv[3:]]
     from kvaudit.__main__ import run

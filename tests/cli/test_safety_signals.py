@@ -184,13 +184,13 @@ def test_many_open_dumps_hold_no_descriptors(tmp_path: Path) -> None:
 POOL_UNDER_INTERRUPTIONS = textwrap.dedent(
     """
     import faulthandler, random, signal, time
-    from kvaudit.checksum.kernels.numpy_cpu import _pool
+    from kvaudit.checksum.kernels.numpy_cpu import shared_pool
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt  # as Python's own Ctrl-C handler: kvaudit as a library
 
     signal.signal(signal.SIGALRM, interrupt)
-    pool, rng, interrupted = _pool(), random.Random(7), 0
+    pool, rng, interrupted = shared_pool(), random.Random(7), 0
     faulthandler.dump_traceback_later(10, exit=True)  # a hang: its stacks, status 1
     end = time.monotonic() + 3
     while time.monotonic() < end:

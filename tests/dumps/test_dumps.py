@@ -706,7 +706,7 @@ STRICT_CASES: list[tuple[str, Callable[[Path], None], str]] = [
         "kvaudit.worker.tp_rank",
     ),
     ("no description", _meta("kvaudit.cache", None), "no cache description"),
-    ("blocks not list", _meta("kvaudit.blocks", {"a": 1}), "kvaudit.blocks: expected a list"),
+    ("blocks not list", _meta("kvaudit.blocks", 5), "kvaudit.blocks: expected a list"),
     ("blocks twice", _meta("kvaudit.blocks", [*DUMPED[:-1], DUMPED[0]]), "listed twice"),
     ("block out of cache", _meta("kvaudit.blocks", [*DUMPED[:-1], 99]), "kvaudit.blocks[11]"),
     ("missing layer", _drop(ATTN_KV), f"layer {ATTN_KV} has no tensor"),

@@ -143,6 +143,15 @@ def assert_matches(
         for (r, _), values in got.items():
             np.testing.assert_array_equal(values, want[r], err_msg=f"{rid} key {r}")
         np.testing.assert_array_equal(group.totals(), ref.total(want, group.count))
+        assert group.strong is not None, "the strong lane is missing"
+        start, ids = workers[0].requests[rid][1][gid]
+        reference_group = kb.reference_group(model, gid, requests[rid], tp_size, block_size)
+        strong_want = ref.strong_block_checksums(
+            reference_group, requests[rid].num_tokens, start, len(ids), positions
+        )
+        for k, (r, _) in enumerate(group.replica_keys):
+            got_strong = [int(v) for v in group.strong[:, k]]
+            assert got_strong == strong_want[r], f"{rid} strong lane, key {r}"
 
 
 def build(

@@ -272,3 +272,59 @@ def identity_hash(identity: tuple) -> int:
 def fingerprint(identities: list[tuple]) -> int:
     """A worker's group fingerprint: the identities' hashes summed mod 2**64."""
     return sum(identity_hash(identity) for identity in identities) % MOD64
+
+
+# The strong lane (docs/checksum.md, "The strong lane"): the block read as one number whose
+# piece (L, h, t, k) sits at bit 64 * E, E = ((L * 65536 + h) * 4096 + t mod 4096) * 2**20
+# + k, reduced modulo the prime 2**64 - 59.
+
+STRONG_PRIME = 2**64 - 59
+
+
+def strong_place(number: int, head: int, token: int, piece: int) -> int:
+    """``E`` of one piece (the slice number taken modulo 2**64, as the seed lane's)."""
+    slice_number = (number * MAX_HEADS + head) % MOD64
+    return (slice_number * 4096 + token % 4096) * 2**20 + piece
+
+
+def _strong_part(
+    part: Slices, num_tokens: int, block_size: int, position: int, positions: str
+) -> int:
+    """The part's slices' share of the strong lane of one block, as a Python integer."""
+    valid = valid_tokens(num_tokens, block_size, position)
+    if valid == 0:
+        return 0
+    first = position * block_size
+    items = [(position, first)] if part.per_block else [(t, t) for t in range(first, first + valid)]
+    num_pieces = part.pieces.shape[2]
+    # 2**(64 p) for the pieces of a cell, then the cell's own place.
+    piece_powers = [pow(2, 64 * p, STRONG_PRIME) for p in range(num_pieces)]
+    total = 0
+    for item, t in items:
+        token = t - first if positions == "block" else t
+        for h in range(part.pieces.shape[1]):
+            cell = [int(x) for x in part.pieces[item, h]]
+            number = sum(x * w for x, w in zip(cell, piece_powers, strict=True))
+            place = strong_place(part.number, part.first_head + h, token, 0)
+            total += number * pow(2, 64 * place, STRONG_PRIME)
+    return total % STRONG_PRIME
+
+
+def strong_block_checksums(
+    group: Group,
+    num_tokens: int,
+    start: int = 0,
+    count: int | None = None,
+    positions: str = "request",
+) -> dict[int, list[int]]:
+    """The strong lane of positions ``start .. start+count-1``, per replica class ``R``."""
+    block_size = group.block_size
+    if count is None:
+        count = max(0, -(-num_tokens // block_size) - start)
+    result: dict[int, list[int]] = {}
+    for part in group_slices(group):
+        values = result.setdefault(part.replicas, [0] * count)
+        for i in range(count):
+            share = _strong_part(part, num_tokens, block_size, start + i, positions)
+            values[i] = (values[i] + share) % STRONG_PRIME
+    return result

@@ -239,7 +239,7 @@ def test_layer_sums_compare_at_the_coarser_block_and_whole_where_planes_differ()
     def side(block: int, parts: list, rows: list[list[int]]) -> GroupChecksums:
         values = np.array(rows, dtype=np.uint64)
         totals = values.sum(axis=1, dtype=np.uint64).reshape(-1, 1)
-        return GroupChecksums(block, 0, [(1, 0)], totals, 0, None, LayerSums(parts, values))
+        return GroupChecksums(block, 0, [(1, 0)], totals, 0, layer_sums=LayerSums(parts, values))
 
     kv = [(0, "K"), (0, "V"), (1, "K"), (1, "V")]
     # Two 16-token blocks against one 32-token block: (1+3, 2+4) = (4, 6) against (4, 7).

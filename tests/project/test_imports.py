@@ -22,7 +22,7 @@ LAYERS: list[list[str]] = [
     ["description.fingerprint", "records.wire", "views.model"],
     ["views.attention", "views.state", "views.replicas"],
     ["views"],
-    ["views.inputs", "checksum.kernels", "checksum.plans"],
+    ["views.inputs", "checksum.kernels", "checksum.strong", "checksum.plans"],
     ["records.model", "records.reading"],
     ["records"],
     ["checksum.checksummer"],

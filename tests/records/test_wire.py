@@ -126,7 +126,7 @@ HEADER = 4 + 8 + 1 + 2
         (b"", "truncated"),
         (b"KVC2\x01", "truncated"),
         (GOOD[: HEADER - 1], "truncated"),
-        (b"KVC3" + GOOD[4:], "magic"),
+        (b"KVC9" + GOOD[4:], "magic"),
         (b"ABCD\x00\x00", "magic"),
         (b"AB", "magic"),
         (GOOD[:12] + b"\x02" + GOOD[13:], "unknown numbering 2"),

@@ -131,7 +131,7 @@ def _acquire_through_interruptions(lock: threading.Lock) -> None:
 _POOL: _Pool | None = None
 
 
-def _pool() -> _Pool:
+def shared_pool() -> _Pool:
     global _POOL
     if _POOL is None:
         _POOL = _Pool(THREADS)
@@ -280,6 +280,6 @@ class NumpyLaunch:
             counts = np.minimum(valid_tokens[index], part.tokens_per_row)
             return part.row_sums(block_ids[index], first_tokens[index], counts)
 
-        results = _pool().map(run, tasks) if len(tasks) > 1 else map(run, tasks)
+        results = shared_pool().map(run, tasks) if len(tasks) > 1 else map(run, tasks)
         for (part, index), sums in zip(tasks, results, strict=True):
             out[index, part.column] += sums

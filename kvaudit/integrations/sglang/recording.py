@@ -24,6 +24,7 @@ from typing import Any
 from ...core.errors import KvauditError
 from ...description import CacheDescription
 from ...dumps import write_dump
+from ...dumps.writing import dump_bytes
 from ...records import WorkerInfo, WorkerRecord
 from ...views.inputs import RequestBlocks
 from .. import output
@@ -114,7 +115,6 @@ class Recorder:
         self.description = description
         self.tensors = tensors
         self.budget = output.DumpBudget(settings.max_dump_bytes)
-        self.block_bytes = output.block_bytes(tensors, description.num_blocks)
         output.write_description(settings.output, raw, worker, engine="sglang")
 
     def checksums(self, record: WorkerRecord, request: str) -> None:
@@ -133,7 +133,7 @@ class Recorder:
 
         """
         assert self.settings.output is not None
-        size = self.block_bytes * len({b for _, ids in blocks.groups.values() for b in ids})
+        size = dump_bytes(self.description, self.tensors, [blocks])
         path = output.dump_path(
             self.settings.output, request, self.worker.pp_rank, self.worker.tp_rank
         )

@@ -19,6 +19,7 @@ from ...checksum.checksummer import Checksummer, RequestBlocks
 from ...core.errors import KvauditError
 from ...description import CacheDescription
 from ...dumps import write_dump
+from ...dumps.writing import dump_bytes
 from ...live import Agent
 from ...records import WorkerInfo
 from ...views import LayerTensor
@@ -93,7 +94,6 @@ class WorkerAudit:
         self._outgoing: list[WorkerPartials] = []
         self._unwritten: list[WorkerPartials] = []
         self._budget = output.DumpBudget(config.max_dump_bytes)
-        self._block_bytes = output.block_bytes(tensors, description.num_blocks)
         self._dumped: set[tuple[str, str]] = set()
         self._failed_here: set[str] = set()
         self.dumps_written = 0
@@ -336,8 +336,7 @@ class WorkerAudit:
 
     def _job_bytes(self, job: AuditJob) -> int:
         """The bytes a dump of the job's blocks holds (every layer's rows)."""
-        blocks = len({b for _, ids in job.groups.values() for b in ids})
-        return self._block_bytes * blocks
+        return dump_bytes(self.description, self.tensors, [RequestBlocks(0, job.groups)])
 
     def _write(self, final: bool) -> None:
         """Append the checksums that reached the host (all of them if ``final``)."""
