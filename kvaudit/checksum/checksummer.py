@@ -28,6 +28,7 @@ from ..core.validation import (
 from ..description import CacheDescription
 from ..records import (
     GroupChecksums,
+    LayerSums,
     RequestChecksums,
     WorkerInfo,
     WorkerRecord,
@@ -60,6 +61,7 @@ class Checksummer:
         backend: str = "auto",
         num_blocks: int | Mapping[int, int] | None = None,
         source: str = "",
+        layer_sums: bool = False,
     ) -> Checksummer:
         """A checksummer over ``tensors`` in ``worker``'s place (ranks, role, engine).
 
@@ -70,6 +72,7 @@ class Checksummer:
             backend: As ``Checksummer`` takes it.
             num_blocks: As ``Checksummer`` takes it.
             source: What names the tensors in errors and in the record.
+            layer_sums: As ``Checksummer`` takes it.
 
         Returns:
             The checksummer, its views and plans built.
@@ -91,6 +94,7 @@ class Checksummer:
             num_blocks=num_blocks,
             engine=worker.engine,
             source=source,
+            layer_sums=layer_sums,
         )
 
     def __init__(
@@ -109,6 +113,7 @@ class Checksummer:
         source: str = "",
         left_out: Mapping[int, str] | None = None,
         strong_lane: bool = True,
+        layer_sums: bool = False,
     ) -> None:
         """Build the worker's views and plans once (and warm up their kernels).
 
@@ -139,6 +144,8 @@ class Checksummer:
             strong_lane: Whether records carry the strong lane beside the seed lane
                 (docs/checksum.md); False computes the seed lane alone, as the seed
                 engine's records hold it.
+            layer_sums: Also split each block's seed-lane total per layer and K or V plane
+                (``GroupChecksums.layer_sums``), in the same pass over the KV.
 
         Raises:
             KvauditError: An unknown role, a rank outside its size, a left-out group that
@@ -178,7 +185,10 @@ class Checksummer:
             if not group_views.covered:
                 continue
             plan = GroupPlan.create(
-                group_views.views, first_replica_only=role == "producer", backend=backend
+                group_views.views,
+                first_replica_only=role == "producer",
+                backend=backend,
+                layer_sums=layer_sums,
             )
             if plan is not None:
                 plan.warm_up()
@@ -312,8 +322,9 @@ def on_cuda(device: str) -> bool:
 
 
 def fuses_lanes(plan: GroupPlan) -> bool:
-    """Whether one kernel pass computes both lanes of the plan (the Triton backend's)."""
-    return plan.backend == "triton"
+    """Whether one kernel pass computes both lanes of the plan (the Triton backend's,
+    without layer sums: their wider columns are the seed launches' alone)."""
+    return plan.backend == "triton" and plan.columns is None
 
 
 def launch_fused(plan: GroupPlan, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -395,9 +406,12 @@ class PendingChecksums:
         record, summer = self._record, self._checksummer
         for launched in self._launched:
             group_id, host, strong = launched.group_id, launched.host, launched.strong
-            values = (host if isinstance(host, np.ndarray) else host.numpy()).view(np.uint64)
+            wide = (host if isinstance(host, np.ndarray) else host.numpy()).view(np.uint64)
             if strong is not None and not isinstance(strong, np.ndarray):
                 strong = strong.numpy().view(np.uint64)
+            plan = summer.plans[group_id]
+            values, sums = plan.split(wide)
+            parts = plan.layer_parts
             row = 0
             for req_id, start, block_ids, _ in launched.segments:
                 end = row + len(block_ids)
@@ -408,6 +422,9 @@ class PendingChecksums:
                     values=values[row:end].copy(),
                     fingerprint=summer.groups[group_id].fingerprint,
                     strong=None if strong is None else strong[row:end].copy(),
+                    layer_sums=None
+                    if sums is None
+                    else LayerSums(list(parts), sums[row:end].copy()),
                 )
                 row = end
         self._result, self._launched = record, []

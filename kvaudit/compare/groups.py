@@ -36,11 +36,12 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..core.scheme import ReplicaKey, to_hex, valid_tokens
+from ..core.scheme import MASK64, ReplicaKey, to_hex, valid_tokens
 from ..core.validation import Positions
 from ..records import GroupChecksums, replica_zero_totals
 from .model import GroupComparison
@@ -322,3 +323,62 @@ def compare_sides(
         missing_positions=missing,
         held=(len(held_positions(producer, coarse)), len(held_positions(consumer, coarse))),
     )
+
+
+def layer_differences(
+    producer: GroupChecksums,
+    consumer: GroupChecksums,
+    num_tokens: tuple[int, int],
+    positions: Sequence[int],
+) -> dict[int, list[tuple[int, str]]]:
+    """Per differing position, the ``(layer number, plane)`` whose layer sums differ.
+
+    Both sides' layer sums are summed to the coarser block size as the totals are. A
+    layer whose planes differ between the sides (K and V rows on one, whole cells on the
+    other) is compared whole, as plane ``KV``.
+
+    Args:
+        producer: The producer's checksums of the group, with layer sums.
+        consumer: The consumer's, with layer sums.
+        num_tokens: Each side's token count checksummed (producer, consumer).
+        positions: The differing positions, at the coarser block size.
+
+    Returns:
+        The positions both sides could form, each with the labels that differ (in order);
+        empty where a side has no layer sums.
+
+    """
+    if producer.layer_sums is None or consumer.layer_sums is None or not positions:
+        return {}
+    coarse = max(producer.block_size, consumer.block_size)
+    formed = []
+    for group, tokens in ((producer, num_tokens[0]), (consumer, num_tokens[1])):
+        sums = group.layer_sums
+        assert sums is not None
+        side = SideChecksums(group.block_size, group.start, tokens, 0, sums.values, [])
+        at, rows = coarsen(side, coarse)
+        formed.append((dict(zip(at.tolist(), range(len(at)))), rows, sums.parts))
+    planes: list[dict[int, set[str]]] = [{}, {}]
+    for side_planes, (_, _, parts) in zip(planes, formed):
+        for number, plane in parts:
+            side_planes.setdefault(number, set()).add(plane)
+    labels: list[tuple[int, str]] = []
+    for number in sorted(planes[0].keys() | planes[1].keys()):
+        same = planes[0].get(number) == planes[1].get(number)
+        labels += [(number, p) for p in sorted(planes[0][number])] if same else [(number, "KV")]
+    found: dict[int, list[tuple[int, str]]] = {}
+    for position in positions:
+        rows = [index.get(position) for index, _, _ in formed]
+        if rows[0] is None or rows[1] is None:
+            continue
+        values = []
+        for (_, sums, parts), row in zip(formed, rows):
+            by_label: dict[tuple[int, str], int] = {}
+            for (number, plane), value in zip(parts, sums[row].tolist()):
+                label = (number, plane) if (number, plane) in labels else (number, "KV")
+                by_label[label] = (by_label.get(label, 0) + value) & MASK64
+            values.append(by_label)
+        differing = [label for label in labels if values[0].get(label) != values[1].get(label)]
+        if differing:
+            found[position] = differing
+    return found

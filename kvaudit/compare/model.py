@@ -175,6 +175,9 @@ class GroupComparison:
     KV of some requests only (an output folder's dumps), None otherwise. ``token_shifts``
     are the runs of differing tokens that hold the same request's tokens a few slots
     away (``kvaudit.compare.trace_shifts``).
+    ``layer_differences`` gives, per differing position, the ``(layer number, plane)``
+    whose layer sums differ, where both sides' records hold layer sums (an in-engine
+    audit's output folder): what names the layer and K or V without a dump.
     """
 
     compared: int = 0
@@ -192,6 +195,7 @@ class GroupComparison:
     heads: int = 0
     not_located: str | None = None
     token_shifts: list[TokenShift] = field(default_factory=list)
+    layer_differences: dict[int, list[tuple[int, str]]] = field(default_factory=dict)
 
     @property
     def replicas_differing(self) -> list[ReplicaKey]:

@@ -28,7 +28,14 @@ from ..core.errors import KvauditError
 from ..description import LEFT_OUT_BY_DESCRIPTION
 from ..records import GroupChecksums, Record
 from ..records.layers import fingerprint_difference, scale_differences
-from .groups import SideChecksums, Window, compare_sides, held_positions, missing_and_expected
+from .groups import (
+    SideChecksums,
+    Window,
+    compare_sides,
+    held_positions,
+    layer_differences,
+    missing_and_expected,
+)
 from .model import DiffReport, GroupComparison
 
 TokenCounts = Mapping[str, int]
@@ -184,7 +191,7 @@ def _compare_request(
         )
         whole = missing is None and not partial  # every worker's part is in both sums
         if whole and left is not None and right is not None:
-            result[gid] = compare_sides(
+            compared = compare_sides(
                 SideChecksums.of(left, produced.num_tokens, tokens[0]),
                 SideChecksums.of(right, consumed.num_tokens, tokens[1]),
                 consumer.positions,
@@ -196,6 +203,13 @@ def _compare_request(
                     else None
                 ),
             )
+            compared.layer_differences = layer_differences(
+                left,
+                right,
+                (produced.num_tokens, consumed.num_tokens),
+                compared.mismatched_positions,
+            )
+            result[gid] = compared
             continue
         consumer_holds_none = (
             right is None

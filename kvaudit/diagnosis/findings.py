@@ -114,13 +114,52 @@ def diagnose_group(group: GroupComparison, num_tokens: int | None) -> list[Findi
         p for finding in findings if finding.kind != "replica_differs" for p in finding.positions
     }
     unlocated = sorted(set(group.mismatched_positions) - named)
-    if unlocated:
-        blocks = "the block" if len(unlocated) == 1 else "blocks"
-        verb = "differs" if len(unlocated) == 1 else "differ"
+    by_layers: dict[str, list[int]] = defaultdict(list)
+    for position in unlocated:
+        parts = group.layer_differences.get(position)
+        by_layers[layer_parts_text(parts) if parts else ""].append(position)
+    for differing, positions in sorted(by_layers.items(), key=lambda item: item[1][0]):
+        blocks = "the block" if len(positions) == 1 else "blocks"
+        verb = "differs" if len(positions) == 1 else "differ"
         why = f": {group.not_located}" if group.not_located else ""
-        text = f"{blocks} at {at(unlocated)} {verb} (not located{why})"
-        findings.append(Finding("differs", text, tuple(unlocated), (), (), 0))
+        if differing:
+            # The records' layer sums name the layer and plane; heads and tokens need KV.
+            text = (
+                f"{blocks} at {at(positions)}: {differing} "
+                f"(by the records' layer sums; heads and tokens not located{why})"
+            )
+        else:
+            text = f"{blocks} at {at(positions)} {verb} (not located{why})"
+        findings.append(Finding("differs", text, tuple(positions), (), (), 0))
     return findings
+
+
+def layer_parts_text(parts: Sequence[tuple[int, str]]) -> str:
+    """Differing layer sums in words: ``layer 2 V differs``, ``layers 0-3 K and V differ``.
+
+    Layers with the same planes differing are named together; a whole-cell plane (``KV``
+    of a fused row or a latent) names the layer alone.
+
+    Args:
+        parts: ``(layer number, plane)`` labels that differ.
+
+    Returns:
+        The text, every layer named (ranges of numbers).
+
+    """
+    planes: dict[int, set[str]] = defaultdict(set)
+    for number, plane in parts:
+        planes[number].add(plane)
+    together: dict[tuple[str, ...], list[int]] = defaultdict(list)
+    for number in sorted(planes):
+        together[tuple(sorted(planes[number]))].append(number)
+    phrases = []
+    for kinds, numbers in sorted(together.items(), key=lambda item: item[1][0]):
+        noun = "layer" if len(numbers) == 1 else "layers"
+        plane = "" if kinds == ("KV",) else " " + " and ".join(p for p in kinds if p != "KV")
+        phrases.append(f"{noun} {ranges(numbers)}{plane}")
+    several = len(parts) > 1
+    return f"{', '.join(phrases)} {'differ' if several else 'differs'}"
 
 
 def _exchanged(items: list[LocatedDifference], group: GroupComparison) -> list[Finding]:

@@ -10,11 +10,14 @@ say differs), ``reading`` (the checks of a record's JSON entries), ``record`` (`
 ``combining`` (``combine_workers``).
 """
 
-from .combining import combine_workers
+from .combining import combine_workers, layer_sums_sum
 from .model import (
+    PLANES,
     RECORD_FORMAT,
     GroupChecksums,
     LayerFacts,
+    LayerPart,
+    LayerSums,
     RequestChecksums,
     WorkerInfo,
     WorkerRecord,
@@ -24,14 +27,18 @@ from .model import (
 from .record import Record
 
 __all__ = [
+    "PLANES",
     "RECORD_FORMAT",
     "GroupChecksums",
     "LayerFacts",
+    "LayerPart",
+    "LayerSums",
     "Record",
     "RequestChecksums",
     "WorkerInfo",
     "WorkerRecord",
     "WorkerSummary",
     "combine_workers",
+    "layer_sums_sum",
     "replica_zero_totals",
 ]

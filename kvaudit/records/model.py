@@ -18,6 +18,27 @@ from .wire import WireChecksums, WireGroup
 RECORD_FORMAT = "kvaudit.record/1"
 
 
+PLANES = ("K", "V", "KV")
+"""A layer part's plane: its K rows, its V rows, or whole cells (a fused row, a latent, a
+state)."""
+
+LayerPart = tuple[int, str]
+"""A layer sum's label: ``(layer number, plane)``."""
+
+
+@dataclass
+class LayerSums:
+    """A group's per-block totals split per layer and plane (docs/checksum.md, "Layer sums").
+
+    ``values[i, k]`` is the part of position ``i``'s total (the replica-0 columns) that
+    layer ``parts[k][0]``'s plane ``parts[k][1]`` adds, uint64; summed over ``k`` it is
+    the position's total. Like the totals, each adds up over TP ranks and PP stages.
+    """
+
+    parts: list[LayerPart]
+    values: np.ndarray
+
+
 @dataclass
 class GroupChecksums:
     """One group's checksums of one request.
@@ -28,6 +49,8 @@ class GroupChecksums:
     where the record holds the seed lane alone. ``partial`` says why the values are
     partial sums (a worker that covers the group lacks the request or some of its
     positions), None when every worker that covers the group added its part.
+    ``layer_sums``: the seed lane's totals split per layer and K or V plane (None where not
+    recorded).
     """
 
     block_size: int
@@ -37,6 +60,7 @@ class GroupChecksums:
     fingerprint: int
     partial: str | None = None
     strong: np.ndarray | None = None
+    layer_sums: LayerSums | None = None
 
     @property
     def count(self) -> int:

@@ -141,6 +141,7 @@ def rank_checksummer(scheduler: Any, role: str, layers: LayerSpan | None = None)
         _, tp_rank, tp_size = attention_tp(scheduler)
         pp_rank, pp_size = pipeline_ranks()
         total = scheduler.model_config.get_total_num_kv_heads()
+        settings = settings_from_environment()
         cached[1][key] = RankChecksummer(
             pool,
             tp_rank=tp_rank,
@@ -151,6 +152,8 @@ def rank_checksummer(scheduler: Any, role: str, layers: LayerSpan | None = None)
             role=role,
             layers=layers,
             attention=attention_layers(scheduler),
+            # Only the output folder's lines carry them (the carried words do not).
+            layer_sums=settings.output is not None and settings.layer_sums,
         )
     return cached[1][key]
 

@@ -47,6 +47,7 @@ class RankChecksummer:
         names: Any = DEFAULT_LAYER_NAME,
         layers: LayerSpan | None = None,
         attention: Mapping[int, Any] | None = None,
+        layer_sums: bool = False,
     ) -> None:
         from ...checksum.checksummer import Checksummer
 
@@ -94,6 +95,7 @@ class RankChecksummer:
             pp_size=pp_size,
             role=role,
             engine=ENGINES[role],
+            layer_sums=layer_sums,
         )
         if self.checksummer.not_covered:
             raise NotDescribable(
