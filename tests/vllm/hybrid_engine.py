@@ -27,7 +27,7 @@ from unittest import mock
 import async_store
 import cpu_engine as r
 import torch
-from async_store import STORE, AsyncStoreConnector, StoreMetadata, damage
+from async_store import ENGINES, READ, STORE, AsyncStoreConnector, NixlWire, StoreMetadata, damage
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -48,15 +48,26 @@ import kvaudit.integrations.vllm.connector as connector_module
 
 WINDOW = 32  # layer 0's sliding window, in tokens
 HYBRID_STORE = {"kv_connector": "HybridStoreConnector", "kv_connector_module_path": "hybrid_engine"}
+NIXL_WIRE = {"kv_connector": "HybridNixlWire", "kv_connector_module_path": "hybrid_engine"}
 
 
-def transfer_config(kvaudit: dict[str, Any], role: str, engine_id: str) -> KVTransferConfig:
+def transfer_config(
+    kvaudit: dict[str, Any], role: str, engine_id: str, wrapped: dict[str, Any] = HYBRID_STORE
+) -> KVTransferConfig:
     """kvaudit's connector for a wrapped connector that supports HMA, wrapping
-    :class:`HybridStoreConnector` (docs/vllm.md)."""
+    :class:`HybridStoreConnector` or another connector loaded by module path."""
     return KVTransferConfig(
         kv_connector="KVAuditHMAConnector", kv_connector_module_path=r.MODULE,
-        kv_connector_extra_config={"kvaudit": kvaudit, "wrapped": HYBRID_STORE},
+        kv_connector_extra_config={"kvaudit": kvaudit, "wrapped": wrapped},
         kv_role=role, engine_id=engine_id,
+    )  # fmt: skip
+
+
+def nixl_transfer_config(kvaudit: dict[str, Any], role: str, engine_id: str) -> KVTransferConfig:
+    """vLLM's ``NixlConnector`` audited under its own name (docs/vllm.md)."""
+    return KVTransferConfig(
+        kv_connector="NixlConnector", kv_connector_module_path=r.AUDITED,
+        kv_connector_extra_config={"kvaudit": kvaudit}, kv_role=role, engine_id=engine_id,
     )  # fmt: skip
 
 
@@ -101,10 +112,12 @@ class HybridEngine(r.Engine):
 
 def make_hybrid_engine(
     folder: Path, transfer: Any, *, num_blocks: int = 64, async_scheduling: bool = False,
-    block_size: int = 16, step_tokens: int = 256,
+    block_size: int = 16, step_tokens: int = 256, worker_transfer: Any = None,
 ) -> HybridEngine:  # fmt: skip
     """An engine of one worker whose KV cache config vLLM's planner made from
-    :func:`layer_specs` (two groups), with vLLM's hybrid KV cache manager."""
+    :func:`layer_specs` (two groups), with vLLM's hybrid KV cache manager.
+    ``worker_transfer``: the worker's transfer config, where its connector differs from
+    the scheduler's (``HybridNixlWire`` behind NIXL's scheduler side)."""
     model = r.model_config(folder / "model")
     config = r.engine_config(
         model, transfer, block_size=block_size, num_blocks=num_blocks,
@@ -125,8 +138,14 @@ def make_hybrid_engine(
         structured_output_manager=StructuredOutputManager(config), block_size=block_size,
         log_stats=True,
     )  # fmt: skip
+    worker_config = config
+    if worker_transfer is not None:
+        worker_config = copy.copy(config)
+        worker_config.kv_transfer_config = worker_transfer
     with mock.patch.object(connector_module, "worker_ranks", return_value=(0, 1, 0, 1)):
-        conn = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
+        conn = KVConnectorFactory.create_connector(
+            worker_config, KVConnectorRole.WORKER, kv_cache_config
+        )
         caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
         for cache in caches.values():  # junk first: only what the model writes counts
             cache.view(torch.int16).copy_(torch.randint_like(cache.view(torch.int16), -999, 999))
@@ -220,6 +239,38 @@ class HybridStoreConnector(AsyncStoreConnector, SupportsHMA):
             for name, cache in self._caches.items():
                 table = tables[self._group_of[name]][:count]
                 saved[name] = {p: cache[b].clone() for p, b in enumerate(table) if b != NULL_BLOCK}
+
+
+class HybridNixlWire(NixlWire):
+    """``async_store.NixlWire`` for several groups: per group, NIXL's local block ids
+    (those the decode allocated for the load, none out of a window) are filled from the
+    tail of the remote request's blocks of that group, as NIXL's pull worker reads them."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._group_of = {
+            name: gid
+            for gid, group in enumerate(kv_cache_config.kv_cache_groups)
+            for name in group.layer_names
+        }
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        for rid, req in meta.reqs_to_recv.items():
+            remote = req.remote
+            positions = max(len(ids) for ids in remote.block_ids)
+            source = ENGINES[(remote.engine_id, self.rank)]
+            for name, cache in self._caches.items():
+                group = self._group_of[name]
+                local = [b for b in req.local_block_ids[group] if b != NULL_BLOCK]
+                theirs = list(remote.block_ids[group])[len(remote.block_ids[group]) - len(local) :]
+                first = positions - len(local)
+                for offset, (mine, block) in enumerate(zip(local, theirs, strict=True)):
+                    cache[mine] = source[name][block]
+                    damage(cache, name, mine, first + offset)
+            READ.add(remote.request_id)
+            self._received.add(rid)
+        self._sending.update(meta.reqs_to_send)
 
 
 def reset() -> None:

@@ -291,3 +291,44 @@ def test_many_requests_through_two_groups(tmp_path: Path, caplog: pytest.LogCapt
         n = len(tokens)
         assert decode.generated(rid.replace("req-", "d-")) == [r.SAMPLED + n, r.SAMPLED + n + 1]
     assert decode.all_blocks_free()
+
+
+def nixl_engine(tmp_path: Path, name: str, role: str) -> he.HybridEngine:
+    """vLLM's NixlConnector scheduler side (audited) over the tests' NIXL wire."""
+    kvaudit = {"output": str(tmp_path / name)}
+    return he.make_hybrid_engine(
+        tmp_path,
+        he.nixl_transfer_config(kvaudit, role, name),
+        worker_transfer=he.transfer_config(kvaudit, role, name, he.NIXL_WIRE),
+    )
+
+
+@pytest.mark.parametrize("group", [0, 1])
+def test_nixl_moves_both_groups_after_a_local_prefix_hit(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, group: int
+) -> None:
+    """NIXL's own scheduler side with two groups: the decode holds 3 of the prompt's 5
+    blocks, NIXL pulls positions 3-4 of each group; a bit flipped in one group's
+    position 4 on the way is found and named by that group, the other group matches;
+    the producer's blocks are freed once read, the decode's at its end."""
+    prefill = nixl_engine(tmp_path, "prefill", "kv_producer")
+    prefill.add("req-a", PROMPT, {"do_remote_decode": True})
+    while prefill.params("req-a") is None:
+        prefill.step()
+    params = prefill.params("req-a")
+    assert len(params["remote_block_ids"]) == 2  # one block list per group
+    decode = nixl_engine(tmp_path, "decode", "kv_consumer")
+    decode.add("warm", [*PROMPT[:48], 1, 2, 3])
+    decode.run()
+    async_store.DAMAGE.update(layer=r.LAYER.format(group), position=4)
+    with caplog.at_level(logging.INFO, logger="kvaudit.vllm"):
+        decode.add("d-a", PROMPT, params, max_tokens=2)
+        decode.run()
+    [line] = messages(caplog, "MISMATCH")
+    assert line.startswith(f"kvaudit: MISMATCH request req-a group {group}: positions [4] ")
+    [match] = messages(caplog, "match")
+    assert match.startswith(f"kvaudit: request req-a group {1 - group}: positions 3-4 compared")
+    assert decode.generated("d-a") == [r.SAMPLED + 80, r.SAMPLED + 81]
+    assert decode.all_blocks_free()
+    prefill.run()
+    assert prefill.all_blocks_free()
