@@ -14,11 +14,26 @@ from ...core.scheme import valid_tokens
 
 @dataclass(frozen=True)
 class GroupLayout:
-    """What the scheduler needs of a KV cache group: its block size and whether it may
-    hold null blocks for positions out of its window."""
+    """What the scheduler needs of a KV cache group: its block size, whether it may
+    hold null blocks for positions out of its window, and that window (a sliding
+    window's tokens, or a chunked local attention's chunk; 0: none known)."""
 
     block_size: int
     windowed: bool = False
+    sliding_window: int = 0
+    attention_chunk: int = 0
+
+    def freed_positions(self, computed_tokens: int) -> int:
+        """How many leading block positions vLLM may have given back to its pool once
+        ``computed_tokens`` tokens were computed (the positions out of the window of
+        the next token: their blocks are freed, and reused, while the request runs)."""
+        if self.sliding_window:
+            skipped = max(0, computed_tokens - self.sliding_window + 1)
+        elif self.attention_chunk:
+            skipped = computed_tokens // self.attention_chunk * self.attention_chunk
+        else:
+            return 0
+        return skipped // self.block_size
 
 
 @dataclass
