@@ -29,7 +29,7 @@ def version_lines() -> list[str]:
 
 def test_every_extension_of_setup_is_named() -> None:
     assert sorted(built_by_setup()) == sorted(native.EXTENSIONS)
-    assert len(built_by_setup()) == 3
+    assert len(built_by_setup()) == 4
 
 
 def test_version_names_the_loops_that_load(monkeypatch: pytest.MonkeyPatch) -> None:
