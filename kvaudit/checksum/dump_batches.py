@@ -9,6 +9,7 @@ positions, so the result is exactly that of a checksummer over the whole dump.
 
 from __future__ import annotations
 
+import importlib.util
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -25,6 +26,7 @@ from ..records import GroupChecksums, RequestChecksums, WorkerRecord
 from ..sources.base import Progress
 from ..sources.raw import request_rows
 from .checksummer import Checksummer
+from .plans import GroupPlan
 
 if TYPE_CHECKING:
     from ..core.arrays import Array
@@ -42,8 +44,23 @@ def batch_rows(dump: Dump, batch_bytes: int) -> int:
 Table = tuple[int, np.ndarray]
 """One group's rows of a batch: its id and ``[3, n]`` int64 dump rows, first tokens and
 valid tokens."""
-Finish = Callable[[list["Array"]], None]
-"""What takes a batch's ``[rows, replica keys]`` values, one per table, on the host."""
+Finish = Callable[[list["Array"], list["np.ndarray | None"]], None]
+"""What takes a batch's ``[rows, replica keys]`` values, one per table, on the host, and
+the strong lane's residues of the same rows (None where the plan's device has no strong
+path)."""
+
+
+def strong_sums(plan: GroupPlan, table: np.ndarray) -> np.ndarray | None:
+    """The strong lane of a table's rows (docs/checksum.md), or None where the plan's
+    device has no strong kernel installed: the record then carries the seed lane alone,
+    which a comparison says."""
+    if plan.device != "cpu" and importlib.util.find_spec(_DEVICE_STRONG) is None:
+        return None
+    return plan.strong(*table)
+
+
+_DEVICE_STRONG = "kvaudit.checksum.kernels.triton_strong"
+"""The module of the strong lane's device kernel."""
 
 
 class DumpBatches(ABC):
@@ -93,6 +110,11 @@ class DumpBatches(ABC):
             gid: np.zeros((count, len(checksummer.plans[gid].replica_keys)), np.uint64)
             for gid, count in entries.counts.items()
         }
+        # The strong lane per group, dropped (None) where a batch could not compute it.
+        strong: dict[int, np.ndarray | None] = {
+            gid: np.zeros_like(array) if checksummer.strong_lane else None
+            for gid, array in values.items()
+        }
         order = np.argsort(row, kind="stable")
         sorted_rows = row[order]
         done = 0
@@ -109,11 +131,18 @@ class DumpBatches(ABC):
                 for group_id, m in members
             ]
 
-            def finish(outs: list[Array], members: list = members) -> None:
+            def finish(
+                outs: list[Array], strongs: list[np.ndarray | None], members: list = members
+            ) -> None:
                 covered = 0
-                for (group_id, m), out in zip(members, outs, strict=True):
+                for (group_id, m), out, lane in zip(members, outs, strongs, strict=True):
                     host = out if isinstance(out, np.ndarray) else out.cpu().numpy()
                     values[group_id][slot[m]] = host.view(np.uint64)
+                    residues = strong[group_id]
+                    if lane is None:
+                        strong[group_id] = None
+                    elif residues is not None:
+                        residues[slot[m]] = lane
                     covered += len(m) * group_bytes[group_id]
                 if progress is not None and covered:
                     progress(covered)
@@ -129,6 +158,9 @@ class DumpBatches(ABC):
                 replica_keys=list(checksummer.plans[group_id].replica_keys),
                 values=values[group_id][first_slot : first_slot + count].copy(),
                 fingerprint=views.fingerprint,
+                strong=None
+                if (lane := strong[group_id]) is None
+                else lane[first_slot : first_slot + count].copy(),
             )
         return record
 
@@ -173,7 +205,11 @@ class MappedBatches(DumpBatches):
     def submit(self, first: int, count: int, tables: list[Table], done: Finish) -> None:
         plans = self.checksummer.plans
         self.dump.check_unchanged()  # a shrunk file would end the read with SIGBUS
-        done([plans[group_id].checksum(*table) for group_id, table in tables])
+        strongs = [
+            strong_sums(plans[group_id], table) if self.checksummer.strong_lane else None
+            for group_id, table in tables
+        ]
+        done([plans[group_id].checksum(*table) for group_id, table in tables], strongs)
         self.dump.drop_pages()
 
     def drain(self) -> None:

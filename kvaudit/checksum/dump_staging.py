@@ -13,9 +13,10 @@ from ..dumps import Dump
 from ..dumps.layers import layer_parts, owner_layers
 from ..dumps.safetensors_io import as_integers
 from .checksummer import Checksummer, launch_torch
-from .dump_batches import DumpBatches, Finish, Table, batch_rows, row_axis
+from .dump_batches import DumpBatches, Finish, Table, batch_rows, row_axis, strong_sums
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from ..core.arrays import Array
@@ -121,9 +122,11 @@ class StagedBatches(DumpBatches):
         # The buffers hold the batch from their first row.
         relative = [(group_id, table - [[first], [0], [0]]) for group_id, table in tables]
         plans = slot.checksummer.plans
+        lane = slot.checksummer.strong_lane
         if not self.cuda:
             outs = [launch_torch(plans[group_id], table) for group_id, table in relative]
-            slot.pending = _Pending(outs, done, None)
+            strongs = [strong_sums(plans[g], table) if lane else None for g, table in relative]
+            slot.pending = _Pending(outs, done, None, strongs)
             return
         torch = self.torch
         # Everything is queued from this thread and nothing waited for: the checksums wait
@@ -135,7 +138,10 @@ class StagedBatches(DumpBatches):
             outs = [launch_torch(plans[group_id], table) for group_id, table in relative]
             summed = torch.cuda.Event()
             summed.record(stream)
-        slot.pending = _Pending(outs, done, summed)
+            # The strong lane after the seed lane is queued, on the same stream (it waits
+            # for the copy too); its residues come back to the host now.
+            strongs = [strong_sums(plans[g], table) if lane else None for g, table in relative]
+        slot.pending = _Pending(outs, done, summed, strongs)
 
     def _finish(self, slot: _Slot) -> None:
         """Hand the slot's last batch's checksums on, once they are on the host."""
@@ -144,7 +150,7 @@ class StagedBatches(DumpBatches):
             return
         if pending.summed is not None:
             pending.summed.synchronize()
-        pending.done(pending.outs)
+        pending.done(pending.outs, pending.strongs)
 
     def _send(self, slot: _Slot) -> torch.cuda.Event:
         """Queue the copy of the slot's pinned buffers to its device buffers on the copy
@@ -186,11 +192,12 @@ class _Slot:
 @dataclass
 class _Pending:
     """A slot's batch whose checksums are queued: their host tensors, what takes them on,
-    and (on CUDA) the event that marks them written."""
+    (on CUDA) the event that marks them written, and the strong lane's residues."""
 
     outs: list[Array]
     done: Finish
     summed: torch.cuda.Event | None
+    strongs: list[np.ndarray | None]
 
 
 def _part_view(

@@ -131,6 +131,9 @@ class GroupComparison:
     description is known, for the pictures and the diagnosis (empty and 0 where not).
     ``not_located`` says why a differing group was not located where the sides hold the
     KV of some requests only (an output folder's dumps), None otherwise.
+    ``seed_lane_only`` says why the group was compared by the seed lane alone (a side
+    carries no strong lane, or it was asked), None where both lanes were compared or the
+    group was not compared (docs/checksum.md).
     """
 
     compared: int = 0
@@ -147,6 +150,7 @@ class GroupComparison:
     layers: list[str] = field(default_factory=list)
     heads: int = 0
     not_located: str | None = None
+    seed_lane_only: str | None = None
 
     @property
     def replicas_differing(self) -> list[ReplicaKey]:
@@ -256,3 +260,26 @@ class DiffReport:
         for request_id, groups in self.requests.items():
             for gid in sorted(groups):
                 yield request_id, gid, groups[gid]
+
+
+def seed_lane_notes(report: DiffReport) -> list[str]:
+    """The report's lines saying which compared groups rested on the seed lane alone and
+    why (each reason once): a verdict there misses what only the strong lane sees.
+
+    Args:
+        report: A report whose groups say ``seed_lane_only``.
+
+    Returns:
+        ``compared by the seed lane only: <why>`` per distinct reason, in report order.
+
+    """
+    reasons = dict.fromkeys(
+        group.seed_lane_only
+        for _, _, group in report.groups()
+        if group.seed_lane_only is not None and group.compared
+    )
+    return [f"{SEED_LANE_NOTE}: {reason}" for reason in reasons if reason is not None]
+
+
+SEED_LANE_NOTE = "compared by the seed lane only"
+"""How a report's note on groups compared by the seed lane alone begins."""

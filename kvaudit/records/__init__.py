@@ -18,6 +18,7 @@ from .model import (
     WorkerRecord,
     WorkerSummary,
     replica_zero_totals,
+    strong_replica_zero_totals,
 )
 from .record import Record
 
@@ -31,4 +32,5 @@ __all__ = [
     "WorkerSummary",
     "combine_workers",
     "replica_zero_totals",
+    "strong_replica_zero_totals",
 ]

@@ -30,7 +30,7 @@ from click.testing import CliRunner, Result
 from helpers import kvbuild as kb
 from helpers import reference as ref
 from helpers.example_module import example
-from helpers.report_keys import DIFF_KEYS, GROUP_KEYS
+from helpers.report_keys import DIFF_KEYS, GROUP_KEYS, OPTIONAL_GROUP_KEYS
 from safetensors import safe_open
 
 from kvaudit.checksum.checksummer import RequestBlocks
@@ -92,7 +92,7 @@ def check_shape(report: dict) -> None:
     for request in report["requests"].values():
         assert set(request) == {"num_tokens", "groups"}
         for gid, group in request["groups"].items():
-            assert gid.isdigit() and set(group) == GROUP_KEYS
+            assert gid.isdigit() and GROUP_KEYS <= set(group) <= GROUP_KEYS | OPTIONAL_GROUP_KEYS
             assert isinstance(group["compared"], int)
             assert all(isinstance(p, int) for p in group["mismatched_positions"])
             assert all(len(pair) == 2 for pair in group["replicas_differing"])

@@ -25,4 +25,6 @@ GROUP_KEYS = {
     "stale_sources",
     "token_runs",
 }
+OPTIONAL_GROUP_KEYS = {"stale_matches", "seed_lane_only"}
+"""Keys a group has only where they say something (a cut list, a seed-lane-only verdict)."""
 FINDING_KEYS = {"request", "group", "kind", "text", "positions", "tokens", "slices", "located"}

@@ -14,7 +14,7 @@ from ...core.validation import (
     join,
 )
 from ...records import GroupChecksums, RequestChecksums, WorkerInfo, WorkerRecord
-from ...records.reading import RecordReader, group_span, group_values, item_path
+from ...records.reading import RecordReader, group_span, group_strong, group_values, item_path
 from .layout import LINE_FORMATS
 
 _LINE_KEYS = (
@@ -31,6 +31,8 @@ _LINE_KEYS = (
 _LINE_ROLES = ("producer", "consumer")
 _WORKER_KEYS = ("tp_rank", "tp_size", "pp_rank", "pp_size", "engine")
 _GROUP_KEYS = ("block_size", "start", "replica_keys", "values")
+_OPTIONAL_GROUP_KEYS = ("strong",)
+"""The strong lane's rows: lines of the seed engine or an older kvaudit have none."""
 
 
 def check_line(
@@ -81,10 +83,13 @@ def check_line(
     for key, value in reader.obj(line["groups"], "groups").items():
         gid = reader.group_id(key, "groups")
         path = item_path("groups", key)
-        group = reader.keys(value, path, _GROUP_KEYS)
+        group = reader.keys(value, path, _GROUP_KEYS, _OPTIONAL_GROUP_KEYS)
         block_size, start = group_span(reader, group, path)
         keys, values = group_values(reader, group, path)
-        checks = GroupChecksums(block_size, start, keys, values, fingerprints.get(gid, 0))
+        strong = group_strong(reader, group, path, values.shape)
+        checks = GroupChecksums(
+            block_size, start, keys, values, fingerprints.get(gid, 0), strong=strong
+        )
         check_positions(reader.source, path, num_tokens, block_size, start, checks.count)
         groups[gid] = checks
     result = {
@@ -189,6 +194,7 @@ def merge_line(record: WorkerRecord | None, line: Mapping[str, Any], source: str
             group.replica_keys,
             group.values,
             record.fingerprints.get(gid, 0),
+            strong=group.strong,
         )
         for gid, group in line["groups"].items()
     }

@@ -17,7 +17,7 @@ import numpy as np
 
 from ...core.files import atomic_path
 from ...core.scheme import to_hex
-from ...records import RequestChecksums, WorkerInfo, WorkerRecord
+from ...records import GroupChecksums, RequestChecksums, WorkerInfo, WorkerRecord
 from .layout import CHECKSUMS, FORMAT, LINE_FORMAT, MARKER, ROTATED, rotated_name, worker_folder
 
 MAX_CHECKSUM_BYTES = 64 << 20
@@ -101,15 +101,7 @@ def checksum_line(
 
     """
     worker = record.worker
-    groups = {
-        str(gid): {
-            "block_size": group.block_size,
-            "start": group.start,
-            "replica_keys": [list(key) for key in group.replica_keys],
-            "values": [[to_hex(v) for v in row] for row in group.values.tolist()],
-        }
-        for gid, group in sorted(checksums.groups.items())
-    }
+    groups = {str(gid): _group_entry(group) for gid, group in sorted(checksums.groups.items())}
     line: dict[str, Any] = {
         "format": LINE_FORMAT,
         "request": request,
@@ -130,6 +122,19 @@ def checksum_line(
     if prompt is not None:
         line["prompt"] = prompt
     return json.dumps(line, separators=(",", ":"))
+
+
+def _group_entry(group: GroupChecksums) -> dict[str, Any]:
+    """One group of a checksum line: its values, and the strong lane's where it has it."""
+    entry: dict[str, Any] = {
+        "block_size": group.block_size,
+        "start": group.start,
+        "replica_keys": [list(key) for key in group.replica_keys],
+        "values": [[to_hex(v) for v in row] for row in group.values.tolist()],
+    }
+    if group.strong is not None:
+        entry["strong"] = [[to_hex(v) for v in row] for row in group.strong.tolist()]
+    return entry
 
 
 def append_checksums(
