@@ -158,9 +158,7 @@ class DumpBatches(ABC):
                 replica_keys=list(checksummer.plans[group_id].replica_keys),
                 values=values[group_id][first_slot : first_slot + count].copy(),
                 fingerprint=views.fingerprint,
-                strong=None
-                if (lane := strong[group_id]) is None
-                else lane[first_slot : first_slot + count].copy(),
+                strong=_rows_of(strong[group_id], first_slot, count),
             )
         return record
 
@@ -181,6 +179,11 @@ class DumpBatches(ABC):
             first_tokens = np.zeros_like(first_tokens)
         valid = valid_tokens(num_tokens, block_size, block_positions)
         return np.stack([rows, first_tokens, valid]).astype(np.int64)
+
+
+def _rows_of(lane: np.ndarray | None, first: int, count: int) -> np.ndarray | None:
+    """A copy of ``count`` rows of a group's strong lane from ``first`` (None: none)."""
+    return None if lane is None else lane[first : first + count].copy()
 
 
 class MappedBatches(DumpBatches):
