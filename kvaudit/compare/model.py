@@ -178,6 +178,9 @@ class GroupComparison:
     ``layer_differences`` gives, per differing position, the ``(layer number, plane)``
     whose layer sums differ, where both sides' records hold layer sums (an in-engine
     audit's output folder): what names the layer and K or V without a dump.
+    ``seed_lane_only`` says why the group was compared by the seed lane alone (a side
+    carries no strong lane, or it was asked), None where both lanes were compared or the
+    group was not compared (docs/checksum.md).
     """
 
     compared: int = 0
@@ -196,6 +199,7 @@ class GroupComparison:
     not_located: str | None = None
     token_shifts: list[TokenShift] = field(default_factory=list)
     layer_differences: dict[int, list[tuple[int, str]]] = field(default_factory=dict)
+    seed_lane_only: str | None = None
 
     @property
     def replicas_differing(self) -> list[ReplicaKey]:
@@ -309,3 +313,26 @@ class DiffReport:
         for request_id, groups in self.requests.items():
             for gid in sorted(groups):
                 yield request_id, gid, groups[gid]
+
+
+def seed_lane_notes(report: DiffReport) -> list[str]:
+    """The report's lines saying which compared groups rested on the seed lane alone and
+    why (each reason once): a verdict there misses what only the strong lane sees.
+
+    Args:
+        report: A report whose groups say ``seed_lane_only``.
+
+    Returns:
+        ``compared by the seed lane only: <why>`` per distinct reason, in report order.
+
+    """
+    reasons = dict.fromkeys(
+        group.seed_lane_only
+        for _, _, group in report.groups()
+        if group.seed_lane_only is not None and group.compared
+    )
+    return [f"{SEED_LANE_NOTE}: {reason}" for reason in reasons if reason is not None]
+
+
+SEED_LANE_NOTE = "compared by the seed lane only"
+"""How a report's note on groups compared by the seed lane alone begins."""

@@ -36,7 +36,7 @@ from .groups import (
     layer_differences,
     missing_and_expected,
 )
-from .model import DiffReport, GroupComparison
+from .model import DiffReport, GroupComparison, seed_lane_notes
 
 TokenCounts = Mapping[str, int]
 """Request id to the token count a side holds (where its checksums cover fewer)."""
@@ -172,6 +172,7 @@ def _compare_request(
     tokens: tuple[int, int],
     windows: Mapping[int, Window],
     unchecked: Mapping[int, str],
+    seed_lane_only: bool = False,
 ) -> dict[int, GroupComparison]:
     """Each group of one request present on both sides; ``missing`` says which side's
     workers are missing, if any; ``tokens`` the request's token count on each side;
@@ -202,6 +203,7 @@ def _compare_request(
                     if left.fingerprint != right.fingerprint
                     else None
                 ),
+                seed_lane_only=seed_lane_only,
             )
             compared.layer_differences = layer_differences(
                 left,
@@ -242,13 +244,16 @@ def compare(
     producer_absence: str | None = None,
     token_counts: tuple[TokenCounts, TokenCounts] | None = None,
     windows: Mapping[int, Window] | None = None,
+    seed_lane_only: bool = False,
 ) -> DiffReport:
     """Two records compared by the module's rules; ``per_key`` compares every column
     where the replica keys agree, and ``producer_absence`` replaces the reason given for
     a group only the consumer holds when the producer's workers give none.
     ``token_counts`` are the token counts each side holds where its record covers fewer
     (default: the records' own), ``windows`` each windowed group's window (an
-    ``AttentionWindow``, or a sliding window's size in tokens)."""
+    ``AttentionWindow``, or a sliding window's size in tokens); ``seed_lane_only``
+    compares the seed lane alone. The report's ``warnings`` say where groups were
+    compared by the seed lane alone, and why."""
     _check_numbering(producer, consumer)
     both, only_producer, only_consumer = _select(producer, consumer, request_ids)
     reasons = [
@@ -270,11 +275,12 @@ def compare(
             tokens=(counts[rid][0] or 0, counts[rid][1] or 0),
             windows=windows or {},
             unchecked=unchecked,
+            seed_lane_only=seed_lane_only,
         )
         for rid in both
     }
     wanted = [*both, *only_producer, *only_consumer]
-    return DiffReport(
+    report = DiffReport(
         consumer.positions,
         requests,
         only_producer,
@@ -282,6 +288,8 @@ def compare(
         num_tokens={rid: counts[rid] for rid in wanted},
         scale_differences=scale_differences(producer, consumer),
     )
+    report.warnings = seed_lane_notes(report)
+    return report
 
 
 def _token_counts(
@@ -308,6 +316,7 @@ def compare_records(
     request_ids: Sequence[str] | None = None,
     token_counts: tuple[TokenCounts, TokenCounts] | None = None,
     windows: Mapping[int, Window] | None = None,
+    seed_lane_only: bool = False,
 ) -> DiffReport:
     """The producer's totals compared with the consumer's totals and replicas.
 
@@ -324,9 +333,13 @@ def compare_records(
         token_counts: Per side (producer, consumer), the tokens it holds per request
             where that is more than its record covers.
         windows: Per windowed group id, its window.
+        seed_lane_only: Compare the seed lane alone (records of the seed engine), not
+            both lanes where both sides carry the strong lane (docs/checksum.md).
 
     Returns:
-        The report: per request and group, what was compared and what differs.
+        The report: per request and group, what was compared and what differs (a
+        position differs when either lane does); its ``warnings`` say where groups
+        were compared by the seed lane alone.
 
     Raises:
         KvauditError: The records number positions differently, or a requested id is on
@@ -334,7 +347,13 @@ def compare_records(
 
     """
     return compare(
-        producer, consumer, request_ids, per_key=False, token_counts=token_counts, windows=windows
+        producer,
+        consumer,
+        request_ids,
+        per_key=False,
+        token_counts=token_counts,
+        windows=windows,
+        seed_lane_only=seed_lane_only,
     )
 
 
@@ -345,6 +364,7 @@ def verify_against_record(
     request_ids: Sequence[str] | None = None,
     token_counts: TokenCounts | None = None,
     windows: Mapping[int, Window] | None = None,
+    seed_lane_only: bool = False,
 ) -> DiffReport:
     """A regression check: ``saved`` plays the producer, ``current`` the consumer.
 
@@ -361,6 +381,7 @@ def verify_against_record(
         token_counts: Per request, the tokens ``current`` holds where that is more than
             its record covers.
         windows: Per windowed group id, its window, as for ``compare_records``.
+        seed_lane_only: Compare the seed lane alone, as for ``compare_records``.
 
     Returns:
         The report, with ``saved`` as the producer.
@@ -371,4 +392,12 @@ def verify_against_record(
 
     """
     counts = None if token_counts is None else ({}, token_counts)
-    return compare(saved, current, request_ids, per_key=True, token_counts=counts, windows=windows)
+    return compare(
+        saved,
+        current,
+        request_ids,
+        per_key=True,
+        token_counts=counts,
+        windows=windows,
+        seed_lane_only=seed_lane_only,
+    )

@@ -125,8 +125,9 @@ def _worker_to_json(summary: WorkerSummary) -> dict[str, Any]:
 
 
 def _group_to_json(group: GroupChecksums) -> dict[str, Any]:
-    """A group's entry of a record's JSON: its values and totals as hex, and why they are
-    partial sums where they are."""
+    """A group's entry of a record's JSON: its values and totals as hex, the strong lane's
+    (``strong``, ``strong_totals``) where the record carries it, and why they are partial
+    sums where they are."""
     entry = {
         "block_size": int(group.block_size),
         "start": int(group.start),
@@ -135,6 +136,10 @@ def _group_to_json(group: GroupChecksums) -> dict[str, Any]:
         "values": [[to_hex(value) for value in row] for row in group.values.tolist()],
         "totals": [to_hex(value) for value in group.totals().tolist()],
     }
+    strong_totals = group.strong_totals()
+    if group.strong is not None and strong_totals is not None:
+        entry["strong"] = [[to_hex(value) for value in row] for row in group.strong.tolist()]
+        entry["strong_totals"] = [to_hex(value) for value in strong_totals.tolist()]
     if group.partial is not None:
         entry["partial"] = group.partial
     return entry
@@ -239,6 +244,9 @@ def group_to_json(group: GroupComparison) -> dict[str, Any]:
         data["stale_matches"] = {
             str(position): int(count) for position, count in sorted(group.stale_matches.items())
         }
+    if group.compared and group.seed_lane_only is not None:
+        # Only where the verdict rests on the seed lane alone: why (docs/checksum.md).
+        data["seed_lane_only"] = group.seed_lane_only
     return data
 
 

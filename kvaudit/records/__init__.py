@@ -23,6 +23,7 @@ from .model import (
     WorkerRecord,
     WorkerSummary,
     replica_zero_totals,
+    strong_replica_zero_totals,
 )
 from .record import Record
 
@@ -41,4 +42,5 @@ __all__ = [
     "combine_workers",
     "layer_sums_sum",
     "replica_zero_totals",
+    "strong_replica_zero_totals",
 ]

@@ -660,7 +660,12 @@ def test_json_shape_and_values() -> None:
     assert data["only_in_producer"] == ["req-gone"] and data["only_in_consumer"] == []
     a0 = data["requests"]["req-a"]["groups"]["0"]
     assert data["requests"]["req-a"]["num_tokens"] == {"producer": 40, "consumer": 40}
+    # Records built by hand carry the seed lane alone, and the report says so.
+    assert data["warnings"] == [
+        "compared by the seed lane only: neither side carries the strong lane"
+    ]
     assert a0 == {
+        "seed_lane_only": "neither side carries the strong lane",
         "compared": 3,
         "mismatched_positions": [2],
         "missing_positions": [],

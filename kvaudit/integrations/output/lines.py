@@ -26,7 +26,7 @@ from ...records import (
     WorkerInfo,
     WorkerRecord,
 )
-from ...records.reading import RecordReader, group_span, group_values, item_path
+from ...records.reading import RecordReader, group_span, group_strong, group_values, item_path
 from .layout import LINE_FORMATS
 
 _LINE_KEYS = (
@@ -43,6 +43,8 @@ _LINE_KEYS = (
 _LINE_ROLES = ("producer", "consumer")
 _WORKER_KEYS = ("tp_rank", "tp_size", "pp_rank", "pp_size", "engine")
 _GROUP_KEYS = ("block_size", "start", "replica_keys", "values")
+_OPTIONAL_GROUP_KEYS = ("strong", "layer_sums")
+"""The strong lane's rows: lines of the seed engine or an older kvaudit have none."""
 
 
 def check_line(
@@ -93,10 +95,13 @@ def check_line(
     for key, value in reader.obj(line["groups"], "groups").items():
         gid = reader.group_id(key, "groups")
         path = item_path("groups", key)
-        group = reader.keys(value, path, _GROUP_KEYS, ("layer_sums",))
+        group = reader.keys(value, path, _GROUP_KEYS, _OPTIONAL_GROUP_KEYS)
         block_size, start = group_span(reader, group, path)
         keys, values = group_values(reader, group, path)
-        checks = GroupChecksums(block_size, start, keys, values, fingerprints.get(gid, 0))
+        strong = group_strong(reader, group, path, values.shape)
+        checks = GroupChecksums(
+            block_size, start, keys, values, fingerprints.get(gid, 0), strong=strong
+        )
         if "layer_sums" in group:
             checks.layer_sums = _layer_sums(
                 reader, group["layer_sums"], join(path, "layer_sums"), checks.count
@@ -236,6 +241,7 @@ def merge_line(record: WorkerRecord | None, line: Mapping[str, Any], source: str
             group.values,
             record.fingerprints.get(gid, 0),
             layer_sums=group.layer_sums,
+            strong=group.strong,
         )
         for gid, group in line["groups"].items()
     }

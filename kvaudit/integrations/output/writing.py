@@ -18,7 +18,7 @@ import numpy as np
 
 from ...core.files import atomic_path
 from ...core.scheme import to_hex
-from ...records import LayerSums, RequestChecksums, WorkerInfo, WorkerRecord
+from ...records import GroupChecksums, LayerSums, RequestChecksums, WorkerInfo, WorkerRecord
 from .layout import (
     CHECKSUMS,
     DESCRIPTION,
@@ -111,17 +111,7 @@ def checksum_line(
 
     """
     worker = record.worker
-    groups: dict[str, dict[str, Any]] = {}
-    for gid, group in sorted(checksums.groups.items()):
-        entry: dict[str, Any] = {
-            "block_size": group.block_size,
-            "start": group.start,
-            "replica_keys": [list(key) for key in group.replica_keys],
-            "values": [[to_hex(v) for v in row] for row in group.values.tolist()],
-        }
-        if group.layer_sums is not None:
-            entry["layer_sums"] = layer_sums_entry(group.layer_sums)
-        groups[str(gid)] = entry
+    groups = {str(gid): _group_entry(group) for gid, group in sorted(checksums.groups.items())}
     line: dict[str, Any] = {
         "format": LINE_FORMAT,
         "request": request,
@@ -161,6 +151,22 @@ def layer_sums_entry(sums: LayerSums) -> dict[str, Any]:
         "parts": [[number, plane] for number, plane in sums.parts],
         "sums": base64.b64encode(data).decode("ascii"),
     }
+
+
+def _group_entry(group: GroupChecksums) -> dict[str, Any]:
+    """One group of a checksum line: its values, the strong lane's and the layer sums
+    where it has them."""
+    entry: dict[str, Any] = {
+        "block_size": group.block_size,
+        "start": group.start,
+        "replica_keys": [list(key) for key in group.replica_keys],
+        "values": [[to_hex(v) for v in row] for row in group.values.tolist()],
+    }
+    if group.strong is not None:
+        entry["strong"] = [[to_hex(v) for v in row] for row in group.strong.tolist()]
+    if group.layer_sums is not None:
+        entry["layer_sums"] = layer_sums_entry(group.layer_sums)
+    return entry
 
 
 def append_checksums(
