@@ -10,6 +10,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import harness as h
@@ -104,13 +105,14 @@ def seed_only(params: dict) -> dict:
 
 def run_pair(
     tmp_path: Path, plant: Plant | None = None, policy: str = "log", tp_size: int = 1,
-    kvc2: bool = False,
+    kvc2: bool = False, **engine: Any,
 ) -> tuple[h.Engine, h.Engine, dict]:  # fmt: skip
     """A producer and a consumer engine moving one prompt through ExampleConnector
     (``kvc2``: the producer's wire re-encoded with the seed lane alone)."""
     settings = {"dump_sample_rate": 1.0, "max_dump_bytes": 1 << 24, "policy": policy}
     producer = h.make_engine({"output": str(tmp_path / "prefill"), **settings},
-                             example(tmp_path), engine_id="P", tp_size=tp_size)  # fmt: skip
+                             example(tmp_path), engine_id="P", tp_size=tp_size,
+                             **engine)  # fmt: skip
     producer.add("req-b", PROMPT_B)
     params_b = producer.step()["finished"]["req-b"]
     producer.add("req-a", PROMPT)
@@ -118,7 +120,8 @@ def run_pair(
     if kvc2:
         params_b, params = seed_only(params_b), seed_only(params)
     consumer = h.make_engine({"output": str(tmp_path / "decode"), **settings},
-                             example(tmp_path), engine_id="D", tp_size=tp_size)  # fmt: skip
+                             example(tmp_path), engine_id="D", tp_size=tp_size,
+                             **engine)  # fmt: skip
     consumer.before_forward = plant
     consumer.add("d-b", PROMPT_B, params_b)
     consumer.step()
@@ -233,6 +236,32 @@ def test_two_sign_flips_in_one_block_are_a_mismatch(
         read_output_folder(tmp_path / "decode").requests["req-a"].groups[0].totals().tolist()
         == want
     )
+
+
+def test_two_sign_flips_in_one_replica_are_a_mismatch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """MLA at TP=2: both consumer ranks hold the latent (replicas 0 and 1). Two sign bits
+    flipped in rank 1's copy of one block leave replica 0 as the producer's and both
+    replicas' seed lanes equal; their strong lanes differ: a mismatch naming the block."""
+
+    def plant(engine: h.Engine, output: SchedulerOutput) -> None:
+        if "d-a" in output.num_scheduled_tokens:
+            block = engine.tables["d-a"][1]
+            data = engine.workers[1].caches[h.LAYER.format(0)][block].reshape(-1)
+            data = data.view(torch.uint8)
+            data[7] ^= 0x80  # bit 63 of the block's first piece
+            data[15] ^= 0x80  # and of its second
+
+    with caplog.at_level(logging.INFO, logger="kvaudit.vllm"):
+        _, consumer, _ = run_pair(tmp_path, plant, tp_size=2, mla=True, head_size=16)
+    [line] = mismatch_lines(caplog)
+    block = consumer.tables["d-a"][1]
+    assert line.startswith(
+        f"kvaudit: MISMATCH request req-a group 0: positions [1] (blocks [{block}]) differ "
+    ), line
+    group = read_output_folder(tmp_path / "decode").requests["req-a"].groups[0]
+    assert len({tuple(column) for column in group.values.T.tolist()}) == 1  # seed: equal
 
 
 def test_a_kvc2_producer_is_compared_by_the_seed_lane_and_says_so(

@@ -109,13 +109,16 @@ def compared_text(compared: list[int], held: int, skipped: int) -> str:
 
 
 def replica_differences(mine: Any) -> list[int]:
-    """Positions where a consumer replica ``(R, r)`` differs from ``(R, 0)``."""
+    """Positions where a consumer replica ``(R, r)`` differs from ``(R, 0)``, in either
+    lane (the strong lane where the record carries it)."""
     keys = [tuple(k) for k in mine.replica_keys]
+    lanes = [mine.values] if mine.strong is None else [mine.values, mine.strong]
     out = set()
     for k, (replicas, index) in enumerate(keys):
         if index == 0 or (replicas, 0) not in keys:
             continue
         base = keys.index((replicas, 0))
-        for row in np.nonzero(mine.values[:, k] != mine.values[:, base])[0].tolist():
-            out.add(mine.start + row)
+        for lane in lanes:
+            for row in np.nonzero(lane[:, k] != lane[:, base])[0].tolist():
+                out.add(mine.start + row)
     return sorted(out)
