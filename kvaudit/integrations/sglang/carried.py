@@ -220,12 +220,6 @@ def read_carried(metadata_buffers: Any, index: int) -> Carried | Unverified:
     return carried
 
 
-def unit_of(position: int, page: int, unit: int) -> int:
-    """The unit (``token // unit``) of block ``position`` of ``page`` tokens, where
-    ``unit`` is a multiple of ``page``."""
-    return position * page // unit
-
-
 def locate(differences: Sequence[int], units: Sequence[int]) -> list[int] | None:
     """The units whose strong lane differs, from the differences of the moments.
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -14,7 +15,7 @@ from ...core.scheme import STRONG_PRIME
 from ...description import parse_description
 from ...records import WorkerInfo, WorkerRecord
 from ...views.inputs import RequestBlocks
-from .carried import MOD64, MOMENTS, content_signature, unit_of
+from .carried import MOD64, MOMENTS, content_signature
 from .describe import (
     DEFAULT_LAYER_NAME,
     NotDescribable,
@@ -174,21 +175,36 @@ def strong_moments(
     if checksums.strong is None:
         raise ValueError("the rank's checksums hold no strong lane")
     prime = STRONG_PRIME
-    for i, row in enumerate(checksums.strong.tolist()):
-        x = unit_of(checksums.start + i, page, unit) + 1
-        total = residual = 0
-        for (replicas, index), value in zip(checksums.replica_keys, row, strict=True):
-            if index == 0:
-                total += value
-                residual -= (replicas - 1) * value
-            else:
-                residual += value
-        total, residual = total % prime, residual % prime
-        for m in range(MOMENTS):
-            moments[m] = (moments[m] + pow(x, m, prime) * total) % prime
-        residuals[0] = (residuals[0] + residual) % prime
-        residuals[1] = (residuals[1] + x * residual) % prime
+    positions = np.arange(checksums.start, checksums.start + checksums.count, dtype=np.uint64)
+    x = positions * np.uint64(page) // np.uint64(unit) + np.uint64(1)  # below 2**32
+    weights = [np.ones_like(x), x, x * x]  # x**2 below 2**64: exact
+    for (replicas, index), column in zip(checksums.replica_keys, checksums.strong.T, strict=True):
+        # The moments are linear: each column's, exact, then added with its coefficient.
+        sums = [exact_dot(column, w) for w in weights]
+        if index == 0:
+            moments = [(a + b) % prime for a, b in zip(moments, sums, strict=True)]
+            factor = -(replicas - 1)
+        else:
+            factor = 1
+        residuals = [(r + factor * v) % prime for r, v in zip(residuals, sums, strict=False)]
     return moments, residuals
+
+
+def exact_dot(values: np.ndarray, weights: np.ndarray) -> int:
+    """``sum(values * weights)`` as an exact Python integer, for uint64 arrays: each
+    product split into 32-bit limbs, whose sums stay below 2**64 for fewer than 2**32
+    entries."""
+    mask, shift = np.uint64(0xFFFF_FFFF), np.uint64(32)
+    v = np.ascontiguousarray(values, dtype=np.uint64)
+    w = np.ascontiguousarray(weights, dtype=np.uint64)
+    total = 0
+    for a, a_shift in ((v & mask, 0), (v >> shift, 32)):
+        for b, b_shift in ((w & mask, 0), (w >> shift, 32)):
+            product = a * b  # both below 2**32: exact
+            low = int((product & mask).sum(dtype=np.uint64))
+            high = int((product >> shift).sum(dtype=np.uint64))
+            total += (low + (high << 32)) << (a_shift + b_shift)
+    return total
 
 
 def gather_ranks(rows: list[list[int]], group: Any) -> list[list[list[int]]]:
