@@ -36,7 +36,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.sglang_expected import expected_sum
+import torch
+from helpers.sglang_expected import expected_moments, expected_sum
 from pd_world import (
     PAGE,
     REQUESTS,
@@ -48,7 +49,17 @@ from pd_world import (
 )
 from sglang.srt.plugins.hook_registry import HookRegistry
 
+from kvaudit.core.scheme import STRONG_PRIME
 from kvaudit.integrations.sglang import carried, inline, plugin, serving
+from kvaudit.integrations.sglang.ranks import block_sums
+
+
+def carried_words(words: list[int]) -> tuple[int, tuple[int, ...], tuple[int, int]]:
+    """A version 3 row's unit, moments and token range (its tag checked)."""
+    marker, span = words[carried.SLOT_MARKER], words[carried.SLOT_RANGE]
+    assert marker >> 48 == carried.STRONG_TAG
+    sums = tuple(words[carried.SLOT_SUMS : carried.SLOT_SUMS + 3])
+    return (marker >> 32) & 0xFFFF, sums, (span & 0xFFFF_FFFF, span >> 32)
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +75,9 @@ def decode(tp1_decode, monkeypatch) -> Decode:
 
 
 def test_prefill_ranks_write_one_identical_row(prefill):
-    """Both prefill ranks send the same kvaudit words (2..6) in the checksum row, the
-    spec's sum among them; word 0 is SGLang's own per-rank digest (it differs)."""
+    """Both prefill ranks send the same kvaudit words (2..7) in the checksum row, the
+    strong lane's moments over the prefill's pages among them (version 3, summed over the
+    ranks modulo 2**64 - 59); word 0 is SGLang's own per-rank digest (it differs)."""
     assert prefill[0]["wrapped"] == prefill[1]["wrapped"] == ["send_kv_chunk"]
     for rid in REQUESTS:
         assert row_words(prefill, rid, 0)[1:] == row_words(prefill, rid, 1)[1:], rid
@@ -73,9 +85,7 @@ def test_prefill_ranks_write_one_identical_row(prefill):
     for rid in ("req-ok", "req-bad", "req-prefix"):
         n, prefix = REQUESTS[rid]
         words = row_words(prefill, rid)
-        assert words[carried.SLOT_MARKER] == carried.MARKER
-        assert words[carried.SLOT_SUM] == expected_sum(rid, prefix)
-        assert (words[carried.SLOT_FIRST], words[carried.SLOT_END]) == (prefix, n)
+        assert carried_words(words) == (PAGE, expected_moments(rid, prefix), (prefix, n))
         assert words[0] != 0 and words[1] == prefill[0]["signature"]  # SGLang's own digest
     assert row_words(prefill, "req-plain")[2:] == [0] * 6  # no kvaudit, SGLang's digest only
     assert row_words(prefill, "req-plain")[0] != 0
@@ -110,9 +120,98 @@ def test_changed_cell_aborts_through_sglang(prefill, decode, caplog):
     assert bad.finished_reason.message == "KV checksum mismatch"
     stats = inline.inline_stats()
     assert (stats["verified"], stats["mismatched"], stats["unverified"]) == (1, 1, 0)
-    expected = expected_sum("req-bad", 0)
+    expected = expected_moments("req-bad", 0)[0]
     (line,) = [r.message for r in caplog.records if "kvaudit KV checksum" in r.message]
     assert "req=req-bad" in line and "tokens=0..40" in line and f"{expected:#018x}" in line
+    # The changed cell's token 33 lies in the prefill's block 2: named.
+    assert " block 2 (tokens 32..39, 16-token blocks) differs (strong lane) " in line
+
+
+SIGN_FLIPS = [(0, 1, 20, 0), (1, 3, 27, 1)]
+"""``(layer, head, token, piece)`` of two K cells of ``req-ok``'s block 1 (tokens 16..31)
+whose piece's bit 63 (the sign of bf16 element ``4 * piece + 3``) the decode flips."""
+
+
+def flip_signs(decode: Decode, rid: str) -> None:
+    """Flip the top bit of the ``SIGN_FLIPS`` pieces in the decode's pool: each changes
+    the seed lane by 2**63 times an odd weight, so the two cancel there."""
+    world = decode.world
+    for layer, head, token, piece in SIGN_FLIPS:
+        slot = int(world.req_to_token.req_to_token[world.rows[rid], token])
+        cell = world.pool.k_buffer[layer][slot, head].view(torch.int16)
+        cell[4 * piece + 3] ^= -0x8000
+
+
+def test_two_sign_flips_in_one_block_are_caught_and_the_block_named(prefill, decode, caplog):
+    flip_signs(decode, "req-ok")
+    # The seed lane alone is blind to them: kvaudit's seed sum of the decode's KV is the
+    # reference's of the intact KV.
+    summer = inline.rank_checksummer(decode.sched, "consumer")
+    row = decode.world.req_to_token.req_to_token[decode.world.rows["req-ok"]]
+    record = summer.range_record("req-ok", summer.range_blocks(row, 0, 37))
+    assert block_sums(record, "req-ok")[0] == expected_sum("req-ok", 0)
+    req = decode.receive("req-ok", prefill, index=2)
+    with caplog.at_level("ERROR"):
+        assert decode.verify([req]) == []
+    assert decode.aborts == ["req-ok"] and decode.failed == [1]
+    (line,) = [r.message for r in caplog.records if "kvaudit KV checksum" in r.message]
+    assert line.startswith("kvaudit KV checksum mismatch req=req-ok tokens=0..37 layers=0..1 ")
+    assert " block 1 (tokens 16..31, 16-token blocks) differs (strong lane) " in line
+
+
+def seed_lane_rows(prefill: list[dict], rid: str, signature: int) -> list[dict]:
+    """The prefill ranks' results with ``rid``'s row rewritten as an older kvaudit
+    prefill writes it (version 2: the seed lane's sum over the range, the reference's)."""
+    n, first = REQUESTS[rid]
+    out = []
+    for rank in prefill:
+        rows = dict(rank["rows"])
+        words = np.frombuffer(bytes.fromhex(rows[rid][-1]), dtype="<u8").copy()
+        layers, room = carried.split_layer_word(int(words[carried.SLOT_LAYERS]))
+        seed = [carried.MARKER, expected_sum(rid, first), first, n, signature]
+        words[2:] = [*seed, carried.layer_word(layers, room)]
+        rows[rid] = [*rows[rid][:-1], words.tobytes().hex()]
+        out.append({**rank, "rows": rows})
+    return out
+
+
+def test_an_older_prefills_seed_lane_row_is_compared_by_the_seed_lane(prefill, decode, caplog):
+    """A version 2 row (the seed lane alone): compared by the seed lane, and the log says
+    so once; the two sign flips then pass (that lane cannot see them), a changed value
+    does not."""
+    flip_signs(decode, "req-ok")
+    signature = inline.rank_checksummer(decode.sched, "consumer").signature
+    ok = decode.receive("req-ok", seed_lane_rows(prefill, "req-ok", signature), index=2)
+    bad = decode.receive("req-bad", seed_lane_rows(prefill, "req-bad", signature), index=4)
+    with caplog.at_level("WARNING"):
+        assert decode.verify([ok, bad]) == [ok]
+    stats = inline.inline_stats()
+    assert (stats["verified"], stats["mismatched"], stats["unverified"]) == (1, 1, 0)
+    (line,) = [r.message for r in caplog.records if "kvaudit KV checksum" in r.message]
+    assert line.startswith("kvaudit KV checksum mismatch req=req-bad tokens=0..40 ")
+    assert line.count("compared by the seed lane only") == 1
+    notes = [m for m in caplog.messages if m.startswith("kvaudit: request")]
+    assert len(notes) == 1 and "compared by the seed lane only" in notes[0]
+
+
+def moments_of(deltas: dict[int, int]) -> list[int]:
+    """The moments' differences of per-unit differences ``deltas``, computed directly."""
+    return [sum((j + 1) ** m * d for j, d in deltas.items()) % STRONG_PRIME for m in range(3)]
+
+
+def test_the_moments_name_the_differing_blocks() -> None:
+    big = STRONG_PRIME - 12345  # a difference of -12346 and others, as residues
+    # Up to three units: every differing one, solved exactly.
+    assert carried.locate(moments_of({4: big}), [4]) == [4]
+    assert carried.locate(moments_of({7: 5, 9: big}), [7, 8, 9]) == [7, 9]
+    assert carried.locate(moments_of({0: 1, 1: 2, 2: big}), [0, 1, 2]) == [0, 1, 2]
+    # Longer ranges: one differing unit anywhere is named; two are not located.
+    assert carried.locate(moments_of({41: big}), list(range(100))) == [41]
+    assert carried.locate(moments_of({3: 1, 50: big}), list(range(100))) is None
+    # Two differences of opposite sign: moment 0 cancels, the others do not.
+    differences = moments_of({3: 1, 50: STRONG_PRIME - 1})
+    assert differences[0] == 0 and differences[1] != 0
+    assert carried.locate(differences, list(range(100))) is None
 
 
 def test_prefill_without_kvaudit_is_unverified(prefill, decode):
@@ -131,31 +230,37 @@ def test_health_check_skipped(prefill, decode):
 
 
 @pytest.mark.parametrize(
-    ("slot", "value", "reason"),
+    ("field", "value", "reason"),
     [
         # as from a prefill with 8-token pages
-        (carried.SLOT_FIRST, 8, "range start 8 is not a block boundary of the decode"),
+        ("first", 8, "range start 8 is not a block boundary of the decode"),
         # a prefill page of 16 before a decode prefix of 32: its first page was not sent
-        (carried.SLOT_FIRST, 16, "range start 16 is not where this decode's cached prefix"),
-        (carried.SLOT_END, 32, "range 0..32 does not end at the request's 37 tokens"),
+        ("first", 16, "range start 16 is not where this decode's cached prefix"),
+        ("end", 32, "range 0..32 does not end at the request's 37 tokens"),
         # another transfer's row (bootstrap room 999): never compared as this one's
         (
-            carried.SLOT_LAYERS,
+            "layers",
             carried.layer_word((0, 2), 999),
             "the row carries bootstrap room 0x3e7, this request's is 0x66",
         ),
     ],
 )
 def test_a_row_that_does_not_describe_this_transfer_is_unverified(
-    prefill, decode, slot, value, reason
+    prefill, decode, field, value, reason
 ):
     rows = [dict(rank, rows=dict(rank["rows"])) for rank in prefill]
     for rank in rows:
         words = np.frombuffer(bytes.fromhex(rank["rows"]["req-ok"][-1]), dtype="<u8").copy()
-        words[slot] = value
+        span = int(words[carried.SLOT_RANGE])
+        if field == "first":
+            words[carried.SLOT_RANGE] = value | (span >> 32) << 32
+        elif field == "end":
+            words[carried.SLOT_RANGE] = (span & 0xFFFF_FFFF) | value << 32
+        else:
+            words[carried.SLOT_LAYERS] = value
         rank["rows"]["req-ok"] = [*rank["rows"]["req-ok"][:-1], words.tobytes().hex()]
     req = decode.receive("req-ok", rows, index=2)
-    if slot == carried.SLOT_FIRST and value == 16:
+    if field == "first" and value == 16:
         req.kv.cache_protected_len = 32
     assert decode.verify([req]) == [req]
     stats = inline.inline_stats()

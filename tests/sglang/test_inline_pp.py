@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from helpers.sglang_expected import expected_sum
+from helpers.sglang_expected import expected_moments
 from pd_world import (
     CHANGED,
     LAYERS,
@@ -32,6 +32,7 @@ from pd_world import (
 )
 
 from kvaudit.cli import main
+from kvaudit.core.scheme import STRONG_PRIME
 from kvaudit.integrations.sglang import carried, inline
 
 
@@ -58,13 +59,19 @@ def test_each_stage_carries_its_own_layers(prefill_pp) -> None:
         for pp_rank, stage in enumerate(stages):
             words = row_words(stages, rid, pp_rank)
             span = stage_layers(pp_rank, 2)
-            assert words[carried.SLOT_MARKER] == carried.MARKER
-            assert words[carried.SLOT_SUM] == expected_sum(rid, first, span)
+            assert words[carried.SLOT_MARKER] >> 48 == carried.STRONG_TAG
+            assert moments(words) == expected_moments(rid, first, span)
             assert carried.split_layer_word(words[carried.SLOT_LAYERS])[0] == span
             assert stage["stats"]["written"] == 3 and stage["stats"]["not_written"] == 0
-        # the two stages' sums add up to the whole request's
-        total = sum(row_words(stages, rid, s)[carried.SLOT_SUM] for s in range(2)) % (1 << 64)
-        assert total == expected_sum(rid, first)
+        # the two stages' moments add up (modulo the strong lane's prime) to the request's
+        stage_moments = [moments(row_words(stages, rid, s)) for s in range(2)]
+        total = tuple(sum(m) % STRONG_PRIME for m in zip(*stage_moments, strict=True))
+        assert total == expected_moments(rid, first)
+
+
+def moments(words: list[int]) -> tuple[int, ...]:
+    """The strong lane's moments a version 3 row carries."""
+    return tuple(words[carried.SLOT_SUMS : carried.SLOT_SUMS + 3])
 
 
 def test_decode_pp1_verifies_the_stage_that_arrived_last(prefill_pp, decode_context) -> None:

@@ -39,7 +39,7 @@ def prefill(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 def damaged(rank: dict, rid: str, word: int) -> dict:
     """A copy of a prefill rank's results whose checksum row of ``rid`` carries ``word``
-    as word 7."""
+    as its layer word."""
     rows = dict(rank["rows"])
     words = np.frombuffer(bytes.fromhex(rows[rid][-1]), dtype="<u8").copy()
     words[carried.SLOT_LAYERS] = word
@@ -78,7 +78,8 @@ def test_a_carried_value_that_cannot_be_gathered_is_that_requests_alone(
     bad = decode.receive("req-bad", prefill, index=4)
     value = getattr(ok, inline.ATTRIBUTE)
     assert isinstance(value, carried.Carried)
-    setattr(ok, inline.ATTRIBUTE, carried.Carried(value.total, 0, 37, value.signature, (2, 0), 1))
+    inverted = carried.Carried(value.sums, 0, 37, value.signature, (2, 0), 1, value.unit)
+    setattr(ok, inline.ATTRIBUTE, inverted)
     assert [req.rid for req in decode.verify([ok, bad])] == ["req-ok"]
     assert decode.aborts == ["req-bad"]
     stats = inline.inline_stats()

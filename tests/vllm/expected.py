@@ -29,8 +29,10 @@ def cells(prompt: Sequence[int], num_tokens: int, layer: int, heads: int, width:
 def totals(
     prompt: Sequence[int], num_tokens: int, *, layers: int, heads: int, head_size: int,
     block_size: int, mla: bool = False, tp_size: int = 1, positions: str = "request",
+    strong: bool = False,
 ) -> list[int]:  # fmt: skip
-    """The producer totals of a prompt's first ``num_tokens`` tokens, per block position."""
+    """The producer totals of a prompt's first ``num_tokens`` tokens, per block position
+    (``strong``: the strong lane's, modulo ``2**64 - 59``)."""
     width = head_size if mla else 2 * head_size
     caches = tuple(
         ref.Layer(
@@ -40,5 +42,9 @@ def totals(
         )
         for layer in range(layers)
     )
-    by_class = ref.block_checksums(ref.Group(block_size, caches), num_tokens, positions=positions)
+    group = ref.Group(block_size, caches)
+    if strong:
+        by_class = ref.strong_block_checksums(group, num_tokens, positions=positions)
+        return [sum(column) % ref.STRONG_PRIME for column in zip(*by_class.values(), strict=True)]
+    by_class = ref.block_checksums(group, num_tokens, positions=positions)
     return [int(v) for v in ref.total(by_class)]

@@ -5,10 +5,12 @@ load errors, and the output folder read back as a record."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import harness as h
@@ -24,7 +26,12 @@ from vllm.v1.worker.utils import allocate_kv_cache
 from kvaudit import RequestBlocks
 from kvaudit.description import load_description
 from kvaudit.integrations.output import read_output_folder
-from kvaudit.records.wire import decode_wire_base64
+from kvaudit.records.wire import (
+    WireChecksums,
+    WireGroup,
+    decode_wire_base64,
+    encode_wire_base64,
+)
 
 Plant = Callable[[h.Engine, SchedulerOutput], None]
 PROMPT = list(range(500, 534))  # 34 tokens: two full 16-token blocks and 2 tokens
@@ -67,6 +74,11 @@ def test_producer_sends_its_totals_in_kv_transfer_params(
     want = totals(PROMPT, 34, layers=2, heads=4, head_size=16 if mla else 8, block_size=16,
                   mla=mla, tp_size=tp_size)  # fmt: skip
     assert group.totals.tolist() == want and (group.start, group.block_size) == (0, 16)
+    # KVC3: the strong lane, summed over the ranks modulo 2**64 - 59, after the seed lane.
+    assert base64.b64decode(params["kvaudit"])[:4] == b"KVC3"
+    strong = totals(PROMPT, 34, layers=2, heads=4, head_size=16 if mla else 8, block_size=16,
+                    mla=mla, tp_size=tp_size, strong=True)  # fmt: skip
+    assert group.strong is not None and group.strong.tolist() == strong
     described = load_description(tmp_path / "workers" / "pp0-tp0" / "cache.yaml")
     spec = described.groups[0].spec
     assert (spec.type, spec.layout, spec.spec_class) == (
@@ -80,19 +92,36 @@ def test_producer_sends_its_totals_in_kv_transfer_params(
     assert record.complete and len(record.workers) == tp_size * pp_size
 
 
+def seed_only(params: dict) -> dict:
+    """The params with the producer's wire re-encoded as KVC2 (the seed lane alone), as a
+    producer without the strong lane sends it."""
+    wire = decode_wire_base64(params["kvaudit"], "params")
+    groups = [
+        WireGroup(g.group_id, g.fingerprint, g.block_size, g.start, g.totals) for g in wire.groups
+    ]
+    kvc2 = encode_wire_base64(WireChecksums(wire.num_tokens, wire.numbering, groups))
+    return {**params, "kvaudit": kvc2}
+
+
 def run_pair(
-    tmp_path: Path, plant: Plant | None = None, policy: str = "log", tp_size: int = 1
-) -> tuple[h.Engine, h.Engine, dict]:
-    """A producer and a consumer engine moving one prompt through ExampleConnector."""
+    tmp_path: Path, plant: Plant | None = None, policy: str = "log", tp_size: int = 1,
+    kvc2: bool = False, **engine: Any,
+) -> tuple[h.Engine, h.Engine, dict]:  # fmt: skip
+    """A producer and a consumer engine moving one prompt through ExampleConnector
+    (``kvc2``: the producer's wire re-encoded with the seed lane alone)."""
     settings = {"dump_sample_rate": 1.0, "max_dump_bytes": 1 << 24, "policy": policy}
     producer = h.make_engine({"output": str(tmp_path / "prefill"), **settings},
-                             example(tmp_path), engine_id="P", tp_size=tp_size)  # fmt: skip
+                             example(tmp_path), engine_id="P", tp_size=tp_size,
+                             **engine)  # fmt: skip
     producer.add("req-b", PROMPT_B)
     params_b = producer.step()["finished"]["req-b"]
     producer.add("req-a", PROMPT)
     params = producer.step()["finished"]["req-a"]
+    if kvc2:
+        params_b, params = seed_only(params_b), seed_only(params)
     consumer = h.make_engine({"output": str(tmp_path / "decode"), **settings},
-                             example(tmp_path), engine_id="D", tp_size=tp_size)  # fmt: skip
+                             example(tmp_path), engine_id="D", tp_size=tp_size,
+                             **engine)  # fmt: skip
     consumer.before_forward = plant
     consumer.add("d-b", PROMPT_B, params_b)
     consumer.step()
@@ -160,6 +189,103 @@ def test_a_corrupted_block_is_logged_counted_and_dumped(
     for side in ("prefill", "decode"):
         dumps = sorted((tmp_path / side / "dumps" / "req-a").glob("*.safetensors"))
         assert [p.name for p in dumps] == [f"pp0-tp{r}.safetensors" for r in range(tp_size)]
+
+
+def sign_flips(position: int) -> Plant:
+    """Flip bit 63 (the top bit of the last byte) of two 8-byte pieces of block
+    ``position`` of request d-a, in two cells of two layers: each flip changes the seed
+    lane by 2**63 times an odd weight, so the two cancel there (docs/checksum.md)."""
+
+    def plant(engine: h.Engine, output: SchedulerOutput) -> None:
+        if "d-a" not in output.num_scheduled_tokens:
+            return
+        block = engine.tables["d-a"][position]
+        for layer, head, token, piece in ((1, 2, 5, 0), (0, 1, 9, 1)):
+            for worker in engine.workers:
+                cache = worker.caches[h.LAYER.format(layer)]
+                heads = cache.shape[1]
+                if worker.rank * heads <= head < (worker.rank + 1) * heads:
+                    cell = cache[block, head % heads, token].view(torch.uint8)
+                    cell[8 * piece + 7] ^= 0x80
+
+    return plant
+
+
+def mismatch_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "MISMATCH" in r.getMessage()]
+
+
+def test_two_sign_flips_in_one_block_are_a_mismatch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two sign bits flipped in one loaded block leave its seed lane as the producer's
+    (the reference's totals of the clean prompt), yet the strong lane the producer sent
+    (KVC3) differs: a mismatch naming the block."""
+    with caplog.at_level(logging.INFO, logger="kvaudit.vllm"):
+        _, consumer, _ = run_pair(tmp_path, sign_flips(1))
+    block = consumer.tables["d-a"][1]
+    [line] = mismatch_lines(caplog)
+    assert line.startswith(
+        f"kvaudit: MISMATCH request req-a group 0: positions [1] (blocks [{block}]) differ "
+    ), line
+    assert "seed lane only" not in line
+    got = counters(consumer)
+    assert (got["mismatched_requests"], got["mismatched_blocks"]) == (1, 1)
+    # The seed lane alone sees nothing: the consumer's seed totals are the clean prompt's.
+    want = totals(PROMPT, 32, layers=2, heads=4, head_size=8, block_size=16)
+    assert (
+        read_output_folder(tmp_path / "decode").requests["req-a"].groups[0].totals().tolist()
+        == want
+    )
+
+
+def test_two_sign_flips_in_one_replica_are_a_mismatch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """MLA at TP=2: both consumer ranks hold the latent (replicas 0 and 1). Two sign bits
+    flipped in rank 1's copy of one block leave replica 0 as the producer's and both
+    replicas' seed lanes equal; their strong lanes differ: a mismatch naming the block."""
+
+    def plant(engine: h.Engine, output: SchedulerOutput) -> None:
+        if "d-a" in output.num_scheduled_tokens:
+            block = engine.tables["d-a"][1]
+            data = engine.workers[1].caches[h.LAYER.format(0)][block].reshape(-1)
+            data = data.view(torch.uint8)
+            data[7] ^= 0x80  # bit 63 of the block's first piece
+            data[15] ^= 0x80  # and of its second
+
+    with caplog.at_level(logging.INFO, logger="kvaudit.vllm"):
+        _, consumer, _ = run_pair(tmp_path, plant, tp_size=2, mla=True, head_size=16)
+    [line] = mismatch_lines(caplog)
+    block = consumer.tables["d-a"][1]
+    assert line.startswith(
+        f"kvaudit: MISMATCH request req-a group 0: positions [1] (blocks [{block}]) differ "
+    ), line
+    group = read_output_folder(tmp_path / "decode").requests["req-a"].groups[0]
+    assert len({tuple(column) for column in group.values.T.tolist()}) == 1  # seed: equal
+
+
+def test_a_kvc2_producer_is_compared_by_the_seed_lane_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A producer that sends the seed lane alone (KVC2): an intact transfer matches, a
+    one-bit fault is still a mismatch, and each line says once that only the seed lane
+    was compared (so the two sign flips above would pass: the lane cannot see them)."""
+    with caplog.at_level(logging.INFO, logger="kvaudit.vllm"):
+        _, consumer, _ = run_pair(tmp_path / "clean", sign_flips(1), kvc2=True)
+    matched = [r.getMessage() for r in caplog.records if r.getMessage().endswith(": match")]
+    assert len(matched) == 2 and not mismatch_lines(caplog)
+    for line in matched:
+        assert line.count("compared by the seed lane only") == 1, line
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvaudit.vllm"):
+        _, consumer, _ = run_pair(tmp_path / "bad", corrupt_block(1), kvc2=True)
+    [line] = mismatch_lines(caplog)
+    block = consumer.tables["d-a"][1]
+    assert line.startswith(
+        f"kvaudit: MISMATCH request req-a group 0: positions [1] (blocks [{block}]) differ "
+    )
+    assert line.count("; compared by the seed lane only (the producer sent no strong lane)") == 1
 
 
 def test_a_stale_block_names_its_source(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -9,18 +9,20 @@ layout, so:
 
 * on the prefill, before a request's last chunk is sent (``send_kv_chunk``), every
   attention TP rank of a PP stage checksums its part of the request's tokens over the
-  stage's layers, the per-block totals over the range are summed and all-gathered (mod
-  2**64) over the attention TP CPU group, and every rank writes the same words into the
-  spare words of the request's checksum row (``carried``), which travels with the last
-  chunk; the stages do not communicate (their pipeline reaches a request's last chunk at
-  different times), so each stage's row carries its own layers;
+  stage's layers, the blocks' strong lane is folded into three moments over the range's
+  pages, summed over the attention TP CPU group (all-gathered, added modulo ``2**64 -
+  59``), and every rank writes the same words into the spare words of the request's
+  checksum row (``carried``), which travels with the last chunk; the stages do not
+  communicate (their pipeline reaches a request's last chunk at different times), so
+  each stage's row carries its own layers;
 * on the decode, the row is read when the transfer is committed (``_commit_transfer_to_
   req``, before ``clear_slot`` zeroes it), and before the request joins a batch
   (``_verify_kv_checksums``) the decode's attention TP ranks gather what their rows
   carried (one collective), each checksums its part of the same tokens over each carried
-  stage's layers, and the sums are gathered (a second collective) and compared; a
-  mismatch goes through SGLang's own ``_handle_kv_checksum_mismatch`` (abort,
-  transfer-failed counter). A request is verified when the carried layers are every layer
+  stage's layers, and the sums are gathered (a second collective) and compared, a
+  mismatch naming the differing block where the moments locate it; a mismatch goes
+  through SGLang's own ``_handle_kv_checksum_mismatch`` (abort, transfer-failed
+  counter). A request is verified when the carried layers are every layer
   the decode holds, and counted as ``partial`` (never as verified) when they are fewer (a
   PP prefill whose stages' rows overwrote one another on a decode with fewer stages).
   A row that cannot be read (empty or inverted ranges, another kvaudit version) leaves its

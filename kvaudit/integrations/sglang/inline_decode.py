@@ -15,17 +15,28 @@ from ...views.inputs import RequestBlocks
 from .carried import (
     MALFORMED,
     MOD64,
+    MOMENTS,
+    STRONG,
     Carried,
     Unverified,
     layer_word,
     read_carried,
     room_bits,
+    signature_word,
     split_layer_word,
 )
 from .describe import NotDescribable
 from .inline_state import STATS, log_fault, rank_checksummer
-from .inline_verdicts import judge, record_unverified, record_verdict
-from .ranks import CONSUMER, block_sums, gather_ranks
+from .inline_verdicts import (
+    COARSE,
+    COMPARED,
+    NOT_COMPARED,
+    PART,
+    judge,
+    record_unverified,
+    record_verdict,
+)
+from .ranks import CONSUMER, block_sums, gather_ranks, strong_moments
 
 ATTRIBUTE = "kvaudit_carried"
 """The attribute of a decode ``Req`` that holds what its checksum row carried."""
@@ -50,10 +61,15 @@ expected: a health check, a request SGLang's own path did not commit), a carried
 a row that cannot be used (unverified, with a reason on the rank that holds it)."""
 
 
+ROW = 1 + 1 + MOMENTS + 4
+"""Words of a rank's row in the first gather: ``[kind, unit, sum_0 .. sum_2, first, end,
+signature, layers]`` (a seed-lane row: unit 0, its sum in ``sum_0``)."""
+
+
 def _carried_row(req: Any) -> tuple[list[int], Unverified | None]:
-    """This rank's six words for ``req`` in the first gather, ``[kind, total, first, end,
-    signature, layers]``, and why it is ``UNREADABLE``; the request's carried value is
-    taken (verified once: a retraction re-enters the batch).
+    """This rank's ``ROW`` words for ``req`` in the first gather and why it is
+    ``UNREADABLE``; the request's carried value is taken (verified once: a retraction
+    re-enters the batch).
 
     Raises:
         ValueError: A carried value that cannot be put in the gather (a range or layers
@@ -63,15 +79,20 @@ def _carried_row(req: Any) -> tuple[list[int], Unverified | None]:
     carried = getattr(req, ATTRIBUTE, None)
     setattr(req, ATTRIBUTE, None)
     if carried is None:
-        return [NOTHING] * 6, None
+        return [NOTHING] * ROW, None
     if is_health_check_req(req):
         STATS.skipped += 1
-        return [NOTHING] * 6, None
+        return [NOTHING] * ROW, None
     if isinstance(carried, Unverified):
-        return [UNREADABLE] + [0] * 5, carried
+        return [UNREADABLE] + [0] * (ROW - 1), carried
     c = carried
-    row = [CARRIED, c.total, c.first, c.end, c.signature, layer_word(c.layers, c.room)]
-    if not all(isinstance(v, int) and 0 <= v < MOD64 for v in row) or not c.first < c.end:
+    sums = [*c.sums, *[0] * (MOMENTS - len(c.sums))]
+    row = [CARRIED, c.unit, *sums, c.first, c.end, c.signature, layer_word(c.layers, c.room)]
+    if (
+        len(row) != ROW
+        or not all(isinstance(v, int) and 0 <= v < MOD64 for v in row)
+        or not c.first < c.end
+    ):
         raise ValueError(f"words {row[1:]} do not fit a checksum row")
     return row, None
 
@@ -86,7 +107,7 @@ def _carried_rows(reqs: list[Any]) -> tuple[list[list[int]], dict[int, Unverifie
         try:
             row, why = _carried_row(req)
         except Exception as error:  # this request only: the batch's others go on
-            row, why = [UNREADABLE] + [0] * 5, Unverified(MALFORMED, str(error))
+            row, why = [UNREADABLE] + [0] * (ROW - 1), Unverified(MALFORMED, str(error))
         if why is not None:
             reasons[i] = why
         rows.append(row)
@@ -101,13 +122,14 @@ def _candidates(parts: list[list[list[int]]], i: int) -> tuple[list[Carried], bo
     seen: list[Carried] = []
     unreadable = False
     for part in parts:
-        kind, total, first, end, signature, word = part[i]
+        kind, unit, *sums, first, end, signature, word = part[i]
         if kind == CARRIED:
             layers, room = split_layer_word(word)
             if not (layers[0] < layers[1] and first < end):
                 unreadable = True  # never sent by a kvaudit rank; checked all the same
                 continue
-            carried = Carried(total, first, end, signature, layers, room)
+            carried_sums = tuple(sums) if unit else (sums[0],)
+            carried = Carried(carried_sums, first, end, signature, layers, room, unit)
             if carried not in seen:
                 seen.append(carried)
         elif kind != NOTHING:
@@ -117,9 +139,11 @@ def _candidates(parts: list[list[list[int]]], i: int) -> tuple[list[Carried], bo
 
 def _consumer_part(
     scheduler: Any, req: Any, carried: Carried
-) -> tuple[int, int, RequestBlocks, WorkerRecord | None]:
-    """This decode rank's part of the checksum of what ``carried`` covers: ``(total,
-    residual, blocks, record)``, the record kept when it covers every layer of the pool.
+) -> tuple[list[int], RequestBlocks, WorkerRecord | None]:
+    """This decode rank's part of the checksum of what ``carried`` covers: its row of the
+    second gather (``[COMPARED or COARSE, moments.., residual moments..]`` for the strong
+    lane, ``[COMPARED, total, residual, 0, 0, 0]`` for the seed lane), the blocks, and the
+    record, kept when it covers every layer of the pool.
 
     Raises:
         NotDescribable: What the row carried cannot be compared here (another signature,
@@ -130,10 +154,11 @@ def _consumer_part(
     summer = whole if carried.layers == whole.layers else None
     if summer is None:
         summer = rank_checksummer(scheduler, CONSUMER, carried.layers)
-    if carried.signature != summer.signature:
+    signature = signature_word(summer.signature, carried.lane)
+    if carried.signature != signature:
         raise NotDescribable(
             f"content signature {carried.signature:#x} differs from this decode's "
-            f"{summer.signature:#x} (layers, heads, head size or dtype)"
+            f"{signature:#x} (layers, heads, head size or dtype)"
         )
     if carried.first % summer.page_size:
         raise NotDescribable(
@@ -161,8 +186,18 @@ def _consumer_part(
     row = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
     blocks = summer.range_blocks(row, carried.first, carried.end)
     record = summer.range_record(req.rid, blocks)
-    total, residual = block_sums(record, req.rid)
-    return total, residual, blocks, record if summer is whole else None
+    kept = record if summer is whole else None
+    if carried.lane != STRONG:
+        total, residual = block_sums(record, req.rid)
+        return [COMPARED, total, residual, 0, 0, 0], blocks, kept
+    page = summer.page_size
+    if carried.unit % page:
+        # Pages coarser than the prefill's: the moments' weights cannot be split; the
+        # unweighted sum over the range (the moment of order 0) is compared alone.
+        moments, residuals = strong_moments(record, req.rid, page, page)
+        return [COARSE, moments[0], 0, 0, *residuals], blocks, kept
+    moments, residuals = strong_moments(record, req.rid, page, carried.unit)
+    return [COMPARED, *moments, *residuals], blocks, kept
 
 
 def abort_mismatched(scheduler: Any, batch: Any, mismatched: list[tuple[int, str]]) -> list[int]:
@@ -242,16 +277,16 @@ def decode_checks(scheduler: Any, batch: Any) -> list[tuple[int, str]]:
     kept: dict[int, tuple[RequestBlocks, WorkerRecord | None]] = {}
     for n, (i, carried) in enumerate(checks):
         try:
-            total, residual, blocks, record = _consumer_part(scheduler, reqs[i], carried)
+            row, blocks, record = _consumer_part(scheduler, reqs[i], carried)
         except Exception as error:  # not compared, with the reason
             errors[n] = str(error)
-            mine.append([2, 0, 0])
+            mine.append([NOT_COMPARED] + [0] * (PART - 1))
             continue
         kept.setdefault(i, (blocks, record))
-        mine.append([1, total, residual])
+        mine.append(row)
     # Every rank's part of every check, and the layers each rank holds last: a verdict
     # of "every layer" is then the same on every rank.
-    gathered = gather_ranks([*mine, _held_row(scheduler)], group)
+    gathered = gather_ranks([*mine, [*_held_row(scheduler), *[0] * (PART - 3)]], group)
     sums = [part[:-1] for part in gathered]
     helds = [part[-1] for part in gathered]
     held = (helds[0][1], helds[0][2]) if all(h == helds[0] and h[0] for h in helds) else None

@@ -1,7 +1,8 @@
 """The prefill side of the inline check: before a request's last chunk is sent, every
 attention TP rank of a PP stage checksums its part of the request's tokens over the
-stage's layers, the sums are gathered over the attention TP CPU group, and every rank
-writes the same words into the request's checksum row (``carried``)."""
+stage's layers, the strong lane's moments over the range's pages are gathered over the
+attention TP CPU group and added modulo ``2**64 - 59``, and every rank writes the same
+words into the request's checksum row (``carried``)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from typing import Any
 
 from sglang.srt.disaggregation.checksum import is_health_check_req
 
+from ...core.scheme import STRONG_PRIME
 from ...records import WorkerRecord
 from ...views.inputs import RequestBlocks
-from .carried import Carried, room_bits, write_carried
+from .carried import MASK32, MOMENTS, Carried, room_bits, write_carried
 from .inline_state import STATS, log_once, rank_checksummer, write_output
-from .ranks import PRODUCER, block_sums, group_sums
+from .ranks import PRODUCER, group_sums, strong_moments
 
 
 def prefill_range(req: Any, page_size: int, end_idx: int | None) -> tuple[int, int]:
@@ -43,27 +45,32 @@ def prefill_checksum(scheduler: Any, req: Any, end_idx: int | None = None) -> Ca
     if is_health_check_req(req):
         write_carried(buffers, index, None)
         return None
-    status, total, first, end, signature, layers = 0, 0, 0, 0, 0, (0, 0)
+    status, moments, first, end, signature, layers = 0, [0] * MOMENTS, 0, 0, 0, (0, 0)
+    page = 0
     record: WorkerRecord | None = None
     blocks: RequestBlocks | None = None
     try:
         summer = rank_checksummer(scheduler, PRODUCER)
-        first, end = prefill_range(req, summer.page_size, end_idx)
+        page = summer.page_size
+        first, end = prefill_range(req, page, end_idx)
         row = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         blocks = summer.range_blocks(row, first, end)
         record = summer.range_record(req.rid, blocks)
-        total, _ = block_sums(record, req.rid)
-        signature, layers = summer.signature, summer.layers
+        # One unit per page: the moments name the prefill's pages.
+        moments, _ = strong_moments(record, req.rid, page, page)
+        signature, layers = summer.signature & MASK32, summer.layers
     except Exception as error:  # the request is sent, unverified
         status = 1
         log_once(f"prefill checksum not carried: {error}")
     group = getattr(scheduler, "attn_tp_cpu_group", None)
-    ((status, total),) = group_sums([[status, total]], group)
+    # Summed modulo the strong lane's prime (the status, a count of failed ranks, too).
+    ((status, *moments),) = group_sums([[status, *moments]], group, STRONG_PRIME)
     if status:
         STATS.not_written += 1
         write_carried(buffers, index, None)
         return None
-    carried = Carried(total, first, end, signature, layers, room_bits(req.bootstrap_room))
+    room = room_bits(req.bootstrap_room)
+    carried = Carried(tuple(moments), first, end, signature, layers, room, unit=page)
     write_carried(buffers, index, carried)
     STATS.written += 1
     assert blocks is not None

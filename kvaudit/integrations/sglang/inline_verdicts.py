@@ -7,9 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...core.scheme import STRONG_PRIME
 from ...records import WorkerRecord
 from ...views.inputs import RequestBlocks
-from .carried import MOD64, Carried, Unverified
+from .carried import MOD64, MOMENTS, STRONG, Carried, Unverified, locate
 from .inline_state import STATS, count_unverified, first_time, log_fault, logger, write_output
 from .ranks import CONSUMER, LayerSpan
 
@@ -33,14 +34,69 @@ def record_unverified(requests: list[tuple[Any, Unverified]]) -> None:
         log_fault("recording the decode's verdicts")
 
 
+COMPARED, NOT_COMPARED, COARSE = 1, 2, 3
+"""Kinds of a rank's part of a check in the second gather: compared (the strong lane's
+moments, or the seed lane's sum), not compared on that rank, compared by the strong
+lane's unweighted sum alone (the decode's pages coarser than the prefill's units)."""
+PART = 6
+"""Words of a rank's part of a check: ``[kind, moments (3), residual moments (2)]``, or
+``[kind, total, residual, 0, 0, 0]`` for the seed lane."""
+SEED_ONLY = "compared by the seed lane only (the prefill's kvaudit carries no strong lane)"
+COARSE_ONLY = (
+    "compared by the strong lane's sum over the range only (the decode's pages are coarser "
+    "than the prefill's): a mismatch is not located"
+)
+
+
 @dataclass
 class Verdict:
     """One request's outcome over the checks of what its rows carried: the layer spans
-    that agreed, the mismatch lines, and why a check was not compared."""
+    that agreed, the mismatch lines, why a check was not compared, and what the
+    comparison could not do (``notes``: logged once each)."""
 
     verified: list[LayerSpan] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     problem: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _units_text(units: list[int], unit: int, first: int, end: int) -> str:
+    """Differing units as the mismatch line names them: the prefill's blocks and tokens."""
+    noun = "block" if len(units) == 1 else "blocks"
+    spans = ", ".join(f"{max(j * unit, first)}..{min((j + 1) * unit, end) - 1}" for j in units)
+    verb = "differs" if len(units) == 1 else "differ"
+    return f"{noun} {', '.join(map(str, units))} (tokens {spans}, {unit}-token blocks) {verb}"
+
+
+def _strong_check(
+    rid: str, carried: Carried, parts: list[list[int]], coarse: bool
+) -> tuple[str | None, list[str]]:
+    """One strong-lane check from the ranks' parts: its mismatch line (None: it agrees)
+    and its notes."""
+    prime = STRONG_PRIME
+    got = [sum(part[1 + m] for part in parts) % prime for m in range(MOMENTS)]
+    residual = [sum(part[1 + MOMENTS + m] for part in parts) % prime for m in range(2)]
+    differences = [(c - g) % prime for c, g in zip(carried.sums, got, strict=True)]
+    notes = [COARSE_ONLY] if coarse else []
+    if coarse:
+        differences[1:] = [0] * (MOMENTS - 1)
+    if not any(differences) and not any(residual):
+        return None, notes
+    head = f"req={rid} tokens={carried.first}..{carried.end} layers={_layers_text(carried.layers)}"
+    tail = f"expected={carried.sums[0]:#018x} got={got[0]:#018x} replica_residual={residual[0]:#x}"
+    if not any(differences):
+        found = "the blocks agree with the prefill's; the consumer's replicas disagree"
+        return f"kvaudit KV checksum replicas disagree {head} {found} {tail}", notes
+    unit = carried.unit
+    units = list(range(carried.first // unit, -(-carried.end // unit)))
+    located = None if coarse else locate(differences, units)
+    if located:
+        where = _units_text(located, unit, carried.first, carried.end)
+    elif coarse:
+        where = "the range differs (not located: the decode's pages are coarser)"
+    else:
+        where = "more than one block differs (not located)"
+    return f"kvaudit KV checksum mismatch {head} {where} (strong lane) {tail}", notes
 
 
 def judge(
@@ -58,7 +114,7 @@ def judge(
         rid: The request's id (in the mismatch lines).
         checks: Every check of the batch: ``(index into the batch, what a row carried)``.
         numbers: The request's checks, as indices into ``checks``.
-        sums: Per rank, its ``[kind, total, residual]`` of every check (kind 2: not
+        sums: Per rank, its ``PART`` words of every check (kind ``NOT_COMPARED``: not
             compared on that rank).
         errors: This rank's reasons, by check, for the checks it could not compare.
 
@@ -69,12 +125,23 @@ def judge(
     verdict = Verdict()
     for n in numbers:
         carried = checks[n][1]
-        if max(part[n][0] for part in sums) == 2:
+        kinds = {part[n][0] for part in sums}
+        if NOT_COMPARED in kinds:
             verdict.problem = verdict.problem or errors.get(n, "not comparable on a peer rank")
             continue
+        if carried.lane == STRONG:
+            line, notes = _strong_check(rid, carried, [part[n] for part in sums], COARSE in kinds)
+            verdict.notes.extend(note for note in notes if note not in verdict.notes)
+            if line is None:
+                verdict.verified.append(carried.layers)
+            else:
+                verdict.failed.append(line)
+            continue
+        if SEED_ONLY not in verdict.notes:
+            verdict.notes.append(SEED_ONLY)
         total = sum(part[n][1] for part in sums) % MOD64
         residual = sum(part[n][2] for part in sums) % MOD64
-        if total == carried.total and residual == 0:
+        if total == carried.sums[0] and residual == 0:
             verdict.verified.append(carried.layers)
             continue
         verdict.failed.append(_failed_line(rid, carried, total, residual))
@@ -82,18 +149,20 @@ def judge(
 
 
 def _failed_line(rid: str, carried: Carried, total: int, residual: int) -> str:
-    """A mismatch line: what was compared (the ranks' summed checksum of the tokens and
-    layers against the one the prefill carried) and what was found (the totals differ,
-    or they agree but the consumer's replicas of the same KV do not)."""
-    what = "replicas disagree" if total == carried.total else "mismatch"
-    totals = "the totals agree" if total == carried.total else "the totals differ"
+    """A mismatch line of a seed-lane row (an older prefill's): what was compared (the
+    ranks' summed seed checksum of the tokens and layers against the one the prefill
+    carried) and what was found (the totals differ, or they agree but the consumer's
+    replicas of the same KV do not)."""
+    expected = carried.sums[0]
+    what = "replicas disagree" if total == expected else "mismatch"
+    totals = "the totals agree" if total == expected else "the totals differ"
     replicas = "disagree" if residual else "agree"
     found = f"{totals}; the consumer's replicas {replicas} (replica_residual={residual:#x})"
     return (
         f"kvaudit KV checksum {what} req={rid} tokens={carried.first}..{carried.end} "
         f"layers={_layers_text(carried.layers)}: compared the checksum of these tokens and "
         f"layers summed over every rank with the one the prefill carried: "
-        f"expected={carried.total:#018x} got={total:#018x}; {found}"
+        f"expected={expected:#018x} got={total:#018x}; {found}; {SEED_ONLY}"
     )
 
 
@@ -121,6 +190,9 @@ def record_verdict(
     if kept is not None:
         blocks, record = kept
         write_output(scheduler, CONSUMER, req.rid, record, blocks, dump=bool(verdict.failed))
+    for note in verdict.notes:
+        if first_time(note):  # keyed by the note: the set stays bounded
+            logger.warning("kvaudit: request %s %s (logged once)", req.rid, note)
     if verdict.failed:
         logger.error("; ".join(verdict.failed))
         STATS.mismatched += 1

@@ -8,13 +8,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from ...core.scheme import STRONG_PRIME
 from ...description import parse_description
 from ...records import WorkerInfo, WorkerRecord
 from ...views.inputs import RequestBlocks
-from .carried import MOD64, content_signature
+from .carried import MOD64, MOMENTS, content_signature
 from .describe import (
     DEFAULT_LAYER_NAME,
     NotDescribable,
@@ -153,6 +155,71 @@ def block_sums(record: WorkerRecord, request: str) -> tuple[int, int]:
     return total % MOD64, residual % MOD64
 
 
+def strong_moments(
+    record: WorkerRecord, request: str, page: int, unit: int
+) -> tuple[list[int], list[int]]:
+    """A rank's part of the strong lane's moments over the request's units, and of its
+    replica residuals (docs/sglang.md, "Inline verification").
+
+    Per block ``p`` (in unit ``j = p * page // unit``, weight ``x = j + 1``), the block's
+    strong lane ``S`` is the sum of its replica-0 columns and its residual the other
+    replicas' columns minus ``R - 1`` times replica 0's, all modulo ``2**64 - 59``. The
+    moments are ``sum x**m * S`` (m = 0, 1, 2), the residual's ``sum x**m * residual``
+    (m = 0, 1): summed over the ranks, the residuals are 0 when every replica holds the
+    same KV, and a difference confined to one or two units never cancels.
+
+    Args:
+        record: The rank's record of the request (``RankChecksummer.range_record``).
+        request: The request.
+        page: The record's block size (tokens).
+        unit: The tokens of a unit, a multiple of ``page``.
+
+    Returns:
+        ``(moments, residual moments)``, residues modulo ``2**64 - 59``.
+
+    Raises:
+        ValueError: A record without the strong lane.
+
+    """
+    moments, residuals = [0] * MOMENTS, [0, 0]
+    checksums = record.requests[request].groups.get(0)
+    if checksums is None:  # a producer's rank that holds no replica 0 (MLA at TP > 1)
+        return moments, residuals
+    if checksums.strong is None:
+        raise ValueError("the rank's checksums hold no strong lane")
+    prime = STRONG_PRIME
+    positions = np.arange(checksums.start, checksums.start + checksums.count, dtype=np.uint64)
+    x = positions * np.uint64(page) // np.uint64(unit) + np.uint64(1)  # below 2**32
+    weights = [np.ones_like(x), x, x * x]  # x**2 below 2**64: exact
+    for (replicas, index), column in zip(checksums.replica_keys, checksums.strong.T, strict=True):
+        # The moments are linear: each column's, exact, then added with its coefficient.
+        sums = [exact_dot(column, w) for w in weights]
+        if index == 0:
+            moments = [(a + b) % prime for a, b in zip(moments, sums, strict=True)]
+            factor = -(replicas - 1)
+        else:
+            factor = 1
+        residuals = [(r + factor * v) % prime for r, v in zip(residuals, sums, strict=False)]
+    return moments, residuals
+
+
+def exact_dot(values: np.ndarray, weights: np.ndarray) -> int:
+    """``sum(values * weights)`` as an exact Python integer, for uint64 arrays: each
+    product split into 32-bit limbs, whose sums stay below 2**64 for fewer than 2**32
+    entries."""
+    mask, shift = np.uint64(0xFFFF_FFFF), np.uint64(32)
+    v = np.ascontiguousarray(values, dtype=np.uint64)
+    w = np.ascontiguousarray(weights, dtype=np.uint64)
+    total = 0
+    for a, a_shift in ((v & mask, 0), (v >> shift, 32)):
+        for b, b_shift in ((w & mask, 0), (w >> shift, 32)):
+            product = a * b  # both below 2**32: exact
+            low = int((product & mask).sum(dtype=np.uint64))
+            high = int((product >> shift).sum(dtype=np.uint64))
+            total += (low + (high << 32)) << (a_shift + b_shift)
+    return total
+
+
 def gather_ranks(rows: list[list[int]], group: Any) -> list[list[list[int]]]:
     """Every rank's ``rows`` (all ranks pass the same shape, values in ``0 .. 2**64 -
     1``), by one all-gather of int64 (two's complement) over a CPU (gloo) group.
@@ -175,12 +242,13 @@ def gather_ranks(rows: list[list[int]], group: Any) -> list[list[list[int]]]:
     return [[[v % MOD64 for v in row] for row in part.tolist()] for part in gathered]
 
 
-def group_sums(rows: list[list[int]], group: Any) -> list[list[int]]:
-    """Per entry, the sum mod 2**64 over the group's ranks of every rank's ``rows``
-    (``gather_ranks``)."""
+def group_sums(rows: list[list[int]], group: Any, modulus: int = MOD64) -> list[list[int]]:
+    """Per entry, the sum modulo ``modulus`` over the group's ranks of every rank's
+    ``rows`` (``gather_ranks``): 2**64 for the seed lane, ``2**64 - 59`` for the strong
+    lane's residues (gathered whole and added as Python integers, never wrapped)."""
     parts = gather_ranks(rows, group)
     return [
-        [sum(part[i][j] for part in parts) % MOD64 for j in range(len(row))]
+        [sum(part[i][j] for part in parts) % modulus for j in range(len(row))]
         for i, row in enumerate(rows)
     ]
 

@@ -71,8 +71,11 @@ def compared_positions(
     group: Any, mine: Any, producer_tokens: int, consumer_tokens: int
 ) -> tuple[list[int], list[int]]:
     """The positions compared (both sides hold them with the same valid tokens) and,
-    of those, the ones whose totals differ."""
+    of those, the ones that differ: in the seed lane, or in the strong lane where both
+    sides carry it (a KVC3 producer; docs/checksum.md), which sees faults the seed lane
+    cannot (two sign bits flipped in one block)."""
     totals = mine.totals()
+    strong = strong_lanes(group, mine)
     compared, differing = [], []
     for offset, value in enumerate(group.totals.tolist()):
         p = group.start + offset
@@ -82,9 +85,25 @@ def compared_positions(
         if valid_tokens(producer_tokens, size, p) != valid_tokens(consumer_tokens, size, p):
             continue
         compared.append(p)
-        if int(totals[p - mine.start]) != value:
+        seed_differs = int(totals[p - mine.start]) != value
+        if seed_differs or (
+            strong is not None and int(strong[1][p - mine.start]) != int(strong[0][offset])
+        ):
             differing.append(p)
     return compared, differing
+
+
+def strong_lanes(group: Any, mine: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """The producer's and the consumer's strong-lane totals of a group (the wire's and
+    the record's), or None where either side has the seed lane alone (a KVC2 producer)."""
+    if getattr(group, "strong", None) is None:
+        return None
+    totals = mine.strong_totals()
+    return None if totals is None else (group.strong, totals)
+
+
+SEED_ONLY = "compared by the seed lane only (the producer sent no strong lane)"
+"""What a log line adds where the producer's wire was KVC2 (the seed lane alone)."""
 
 
 def position_span(first: int, end: int) -> str:
@@ -143,13 +162,16 @@ def mismatch_line(
 
 
 def replica_differences(mine: Any) -> list[int]:
-    """Positions where a consumer replica ``(R, r)`` differs from ``(R, 0)``."""
+    """Positions where a consumer replica ``(R, r)`` differs from ``(R, 0)``, in either
+    lane (the strong lane where the record carries it)."""
     keys = [tuple(k) for k in mine.replica_keys]
+    lanes = [mine.values] if mine.strong is None else [mine.values, mine.strong]
     out = set()
     for k, (replicas, index) in enumerate(keys):
         if index == 0 or (replicas, 0) not in keys:
             continue
         base = keys.index((replicas, 0))
-        for row in np.nonzero(mine.values[:, k] != mine.values[:, base])[0].tolist():
-            out.add(mine.start + row)
+        for lane in lanes:
+            for row in np.nonzero(lane[:, k] != lane[:, base])[0].tolist():
+                out.add(mine.start + row)
     return sorted(out)

@@ -23,6 +23,7 @@ from ...records import RequestChecksums, WorkerRecord, combine_workers
 from ...records.wire import decode_wire, decode_wire_base64, encode_wire_base64
 from ..output import prompt_digest
 from .checks import (
+    SEED_ONLY,
     AuditCounters,
     GroupLayout,
     compared_positions,
@@ -30,6 +31,7 @@ from .checks import (
     mismatch_line,
     position_span,
     replica_differences,
+    strong_lanes,
 )
 from .config import AuditConfig
 from .jobs import CONSUMER, PRODUCER, AuditJob, AuditStep, WorkerPartials
@@ -95,7 +97,7 @@ class SchedulerAudit:
         self.counters = AuditCounters()
         self._requests: dict[str, _Request] = {}
         self._step = AuditStep()
-        self._stale: OrderedDict[tuple[int, int], tuple[str, int]] = OrderedDict()
+        self._stale: OrderedDict[tuple[int, int, int | None], tuple[str, int]] = OrderedDict()
         # Requests whose loaded KV failed its check under policy fail: never loaded again
         # (vLLM would load the same bad copy after recomputing from its first block).
         self.failed_checks: set[str] = set()
@@ -425,13 +427,17 @@ class SchedulerAudit:
                 continue
             compared, positions = compared_positions(group, mine, wire.num_tokens, job.num_tokens)
             positions += [p for p in replica_differences(mine) if p not in positions]
-            self._index(state.audit_id, group.group_id, group.start, group.totals)
+            lanes = strong_lanes(group, mine)
+            self._index(state.audit_id, group.group_id, group.start, group.totals,
+                        None if lanes is None else lanes[0])  # fmt: skip
             self.counters.checked_blocks += len(compared)
             skipped = mine.end - mine.start - len(compared)
             self.counters.unverified_blocks += skipped
             unverified |= skipped > 0
             held = local.get(group.group_id, 0)
             where = compared_text(compared, held, skipped)
+            if lanes is None:
+                where += f"; {SEED_ONLY}"
             if not positions:
                 logger.info("kvaudit: request %s group %d: %s: match", state.audit_id,
                             group.group_id, where)  # fmt: skip
@@ -442,7 +448,9 @@ class SchedulerAudit:
             totals = mine.totals()
             stale = []
             for p in sorted(positions):
-                found = self._stale.get((group.group_id, int(totals[p - mine.start])))
+                row = p - mine.start
+                key = (int(totals[row]), None if lanes is None else int(lanes[1][row]))
+                found = self._stale.get((group.group_id, *key))
                 if found is not None and found != (state.audit_id, p):
                     stale.append(f"position {p} holds {found[0]} position {found[1]}")
             logger.error(mismatch_line(state.audit_id, group.group_id, sorted(positions), blocks,
@@ -470,11 +478,17 @@ class SchedulerAudit:
         if state.load == "async":
             self._step.released.add(state.request)
 
-    def _index(self, audit_id: str, group_id: int, start: int, totals: np.ndarray) -> None:
-        """Remember the producer's totals, to name the source of a stale block."""
-        for offset, value in enumerate(totals.tolist()):
-            self._stale[(group_id, int(value))] = (audit_id, start + offset)
-            self._stale.move_to_end((group_id, int(value)))
+    def _index(
+        self, audit_id: str, group_id: int, start: int, totals: np.ndarray,
+        strong: np.ndarray | None,
+    ) -> None:  # fmt: skip
+        """Remember the producer's totals (both lanes where it sent both), to name the
+        source of a stale block."""
+        lanes = [None] * len(totals) if strong is None else strong.tolist()
+        for offset, (value, residue) in enumerate(zip(totals.tolist(), lanes, strict=True)):
+            key = (group_id, int(value), None if residue is None else int(residue))
+            self._stale[key] = (audit_id, start + offset)
+            self._stale.move_to_end(key)
         while len(self._stale) > _STALE_INDEX_SIZE:
             self._stale.popitem(last=False)
 
