@@ -126,7 +126,7 @@ def test_a_fault_in_each_group_is_found_and_named_by_its_group(
     block = line.split("(blocks [")[1].split("]")[0]
     assert line.startswith(
         f"kvaudit: MISMATCH request req-a group {group}: positions [{position}] (blocks "
-        f"[{block}]) differ from the producer's checksums; "
+        f"[{block}]) differ from the producer's checksums ("
     )
     other = 1 - group
     [match] = messages(caplog, "match")
@@ -158,7 +158,7 @@ def test_after_a_local_prefix_hit_each_group_compares_what_it_loaded(
         decode.run()
     [line] = messages(caplog, "MISMATCH")
     assert line.startswith("kvaudit: MISMATCH request req-a group 0: positions [4] ")
-    assert "; positions 3-4 compared; " in line
+    assert " (positions 3-4 compared; " in line
     assert messages(caplog, "match") == [
         "kvaudit: request req-a group 1: positions 3-4 compared; 0-2 held locally (prefix "
         "cache), not compared: match"

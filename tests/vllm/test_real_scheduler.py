@@ -150,9 +150,9 @@ def test_after_a_local_prefix_hit_the_loaded_blocks_are_checked(
     block = line.split("(blocks [")[1].split("]")[0]
     assert line == (
         f"kvaudit: MISMATCH request req-a group 0: positions [3] (blocks [{block}]) differ "
-        "from the producer's checksums; position 3 compared; 0-2 held locally (prefix "
-        "cache), not compared; none of the last 65536 blocks received from the producer "
-        "holds their checksums"
+        "from the producer's checksums (position 3 compared; 0-2 held locally (prefix "
+        "cache), not compared); looked up among the last 65536 blocks received from the "
+        "producer: no recent producer block holds these checksums"
     )
     got = decode.connector_counters()
     assert (got["checked_blocks"], got["local_blocks"], got["mismatched_blocks"]) == (1, 3, 1)
@@ -240,7 +240,7 @@ def test_an_async_load_after_a_local_hit_checks_its_partial_last_block(
         decode.run()
     [line] = messages(caplog, "MISMATCH")
     assert line.startswith("kvaudit: MISMATCH request req-a group 0: positions [4] ")
-    assert "; positions 2-4 compared; 0-1 held locally (prefix cache), not compared; " in line
+    assert " (positions 2-4 compared; 0-1 held locally (prefix cache), not compared); " in line
     got = decode.connector_counters()
     assert (got["checked_blocks"], got["local_blocks"], got["mismatched_blocks"]) == (3, 2, 1)
     record = read_output_folder(tmp_path / "decode")
@@ -612,7 +612,7 @@ def test_nixl_after_a_local_prefix_hit(
         decode.run()
     [line] = messages(caplog, "MISMATCH")
     assert line.startswith("kvaudit: MISMATCH request req-a group 0: positions [4] ")
-    assert "; positions 3-4 compared; 0-2 held locally (prefix cache), not compared; " in line
+    assert " (positions 3-4 compared; 0-2 held locally (prefix cache), not compared); " in line
     assert decode.generated("d-a") == [r.SAMPLED + 80, r.SAMPLED + 81]
     assert decode.all_blocks_free()
     prefill.run()
