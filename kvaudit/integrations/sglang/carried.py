@@ -17,6 +17,19 @@ word  content
       (a PP stage's layers; ``room``: the low 32 bits of SGLang's bootstrap room)
 ====  =====================================================================
 
+A hybrid pool's request (two groups: full attention and window, or full attention and
+Mamba state) carries, besides word 3's sum over every group, each group's own sum and
+signature in the spare words of its ``bootstrap_room`` row of the same metadata buffers
+(SGLang reads word 0 only), so that the decode names the group that failed:
+
+====  =====================================================================
+word  content (``bootstrap_room`` row)
+====  =====================================================================
+1     ``GROUPS_TAG << 48 | groups`` (0: no group words)
+2k+2  group ``k``'s ``id << 32 | group_signature`` (low 32 bits), ``k < MAX_GROUPS``
+2k+3  group ``k``'s sum over its blocks of the range (uint64)
+====  =====================================================================
+
 This module imports neither SGLang nor anything that does.
 """
 
@@ -30,9 +43,18 @@ from typing import Any
 import torch
 
 MOD64 = 1 << 64
+MASK32 = 0xFFFF_FFFF
 MARKER = 0x6B76_6175_6469_7402
 """Word 2 of the checksum row: kvaudit wrote words 3..7 (``"kvaudit"``, version 2)."""
 SLOT_MARKER, SLOT_SUM, SLOT_FIRST, SLOT_END, SLOT_SIGNATURE, SLOT_LAYERS = 2, 3, 4, 5, 6, 7
+
+
+GROUPS_TAG = 0x6B67
+"""The top 16 bits of word 1 of a ``bootstrap_room`` row that carries group words."""
+MAX_GROUPS = 3
+"""Groups a row carries words of (words 2..7 of the ``bootstrap_room`` row)."""
+GroupWord = tuple[int, int, int]
+"""One group's words: ``(group id, low 32 bits of its signature, its sum)``."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +69,8 @@ class Carried:
     signature: int
     layers: tuple[int, int]
     room: int
+    groups: tuple[GroupWord, ...] = ()
+    """Each group's words, for a description of several groups (else empty)."""
 
 
 def room_bits(bootstrap_room: Any) -> int:
@@ -80,19 +104,29 @@ MALFORMED = "malformed kvaudit checksum row"
 """The reason of a row with kvaudit's marker whose words no kvaudit prefill writes."""
 
 
-def content_signature(raw: Mapping[str, Any], layers: Sequence[str] | None = None) -> int:
+def content_signature(
+    raw: Mapping[str, Any], layers: Sequence[str] | None = None, tp_size: int = 1
+) -> int:
     """A 63-bit nonzero hash of what a checksum of a description's layers covers,
     independent of TP width, page size and block count: kind, layer names, model KV
-    heads, head sizes and dtype.
+    heads, head sizes and dtype (of a description of several groups: every group's
+    ``group_signature`` identity, in order).
 
     Args:
         raw: ``describe_sglang_cache``'s dict.
-        layers: The layer names summed (default: every layer of the description).
+        layers: The layer names summed (default: every layer of the description; a
+            description of one group only).
+        tp_size: The TP size the description's state rows are split over.
 
     Returns:
         The signature (positive, never 0).
 
     """
+    if len(raw["groups"]) > 1:
+        if layers is not None:
+            raise ValueError("a subset of layers is summed for one group only")
+        identity: tuple = tuple(_group_identity(raw, g, tp_size) for g in raw["groups"])
+        return _hash(("kvaudit-sglang-inline-groups", 1, identity))
     (group,) = raw["groups"]
     spec = group["spec"]
     identity = (
@@ -105,8 +139,125 @@ def content_signature(raw: Mapping[str, Any], layers: Sequence[str] | None = Non
         spec.get("head_size_v"),
         spec["dtype"],
     )
+    return _hash(identity)
+
+
+def _hash(identity: tuple) -> int:
     digest = hashlib.blake2b(repr(identity).encode(), digest_size=8).digest()
     return (int.from_bytes(digest, "little") >> 1) | 1
+
+
+def _group_identity(raw: Mapping[str, Any], group: Mapping[str, Any], tp_size: int) -> tuple:
+    """What a group's checksum covers, the same at every TP width: its id and type, and
+    per layer its name, heads (the model's), sizes, dtypes and window, or its states'
+    global shapes and split segments."""
+    spec = group["spec"]
+    if spec["type"] != "mamba":
+        return (
+            group["id"],
+            spec["type"],
+            tuple(group["layers"]),
+            raw.get("model_kv_heads"),
+            spec["head_size"],
+            spec.get("head_size_v"),
+            spec["dtype"],
+            spec.get("sliding_window"),
+        )
+    layers = []
+    for layer in group["layers"]:
+        merged = {**spec, **layer.get("spec", {})}
+        states = []
+        for shape, dtype, split in zip(
+            merged["shapes"], merged["dtypes"], merged["state_splits"], strict=True
+        ):
+            rows = [local * tp_size // replicas for local, replicas in split["segments"]]
+            whole = list(shape)
+            whole[split["axis"]] = sum(rows)
+            states.append((tuple(whole), dtype, split["axis"], tuple(rows)))
+        layers.append((layer["name"], tuple(states)))
+    return (group["id"], "mamba", tuple(layers))
+
+
+def group_signature(raw: Mapping[str, Any], group_id: int, tp_size: int = 1) -> int:
+    """A 32-bit nonzero hash of one group's identity (``_group_identity``), what the
+    group words carry: equal on both sides when the group describes the same KV.
+
+    Args:
+        raw: ``describe_sglang_cache``'s dict.
+        group_id: The group.
+        tp_size: The TP size the description's state rows are split over.
+
+    Returns:
+        The signature's low 32 bits (never 0).
+
+    """
+    (group,) = [g for g in raw["groups"] if g["id"] == group_id]
+    return (_hash(("kvaudit-sglang-group", 1, _group_identity(raw, group, tp_size))) & MASK32) | 1
+
+
+def write_groups(metadata_buffers: Any, index: int, groups: Sequence[GroupWord]) -> None:
+    """Words 1..7 of ``bootstrap_room`` row ``index``: the group words (``groups``, at
+    most ``MAX_GROUPS``), or zeros (none).
+
+    Args:
+        metadata_buffers: SGLang's ``MetadataBuffers``.
+        index: The request's metadata buffer index.
+        groups: Each group's ``(id, signature, sum)``.
+
+    """
+    words = metadata_buffers.bootstrap_room.view(torch.int64)[index]
+    words[1:8] = 0
+    if not groups:
+        return
+    if len(groups) > MAX_GROUPS:
+        raise ValueError(f"{len(groups)} groups do not fit the row (at most {MAX_GROUPS})")
+    values = [GROUPS_TAG << 48 | len(groups)]
+    for group_id, signature, total in groups:
+        values += [group_id << 32 | (signature & MASK32), total]
+    for slot, value in enumerate(values, start=1):
+        words[slot] = value - MOD64 if value >= 1 << 63 else value
+
+
+def read_groups(metadata_buffers: Any, index: int) -> tuple[GroupWord, ...]:
+    """The group words of ``bootstrap_room`` row ``index`` (empty: none, or not kvaudit's).
+
+    Args:
+        metadata_buffers: SGLang's ``MetadataBuffers``.
+        index: The request's metadata buffer index.
+
+    Returns:
+        Each group's ``(id, signature, sum)``.
+
+    """
+    room = getattr(metadata_buffers, "bootstrap_room", None)
+    if room is None or room.shape[-1] < 8:
+        return ()
+    words = [v % MOD64 for v in room.view(torch.int64)[index].tolist()]
+    head = words[1]
+    count = head & 0xFF
+    if head >> 48 != GROUPS_TAG or not 0 < count <= MAX_GROUPS:
+        return ()
+    return tuple(
+        (words[2 + 2 * k] >> 32, words[2 + 2 * k] & MASK32, words[3 + 2 * k]) for k in range(count)
+    )
+
+
+def group_row(groups: Sequence[GroupWord]) -> list[int]:
+    """Group words as ``2 * MAX_GROUPS`` words for a gather (zeros where none)."""
+    words = [0] * (2 * MAX_GROUPS)
+    for k, (group_id, signature, total) in enumerate(groups[:MAX_GROUPS]):
+        words[2 * k] = group_id << 32 | signature
+        words[2 * k + 1] = total
+    return words
+
+
+def split_group_row(words: Sequence[int]) -> tuple[GroupWord, ...]:
+    """``group_row``'s words back as group words."""
+    return tuple(
+        (words[2 * k] >> 32, words[2 * k] & MASK32, words[2 * k + 1])
+        for k in range(MAX_GROUPS)
+        if words[2 * k]
+    )
 
 
 def write_carried(metadata_buffers: Any, index: int, carried: Carried | None) -> None:

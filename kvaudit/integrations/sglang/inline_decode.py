@@ -6,6 +6,7 @@ carried stage's layers, and the sums gathered (a second collective) and judged
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from sglang.srt.disaggregation.checksum import is_health_check_req
@@ -14,19 +15,26 @@ from ...records import WorkerRecord
 from ...views.inputs import RequestBlocks
 from .carried import (
     MALFORMED,
+    MAX_GROUPS,
     MOD64,
     Carried,
     Unverified,
+    group_row,
     layer_word,
     read_carried,
+    read_groups,
     room_bits,
+    split_group_row,
     split_layer_word,
 )
 from .describe import NotDescribable
 from .inline_state import STATS, log_fault, rank_checksummer
-from .inline_verdicts import judge, record_unverified, record_verdict
-from .ranks import CONSUMER, block_sums, gather_ranks
+from .inline_verdicts import DESCRIBED_APART, judge, record_unverified, record_verdict
+from .ranks import CONSUMER, RankChecksummer, block_sums, gather_ranks
 
+ROW = 6 + 2 * MAX_GROUPS
+"""Words per request in the first gather: kind, total, first, end, signature, layers,
+then the group words (``group_row``)."""
 ATTRIBUTE = "kvaudit_carried"
 """The attribute of a decode ``Req`` that holds what its checksum row carried."""
 
@@ -36,6 +44,9 @@ def commit_carried(queue: Any, decode_req: Any) -> None:
     request (before SGLang's ``clear_slot`` zeroes it)."""
     try:
         carried = read_carried(queue.metadata_buffers, decode_req.metadata_buffer_index)
+        if isinstance(carried, Carried):
+            groups = read_groups(queue.metadata_buffers, decode_req.metadata_buffer_index)
+            carried = dataclasses.replace(carried, groups=groups)
     except Exception as error:
         carried = Unverified("checksum row unreadable", str(error))
     try:
@@ -51,9 +62,9 @@ a row that cannot be used (unverified, with a reason on the rank that holds it).
 
 
 def _carried_row(req: Any) -> tuple[list[int], Unverified | None]:
-    """This rank's six words for ``req`` in the first gather, ``[kind, total, first, end,
-    signature, layers]``, and why it is ``UNREADABLE``; the request's carried value is
-    taken (verified once: a retraction re-enters the batch).
+    """This rank's ``ROW`` words for ``req`` in the first gather, ``[kind, total, first,
+    end, signature, layers, *group words]``, and why it is ``UNREADABLE``; the request's
+    carried value is taken (verified once: a retraction re-enters the batch).
 
     Raises:
         ValueError: A carried value that cannot be put in the gather (a range or layers
@@ -63,16 +74,17 @@ def _carried_row(req: Any) -> tuple[list[int], Unverified | None]:
     carried = getattr(req, ATTRIBUTE, None)
     setattr(req, ATTRIBUTE, None)
     if carried is None:
-        return [NOTHING] * 6, None
+        return [NOTHING] * ROW, None
     if is_health_check_req(req):
         STATS.skipped += 1
-        return [NOTHING] * 6, None
+        return [NOTHING] * ROW, None
     if isinstance(carried, Unverified):
-        return [UNREADABLE] + [0] * 5, carried
+        return [UNREADABLE] + [0] * (ROW - 1), carried
     c = carried
     row = [CARRIED, c.total, c.first, c.end, c.signature, layer_word(c.layers, c.room)]
+    row += group_row(c.groups)
     if not all(isinstance(v, int) and 0 <= v < MOD64 for v in row) or not c.first < c.end:
-        raise ValueError(f"words {row[1:]} do not fit a checksum row")
+        raise ValueError(f"words {row[1:6]} do not fit a checksum row")
     return row, None
 
 
@@ -86,7 +98,7 @@ def _carried_rows(reqs: list[Any]) -> tuple[list[list[int]], dict[int, Unverifie
         try:
             row, why = _carried_row(req)
         except Exception as error:  # this request only: the batch's others go on
-            row, why = [UNREADABLE] + [0] * 5, Unverified(MALFORMED, str(error))
+            row, why = [UNREADABLE] + [0] * (ROW - 1), Unverified(MALFORMED, str(error))
         if why is not None:
             reasons[i] = why
         rows.append(row)
@@ -101,13 +113,14 @@ def _candidates(parts: list[list[list[int]]], i: int) -> tuple[list[Carried], bo
     seen: list[Carried] = []
     unreadable = False
     for part in parts:
-        kind, total, first, end, signature, word = part[i]
+        kind, total, first, end, signature, word = part[i][:6]
         if kind == CARRIED:
             layers, room = split_layer_word(word)
             if not (layers[0] < layers[1] and first < end):
                 unreadable = True  # never sent by a kvaudit rank; checked all the same
                 continue
-            carried = Carried(total, first, end, signature, layers, room)
+            groups = split_group_row(part[i][6:])
+            carried = Carried(total, first, end, signature, layers, room, groups)
             if carried not in seen:
                 seen.append(carried)
         elif kind != NOTHING:
@@ -115,13 +128,51 @@ def _candidates(parts: list[list[list[int]]], i: int) -> tuple[list[Carried], bo
     return seen, unreadable
 
 
+class DescribedApart(Exception):
+    """A group the prefill and this decode describe differently (another dtype, shape,
+    split or layers): a mismatch named by group, never a request admitted unverified."""
+
+
+def _groups_apart(summer: RankChecksummer, carried: Carried) -> str | None:
+    """The groups whose signatures differ between the carried words and this decode's
+    description, as one line (None: the carried groups are this decode's)."""
+    mine = summer.group_signatures
+    theirs = {group_id: signature for group_id, signature, _ in carried.groups}
+    if not carried.groups or mine == theirs:
+        return None
+    apart = []
+    for group_id in sorted({*mine, *theirs}):
+        if mine.get(group_id) == theirs.get(group_id):
+            continue
+        (group,) = [g for g in summer.raw["groups"] if g["id"] == group_id] or [None]
+        if group is None or group_id not in theirs:
+            side = "the decode" if group is None else "the prefill"
+            apart.append(f"group {group_id} missing on {side}")
+            continue
+        spec = group["spec"]
+        held = [
+            layer.get("spec", {}).get("dtypes", spec.get("dtypes", [spec.get("dtype")]))
+            if isinstance(layer, dict)
+            else spec.get("dtypes", [spec.get("dtype")])
+            for layer in group["layers"]
+        ]
+        dtypes = sorted({str(d) for layer in held for d in layer})
+        apart.append(
+            f"group {group_id} ({spec['type']}) described apart: the decode holds "
+            f"{len(group['layers'])} layers of {'/'.join(dtypes)}"
+        )
+    return "; ".join(apart)
+
+
 def _consumer_part(
     scheduler: Any, req: Any, carried: Carried
-) -> tuple[int, int, RequestBlocks, WorkerRecord | None]:
+) -> tuple[int, int, list[int], RequestBlocks, WorkerRecord | None]:
     """This decode rank's part of the checksum of what ``carried`` covers: ``(total,
-    residual, blocks, record)``, the record kept when it covers every layer of the pool.
+    residual, group sums, blocks, record)`` (group sums: in the order of the carried
+    group words), the record kept when it covers every layer of the pool.
 
     Raises:
+        DescribedApart: A group described differently here than on the prefill.
         NotDescribable: What the row carried cannot be compared here (another signature,
             page size, range or layers); the message says why.
 
@@ -130,6 +181,9 @@ def _consumer_part(
     summer = whole if carried.layers == whole.layers else None
     if summer is None:
         summer = rank_checksummer(scheduler, CONSUMER, carried.layers)
+    apart = _groups_apart(summer, carried)
+    if apart is not None:
+        raise DescribedApart(apart)
     if carried.signature != summer.signature:
         raise NotDescribable(
             f"content signature {carried.signature:#x} differs from this decode's "
@@ -158,11 +212,13 @@ def _consumer_part(
             f"range start {carried.first} is not where this decode's cached prefix ends "
             f"({held} tokens): the first page holds tokens the decode did not receive"
         )
-    row = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-    blocks = summer.range_blocks(row, carried.first, carried.end)
+    pool = scheduler.req_to_token_pool
+    blocks = summer.request_range(pool, req.kv.req_pool_idx, carried.first, carried.end)
     record = summer.range_record(req.rid, blocks)
-    total, residual = block_sums(record, req.rid)
-    return total, residual, blocks, record if summer is whole else None
+    total, residual = block_sums(record, req.rid, None)
+    groups = [block_sums(record, req.rid, group_id)[0] for group_id, _, _ in carried.groups]
+    groups += [0] * (MAX_GROUPS - len(groups))
+    return total, residual, groups, blocks, record if summer is whole else None
 
 
 def abort_mismatched(scheduler: Any, batch: Any, mismatched: list[tuple[int, str]]) -> list[int]:
@@ -196,11 +252,12 @@ PEER_UNREADABLE = "checksum row unreadable on a peer rank"
 def _held_row(scheduler: Any) -> list[int]:
     """This rank's layers for the second gather: ``[1, first, end]``, or zeros where its
     pool cannot be described."""
+    pad = [0] * MAX_GROUPS  # the width of the checks' rows
     try:
         first, end = rank_checksummer(scheduler, CONSUMER).layers
-        return [1, int(first), int(end)] if 0 <= first < end < MOD64 else [0, 0, 0]
+        return [1, int(first), int(end), *pad] if 0 <= first < end < MOD64 else [0, 0, 0, *pad]
     except Exception:
-        return [0, 0, 0]
+        return [0, 0, 0, *pad]
 
 
 def decode_checks(scheduler: Any, batch: Any) -> list[tuple[int, str]]:
@@ -242,13 +299,17 @@ def decode_checks(scheduler: Any, batch: Any) -> list[tuple[int, str]]:
     kept: dict[int, tuple[RequestBlocks, WorkerRecord | None]] = {}
     for n, (i, carried) in enumerate(checks):
         try:
-            total, residual, blocks, record = _consumer_part(scheduler, reqs[i], carried)
+            total, residual, groups, blocks, record = _consumer_part(scheduler, reqs[i], carried)
+        except DescribedApart as error:  # a mismatch, named by group
+            errors[n] = str(error)
+            mine.append([DESCRIBED_APART, 0, 0] + [0] * MAX_GROUPS)
+            continue
         except Exception as error:  # not compared, with the reason
             errors[n] = str(error)
-            mine.append([2, 0, 0])
+            mine.append([2, 0, 0] + [0] * MAX_GROUPS)
             continue
         kept.setdefault(i, (blocks, record))
-        mine.append([1, total, residual])
+        mine.append([1, total, residual, *groups])
     # Every rank's part of every check, and the layers each rank holds last: a verdict
     # of "every layer" is then the same on every rank.
     gathered = gather_ranks([*mine, _held_row(scheduler)], group)

@@ -11,7 +11,15 @@ from sglang.srt.disaggregation.checksum import is_health_check_req
 
 from ...records import WorkerRecord
 from ...views.inputs import RequestBlocks
-from .carried import Carried, room_bits, write_carried
+from .carried import (
+    MAX_GROUPS,
+    Carried,
+    group_row,
+    room_bits,
+    split_group_row,
+    write_carried,
+    write_groups,
+)
 from .inline_state import STATS, log_once, rank_checksummer, write_output
 from .ranks import PRODUCER, block_sums, group_sums
 
@@ -44,27 +52,35 @@ def prefill_checksum(scheduler: Any, req: Any, end_idx: int | None = None) -> Ca
         write_carried(buffers, index, None)
         return None
     status, total, first, end, signature, layers = 0, 0, 0, 0, 0, (0, 0)
+    groups = [0] * (2 * MAX_GROUPS)
     record: WorkerRecord | None = None
     blocks: RequestBlocks | None = None
     try:
         summer = rank_checksummer(scheduler, PRODUCER)
         first, end = prefill_range(req, summer.page_size, end_idx)
-        row = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-        blocks = summer.range_blocks(row, first, end)
+        blocks = summer.request_range(scheduler.req_to_token_pool, req.kv.req_pool_idx, first, end)
         record = summer.range_record(req.rid, blocks)
-        total, _ = block_sums(record, req.rid)
+        total, _ = block_sums(record, req.rid, None)
+        groups = group_row(summer.group_words(record, req.rid))
         signature, layers = summer.signature, summer.layers
     except Exception as error:  # the request is sent, unverified
         status = 1
         log_once(f"prefill checksum not carried: {error}")
     group = getattr(scheduler, "attn_tp_cpu_group", None)
-    ((status, total),) = group_sums([[status, total]], group)
+    ((status, total, *summed),) = group_sums([[status, total, *groups]], group)
     if status:
         STATS.not_written += 1
         write_carried(buffers, index, None)
+        write_groups(buffers, index, ())
         return None
-    carried = Carried(total, first, end, signature, layers, room_bits(req.bootstrap_room))
+    # Every rank's signatures are equal (the same description at every rank): the sum
+    # over the ranks of a signature word is that word times the ranks; this rank's own.
+    words = [w if k % 2 == 0 else summed[k] for k, w in enumerate(groups)]
+    carried = Carried(
+        total, first, end, signature, layers, room_bits(req.bootstrap_room), split_group_row(words)
+    )
     write_carried(buffers, index, carried)
+    write_groups(buffers, index, carried.groups)
     STATS.written += 1
     assert blocks is not None
     write_output(scheduler, PRODUCER, req.rid, record, blocks, dump=True)

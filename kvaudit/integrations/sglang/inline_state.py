@@ -149,6 +149,7 @@ def rank_checksummer(scheduler: Any, role: str, layers: LayerSpan | None = None)
             total_kv_heads=int(total),
             role=role,
             layers=layers,
+            sliding_window=getattr(scheduler, "sliding_window_size", None),
         )
     return cached[1][key]
 

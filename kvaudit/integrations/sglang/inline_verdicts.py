@@ -13,6 +13,10 @@ from .carried import MOD64, Carried, Unverified
 from .inline_state import STATS, count_unverified, first_time, log_fault, logger, write_output
 from .ranks import CONSUMER, LayerSpan
 
+DESCRIBED_APART = 3
+"""The kind of a rank's part of a check whose groups the decode describes differently
+from the prefill (another dtype, shape or split): a mismatch."""
+
 
 def _layers_text(layers: LayerSpan) -> str:
     """A span of layers as the log lines write it, ``first..last``."""
@@ -58,8 +62,8 @@ def judge(
         rid: The request's id (in the mismatch lines).
         checks: Every check of the batch: ``(index into the batch, what a row carried)``.
         numbers: The request's checks, as indices into ``checks``.
-        sums: Per rank, its ``[kind, total, residual]`` of every check (kind 2: not
-            compared on that rank).
+        sums: Per rank, its ``[kind, total, residual, *group sums]`` of every check (kind
+            2: not compared on that rank; ``DESCRIBED_APART``: a group described apart).
         errors: This rank's reasons, by check, for the checks it could not compare.
 
     Returns:
@@ -69,7 +73,16 @@ def judge(
     verdict = Verdict()
     for n in numbers:
         carried = checks[n][1]
-        if max(part[n][0] for part in sums) == 2:
+        kinds = [part[n][0] for part in sums]
+        if DESCRIBED_APART in kinds:
+            verdict.failed.append(
+                f"kvaudit KV description mismatch req={rid} "
+                f"tokens={carried.first}..{carried.end} "
+                f"layers={_layers_text(carried.layers)}: "
+                + errors.get(n, "a group is described apart on a peer rank")
+            )
+            continue
+        if max(kinds) == 2:
             verdict.problem = verdict.problem or errors.get(n, "not comparable on a peer rank")
             continue
         total = sum(part[n][1] for part in sums) % MOD64
@@ -82,8 +95,22 @@ def judge(
             f"kvaudit KV checksum {what} req={rid} tokens={carried.first}..{carried.end} "
             f"layers={_layers_text(carried.layers)} expected={carried.total:#018x} "
             f"got={total:#018x} replica_residual={residual:#x}"
+            + _failed_groups(carried, [part[n][3:] for part in sums])
         )
     return verdict
+
+
+def _failed_groups(carried: Carried, parts: list[list[int]]) -> str:
+    """`` groups=ID,...`` naming the groups whose sums differ (every rank's group sums
+    summed against the carried group words); "" for a pool of one group."""
+    if not carried.groups:
+        return ""
+    failed = [
+        str(group_id)
+        for k, (group_id, _, expected) in enumerate(carried.groups)
+        if sum(part[k] for part in parts) % MOD64 != expected
+    ]
+    return f" groups={','.join(failed) or 'none (the replicas)'}"
 
 
 def record_verdict(

@@ -13,12 +13,13 @@ import torch.distributed as dist
 from ...description import parse_description
 from ...records import WorkerInfo, WorkerRecord
 from ...views.inputs import RequestBlocks
-from .carried import MOD64, content_signature
+from .carried import MOD64, GroupWord, content_signature, group_signature
 from .describe import (
     DEFAULT_LAYER_NAME,
     NotDescribable,
     describe_sglang_cache,
-    layer_ids,
+    hybrid_layer_ids,
+    pool_request_blocks,
     request_blocks,
     sglang_layer_caches,
 )
@@ -45,13 +46,19 @@ class RankChecksummer:
         role: str,
         names: Any = DEFAULT_LAYER_NAME,
         layers: LayerSpan | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         from ...checksum.checksummer import Checksummer
 
         raw = describe_sglang_cache(
-            pool, tp_rank=tp_rank, tp_size=tp_size, total_kv_heads=total_kv_heads, names=names
+            pool,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            total_kv_heads=total_kv_heads,
+            names=names,
+            sliding_window=sliding_window,
         )
-        ids = layer_ids(pool)
+        ids = hybrid_layer_ids(pool)
         held = (ids[0], ids[-1] + 1)
         span = held if layers is None else (int(layers[0]), int(layers[1]))
         if not held[0] <= span[0] < span[1] <= held[1]:
@@ -59,6 +66,8 @@ class RankChecksummer:
                 f"layers {span[0]}..{span[1] - 1} are not all on this rank "
                 f"(it holds {held[0]}..{held[1] - 1})"
             )
+        if span != held and len(raw["groups"]) > 1:
+            raise NotDescribable("a hybrid pool's layers are checksummed all together only")
         caches = sglang_layer_caches(pool, names)
         if span != held:
             (group,) = raw["groups"]
@@ -70,9 +79,16 @@ class RankChecksummer:
         self.raw = raw
         self.description = parse_description(raw, "sglang")
         self.tensors = caches
+        self.pool = pool
+        self.sliding_window = sliding_window
         self.page_size = int(pool.page_size)
         self.layers = span
-        self.signature = content_signature(raw)
+        self.signature = content_signature(raw, tp_size=tp_size)
+        self.group_ids = [int(group["id"]) for group in raw["groups"]]
+        """The description's groups; more than one: the pool is hybrid (group words)."""
+        self.group_signatures = {
+            g: group_signature(raw, g, tp_size) for g in self.group_ids if len(self.group_ids) > 1
+        }
         self.worker = WorkerInfo(tp_rank, tp_size, pp_rank, pp_size, role, ENGINES[role])
         self.checksummer = Checksummer(
             self.description,
@@ -104,12 +120,42 @@ class RankChecksummer:
         part = request_blocks(row[first:end], end - first, page)
         return RequestBlocks(num_tokens=end, groups={0: (first // page, part.groups[0][1])})
 
+    def request_range(
+        self, req_to_token_pool: Any, req_pool_idx: int, first: int, end: int
+    ) -> RequestBlocks:
+        """The blocks of tokens ``first .. end - 1`` of the request in row
+        ``req_pool_idx``, in every group of the pool (``pool_request_blocks``).
+
+        Raises:
+            NotDescribable: As ``range_blocks``; a window or state SGLang does not map.
+
+        """
+        if len(self.group_ids) == 1:
+            return self.range_blocks(req_to_token_pool.req_to_token[req_pool_idx], first, end)
+        return pool_request_blocks(
+            self.pool,
+            req_to_token_pool,
+            req_pool_idx,
+            first,
+            end,
+            sliding_window=self.sliding_window,
+        )
+
+    def group_words(self, record: WorkerRecord, request: str) -> list[GroupWord]:
+        """This rank's ``(group id, group signature, sum)`` per group of a hybrid pool
+        (empty for one group); the sums are this rank's part (``block_sums``)."""
+        return [
+            (g, self.group_signatures[g], block_sums(record, request, g)[0])
+            for g in self.group_ids
+            if len(self.group_ids) > 1
+        ]
+
     def range_record(self, request: str, blocks: RequestBlocks) -> WorkerRecord:
         """This rank's per-block checksums of the request's ``blocks``."""
         return self.checksummer.checksum({request: blocks})
 
 
-def block_sums(record: WorkerRecord, request: str) -> tuple[int, int]:
+def block_sums(record: WorkerRecord, request: str, group: int | None = 0) -> tuple[int, int]:
     """A rank's part of the request's checksum summed over its blocks, and its replica
     residual.
 
@@ -121,12 +167,19 @@ def block_sums(record: WorkerRecord, request: str) -> tuple[int, int]:
     Args:
         record: The rank's record of the request (``RankChecksummer.range_record``).
         request: The request.
+        group: The group summed, or None for every group of the record.
 
     Returns:
         ``(total, residual)``, each mod 2**64.
 
     """
-    checksums = record.requests[request].groups.get(0)
+    if group is None:
+        parts = [block_sums(record, request, g) for g in record.requests[request].groups]
+        return (
+            sum(total for total, _ in parts) % MOD64,
+            sum(residual for _, residual in parts) % MOD64,
+        )
+    checksums = record.requests[request].groups.get(group)
     if checksums is None:  # a producer's rank that holds no replica 0 (MLA at TP > 1)
         return 0, 0
     columns = checksums.values.sum(axis=0, dtype="uint64").tolist()
