@@ -102,6 +102,7 @@ def test_fault_aborted_and_named_by_group(
     decode = Decode(tp1_decode, monkeypatch.setattr, kind=kind, faults={"req-bad": fault})
     ok = decode.receive("req-ok", prefill, index=2)
     bad = decode.receive("req-bad", prefill, index=4)
+    assert bad.expected_kv_checksum == 0  # SGLang's own check admits it unverified
     with caplog.at_level("ERROR"):
         assert decode.verify([ok, bad]) == [ok]
     assert decode.aborts == ["req-bad"] and decode.failed == [1]
