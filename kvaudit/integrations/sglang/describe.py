@@ -194,6 +194,8 @@ def _pool_kind(pool: KVCache) -> str:
                 "an SWAKVPool with per-request window rows or rings is not described: "
                 "only the paged window pool (full_to_swa_index_mapping) is"
             )
+        if getattr(pool.full_kv_pool, "use_dsa", False):
+            raise NotDescribable(DSA_REFUSED)
         _mha_kind(pool.full_kv_pool, "the SWAKVPool's full pool")
         _mha_kind(pool.swa_kv_pool, "the SWAKVPool's window pool")
         return "swa"
