@@ -14,8 +14,12 @@ On one CUDA GPU, in one run of a few minutes (docs/gpu.md):
    (d) a torch gather-multiply-sum of the same blocks (index_select, int64 mul, sum);
    (e) the library end to end (``Checksummer.checksum``, host time included);
    (f) the compiled variants' registers, spills and programs per SM for this GPU
-       (tests/helpers/triton_compile.py, as bench/kernel_resources.py prints them).
-   It checks that (b), (c), (d) and (e) agree and prints GB/s and the ratios.
+       (tests/helpers/triton_compile.py, as bench/kernel_resources.py prints them);
+   (s) the strong lane (kvaudit/checksum/kernels/triton_strong.py) on the batch and the
+       request, aligned: its kernel alone and fused with the seed lane (what Triton plans
+       run), each against the seed kernel's time (issue 37: the fused pass within 10% of
+       the seed kernel's bandwidth), and the library's strong lane against the CPU's.
+   It checks that (b), (c), (d), (e) and (s) agree and prints GB/s and the ratios.
 3. (g) A ``--dump-gib`` dump (bench/dump_memory.py's Llama-shaped layers) checksummed with
    ``--device cuda`` (rows staged through two pinned buffers, host-to-device copies on
    their own stream overlapping the checksums), the median of 3 runs against a pinned
@@ -55,9 +59,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from kvaudit.description import CacheDescription
     from kvaudit.dumps import Dump
 
 REPO = Path(__file__).resolve().parents[1]
@@ -221,15 +227,14 @@ def kernel_report(template: torch.Tensor, aligned: bool) -> str:
     )
 
 
-def end_to_end(cache: Cache, block_ids: list[int]) -> tuple[float, torch.Tensor]:
-    """Checksummer.checksum of one request over this cache: wall seconds and totals."""
-    from kvaudit.checksum.checksummer import Checksummer, RequestBlocks
+def _description(cache: Cache, num_blocks: int) -> CacheDescription:
+    """The bench model's description for a cache of ``num_blocks`` blocks."""
     from kvaudit.description import parse_description
 
-    description = parse_description(
+    return parse_description(
         {
             "kvaudit": 1,
-            "num_blocks": cache.layers[0].shape[0],
+            "num_blocks": num_blocks,
             "groups": [
                 {
                     "spec": {
@@ -246,6 +251,14 @@ def end_to_end(cache: Cache, block_ids: list[int]) -> tuple[float, torch.Tensor]
         },
         "bench",
     )
+
+
+def end_to_end(cache: Cache, block_ids: list[int]) -> tuple[float, torch.Tensor, np.ndarray]:
+    """Checksummer.checksum of one request over this cache: wall seconds, the seed lane's
+    totals and the strong lane's residues."""
+    from kvaudit.checksum.checksummer import Checksummer, RequestBlocks
+
+    description = _description(cache, cache.layers[0].shape[0])
     tensors = {f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(cache.layers)}
     checksummer = Checksummer(description, tensors, backend="triton")
     requests = {"bench": RequestBlocks(len(block_ids) * BLOCK, {0: (0, block_ids)})}
@@ -255,8 +268,73 @@ def end_to_end(cache: Cache, block_ids: list[int]) -> tuple[float, torch.Tensor]
         started = time.perf_counter()
         record = checksummer.checksum(requests)
         best = min(best, time.perf_counter() - started)
-    values = record.requests["bench"].groups[0].values
-    return best, torch.from_numpy(values.view("int64")[:, 0].copy())
+    group = record.requests["bench"].groups[0]
+    strong = np.asarray(group.strong, dtype=np.uint64)[:, 0].copy()
+    return best, torch.from_numpy(group.values.view("int64")[:, 0].copy()), strong
+
+
+def cpu_strong(cache: Cache, block_ids: list[int]) -> np.ndarray:
+    """The strong lane of the request's blocks from the CPU path (the C loop), on a host
+    copy of just those blocks."""
+    from kvaudit.checksum.checksummer import Checksummer, RequestBlocks
+
+    index = torch.tensor(block_ids, dtype=torch.int64, device=DEVICE)
+    tensors = {
+        f"model.layers.{i}.self_attn.attn": t.index_select(0, index).cpu()
+        for i, t in enumerate(cache.layers)
+    }
+    checksummer = Checksummer(_description(cache, len(block_ids)), tensors, backend="numpy")
+    local = list(range(len(block_ids)))
+    record = checksummer.checksum({"bench": RequestBlocks(len(local) * BLOCK, {0: (0, local)})})
+    return np.asarray(record.requests["bench"].groups[0].strong, dtype=np.uint64)[:, 0]
+
+
+def bench_strong(
+    cache: Cache,
+    seed_results: dict[tuple[str, bool], tuple[float, torch.Tensor]],
+    rows: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]],
+    args: argparse.Namespace,
+    flush: torch.Tensor,
+) -> dict[str, bool]:
+    """(s): the strong kernel alone and fused with the seed lane, timed against the seed
+    kernel (aligned) on the batch and the request; the checks that their results agree."""
+    from kvaudit.checksum.kernels import LaunchPart
+    from kvaudit.checksum.kernels.triton_strong import strong_launches
+
+    parts = []
+    for index, view in enumerate(cache.planes):
+        layer, plane = divmod(index, 2)
+        parts.append(LaunchPart(view, layer * MAX_HEADS, 0, plane * PIECES, 2 * PIECES))
+    (launch,) = strong_launches(parts)
+    checks = {}
+    for name, these in (("batch", rows[0]), ("request", rows[1])):
+        count = these[0].numel()
+        nbytes = count * cache.nbytes_per_block
+        seed_ms, seed_values = seed_results[(name, True)]
+        limbs = torch.zeros((count, 1, 2), dtype=torch.int64, device=DEVICE)
+        seed = torch.zeros((count, 1), dtype=torch.int64, device=DEVICE)
+        alone_ms = median_ms(lambda r=these, o=limbs: launch.accumulate(*r, o), args.repeats, flush)
+        fused_ms = median_ms(
+            lambda r=these, o=limbs, s=seed: launch.accumulate(*r, o, s), args.repeats, flush
+        )
+        limbs.zero_()
+        launch.accumulate(*these, limbs)
+        alone = limbs.clone()
+        limbs.zero_()
+        seed.zero_()
+        launch.accumulate(*these, limbs, seed)
+        checks[f"strong {name}: fused == alone"] = torch.equal(alone, limbs)
+        checks[f"strong {name}: fused seed lane == seed kernel"] = torch.equal(
+            seed[:, 0], seed_values
+        )
+        for kind, ms in (("strong alone", alone_ms), ("fused (both)", fused_ms)):
+            print(
+                f"  (s) {kind} {name:7s} {ms * 1e3:10.1f} us  {nbytes / ms / 1e6:7.0f} GB/s  "
+                f"{seed_ms / ms:5.2f}x the seed kernel's bandwidth"
+            )
+        verdict = "within" if fused_ms <= seed_ms / 0.9 else "NOT within"
+        print(f"  (s) fused {name}: {verdict} 10% of the seed kernel's bandwidth")
+    return checks
 
 
 def bench_layout(
@@ -337,8 +415,12 @@ def bench_layout(
         f"{torch_small_ms / results[('request', True)][0]:5.1f}x faster"
     )
 
-    seconds, library = end_to_end(cache, order[:request_blocks].tolist())
+    seconds, library, library_strong = end_to_end(cache, order[:request_blocks].tolist())
     print(f"  (e) Checksummer.checksum of the request: {seconds * 1e3:.2f} ms wall")
+    strong_checks = bench_strong(cache, results, (big_rows, small_rows), args, flush)
+    strong_checks["library strong == CPU strong"] = np.array_equal(
+        library_strong, cpu_strong(cache, order[:request_blocks].tolist())
+    )
 
     checks = {
         f"{name} {'aligned' if aligned else 'unaligned'} == torch": torch.equal(
@@ -347,6 +429,7 @@ def bench_layout(
         for (name, aligned), (_, values) in results.items()
     }
     checks["library == torch"] = torch.equal(library, torch_small.cpu())
+    checks.update(strong_checks)
     for name, same in checks.items():
         print(f"  {'ok  ' if same else 'FAIL'} {name}")
     return all(checks.values())

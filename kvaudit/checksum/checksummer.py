@@ -28,10 +28,12 @@ from ..core.validation import (
 from ..description import CacheDescription
 from ..records import (
     GroupChecksums,
+    LayerSums,
     RequestChecksums,
     WorkerInfo,
     WorkerRecord,
 )
+from ..records.layers import layer_facts
 from ..views import GroupViews, build_group_views
 from ..views.inputs import LayerTensors, RequestBlocks, plain_requests, tensors_by_name
 from .plans import GroupPlan
@@ -59,6 +61,7 @@ class Checksummer:
         backend: str = "auto",
         num_blocks: int | Mapping[int, int] | None = None,
         source: str = "",
+        layer_sums: bool = False,
     ) -> Checksummer:
         """A checksummer over ``tensors`` in ``worker``'s place (ranks, role, engine).
 
@@ -69,6 +72,7 @@ class Checksummer:
             backend: As ``Checksummer`` takes it.
             num_blocks: As ``Checksummer`` takes it.
             source: What names the tensors in errors and in the record.
+            layer_sums: As ``Checksummer`` takes it.
 
         Returns:
             The checksummer, its views and plans built.
@@ -90,6 +94,7 @@ class Checksummer:
             num_blocks=num_blocks,
             engine=worker.engine,
             source=source,
+            layer_sums=layer_sums,
         )
 
     def __init__(
@@ -108,6 +113,7 @@ class Checksummer:
         source: str = "",
         left_out: Mapping[int, str] | None = None,
         strong_lane: bool = True,
+        layer_sums: bool = False,
     ) -> None:
         """Build the worker's views and plans once (and warm up their kernels).
 
@@ -138,6 +144,8 @@ class Checksummer:
             strong_lane: Whether records carry the strong lane beside the seed lane
                 (docs/checksum.md); False computes the seed lane alone, as the seed
                 engine's records hold it.
+            layer_sums: Also split each block's seed-lane total per layer and K or V plane
+                (``GroupChecksums.layer_sums``), in the same pass over the KV.
 
         Raises:
             KvauditError: An unknown role, a rank outside its size, a left-out group that
@@ -152,6 +160,9 @@ class Checksummer:
         self.worker = WorkerInfo(tp_rank, tp_size, pp_rank, pp_size, role, engine, source)
         check_worker(self.worker, role, source or None)
         self.description = description
+        # Kept in every record: what the checksums cannot show (the scales of a quantized
+        # cache) and what names the field behind a differing fingerprint.
+        self.layer_facts = layer_facts(description)
         described = {group.id for group in description.groups} & self.left_out.keys()
         if described:
             raise KvauditError(
@@ -174,10 +185,17 @@ class Checksummer:
             if not group_views.covered:
                 continue
             plan = GroupPlan.create(
-                group_views.views, first_replica_only=role == "producer", backend=backend
+                group_views.views,
+                first_replica_only=role == "producer",
+                backend=backend,
+                layer_sums=layer_sums,
             )
             if plan is not None:
                 plan.warm_up()
+                if strong_lane and fuses_lanes(plan):
+                    from .kernels import triton_strong
+
+                    triton_strong.warm_up(plan, fused=True)
                 self.plans[group_id] = plan
 
     @property
@@ -249,7 +267,12 @@ class Checksummer:
                 f"unknown position numbering {positions!r}, expected request or block"
             )
         record = WorkerRecord(
-            self.worker, positions, self.fingerprints, self.not_covered, requests={}
+            self.worker,
+            positions,
+            self.fingerprints,
+            self.not_covered,
+            requests={},
+            layers=self.layer_facts,
         )
         # One pass per group over the rows of all requests.
         batches: dict[int, list[tuple[str, int, list[int], int]]] = {}
@@ -266,8 +289,12 @@ class Checksummer:
         for group_id, segments in batches.items():
             plan = self.plans[group_id]
             rows = np.stack(_rows(segments, self.groups[group_id].group.block_size, positions))
-            host: Array = plan.checksum(*rows) if not plan.uses_torch else launch_torch(plan, rows)
-            strong = plan.strong(*rows) if self.strong_lane else None
+            strong: Array | None = None
+            if self.strong_lane and fuses_lanes(plan):
+                host, strong = launch_fused(plan, rows)
+            else:
+                host = plan.checksum(*rows) if not plan.uses_torch else launch_torch(plan, rows)
+                strong = plan.strong(*rows) if self.strong_lane else None
             launched.append(Launched(group_id, segments, host, strong))
         done = None
         if any(on_cuda(self.plans[item.group_id].device) for item in launched):
@@ -286,12 +313,40 @@ class Launched:
     group_id: int
     segments: list[tuple[str, int, list[int], int]]
     host: Array
-    strong: np.ndarray | None
+    strong: Array | None
 
 
 def on_cuda(device: str) -> bool:
     """Whether a plan's device is a CUDA device."""
     return device.startswith("cuda")
+
+
+def fuses_lanes(plan: GroupPlan) -> bool:
+    """Whether one kernel pass computes both lanes of the plan (the Triton backend's,
+    without layer sums: their wider columns are the seed launches' alone)."""
+    return plan.backend == "triton" and plan.columns is None
+
+
+def launch_fused(plan: GroupPlan, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Triton plan's seed values and strong residues of rows ``[3, n]`` from one pass of
+    the strong kernel over the KV: like :func:`launch_torch`, nothing is waited for."""
+    import torch
+
+    from .kernels import triton_strong
+
+    tensor = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+    cuda = on_cuda(plan.device)
+    if cuda:
+        tensor = tensor.pin_memory()
+    ids, first_tokens, valid_tokens = tensor.to(plan.device, non_blocking=True)
+    shape = (len(ids), len(plan.replica_keys))
+    seed = torch.zeros(shape, dtype=torch.int64, device=plan.device)
+    strong = triton_strong.strong_sums(plan, ids, first_tokens, valid_tokens, seed_out=seed)
+    if not cuda:
+        return seed, strong
+    host = torch.empty(shape, dtype=torch.int64, pin_memory=True)
+    host.copy_(seed, non_blocking=True)
+    return host, strong
 
 
 def launch_torch(plan: GroupPlan, rows: np.ndarray) -> torch.Tensor:
@@ -351,7 +406,12 @@ class PendingChecksums:
         record, summer = self._record, self._checksummer
         for launched in self._launched:
             group_id, host, strong = launched.group_id, launched.host, launched.strong
-            values = (host if isinstance(host, np.ndarray) else host.numpy()).view(np.uint64)
+            wide = (host if isinstance(host, np.ndarray) else host.numpy()).view(np.uint64)
+            if strong is not None and not isinstance(strong, np.ndarray):
+                strong = strong.numpy().view(np.uint64)
+            plan = summer.plans[group_id]
+            values, sums = plan.split(wide)
+            parts = plan.layer_parts
             row = 0
             for req_id, start, block_ids, _ in launched.segments:
                 end = row + len(block_ids)
@@ -362,6 +422,9 @@ class PendingChecksums:
                     values=values[row:end].copy(),
                     fingerprint=summer.groups[group_id].fingerprint,
                     strong=None if strong is None else strong[row:end].copy(),
+                    layer_sums=None
+                    if sums is None
+                    else LayerSums(list(parts), sums[row:end].copy()),
                 )
                 row = end
         self._result, self._launched = record, []

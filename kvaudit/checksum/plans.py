@@ -18,6 +18,7 @@ import numpy as np
 from ..core.arrays import Array, data_ptr, device_type, element_size, is_numpy, strides
 from ..core.scheme import ReplicaKey, strong_add
 from ..views import LayerView
+from ..views.model import PieceView
 from .kernels import BackendChoice, Launch, LaunchPart, resolve_backend
 
 if TYPE_CHECKING:
@@ -26,7 +27,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class GroupPlan:
-    """How a worker checksums one group: one launch per layout, one column per replica key."""
+    """How a worker checksums one group: one launch per layout, one column per replica key
+    (or, with layer sums, one per replica key, layer number and plane)."""
 
     replica_keys: list[ReplicaKey]
     launches: list[Launch]
@@ -36,6 +38,51 @@ class GroupPlan:
     """Whether rows and results are torch tensors on ``device`` (else numpy arrays)."""
     parts: list[LaunchPart] = field(default_factory=list)
     """Every part of every launch, for the strong lane (:meth:`strong`)."""
+    backend: str = ""
+    """The resolved backend's name: a ``triton`` plan computes the strong lane with the
+    Triton kernel too (on a GPU, or on the CPU under the interpreter)."""
+    strong_launches: list | None = field(default=None, repr=False, compare=False)
+    """The strong kernel's launches, built on first use (kernels/triton_strong.py)."""
+    columns: list[tuple[ReplicaKey, int, str]] | None = None
+    """With layer sums, each output column's replica key, layer number and plane; None:
+    one column per replica key."""
+
+    @property
+    def width(self) -> int:
+        """The number of columns ``checksum`` returns."""
+        return len(self.replica_keys) if self.columns is None else len(self.columns)
+
+    @property
+    def layer_parts(self) -> list[tuple[int, str]]:
+        """The labels of the layer sums ``split`` returns (none without layer sums)."""
+        if self.columns is None:
+            return []
+        return sorted({(number, plane) for key, number, plane in self.columns if key[1] == 0})
+
+    def split(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """Host checksums ``[rows, width]`` (uint64) as per-replica-key values and layer sums.
+
+        Args:
+            values: What ``checksum`` returned, on the host as uint64.
+
+        Returns:
+            ``[rows, replica keys]`` values, and ``[rows, layer_parts]`` layer sums (of the
+            replica-0 columns) or None without layer sums.
+
+        """
+        if self.columns is None:
+            return values, None
+        keyed = np.zeros((values.shape[0], len(self.replica_keys)), dtype=np.uint64)
+        parts = self.layer_parts
+        sums = np.zeros((values.shape[0], len(parts)), dtype=np.uint64)
+        key_index = {key: k for k, key in enumerate(self.replica_keys)}
+        part_index = {part: k for k, part in enumerate(parts)}
+        # uint64 addition wraps modulo 2**64: the columns add up to each key's checksum.
+        for c, (key, number, plane) in enumerate(self.columns):
+            keyed[:, key_index[key]] += values[:, c]
+            if key[1] == 0:
+                sums[:, part_index[number, plane]] += values[:, c]
+        return keyed, sums
 
     @classmethod
     def create(
@@ -44,9 +91,16 @@ class GroupPlan:
         *,
         first_replica_only: bool,
         backend: BackendChoice = "auto",
+        layer_sums: bool = False,
     ) -> GroupPlan | None:
         """The plan of ``views`` (only replica 0 of each layer for a producer), or None
-        when nothing is left to checksum."""
+        when nothing is left to checksum.
+
+        With ``layer_sums`` each part adds into a column of its replica key, layer number
+        and plane instead of its replica key's: the kernels compute every part's sum
+        anyway, so the split costs no second read of the KV, only wider results
+        (docs/checksum.md, "Layer sums").
+        """
         if first_replica_only:
             views = [view for view in views if view.replica_key[1] == 0]
         if not views:
@@ -56,9 +110,16 @@ class GroupPlan:
         resolved = resolve_backend(backend, device_type(first))
         device = "cpu" if is_numpy(first) else str(first.device)
         layouts: dict[tuple, list[LaunchPart]] = defaultdict(list)
+        parts_of = {id(view): _parts(view, layer_sums) for view in views}
+        labels = sorted(
+            {(v.replica_key, v.number, plane_of(part)) for v in views for part in parts_of[id(v)]}
+        )
         for view in views:
-            column = replica_keys.index(view.replica_key)
-            for part in view.parts:
+            for part in parts_of[id(view)]:
+                if layer_sums:
+                    column = labels.index((view.replica_key, view.number, plane_of(part)))
+                else:
+                    column = replica_keys.index(view.replica_key)
                 pieces = _for_backend(part.pieces, resolved.uses_torch)
                 key = (
                     str(pieces.dtype),
@@ -74,18 +135,38 @@ class GroupPlan:
                     )
                 )
         launches = [resolved.launch(parts) for parts in layouts.values()]
-        every_part = [part for parts in layouts.values() for part in parts]
-        return cls(replica_keys, launches, device, resolved.uses_torch, every_part)
+        # The strong lane reads each view's own parts into its replica key's column: the
+        # layer sums' columns and K/V halves are the seed lane's alone.
+        every_part = [
+            LaunchPart(
+                _for_backend(part.pieces, resolved.uses_torch),
+                view.first_slice,
+                replica_keys.index(view.replica_key),
+                part.piece_offset,
+                part.cell_pieces,
+            )
+            for view in views
+            for part in view.parts
+        ]
+        return cls(
+            replica_keys,
+            launches,
+            device,
+            resolved.uses_torch,
+            every_part,
+            backend=resolved.name,
+            columns=labels if layer_sums else None,
+        )
 
     def warm_up(self) -> None:
         """Prepare every launch ahead of use (compile kernels, allocate buffers)."""
         for launch in self.launches:
-            launch.warm_up(len(self.replica_keys))
+            launch.warm_up(self.width)
 
     def checksum(self, block_ids: Array, first_tokens: Array, valid_tokens: Array) -> Array:
-        """The ``[rows, replica keys]`` int64 checksums of the rows: numpy arrays in and
-        out, or torch tensors on the plan's device when it ``uses_torch``."""
-        shape = (len(block_ids), len(self.replica_keys))
+        """The ``[rows, width]`` int64 checksums of the rows: numpy arrays in and out, or
+        torch tensors on the plan's device when it ``uses_torch``."""
+        shape = (len(block_ids), self.width)
         out: Array
         if self.uses_torch:
             import torch
@@ -100,9 +181,11 @@ class GroupPlan:
 
     def strong(
         self, block_ids: np.ndarray, first_tokens: np.ndarray, valid_tokens: np.ndarray
-    ) -> np.ndarray | None:
-        """The strong lane's ``[rows, replica keys]`` residues (uint64) of the rows, or None
-        where the plan's device has no strong path (docs/checksum.md, "The strong lane").
+    ) -> Array:
+        """The strong lane's ``[rows, replica keys]`` residues of the rows (docs/checksum.md,
+        "The strong lane"): uint64 numpy on the CPU paths; from the Triton kernel (a ``triton``
+        plan, or any plan off the CPU) int64 bits in a torch tensor, on a GPU a pinned host
+        tensor whose copy is queued, not waited for (see ``triton_strong.strong_sums``).
 
         Args:
             block_ids: The rows' block ids (numpy int64).
@@ -115,13 +198,13 @@ class GroupPlan:
         """
         from .strong import StrongPart
 
-        out = np.zeros((len(block_ids), len(self.replica_keys)), dtype=np.uint64)
-        if not len(block_ids):
-            return out
-        if self.device != "cpu":
+        if self.device != "cpu" or self.backend == "triton":
             from .kernels import triton_strong
 
             return triton_strong.strong_sums(self, block_ids, first_tokens, valid_tokens)
+        out = np.zeros((len(block_ids), len(self.replica_keys)), dtype=np.uint64)
+        if not len(block_ids):
+            return out
         counted = np.flatnonzero(valid_tokens > 0)
         for part in self.parts:
             from .kernels.numpy_cpu import as_numpy
@@ -132,6 +215,30 @@ class GroupPlan:
             )
             out[counted, part.column] = strong_add(out[counted, part.column], sums)
         return out
+
+
+def _parts(view: LayerView, layer_sums: bool) -> tuple[PieceView, ...]:
+    """A view's parts, whole cells of K then V split into their K and V rows (views, no
+    copy) where layer sums are kept."""
+    if not layer_sums:
+        return view.parts
+    parts: list[PieceView] = []
+    for part in view.parts:
+        k = part.k_pieces
+        if k and part.pieces.shape[-1] == part.cell_pieces:
+            parts.append(PieceView(part.pieces[..., :k], part.piece_offset, part.cell_pieces))
+            parts.append(PieceView(part.pieces[..., k:], part.piece_offset + k, part.cell_pieces))
+        else:
+            parts.append(part)
+    return tuple(parts)
+
+
+def plane_of(part: PieceView) -> str:
+    """A part's plane: ``KV`` where it holds whole cells, else ``K`` (the cell's first
+    pieces) or ``V``."""
+    if part.pieces.shape[-1] == part.cell_pieces:
+        return "KV"
+    return "K" if part.piece_offset == 0 else "V"
 
 
 def _for_backend(pieces: Array, uses_torch: bool) -> Array:

@@ -94,6 +94,7 @@ def diff(
     all_located: bool,
     allow_missing: bool,
     allow_empty: bool,
+    seed_lane_only: bool,
     producer_config: str | None,
     consumer_config: str | None,
     config_path: str | None,
@@ -127,13 +128,17 @@ def diff(
             raise click.UsageError("--numeric reports as table or JSON, not JUnit")
         if locate is not None:
             raise click.UsageError("--locate and --no-locate go without --numeric")
+        if seed_lane_only:
+            raise click.UsageError("--seed-lane-only goes without --numeric (it compares values)")
         tolerance = (atol or 0.0, rtol or 0.0)
         allowed = (allow_missing, allow_empty)
         return diff_numeric(left, right, wanted, tolerance, allowed, outputs, quiet)
     if atol is not None or rtol is not None:
         raise click.UsageError("--atol and --rtol go with --numeric")
     with progress_bar(diff_work(left, right, wanted), "diff", enabled=not quiet) as advance:
-        options = CompareOptions(wanted, runtime, advance, allow_missing, allow_empty)
+        options = CompareOptions(
+            wanted, runtime, advance, allow_missing, allow_empty, seed_lane_only
+        )
         report = diff_sources(left, right, options, locate=False if spread() else locate)
     if spread():
         from ..distributed.commands import locate_across

@@ -84,8 +84,15 @@ def request_option(help_text: str) -> Decorator:
 
 def report_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """``--format table|json|junit``, ``-o FILE``, ``--json FILE``, ``--junit FILE``,
-    ``--name NAME``, ``--all``, ``--allow-missing`` and ``--allow-empty`` of ``diff`` and
-    ``verify``."""
+    ``--name NAME``, ``--all``, ``--allow-missing``, ``--allow-empty`` and
+    ``--seed-lane-only`` of ``diff`` and ``verify``."""
+    command = click.option(
+        "--seed-lane-only",
+        is_flag=True,
+        help="Compare by the seed lane of the checksum alone, not also by the strong lane "
+        "(to compare with the seed engine's records; misses faults only the strong lane "
+        "sees, docs/checksum.md).",
+    )(command)
     command = click.option(
         "--all",
         "all_located",

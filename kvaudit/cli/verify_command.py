@@ -49,6 +49,7 @@ def verify(
     all_located: bool,
     allow_missing: bool,
     allow_empty: bool,
+    seed_lane_only: bool,
     config_path: str | None,
     device: str | None,
     quiet: bool,
@@ -84,7 +85,9 @@ def verify(
     if spread():
         from ..distributed.spread_verify import verify_spread as check
     with progress_bar(work, "verify", enabled=not quiet) as advance:
-        options = CompareOptions(wanted, runtime, advance, allow_missing, allow_empty)
+        options = CompareOptions(
+            wanted, runtime, advance, allow_missing, allow_empty, seed_lane_only
+        )
         report = check(source, options, against=saved, received=received, stored=stored)
     if saved is not None:
         sides = SideNames("saved record", "source")

@@ -23,10 +23,12 @@ from .groups import AttentionWindow
 from .model import (
     NO_RECEIVED,
     DiffReport,
+    ElementChange,
     GroupComparison,
     LocatedDifference,
     StaleSource,
     TokenRun,
+    TokenShift,
 )
 from .records import compare_records, verify_against_record
 
@@ -66,11 +68,13 @@ __all__ = [
     "AttentionWindow",
     "CompareOptions",
     "DiffReport",
+    "ElementChange",
     "GroupComparison",
     "LocatedDifference",
     "StaleSource",
     "StoredCheck",
     "TokenRun",
+    "TokenShift",
     "carried_wires",
     "compare_records",
     "diff_sources",

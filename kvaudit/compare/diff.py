@@ -104,9 +104,16 @@ def diff_sources(
     positions = shared_numbering(producer, consumer)
     left = checksum_held(producer, ids, positions, runtime, progress)
     right = checksum_held(consumer, ids, positions, runtime, progress)
-    report = compare_records(left, right, request_ids=ids, token_counts=counts, windows=windows)
+    report = compare_records(
+        left,
+        right,
+        request_ids=ids,
+        token_counts=counts,
+        windows=windows,
+        seed_lane_only=options.seed_lane_only,
+    )
     options.judge(report)
-    report.warnings = warnings
+    report.warnings = [*warnings, *report.warnings]
     if raw is not None:
         group_shapes(report, [*raw[0], *raw[1]])
         locate_report(report, *raw, shared)

@@ -31,18 +31,24 @@
 - With ``per_key`` and the same replica keys on both sides, every column is compared: a
   differing replica-0 column lists the position as mismatched, another column adds it to
   ``replica_mismatches``.
+- Every rule above runs on both lanes of the checksum (docs/checksum.md): the seed lane
+  (sums mod 2**64) and, where both sides carry it, the strong lane (sums mod 2**64 - 59).
+  A position differs when either lane differs. Where a side carries no strong lane (a
+  record of the seed engine, KVC2 wire bytes) or ``seed_lane_only`` is asked, the seed
+  lane alone is compared, and ``GroupComparison.seed_lane_only`` says why.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..core.scheme import ReplicaKey, to_hex, valid_tokens
+from ..core.scheme import MASK64, STRONG_PRIME, ReplicaKey, to_hex, valid_tokens
 from ..core.validation import Positions
-from ..records import GroupChecksums, replica_zero_totals
+from ..records import GroupChecksums, replica_zero_totals, strong_replica_zero_totals
 from .model import GroupComparison
 
 
@@ -79,7 +85,8 @@ def as_window(window: Window | None) -> AttentionWindow | None:
 class SideChecksums:
     """One side's checksums of one request's group: ``columns[i, k]`` is position
     ``start + i`` under ``keys[k]``, checksummed over ``num_tokens`` tokens of a request
-    the side holds ``tokens`` of (``num_tokens`` when not cut)."""
+    the side holds ``tokens`` of (``num_tokens`` when not cut); ``strong`` the strong
+    lane's residues of the same positions and keys, None where the side has none."""
 
     block_size: int
     start: int
@@ -88,6 +95,7 @@ class SideChecksums:
     columns: np.ndarray
     keys: list[ReplicaKey]
     tokens: int = -1
+    strong: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.tokens < 0:
@@ -100,8 +108,18 @@ class SideChecksums:
         keys = [(int(r), int(i)) for r, i in group.replica_keys]
         columns = np.asarray(group.values, dtype=np.uint64).reshape(group.count, len(keys))
         held = num_tokens if tokens is None else tokens
+        strong = None
+        if group.strong is not None:
+            strong = np.asarray(group.strong, dtype=np.uint64).reshape(group.count, len(keys))
         return cls(
-            group.block_size, group.start, num_tokens, group.fingerprint, columns, keys, held
+            group.block_size,
+            group.start,
+            num_tokens,
+            group.fingerprint,
+            columns,
+            keys,
+            held,
+            strong,
         )
 
     def covers(self, lo: int, hi: int) -> bool:
@@ -118,45 +136,83 @@ class SideChecksums:
         return {key: k for k, key in enumerate(self.keys)}
 
 
-def coarsen(side: SideChecksums, coarse: int) -> tuple[np.ndarray, np.ndarray]:
-    """The coarse positions the side can form and their columns summed mod 2**64.
+def coarsen(
+    side: SideChecksums, coarse: int, *, strong: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """The coarse positions the side can form and their columns summed mod 2**64 (with
+    ``strong``, the strong lane's columns summed mod 2**64 - 59).
 
     A coarse block is formed when each of its fine positions is held or has no valid token
     (a position past ``num_tokens`` contributes nothing, whether held or not).
     """
     ratio = coarse // side.block_size
-    count, width = side.columns.shape
+    columns = side.columns
+    if strong:
+        assert side.strong is not None
+        columns = side.strong
+    count, width = columns.shape
     if count == 0:
         return np.zeros(0, dtype=np.int64), np.zeros((0, width), dtype=np.uint64)
     if ratio == 1:
-        return np.arange(side.start, side.start + count, dtype=np.int64), side.columns
+        return np.arange(side.start, side.start + count, dtype=np.int64), columns
     # Memory in the rows held, not in the ratio: the held rows are consecutive, so each
     # coarse block's rows are one slice and its valid fine positions one range.
     end = side.start + count
     positions = np.arange(side.start // ratio, (end - 1) // ratio + 1, dtype=np.int64)
     lo = positions * ratio
     edges = np.maximum(lo - side.start, 0)
-    # uint64 addition wraps modulo 2**64, as block-size additivity requires.
-    sums = np.add.reduceat(side.columns, edges, axis=0, dtype=np.uint64)
+    if strong:
+        # Python integers: a sum of residues mod 2**64 - 59 must not wrap at 2**64.
+        exact = np.add.reduceat(columns.astype(object), edges, axis=0)
+        sums = (exact % STRONG_PRIME).astype(np.uint64)
+    else:
+        # uint64 addition wraps modulo 2**64, as block-size additivity requires.
+        sums = np.add.reduceat(columns, edges, axis=0, dtype=np.uint64)
     with_tokens = -(-side.num_tokens // side.block_size)
     hi = np.minimum(lo + ratio, with_tokens)
     formed = (hi <= lo) | ((side.start <= lo) & (end >= hi))
     return positions[formed], sums[formed]
 
 
-def _replica_differences(side: SideChecksums, coarse: int) -> set[tuple[int, int, int]]:
+def _replica_differences(
+    side: SideChecksums, coarse: int, strong: bool
+) -> set[tuple[int, int, int]]:
     """``(coarse position, R, r)`` wherever a column ``(R, r)``, ``r > 0``, differs from
-    ``(R, 0)`` (from 0 where the side has no such column), checked at the side's own
-    block size."""
+    ``(R, 0)`` (from 0 where the side has no such column) in the seed lane or, with
+    ``strong``, the strong lane, checked at the side's own block size."""
     found: set[tuple[int, int, int]] = set()
+    lanes = [side.columns] if not strong or side.strong is None else [side.columns, side.strong]
     for k, (replicas, index) in enumerate(side.keys):
         if index == 0:
             continue
         base = side.column_of.get((replicas, 0))
-        reference = side.columns[:, base] if base is not None else np.uint64(0)
-        for row in np.flatnonzero(side.columns[:, k] != reference).tolist():
-            found.add(((side.start + row) * side.block_size // coarse, replicas, index))
+        for lane in lanes:
+            reference = lane[:, base] if base is not None else np.uint64(0)
+            for row in np.flatnonzero(lane[:, k] != reference).tolist():
+                found.add(((side.start + row) * side.block_size // coarse, replicas, index))
     return found
+
+
+def seed_only_reason(
+    producer: SideChecksums, consumer: SideChecksums, seed_lane_only: bool
+) -> str | None:
+    """Why the two sides are compared by the seed lane alone, or None (both lanes)."""
+    if seed_lane_only:
+        return SEED_LANE_ASKED
+    lacking = [
+        label
+        for label, side in (("producer", producer), ("consumer", consumer))
+        if side.strong is None
+    ]
+    if len(lacking) == 2:
+        return "neither side carries the strong lane"
+    if lacking:
+        return f"the {lacking[0]} carries no strong lane"
+    return None
+
+
+SEED_LANE_ASKED = "--seed-lane-only was given"
+"""Why a comparison asked for the seed lane alone is made by it."""
 
 
 def _positions_text(positions: list[int]) -> str:
@@ -170,14 +226,19 @@ def _positions_text(positions: list[int]) -> str:
 
 
 def _incomparable(
-    producer: SideChecksums, consumer: SideChecksums, numbering: Positions
+    producer: SideChecksums,
+    consumer: SideChecksums,
+    numbering: Positions,
+    differing: str | None = None,
 ) -> str | None:
     """Why the two sides cannot be compared position by position (their fingerprints or
-    block sizes), or None."""
+    block sizes), or None; ``differing`` names what differs between the sides' layers
+    where their descriptions are known (``dtype bfloat16 vs float8_e4m3fn``)."""
     if producer.fingerprint != consumer.fingerprint:
+        what = differing or "the layers, specs or dtypes differ"
         return (
             f"fingerprints differ (producer {to_hex(producer.fingerprint)}, consumer "
-            f"{to_hex(consumer.fingerprint)}): the layers, specs or dtypes differ"
+            f"{to_hex(consumer.fingerprint)}): {what}"
         )
     fine, coarse = sorted((producer.block_size, consumer.block_size))
     if fine == coarse:
@@ -249,11 +310,16 @@ def compare_sides(
     *,
     per_key: bool,
     window: Window | None = None,
+    differing: str | None = None,
+    seed_lane_only: bool = False,
 ) -> GroupComparison:
     """One group compared by the module's rules, both sides complete and holding it;
-    ``window`` is the group's attention window (None: every position)."""
+    ``window`` is the group's attention window (None: every position), ``differing``
+    what differs between the sides' layers where their fingerprints do (None: not
+    known); ``seed_lane_only`` compares the seed lane alone even where both sides carry
+    the strong lane."""
     coarse = max(producer.block_size, consumer.block_size)
-    reason = _incomparable(producer, consumer, numbering)
+    reason = _incomparable(producer, consumer, numbering, differing)
     if reason is not None:
         return GroupComparison(unverified=reason, block_size=coarse)
 
@@ -272,16 +338,30 @@ def compare_sides(
     totals_differ = replica_zero_totals(left, producer.keys) != replica_zero_totals(
         right, consumer.keys
     )
+    seed_only = seed_only_reason(producer, consumer, seed_lane_only)
+    lanes = [(left, right)]
+    if seed_only is None:
+        # The strong lane at the same coarse positions (the sides' formed positions are
+        # those of the seed lane: both are summed over the same fine rows).
+        strong_left = coarsen(producer, coarse, strong=True)[1][in_producer[usable]]
+        strong_right = coarsen(consumer, coarse, strong=True)[1][in_consumer[usable]]
+        lanes.append((strong_left, strong_right))
+        totals_differ |= strong_replica_zero_totals(
+            strong_left, producer.keys
+        ) != strong_replica_zero_totals(strong_right, consumer.keys)
     mismatched = set(positions[totals_differ].tolist())
-    replicas = _replica_differences(consumer, coarse)
+    replicas = _replica_differences(consumer, coarse, strong=not seed_lane_only)
     if per_key and set(producer.keys) == set(consumer.keys):
         # Same engine layout: every column must match the saved one, not only the totals.
-        for k, key in enumerate(producer.keys):
-            differing = positions[left[:, k] != right[:, consumer.column_of[key]]].tolist()
-            if key[1] == 0:
-                mismatched.update(differing)
-            else:
-                replicas.update((position, *key) for position in differing)
+        for lane_left, lane_right in lanes:
+            for k, key in enumerate(producer.keys):
+                differing = positions[
+                    lane_left[:, k] != lane_right[:, consumer.column_of[key]]
+                ].tolist()
+                if key[1] == 0:
+                    mismatched.update(differing)
+                else:
+                    replicas.update((position, *key) for position in differing)
 
     missing, expected = missing_and_expected(producer, consumer, coarse, window)
     compared = set(positions.tolist())
@@ -313,4 +393,64 @@ def compare_sides(
         block_size=coarse,
         missing_positions=missing,
         held=(len(held_positions(producer, coarse)), len(held_positions(consumer, coarse))),
+        seed_lane_only=seed_only,
     )
+
+
+def layer_differences(
+    producer: GroupChecksums,
+    consumer: GroupChecksums,
+    num_tokens: tuple[int, int],
+    positions: Sequence[int],
+) -> dict[int, list[tuple[int, str]]]:
+    """Per differing position, the ``(layer number, plane)`` whose layer sums differ.
+
+    Both sides' layer sums are summed to the coarser block size as the totals are. A
+    layer whose planes differ between the sides (K and V rows on one, whole cells on the
+    other) is compared whole, as plane ``KV``.
+
+    Args:
+        producer: The producer's checksums of the group, with layer sums.
+        consumer: The consumer's, with layer sums.
+        num_tokens: Each side's token count checksummed (producer, consumer).
+        positions: The differing positions, at the coarser block size.
+
+    Returns:
+        The positions both sides could form, each with the labels that differ (in order);
+        empty where a side has no layer sums.
+
+    """
+    if producer.layer_sums is None or consumer.layer_sums is None or not positions:
+        return {}
+    coarse = max(producer.block_size, consumer.block_size)
+    formed = []
+    for group, tokens in ((producer, num_tokens[0]), (consumer, num_tokens[1])):
+        sums = group.layer_sums
+        assert sums is not None
+        side = SideChecksums(group.block_size, group.start, tokens, 0, sums.values, [])
+        at, rows = coarsen(side, coarse)
+        formed.append((dict(zip(at.tolist(), range(len(at)))), rows, sums.parts))
+    planes: list[dict[int, set[str]]] = [{}, {}]
+    for side_planes, (_, _, parts) in zip(planes, formed):
+        for number, plane in parts:
+            side_planes.setdefault(number, set()).add(plane)
+    labels: list[tuple[int, str]] = []
+    for number in sorted(planes[0].keys() | planes[1].keys()):
+        same = planes[0].get(number) == planes[1].get(number)
+        labels += [(number, p) for p in sorted(planes[0][number])] if same else [(number, "KV")]
+    found: dict[int, list[tuple[int, str]]] = {}
+    for position in positions:
+        rows = [index.get(position) for index, _, _ in formed]
+        if rows[0] is None or rows[1] is None:
+            continue
+        values = []
+        for (_, sums, parts), row in zip(formed, rows):
+            by_label: dict[tuple[int, str], int] = {}
+            for (number, plane), value in zip(parts, sums[row].tolist()):
+                label = (number, plane) if (number, plane) in labels else (number, "KV")
+                by_label[label] = (by_label.get(label, 0) + value) & MASK64
+            values.append(by_label)
+        differing = [label for label in labels if values[0].get(label) != values[1].get(label)]
+        if differing:
+            found[position] = differing
+    return found

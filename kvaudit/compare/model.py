@@ -29,6 +29,25 @@ def matches_text(total: int, shown: int) -> str:
     return f"matches {total} places, first {shown} shown"
 
 
+@dataclass(frozen=True)
+class ElementChange:
+    """The one element of a located entry that differs: its place in the cell and its
+    value on each side, read in its dtype.
+
+    ``part`` is ``K`` or ``V`` where the cell is a K row then a V row (empty otherwise),
+    ``index`` the element's index within that part (within the cell where ``part`` is
+    empty), ``dtype`` the dtype's name; ``before`` is the producer's value (the reference
+    replica's, for a replica), ``after`` the consumer's: floats for a floating dtype,
+    else integers.
+    """
+
+    part: str
+    index: int
+    dtype: str
+    before: float | int
+    after: float | int
+
+
 @dataclass
 class LocatedDifference:
     """One (layer, global head) slice that differs at a compared block position.
@@ -48,6 +67,9 @@ class LocatedDifference:
     ``nonfinite`` counts the consumer elements that are NaN or infinite where the
     producer's are finite; ``holds`` is the other producer slice ``(layer, head)`` whose
     cells at the block's tokens the consumer slice holds byte for byte (None: none does).
+    ``kv_exchanged`` says the consumer's K rows hold the producer's V rows of the same
+    slice and tokens, and its V rows the producer's K rows; ``element`` describes the
+    one element that differs where exactly one does (None otherwise).
     """
 
     position: int
@@ -66,6 +88,26 @@ class LocatedDifference:
     consumer_zeros: bool = False
     nonfinite: int = 0
     holds: tuple[str, int] | None = None
+    kv_exchanged: bool = False
+    element: ElementChange | None = None
+
+
+@dataclass(frozen=True)
+class TokenShift:
+    """Consumer tokens ``first .. last`` of one request that hold the producer's tokens
+    ``first - shift .. last - shift`` of the same request, in every slice that differs
+    there: KV written ``shift`` slots late (negative: early).
+
+    ``slices`` are the ``(layer, head)`` slices compared, ``residue`` the differing
+    tokens of the same positions that the shift does not explain (the slot the shift
+    left behind, typically).
+    """
+
+    first: int
+    last: int
+    shift: int
+    slices: tuple[tuple[str, int], ...] = ()
+    residue: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -130,7 +172,15 @@ class GroupComparison:
     layer names, in order) and ``heads`` (its global KV heads) are filled where a side's
     description is known, for the pictures and the diagnosis (empty and 0 where not).
     ``not_located`` says why a differing group was not located where the sides hold the
-    KV of some requests only (an output folder's dumps), None otherwise.
+    KV of some requests only (an output folder's dumps), None otherwise. ``token_shifts``
+    are the runs of differing tokens that hold the same request's tokens a few slots
+    away (``kvaudit.compare.trace_shifts``).
+    ``layer_differences`` gives, per differing position, the ``(layer number, plane)``
+    whose layer sums differ, where both sides' records hold layer sums (an in-engine
+    audit's output folder): what names the layer and K or V without a dump.
+    ``seed_lane_only`` says why the group was compared by the seed lane alone (a side
+    carries no strong lane, or it was asked), None where both lanes were compared or the
+    group was not compared (docs/checksum.md).
     """
 
     compared: int = 0
@@ -147,6 +197,9 @@ class GroupComparison:
     layers: list[str] = field(default_factory=list)
     heads: int = 0
     not_located: str | None = None
+    token_shifts: list[TokenShift] = field(default_factory=list)
+    layer_differences: dict[int, list[tuple[int, str]]] = field(default_factory=dict)
+    seed_lane_only: str | None = None
 
     @property
     def replicas_differing(self) -> list[ReplicaKey]:
@@ -192,6 +245,9 @@ class DiffReport:
     user should know (swapped roles, a set compared with itself); ``untraced`` says why
     the trace of differing blocks to producer blocks is partial (by request-numbered
     checksums, a block left without a source) or absent, None when it is neither.
+    ``scale_differences`` lists each layer scale that differs between the sides (``scale
+    differs: consumer k_scale 2.0, producer 1.0, LAYER``): a mismatch, whatever the
+    checksums say.
     """
 
     positions: Positions
@@ -203,6 +259,7 @@ class DiffReport:
     allow_empty: bool = False
     warnings: list[str] = field(default_factory=list)
     untraced: str | None = None
+    scale_differences: list[str] = field(default_factory=list)
 
     def group_ok(self, group: GroupComparison) -> bool:
         """Whether a group passes under the report's ``allow_missing``.
@@ -245,9 +302,9 @@ class DiffReport:
 
         Every compared block matched, nothing was left unverified or missing (unless
         allowed), something was compared (unless allowed) and the consumer has every
-        producer request.
+        producer request, and no layer's scale differs.
         """
-        if self.only_in_producer or self.empty_reason is not None:
+        if self.only_in_producer or self.scale_differences or self.empty_reason is not None:
             return False
         return all(self.group_ok(group) for _, _, group in self.groups())
 
@@ -256,3 +313,26 @@ class DiffReport:
         for request_id, groups in self.requests.items():
             for gid in sorted(groups):
                 yield request_id, gid, groups[gid]
+
+
+def seed_lane_notes(report: DiffReport) -> list[str]:
+    """The report's lines saying which compared groups rested on the seed lane alone and
+    why (each reason once): a verdict there misses what only the strong lane sees.
+
+    Args:
+        report: A report whose groups say ``seed_lane_only``.
+
+    Returns:
+        ``compared by the seed lane only: <why>`` per distinct reason, in report order.
+
+    """
+    reasons = dict.fromkeys(
+        group.seed_lane_only
+        for _, _, group in report.groups()
+        if group.seed_lane_only is not None and group.compared
+    )
+    return [f"{SEED_LANE_NOTE}: {reason}" for reason in reasons if reason is not None]
+
+
+SEED_LANE_NOTE = "compared by the seed lane only"
+"""How a report's note on groups compared by the seed lane alone begins."""

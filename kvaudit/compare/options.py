@@ -23,7 +23,9 @@ class CompareOptions:
     ``runtime``: where checksums are computed (None: the best device at hand);
     ``progress``: called with the bytes checksummed since its last call;
     ``allow_missing``: positions the producer holds that the consumer lacks do not fail
-    the report; ``allow_empty``: a report that compared nothing does not fail.
+    the report; ``allow_empty``: a report that compared nothing does not fail;
+    ``seed_lane_only``: compare the seed lane of the checksum alone, not both lanes where
+    both sides carry the strong lane (for records of the seed engine; docs/checksum.md).
     """
 
     request_ids: Sequence[str] | None = None
@@ -31,6 +33,7 @@ class CompareOptions:
     progress: Progress | None = None
     allow_missing: bool = False
     allow_empty: bool = False
+    seed_lane_only: bool = False
 
     def device(self) -> Runtime:
         """The runtime checksums are computed on: the one given, else the best at hand."""

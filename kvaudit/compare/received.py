@@ -70,6 +70,7 @@ def verify_received(
     request_ids: Sequence[str] | None = None,
     consumer_tokens: Mapping[str, int] | None = None,
     windows: Mapping[int, Window] | None = None,
+    seed_lane_only: bool = False,
 ) -> DiffReport:
     """The consumer checked against the producer totals it received.
 
@@ -90,9 +91,12 @@ def verify_received(
         consumer_tokens: Per request, the tokens the consumer holds where that is more
             than its record covers.
         windows: Per windowed group id, its window.
+        seed_lane_only: Compare the seed lane alone, even where the wire (KVC3) and the
+            consumer both carry the strong lane.
 
     Returns:
-        The report, with the received checksums as the producer.
+        The report, with the received checksums as the producer; KVC2 bytes (the seed
+        lane alone) are compared by the seed lane, which its ``warnings`` say.
 
     Raises:
         WireFormatError: Malformed bytes; the message names ``source`` and the request.
@@ -114,6 +118,7 @@ def verify_received(
                 replica_keys=[(1, 0)],
                 values=group.totals.reshape(-1, 1),
                 fingerprint=group.fingerprint,
+                strong=None if group.strong is None else group.strong.reshape(-1, 1),
             )
             for group in wire.groups
         }
@@ -132,6 +137,7 @@ def verify_received(
         producer_absence="the producer sent no checksums for it",
         token_counts=None if consumer_tokens is None else ({}, consumer_tokens),
         windows=windows,
+        seed_lane_only=seed_lane_only,
     )
     # The producer record holds exactly the received requests, so every request on the
     # consumer only is one whose checksums never arrived.
@@ -193,9 +199,11 @@ def verify_wire(
     ids: list[str] | None,
     runtime: Runtime,
     progress: Progress | None,
+    *,
+    seed_lane_only: bool = False,
 ) -> DiffReport:
     """The source checked against the producer checksums its dumps carry (per request, as
-    ``received_wires`` reads them)."""
+    ``received_wires`` reads them); ``seed_lane_only`` as for ``verify_received``."""
     name = ", ".join(source.names)
     numbering = received_numbering(wires, name)
     counts = source.token_counts()
@@ -211,4 +219,5 @@ def verify_wire(
         request_ids=ids,
         consumer_tokens=counts,
         windows=group_windows(source),
+        seed_lane_only=seed_lane_only,
     )

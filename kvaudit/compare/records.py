@@ -13,6 +13,9 @@ Per request present on both sides and per group either side holds:
   block of for a request has every expected position missing.
 - A request only the producer has is a failure (the consumer never got it); a request
   only the consumer has is informational (it may have been computed locally).
+- A layer whose K or V scale (a quantized cache's) differs between the sides' layer
+  facts is a mismatch of the whole report (``scale_differences``), whatever the
+  checksums say: they are over the stored bytes, which equal scales do not change.
 """
 
 from __future__ import annotations
@@ -24,8 +27,16 @@ import numpy as np
 from ..core.errors import KvauditError
 from ..description import LEFT_OUT_BY_DESCRIPTION
 from ..records import GroupChecksums, Record
-from .groups import SideChecksums, Window, compare_sides, held_positions, missing_and_expected
-from .model import DiffReport, GroupComparison
+from ..records.layers import fingerprint_difference, scale_differences
+from .groups import (
+    SideChecksums,
+    Window,
+    compare_sides,
+    held_positions,
+    layer_differences,
+    missing_and_expected,
+)
+from .model import DiffReport, GroupComparison, seed_lane_notes
 
 TokenCounts = Mapping[str, int]
 """Request id to the token count a side holds (where its checksums cover fewer)."""
@@ -161,6 +172,7 @@ def _compare_request(
     tokens: tuple[int, int],
     windows: Mapping[int, Window],
     unchecked: Mapping[int, str],
+    seed_lane_only: bool = False,
 ) -> dict[int, GroupComparison]:
     """Each group of one request present on both sides; ``missing`` says which side's
     workers are missing, if any; ``tokens`` the request's token count on each side;
@@ -180,13 +192,26 @@ def _compare_request(
         )
         whole = missing is None and not partial  # every worker's part is in both sums
         if whole and left is not None and right is not None:
-            result[gid] = compare_sides(
+            compared = compare_sides(
                 SideChecksums.of(left, produced.num_tokens, tokens[0]),
                 SideChecksums.of(right, consumed.num_tokens, tokens[1]),
                 consumer.positions,
                 per_key=per_key,
                 window=windows.get(gid),
+                differing=(
+                    fingerprint_difference(producer, consumer, gid)
+                    if left.fingerprint != right.fingerprint
+                    else None
+                ),
+                seed_lane_only=seed_lane_only,
             )
+            compared.layer_differences = layer_differences(
+                left,
+                right,
+                (produced.num_tokens, consumed.num_tokens),
+                compared.mismatched_positions,
+            )
+            result[gid] = compared
             continue
         consumer_holds_none = (
             right is None
@@ -219,13 +244,16 @@ def compare(
     producer_absence: str | None = None,
     token_counts: tuple[TokenCounts, TokenCounts] | None = None,
     windows: Mapping[int, Window] | None = None,
+    seed_lane_only: bool = False,
 ) -> DiffReport:
     """Two records compared by the module's rules; ``per_key`` compares every column
     where the replica keys agree, and ``producer_absence`` replaces the reason given for
     a group only the consumer holds when the producer's workers give none.
     ``token_counts`` are the token counts each side holds where its record covers fewer
     (default: the records' own), ``windows`` each windowed group's window (an
-    ``AttentionWindow``, or a sliding window's size in tokens)."""
+    ``AttentionWindow``, or a sliding window's size in tokens); ``seed_lane_only``
+    compares the seed lane alone. The report's ``warnings`` say where groups were
+    compared by the seed lane alone, and why."""
     _check_numbering(producer, consumer)
     both, only_producer, only_consumer = _select(producer, consumer, request_ids)
     reasons = [
@@ -247,17 +275,21 @@ def compare(
             tokens=(counts[rid][0] or 0, counts[rid][1] or 0),
             windows=windows or {},
             unchecked=unchecked,
+            seed_lane_only=seed_lane_only,
         )
         for rid in both
     }
     wanted = [*both, *only_producer, *only_consumer]
-    return DiffReport(
+    report = DiffReport(
         consumer.positions,
         requests,
         only_producer,
         only_consumer,
         num_tokens={rid: counts[rid] for rid in wanted},
+        scale_differences=scale_differences(producer, consumer),
     )
+    report.warnings = seed_lane_notes(report)
+    return report
 
 
 def _token_counts(
@@ -284,6 +316,7 @@ def compare_records(
     request_ids: Sequence[str] | None = None,
     token_counts: tuple[TokenCounts, TokenCounts] | None = None,
     windows: Mapping[int, Window] | None = None,
+    seed_lane_only: bool = False,
 ) -> DiffReport:
     """The producer's totals compared with the consumer's totals and replicas.
 
@@ -300,9 +333,13 @@ def compare_records(
         token_counts: Per side (producer, consumer), the tokens it holds per request
             where that is more than its record covers.
         windows: Per windowed group id, its window.
+        seed_lane_only: Compare the seed lane alone (records of the seed engine), not
+            both lanes where both sides carry the strong lane (docs/checksum.md).
 
     Returns:
-        The report: per request and group, what was compared and what differs.
+        The report: per request and group, what was compared and what differs (a
+        position differs when either lane does); its ``warnings`` say where groups
+        were compared by the seed lane alone.
 
     Raises:
         KvauditError: The records number positions differently, or a requested id is on
@@ -310,7 +347,13 @@ def compare_records(
 
     """
     return compare(
-        producer, consumer, request_ids, per_key=False, token_counts=token_counts, windows=windows
+        producer,
+        consumer,
+        request_ids,
+        per_key=False,
+        token_counts=token_counts,
+        windows=windows,
+        seed_lane_only=seed_lane_only,
     )
 
 
@@ -321,6 +364,7 @@ def verify_against_record(
     request_ids: Sequence[str] | None = None,
     token_counts: TokenCounts | None = None,
     windows: Mapping[int, Window] | None = None,
+    seed_lane_only: bool = False,
 ) -> DiffReport:
     """A regression check: ``saved`` plays the producer, ``current`` the consumer.
 
@@ -337,6 +381,7 @@ def verify_against_record(
         token_counts: Per request, the tokens ``current`` holds where that is more than
             its record covers.
         windows: Per windowed group id, its window, as for ``compare_records``.
+        seed_lane_only: Compare the seed lane alone, as for ``compare_records``.
 
     Returns:
         The report, with ``saved`` as the producer.
@@ -347,4 +392,12 @@ def verify_against_record(
 
     """
     counts = None if token_counts is None else ({}, token_counts)
-    return compare(saved, current, request_ids, per_key=True, token_counts=counts, windows=windows)
+    return compare(
+        saved,
+        current,
+        request_ids,
+        per_key=True,
+        token_counts=counts,
+        windows=windows,
+        seed_lane_only=seed_lane_only,
+    )

@@ -22,7 +22,10 @@ from ..description.fingerprint import block_checksum_tags
 from ..dumps import Dump, DumpSet
 from ..records import Record
 from ..sources import Progress, Runtime, resolve_device
-from .model import DiffReport, GroupComparison
+from .model import DiffReport, GroupComparison, seed_lane_notes
+
+STORED_SEED_LANE = "stored checksums carry the seed lane alone"
+"""Why ``verify --stored`` compares by the seed lane: an engine stores one 64-bit word."""
 
 
 def _uint64(values: np.ndarray | Sequence[int], what: str) -> np.ndarray:
@@ -118,8 +121,11 @@ def stored_report(checks: Iterable[StoredCheck], *, positions: Positions) -> Dif
                 mismatched_positions=failed,
                 unverified="; ".join(reasons) if reasons else None,
                 block_size=max(part.block_size for part in parts),
+                seed_lane_only=STORED_SEED_LANE,
             )
-    return DiffReport(positions, requests)
+    report = DiffReport(positions, requests)
+    report.warnings = seed_lane_notes(report)
+    return report
 
 
 NO_STORED = "a dump of the set holds no stored checksums"

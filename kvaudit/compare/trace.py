@@ -40,7 +40,8 @@ at the same position (of another request) can match, and the report says so wher
 block found no source.
 
 The jobs lie in sibling modules, their names imported here: ``trace_blocks`` (units,
-digests, ``ProducerBlocks``), ``trace_runs`` (runs of tokens) and ``trace_checksums``
+digests, ``ProducerBlocks``), ``trace_runs`` (runs of tokens), ``trace_shifts`` (tokens
+a few slots from where they belong) and ``trace_checksums``
 (``trace_by_checksums``); this module decides each position's sources
 (``stale_sources``) and traces a whole report (``trace_report``).
 """
@@ -66,6 +67,7 @@ from .trace_blocks import (
 )
 from .trace_checksums import partial_note, trace_by_checksums
 from .trace_runs import MAX_TOKEN_RUNS, trace_run, trace_token_runs, untraced_runs
+from .trace_shifts import trace_shifts
 
 
 def _held(
@@ -217,6 +219,9 @@ def trace_report(
             budget = trace_token_runs(
                 group, request_id, gid, producer, consumer, blocks.order(), budget
             )
+            count = num_tokens.get(request_id)
+            if count:
+                trace_shifts(group, request_id, gid, producer, consumer, count)
 
 
 __all__ = [
@@ -230,6 +235,7 @@ __all__ = [
     "trace_by_checksums",
     "trace_report",
     "trace_run",
+    "trace_shifts",
     "trace_units",
     "unit_digests",
     "unit_layers",

@@ -86,7 +86,7 @@ def verify_sources(
     if sum(chosen) != 1:
         raise KvauditError("verify needs exactly one of --against RECORD, --received, --stored")
     ids = unique_ids(options.request_ids)
-    report = _verify_one_way(source, against, received, ids, options.device(), options.progress)
+    report = _verify_one_way(source, against, received, ids, options)
     options.judge(report)
     read = [*(against.warnings if against is not None else []), *source.warnings]
     report.warnings = [*read, *report.warnings]
@@ -100,12 +100,12 @@ def _verify_one_way(
     against: Source | None,
     received: bool,
     ids: list[str] | None,
-    runtime: Runtime,
-    progress: Progress | None,
+    options: CompareOptions,
 ) -> DiffReport:
     """``verify_sources`` without its policy: the report of the chosen way."""
+    runtime, progress = options.device(), options.progress
     if against is not None:
-        return _verify_against(source, against, ids, runtime, progress)
+        return _verify_against(source, against, ids, runtime, progress, options.seed_lane_only)
     if ids is not None:
         source.check_request_ids(ids)
     dump_set = source.carried_checksums()
@@ -115,7 +115,10 @@ def _verify_one_way(
             f"{what} reads what dumps carry; {', '.join(source.names)} is a {source.kind}"
         )
     if received:
-        return verify_wire(source, received_wires(dump_set, ids), ids, runtime, progress)
+        wires = received_wires(dump_set, ids)
+        return verify_wire(
+            source, wires, ids, runtime, progress, seed_lane_only=options.seed_lane_only
+        )
     return verify_stored(dump_set, request_ids=ids, runtime=runtime, progress=progress)
 
 
@@ -125,7 +128,9 @@ def _verify_against(
     ids: list[str] | None,
     runtime: Runtime,
     progress: Progress | None,
+    seed_lane_only: bool,
 ) -> DiffReport:
+    """``verify --against``: the source's checksums against the saved record's."""
     if ids is not None:
         check_wanted(saved, source, ids, ("the saved record", "the source"))
     counts = source.token_counts()
@@ -135,7 +140,12 @@ def _verify_against(
     saved_record = checksum_held(saved, ids, positions, runtime, progress)
     current_record = checksum_held(current, ids, positions, runtime, progress)
     report = verify_against_record(
-        current_record, saved_record, request_ids=ids, token_counts=counts, windows=windows
+        current_record,
+        saved_record,
+        request_ids=ids,
+        token_counts=counts,
+        windows=windows,
+        seed_lane_only=seed_lane_only,
     )
     if trace_by_checksums(report, saved_record, current_record):
         report.untraced = partial_note("verify --against compares checksums only")

@@ -6,9 +6,10 @@ Modules: ``model`` (``Finding``, the fault kinds), ``findings`` (``diagnose``: a
 diff's), ``numeric`` (``diagnose_numeric``: a comparison by value's).
 """
 
-from .findings import diagnose, diagnose_group, layer_text
+from .findings import diagnose, diagnose_group
 from .model import FAULT_KINDS, KIND_TITLES, FaultKind, Finding
 from .numeric import diagnose_numeric, diagnose_numeric_group
+from .words import layer_text
 
 __all__ = [
     "FAULT_KINDS",

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from ..core.ranges import ranges
 from ..numeric.model import GroupNumeric, NumericReport, SliceErrors
-from .findings import heads_text, layer_text
 from .model import Finding
+from .words import heads_text, layer_text
 
 BROAD_SHARE = 0.5
-"""Over the tolerance in at least this share of a group's slices reads as a gap
-everywhere rather than a fault in a place."""
+"""Over the tolerance in at least this share of a group's slices, and of its tokens,
+reads as a gap everywhere rather than a fault in a place."""
 
 
 def diagnose_numeric(report: NumericReport) -> dict[tuple[str, int], list[Finding]]:
@@ -59,6 +61,21 @@ def _times(item: SliceErrors) -> str:
     return f", {ratio:.3g}x the tolerance"
 
 
+def _spread(group: GroupNumeric, over: list[SliceErrors]) -> bool:
+    """Whether the gap over the tolerance covers most of the request's tokens: most token
+    bins compared hold a token over it (without the per-bin ratios: most elements of the
+    slices over it are), not a fault of a few tokens that reaches many slices."""
+    ratios = group.layer_token_ratios
+    if ratios is not None and ratios.size:
+        with np.errstate(invalid="ignore"):
+            compared = ~np.isnan(ratios).all(axis=0)
+            hit = (np.nan_to_num(ratios, nan=0.0) > 1).any(axis=0)
+        bins = int(compared.sum())
+        return bins > 0 and int((hit & compared).sum()) >= BROAD_SHARE * bins
+    elements = sum(item.elements for item in over)
+    return elements > 0 and sum(item.over_tolerance for item in over) >= BROAD_SHARE * elements
+
+
 def diagnose_numeric_group(group: GroupNumeric) -> list[Finding]:
     """The findings of one group compared by value (none where it passes).
 
@@ -95,7 +112,7 @@ def diagnose_numeric_group(group: GroupNumeric) -> list[Finding]:
             f"{len(over)} of {len(group.slices)} slices ({where}), {elements} {noun}{at}; "
             f"the largest, {_place(worst)}: error {worst.max_abs_error:.3g}{_times(worst)}"
         )
-        if share >= BROAD_SHARE and len(over) > 1:
+        if share >= BROAD_SHARE and len(over) > 1 and _spread(group, over):
             text += ": a gap everywhere, wider than the tolerance (another dtype or kernel?)"
         findings.append(_finding("over_tolerance", text, over))
     return findings

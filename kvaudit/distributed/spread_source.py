@@ -229,7 +229,12 @@ def _worker_record(item: Held, data: Mapping[str, Any]) -> WorkerRecord:
     record = Record.from_json(data, item.name)
     summary = record.workers[0]
     return WorkerRecord(
-        item.worker, record.positions, summary.fingerprints, summary.not_covered, record.requests
+        item.worker,
+        record.positions,
+        summary.fingerprints,
+        summary.not_covered,
+        record.requests,
+        summary.layers,
     )
 
 

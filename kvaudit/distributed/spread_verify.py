@@ -72,7 +72,10 @@ def verify_spread(
     if stored:
         report = spread_stored(source, ids, runtime, progress)
     else:
-        report = verify_wire(source, received_wires(source, ids), ids, runtime, progress)
+        wires = received_wires(source, ids)
+        report = verify_wire(
+            source, wires, ids, runtime, progress, seed_lane_only=options.seed_lane_only
+        )
         report.untraced = "no trace possible: the producer sent only its checksums"
     options.judge(report)
     return report

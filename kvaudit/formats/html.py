@@ -288,6 +288,7 @@ def _numeric_checks(report: NumericReport) -> list[str]:
             f"<p class=failed>Consumer copies differ from the copy compared:</p><ul>{items}</ul>"
         )
     lines.extend(f"<p class=failed>{_text(text)}</p>" for text in report.incomplete)
+    lines.extend(f"<p class=failed>{_text(text)}</p>" for text in report.scale_differences)
     if report.empty_reason:
         lines.append(f"<p class=failed>Nothing was compared: {_text(report.empty_reason)}</p>")
     return lines
@@ -386,6 +387,7 @@ def _diff_groups(report: DiffReport) -> str:
     if report.only_in_producer:
         ids = ", ".join(report.only_in_producer)
         lines.append(f"<p class=failed>Requests only on the producer: {_text(ids)}</p>")
+    lines.extend(f"<p class=failed>{_text(text)}</p>" for text in report.scale_differences)
     if report.empty_reason is not None:
         lines.append(f"<p class=failed>Nothing was verified: {_text(report.empty_reason)}</p>")
     return "".join(lines)

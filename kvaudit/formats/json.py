@@ -8,10 +8,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..core.scheme import to_hex
 from ..records import RECORD_FORMAT, GroupChecksums, Record, WorkerSummary
+from ..records.layers import facts_to_json
 
 # The results are only read here: writing a record imports no comparison.
 if TYPE_CHECKING:
@@ -107,7 +109,7 @@ def record_to_json(record: Record) -> dict[str, Any]:
 def _worker_to_json(summary: WorkerSummary) -> dict[str, Any]:
     """A worker's entry of a record's JSON ``workers``."""
     worker = summary.worker
-    return {
+    data: dict[str, Any] = {
         "source": worker.source,
         "tp_rank": worker.tp_rank,
         "tp_size": worker.tp_size,
@@ -117,11 +119,15 @@ def _worker_to_json(summary: WorkerSummary) -> dict[str, Any]:
         "fingerprints": {str(gid): to_hex(fp) for gid, fp in sorted(summary.fingerprints.items())},
         "not_covered": {str(gid): reason for gid, reason in sorted(summary.not_covered.items())},
     }
+    if summary.layers:  # where the worker's description is known
+        data["layers"] = facts_to_json(summary.layers)
+    return data
 
 
 def _group_to_json(group: GroupChecksums) -> dict[str, Any]:
-    """A group's entry of a record's JSON: its values and totals as hex, and why they are
-    partial sums where they are."""
+    """A group's entry of a record's JSON: its values and totals as hex, the strong lane's
+    (``strong``, ``strong_totals``) where the record carries it, and why they are partial
+    sums where they are."""
     entry = {
         "block_size": int(group.block_size),
         "start": int(group.start),
@@ -130,6 +136,10 @@ def _group_to_json(group: GroupChecksums) -> dict[str, Any]:
         "values": [[to_hex(value) for value in row] for row in group.values.tolist()],
         "totals": [to_hex(value) for value in group.totals().tolist()],
     }
+    strong_totals = group.strong_totals()
+    if group.strong is not None and strong_totals is not None:
+        entry["strong"] = [[to_hex(value) for value in row] for row in group.strong.tolist()]
+        entry["strong_totals"] = [to_hex(value) for value in strong_totals.tolist()]
     if group.partial is not None:
         entry["partial"] = group.partial
     return entry
@@ -157,6 +167,14 @@ def located_items(item: LocatedDifference) -> list[tuple[str, object]]:
             if value is None:
                 continue
             value = {"layer": value[0], "head": int(value[1])}
+        if entry.name in ("kv_exchanged", "element") and not value:
+            continue  # said only where found: the entry reads as before elsewhere
+        if entry.name == "element":
+            # Strict JSON holds no NaN or infinity: such a value is written as its name.
+            value = {
+                key: str(x) if isinstance(x, float) and not math.isfinite(x) else x
+                for key, x in dataclasses.asdict(value).items()
+            }
         items.append((entry.name, value))
     return items
 
@@ -211,10 +229,24 @@ def group_to_json(group: GroupComparison) -> dict[str, Any]:
         },
         "token_runs": [_token_run_to_json(run) for run in group.token_runs],
     }
+    if group.token_shifts:  # only where found: a report reads as before elsewhere
+        data["token_shifts"] = [
+            {
+                "first": int(shift.first),
+                "last": int(shift.last),
+                "shift": int(shift.shift),
+                "slices": [[layer, int(head)] for layer, head in shift.slices],
+                "residue": [int(t) for t in shift.residue],
+            }
+            for shift in group.token_shifts
+        ]
     if group.stale_matches:  # only where a list was cut short: the sources' count
         data["stale_matches"] = {
             str(position): int(count) for position, count in sorted(group.stale_matches.items())
         }
+    if group.compared and group.seed_lane_only is not None:
+        # Only where the verdict rests on the seed lane alone: why (docs/checksum.md).
+        data["seed_lane_only"] = group.seed_lane_only
     return data
 
 
@@ -268,7 +300,7 @@ def diff_to_json(report: DiffReport) -> dict[str, Any]:
     """
     from ..diagnosis import diagnose
 
-    return {
+    data: dict[str, Any] = {
         "format": DIFF_FORMAT,
         "ok": report.ok,
         "diagnosis": [
@@ -286,6 +318,9 @@ def diff_to_json(report: DiffReport) -> dict[str, Any]:
         "only_in_consumer": list(report.only_in_consumer),
         "untraced": report.untraced,
     }
+    if report.scale_differences:  # only where a layer's scale differs (a quantized cache)
+        data["scales_differ"] = list(report.scale_differences)
+    return data
 
 
 def diff_json_text(report: DiffReport) -> str:
@@ -341,6 +376,7 @@ def inventory_to_json(inventory: Inventory) -> dict[str, Any]:
                         "fingerprint": to_hex(group.fingerprint),
                         "covered": group.covered,
                         "reason": group.reason,
+                        **_scales_json(group.scales),
                     }
                     for group in item.groups
                 },
@@ -399,3 +435,13 @@ def planted_to_json(fault: PlantedFault) -> dict[str, Any]:
     if fault.origin is not None:
         data["from"] = dataclasses.asdict(fault.origin)
     return data
+
+
+def _scales_json(
+    scales: Sequence[tuple[str, float | None, float | None]],
+) -> dict[str, dict[str, dict[str, float | None]]]:
+    """An inventory group's ``scales`` entry, only where a layer has one (a quantized
+    cache): each such layer's K and V scales."""
+    if not scales:
+        return {}
+    return {"scales": {name: {"k_scale": k, "v_scale": v} for name, k, v in scales}}

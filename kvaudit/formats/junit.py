@@ -8,7 +8,8 @@ missing positions). A request the consumer lacks is a failed case named ``reques
 only the consumer has is a skipped case. A report in which nothing was verified, and no
 case says so already (a request with no group to compare, no request in common, or
 nothing compared where missing positions are allowed), has an errored case ``kvaudit`` /
-``nothing compared``.
+``nothing compared``. A case compared by the seed lane of the checksum alone says so, and
+why, in its ``<system-out>``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ import re
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 
-from ..compare.model import DiffReport, GroupComparison, StaleSource, matches_text
+from ..compare.model import (
+    SEED_LANE_NOTE,
+    DiffReport,
+    GroupComparison,
+    StaleSource,
+    matches_text,
+)
 from ..diagnosis import Finding, diagnose
 from .json import located_items
 
@@ -147,6 +154,18 @@ def diff_junit(report: DiffReport, suite_name: str = "kvaudit.diff", name: str =
             failure = ET.SubElement(case, "failure", {"message": xml_text(message), "type": kind})
             body = "\n".join([*(finding.line for finding in found), _located_text(group)])
             failure.text = xml_text(body.strip("\n")) or None
+        if group.compared and group.seed_lane_only is not None:
+            out = ET.SubElement(case, "system-out")
+            out.text = xml_text(f"{SEED_LANE_NOTE}: {group.seed_lane_only}")
+    if report.scale_differences:
+        # Layer scales are the engine's, not a request's: one case for them all.
+        case = _case(suite, prefix, "", "scales")
+        case.set("classname", prefix)
+        tests += 1
+        failures += 1
+        message = "; ".join(report.scale_differences)
+        failure = ET.SubElement(case, "failure", {"message": xml_text(message), "type": "scale"})
+        failure.text = xml_text("\n".join(report.scale_differences))
     for request_id in report.only_in_producer:
         case = _case(suite, prefix, request_id, "request")
         tests += 1

@@ -74,7 +74,7 @@ def numeric_to_json(
         Plain data for ``json_text`` (an infinite error as ``"inf"``, NaN as None).
 
     """
-    return {
+    data: dict[str, Any] = {
         "format": NUMERIC_FORMAT,
         "version": NUMERIC_VERSION,
         "producer": producer,
@@ -118,3 +118,6 @@ def numeric_to_json(
         "empty": report.empty_reason,
         "warnings": list(report.warnings),
     }
+    if report.scale_differences:  # only where a layer's scale differs, as diff's JSON
+        data["scales_differ"] = list(report.scale_differences)
+    return data

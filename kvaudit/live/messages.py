@@ -14,7 +14,7 @@ import numpy as np
 
 from ..core.scheme import to_hex
 from ..core.validation import worker_layout
-from ..records import RECORD_FORMAT, RequestChecksums, WorkerRecord
+from ..records import RECORD_FORMAT, GroupChecksums, RequestChecksums, WorkerRecord
 from ..views import GroupViews, LayerTensor
 from ..views.inputs import RequestBlocks
 
@@ -151,15 +151,22 @@ def request_checksums_to_json(request: RequestChecksums) -> dict[str, Any]:
     """One request of a worker record: its token count and each group's checksums."""
     return {
         "num_tokens": int(request.num_tokens),
-        "groups": {
-            str(gid): {
-                "block_size": int(group.block_size),
-                "start": int(group.start),
-                "fingerprint": to_hex(group.fingerprint),
-                "replica_keys": [[int(n), int(i)] for n, i in group.replica_keys],
-                "values": hex_rows(group.values),
-                "totals": [row[0] for row in hex_rows(group.totals()[:, None])],
-            }
-            for gid, group in sorted(request.groups.items())
-        },
+        "groups": {str(gid): _group_json(group) for gid, group in sorted(request.groups.items())},
     }
+
+
+def _group_json(group: GroupChecksums) -> dict[str, Any]:
+    """One group of a worker record's request, the strong lane where it carries it."""
+    entry: dict[str, Any] = {
+        "block_size": int(group.block_size),
+        "start": int(group.start),
+        "fingerprint": to_hex(group.fingerprint),
+        "replica_keys": [[int(n), int(i)] for n, i in group.replica_keys],
+        "values": hex_rows(group.values),
+        "totals": [row[0] for row in hex_rows(group.totals()[:, None])],
+    }
+    strong_totals = group.strong_totals()
+    if group.strong is not None and strong_totals is not None:
+        entry["strong"] = hex_rows(group.strong)
+        entry["strong_totals"] = [row[0] for row in hex_rows(strong_totals[:, None])]
+    return entry

@@ -312,6 +312,8 @@ class _Slices:
         skeleton = summer.checksum({rid: RequestBlocks(self._request.num_tokens, empty)}, positions)
         self._result: RequestChecksums = skeleton.requests[rid]
         self._values: dict[int, list[np.ndarray]] = {gid: [] for gid in self._result.groups}
+        # Each slice's strong lane (None: a slice without it, so the group has none).
+        self._strong: dict[int, list[np.ndarray | None]] = {gid: [] for gid in self._result.groups}
         for gid, (_, ids) in self._request.groups.items():
             if len(set(ids)) != len(ids):
                 raise KvauditError(f"request {rid} group {gid}: a block is listed at two positions")
@@ -342,7 +344,9 @@ class _Slices:
             )
         blocks = {self.rid: RequestBlocks(self._request.num_tokens, {gid: (start + offset, piece)})}
         record = self._summer.checksum(blocks, self._positions)  # type: ignore[arg-type]
-        self._values[gid].append(record.requests[self.rid].groups[gid].values)
+        computed = record.requests[self.rid].groups[gid]
+        self._values[gid].append(computed.values)
+        self._strong[gid].append(computed.strong)
         if offset + count < len(ids):
             self._offsets.appendleft((gid, offset + count))
         return count
@@ -353,8 +357,20 @@ class _Slices:
         for gid, group in self._result.groups.items():
             parts = self._values[gid]
             values = np.concatenate(parts) if parts else group.values
+            lanes = self._strong[gid]
+            if not lanes:
+                strong = group.strong
+            elif any(lane is None for lane in lanes):
+                strong = None
+            else:
+                strong = np.concatenate(lanes)  # type: ignore[arg-type]
             groups[gid] = GroupChecksums(
-                group.block_size, group.start, group.replica_keys, values, group.fingerprint
+                group.block_size,
+                group.start,
+                group.replica_keys,
+                values,
+                group.fingerprint,
+                strong=strong,
             )
         return RequestChecksums(self._result.num_tokens, groups)
 

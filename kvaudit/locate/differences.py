@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..compare.model import LocatedDifference
+from ..compare.model import ElementChange, LocatedDifference
 from ..core.dtypes import DType, dtype_name, dtype_size
 from ..core.elements import decode
 from ..core.errors import KvauditError
@@ -152,6 +152,9 @@ def _located_entry(
     max_abs, max_rel, nonfinite = _differing_elements(a[rows], b[rows], reference.segments)
     largest = largest_value(a, reference.segments)
     flipped = np.bitwise_xor(a[rows], b[rows])
+    element = None
+    if len(rows) == 1:
+        element = _one_element(a[rows[0]], b[rows[0]], reference.segments, reference.parts)
     return LocatedDifference(
         position=position,
         layer=name,
@@ -168,7 +171,50 @@ def _located_entry(
         differing_bits=int(_BITS[flipped].sum()),
         consumer_zeros=not b[rows].any(),
         nonfinite=nonfinite,
+        kv_exchanged=_kv_exchanged(a[rows], b[rows], reference.parts),
+        element=element,
     )
+
+
+def _kv_exchanged(a: np.ndarray, b: np.ndarray, parts: tuple[int, ...]) -> bool:
+    """Whether cells ``b`` (a K row then a V row each, of equal sizes: ``parts``) hold
+    cells ``a`` with their K and V rows exchanged."""
+    if len(parts) != 2 or parts[1] * 2 != a.shape[1]:
+        return False
+    half = parts[1]
+    return bool(
+        np.array_equal(b[:, :half], a[:, half:]) and np.array_equal(b[:, half:], a[:, :half])
+    )
+
+
+def _one_element(
+    a: np.ndarray, b: np.ndarray, segments: Sequence[CellSegment], parts: tuple[int, ...]
+) -> ElementChange | None:
+    """The one element in which cell ``b`` differs from cell ``a`` (both uint8 ``[cell
+    bytes]``), or None where more than one does; its index counted within its K or V
+    row where the cell has two parts, else within its segment."""
+    found: tuple[int, int, CellSegment, float | int, float | int] | None = None
+    for segment in segments:
+        size = dtype_size(segment.dtype)
+        x = a[segment.start : segment.end].reshape(-1, size)
+        y = b[segment.start : segment.end].reshape(-1, size)
+        differ = np.flatnonzero((x != y).any(axis=1))
+        if not len(differ):
+            continue
+        if len(differ) > 1 or found is not None:
+            return None
+        k = int(differ[0])
+        values = [_elements(side[k : k + 1], segment.dtype)[0] for side in (x, y)]
+        floating = segment.dtype.is_floating_point
+        before, after = (float(v) if floating else int(v) for v in values)
+        found = (segment.start + k * size, size, segment, before, after)
+    if found is None:
+        return None
+    byte, size, segment, before, after = found
+    part, start = "", segment.start
+    if len(parts) == 2:
+        part, start = ("K", parts[0]) if byte < parts[1] else ("V", parts[1])
+    return ElementChange(part, (byte - start) // size, dtype_name(segment.dtype), before, after)
 
 
 def _content(item: SliceCells) -> bytes:

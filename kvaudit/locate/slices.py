@@ -10,17 +10,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.dtypes import dtype_size
 from ..description import LayerSpec
 from ..sources.raw import RawWorker
-from ..views import GroupViews
-from .cells import CellSegment, cell_segments, layer_specs, read_block
+from ..views import GroupViews, LayerView
+from .cells import CellSegment, cell_bytes, cell_segments, layer_specs, read_block
 
 
 @dataclass(frozen=True)
 class SliceCells:
     """One (layer, global head, replica) of one side: its cells ``[tokens, cell bytes]`` at
     some request positions ``tokens`` (sorted, each once), with the layer number and how
-    a cell reads as values."""
+    a cell reads as values; ``parts`` are the first bytes of the K and V rows of an
+    attention cell (``(0, K bytes)``), else empty."""
 
     number: int
     segments: tuple[CellSegment, ...]
@@ -28,6 +30,7 @@ class SliceCells:
     cells: np.ndarray
     worker: tuple[int, int] = (0, 0)
     file: str = ""
+    parts: tuple[int, ...] = ()
 
 
 SliceId = tuple[str, int, int]
@@ -65,7 +68,7 @@ class SliceReader:
     ) -> dict[SliceId, SliceCells]:
         """The cells of request positions ``lo .. hi - 1`` (a state block: its first
         position) from every worker that holds them; only ``layers`` where given."""
-        kinds: dict[SliceId, tuple[int, tuple[CellSegment, ...], RawWorker]] = {}
+        kinds: dict[SliceId, tuple[int, tuple[CellSegment, ...], RawWorker, tuple[int, ...]]] = {}
         tokens: dict[SliceId, list[np.ndarray]] = defaultdict(list)
         cells: dict[SliceId, list[np.ndarray]] = defaultdict(list)
         for dump, views, specs in self.workers:
@@ -89,16 +92,28 @@ class SliceReader:
                     for h in range(view.heads):
                         key = (view.name, view.first_head + h, view.replica_key[1])
                         if key not in kinds:
-                            kinds[key] = (view.number, cell_segments(spec, view), dump)
+                            segments = cell_segments(spec, view)
+                            kinds[key] = (view.number, segments, dump, _parts(spec, view))
                         tokens[key].append(first + used)
                         cells[key].append(block[h])
         result = {}
-        for key, (number, segments, dump) in kinds.items():
+        for key, (number, segments, dump, parts) in kinds.items():
             held, index = np.unique(np.concatenate(tokens[key]), return_index=True)
             worker = (dump.worker.tp_rank, dump.worker.pp_rank)
             cells_held = np.concatenate(cells[key])[index]
-            result[key] = SliceCells(number, segments, held, cells_held, worker, dump.name)
+            result[key] = SliceCells(number, segments, held, cells_held, worker, dump.name, parts)
         return result
+
+
+def _parts(spec: LayerSpec, view: LayerView) -> tuple[int, ...]:
+    """Where a cell's V row starts, as ``(0, K bytes)``, for an attention cell of a K row
+    then a V row (stored apart or together); empty for any other cell."""
+    if spec.is_state or not spec.head_size_v:
+        return ()
+    size = dtype_size(view.dtype)
+    if (spec.head_size + spec.head_size_v) * size != cell_bytes(view):
+        return ()
+    return (0, spec.head_size * size)
 
 
 def _positions(lo: int, hi: int, block_size: int, is_state: bool) -> range:

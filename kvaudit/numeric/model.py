@@ -110,7 +110,8 @@ class NumericReport:
 
     It holds the tolerances, each request's groups, the requests one side lacks and what
     could not be compared (``(request, group, why)``). What a diff must never pass is
-    checked as the bitwise diff checks it: ``missing`` holds ``(request, group or None,
+    checked as the bitwise diff checks it (``scale_differences``: each layer scale that
+    differs between the sides, as ``diff`` names it); ``missing`` holds ``(request, group or None,
     what)`` the producer holds that the consumer lacks (its tokens, or block positions,
     accepted with ``allow_missing``);
     ``copies_differing`` each ``(request, group, [(position, R, r)])`` where the
@@ -131,6 +132,7 @@ class NumericReport:
     )
     incomplete: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    scale_differences: list[str] = field(default_factory=list)
     allow_missing: bool = False
     allow_empty: bool = False
 
@@ -165,7 +167,7 @@ class NumericReport:
 
         No element is over the tolerance, nothing is on one side only, nothing is
         uncompared or missing (unless allowed), no consumer copy differs, both sets are
-        complete and something was compared (unless allowed).
+        complete, no layer's scale differs and something was compared (unless allowed).
         """
         return not (
             self.failed_slices
@@ -175,5 +177,6 @@ class NumericReport:
             or (self.missing and not self.allow_missing)
             or self.copies_differing
             or self.incomplete
+            or self.scale_differences
             or self.empty_reason
         )

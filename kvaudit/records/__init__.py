@@ -5,30 +5,42 @@ engine (a dump set) and is what ``kvaudit checksum --format json`` writes (docs/
 ``kvaudit.formats`` writes it, ``Record.from_json`` reads it back).
 
 Modules, each using only those above it: ``model`` (the per-request and per-worker
-dataclasses), ``reading`` (the checks of a record's JSON entries), ``record`` (``Record``),
+dataclasses), ``layers`` (a description's layer facts, and what two records' facts
+say differs), ``reading`` (the checks of a record's JSON entries), ``record`` (``Record``),
 ``combining`` (``combine_workers``).
 """
 
-from .combining import combine_workers
+from .combining import combine_workers, layer_sums_sum
 from .model import (
+    PLANES,
     RECORD_FORMAT,
     GroupChecksums,
+    LayerFacts,
+    LayerPart,
+    LayerSums,
     RequestChecksums,
     WorkerInfo,
     WorkerRecord,
     WorkerSummary,
     replica_zero_totals,
+    strong_replica_zero_totals,
 )
 from .record import Record
 
 __all__ = [
+    "PLANES",
     "RECORD_FORMAT",
     "GroupChecksums",
+    "LayerFacts",
+    "LayerPart",
+    "LayerSums",
     "Record",
     "RequestChecksums",
     "WorkerInfo",
     "WorkerRecord",
     "WorkerSummary",
     "combine_workers",
+    "layer_sums_sum",
     "replica_zero_totals",
+    "strong_replica_zero_totals",
 ]

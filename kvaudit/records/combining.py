@@ -12,7 +12,7 @@ import numpy as np
 from ..core.errors import KvauditError
 from ..core.scheme import MASK64, strong_add
 from ..core.validation import POSITION_NUMBERINGS, describe_worker, worker_layout
-from .model import GroupChecksums, RequestChecksums, WorkerRecord, WorkerSummary
+from .model import GroupChecksums, LayerSums, RequestChecksums, WorkerRecord, WorkerSummary
 from .record import Record
 
 
@@ -75,7 +75,9 @@ def combine_workers(records: Sequence[WorkerRecord]) -> Record:
             group.partial = _partial(request_id, gid, records, contributing)
 
     workers = [
-        WorkerSummary(record.worker, dict(record.fingerprints), dict(record.not_covered))
+        WorkerSummary(
+            record.worker, dict(record.fingerprints), dict(record.not_covered), dict(record.layers)
+        )
         for record in records
     ]
     return Record(first.positions, workers, not missing, requests, missing)
@@ -152,7 +154,37 @@ def _combine_group(
         values=values,
         fingerprint=fingerprint & MASK64,
         strong=strong,
+        layer_sums=layer_sums_sum([group for _, group in parts], start, end),
     )
+
+
+def layer_sums_sum(groups: Sequence[GroupChecksums], start: int, end: int) -> LayerSums | None:
+    """The layer sums of some workers' parts of one group, summed per label mod 2**64.
+
+    Args:
+        groups: Each worker's checksums of the group.
+        start: The first position of the sum.
+        end: One past its last position.
+
+    Returns:
+        Positions ``start .. end - 1``, one column per label any worker has (labels in
+        order); None when a worker recorded no layer sums (a sum without its part would
+        name a layer that does not differ).
+
+    """
+    sums = [group.layer_sums for group in groups]
+    if not sums or any(s is None for s in sums):
+        return None
+    parts = sorted({part for s in sums if s is not None for part in s.parts})
+    column = {part: k for k, part in enumerate(parts)}
+    values = np.zeros((end - start, len(parts)), dtype=np.uint64)
+    for group, s in zip(groups, sums, strict=True):
+        assert s is not None
+        columns = [column[part] for part in s.parts]
+        rows = slice(group.start - start, group.end - start)
+        # uint64 addition wraps modulo 2**64, as the totals' does.
+        values[rows, columns] += np.asarray(s.values, dtype=np.uint64)
+    return LayerSums(parts, values)
 
 
 def _partial(

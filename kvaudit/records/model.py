@@ -1,6 +1,7 @@
 """The checksums of requests and workers: a group's checksums per block position and replica
 key (``GroupChecksums``), a request's groups, who a worker is, what one worker computed
-(``WorkerRecord``) and what a record keeps of each worker (``WorkerSummary``).
+(``WorkerRecord``), what a record keeps of each worker (``WorkerSummary``) and of each of
+its layers (``LayerFacts``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,27 @@ from .wire import WireChecksums, WireGroup
 RECORD_FORMAT = "kvaudit.record/1"
 
 
+PLANES = ("K", "V", "KV")
+"""A layer part's plane: its K rows, its V rows, or whole cells (a fused row, a latent, a
+state)."""
+
+LayerPart = tuple[int, str]
+"""A layer sum's label: ``(layer number, plane)``."""
+
+
+@dataclass
+class LayerSums:
+    """A group's per-block totals split per layer and plane (docs/checksum.md, "Layer sums").
+
+    ``values[i, k]`` is the part of position ``i``'s total (the replica-0 columns) that
+    layer ``parts[k][0]``'s plane ``parts[k][1]`` adds, uint64; summed over ``k`` it is
+    the position's total. Like the totals, each adds up over TP ranks and PP stages.
+    """
+
+    parts: list[LayerPart]
+    values: np.ndarray
+
+
 @dataclass
 class GroupChecksums:
     """One group's checksums of one request.
@@ -27,6 +49,8 @@ class GroupChecksums:
     where the record holds the seed lane alone. ``partial`` says why the values are
     partial sums (a worker that covers the group lacks the request or some of its
     positions), None when every worker that covers the group added its part.
+    ``layer_sums``: the seed lane's totals split per layer and K or V plane (None where not
+    recorded).
     """
 
     block_size: int
@@ -36,6 +60,7 @@ class GroupChecksums:
     fingerprint: int
     partial: str | None = None
     strong: np.ndarray | None = None
+    layer_sums: LayerSums | None = None
 
     @property
     def count(self) -> int:
@@ -149,21 +174,45 @@ class WorkerInfo:
     source: str = ""
 
 
+@dataclass(frozen=True)
+class LayerFacts:
+    """What a record keeps of one layer of a worker's description: what its checksums
+    cannot show (the scales of a quantized cache) and what names a fingerprint's
+    difference (docs/cache-description.md).
+
+    ``dtype`` is the dtype's name (a state layer's: its states' dtypes, comma-separated);
+    ``head_size`` and ``head_size_v`` are 0 for a state layer; a scale is None where the
+    description gives none (the values are the stored ones).
+    """
+
+    group: int
+    spec_class: str
+    dtype: str
+    head_size: int = 0
+    head_size_v: int = 0
+    k_scale: float | None = None
+    v_scale: float | None = None
+
+
 @dataclass
 class WorkerRecord:
-    """One worker's partial checksums, with its group fingerprints and uncovered groups."""
+    """One worker's partial checksums, with its group fingerprints and uncovered groups,
+    and the facts of its layers where its description is known (empty where not)."""
 
     worker: WorkerInfo
     positions: Positions
     fingerprints: dict[int, int]
     not_covered: dict[int, str]
     requests: dict[str, RequestChecksums]
+    layers: dict[str, LayerFacts] = field(default_factory=dict)
 
 
 @dataclass
 class WorkerSummary:
-    """One worker of a record: who it is, its group fingerprints and uncovered groups."""
+    """One worker of a record: who it is, its group fingerprints and uncovered groups, and
+    its layers' facts (empty where its description is not known)."""
 
     worker: WorkerInfo
     fingerprints: dict[int, int] = field(default_factory=dict)
     not_covered: dict[int, str] = field(default_factory=dict)
+    layers: dict[str, LayerFacts] = field(default_factory=dict)

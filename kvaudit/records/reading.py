@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ..core.scheme import ReplicaKey, from_hex, to_hex
+from ..core.scheme import STRONG_PRIME, ReplicaKey, from_hex, to_hex
 from ..core.validation import (
     MAX_BLOCK_SIZE,
     MAX_COUNT,
@@ -86,6 +86,13 @@ class RecordReader(Checker):
             self.fail(path, f"expected 16 lowercase hex digits, {self.got(value)}")
         return from_hex(value)
 
+    def residue(self, value: object, path: str) -> int:
+        """A strong-lane residue: 16 lowercase hex digits below ``2**64 - 59``."""
+        number = self.hex64(value, path)
+        if number >= STRONG_PRIME:
+            self.fail(path, f"{value} is not a residue modulo 2**64 - 59 (it must be below it)")
+        return number
+
     def group_id(self, key: object, path: str) -> int:
         """An object key that is a group id in canonical decimal (``"0"``, not ``"00"``)."""
         if (
@@ -99,7 +106,7 @@ class RecordReader(Checker):
 
 def worker_from_json(reader: RecordReader, value: object, path: str) -> WorkerSummary:
     """One ``workers`` entry, validated."""
-    data = reader.keys(value, path, _WORKER_KEYS, ("engine",))
+    data = reader.keys(value, path, _WORKER_KEYS, ("engine", "layers"))
     role = reader.role(reader.string(data["role"], join(path, "role")), join(path, "role"))
     info = WorkerInfo(
         tp_rank=reader.integer(data["tp_rank"], join(path, "tp_rank")),
@@ -120,7 +127,12 @@ def worker_from_json(reader: RecordReader, value: object, path: str) -> WorkerSu
         reader.group_id(key, nc_path): reader.string(reason, item_path(nc_path, key))
         for key, reason in reader.obj(data["not_covered"], nc_path).items()
     }
-    return WorkerSummary(info, fingerprints, not_covered)
+    layers = {}
+    if "layers" in data:  # optional: records written before layer facts were kept lack it
+        from .layers import facts_from_json
+
+        layers = facts_from_json(reader, data["layers"], join(path, "layers"))
+    return WorkerSummary(info, fingerprints, not_covered, layers)
 
 
 def request_from_json(reader: RecordReader, value: object, path: str) -> RequestChecksums:
@@ -143,30 +155,82 @@ def request_from_json(reader: RecordReader, value: object, path: str) -> Request
 def _group_from_json(reader: RecordReader, value: object, path: str) -> GroupChecksums:
     """One group of a request, validated: unique replica keys, rows one value per key,
     totals that are the sums of the replica-0 values."""
-    data = reader.keys(value, path, _GROUP_KEYS, ("partial",))
+    data = reader.keys(value, path, _GROUP_KEYS, ("partial", "strong", "strong_totals"))
     block_size, start = group_span(reader, data, path)
     fingerprint = reader.hex64(data["fingerprint"], join(path, "fingerprint"))
     keys, values = group_values(reader, data, path)
     partial = None
     if "partial" in data:
         partial = reader.string(data["partial"], join(path, "partial"))
-    group = GroupChecksums(block_size, start, keys, values, fingerprint, partial)
-
-    totals_path = join(path, "totals")
-    totals = reader.array(data["totals"], totals_path)
-    if len(totals) != group.count:
-        reader.fail(
-            totals_path, f"expected {group.count} totals (one per position), got {len(totals)}"
+    strong = group_strong(reader, data, path, values.shape)
+    group = GroupChecksums(block_size, start, keys, values, fingerprint, partial, strong)
+    if ("strong" in data) != ("strong_totals" in data):
+        given, lacking = (
+            ("strong", "strong_totals") if "strong" in data else ("strong_totals", "strong")
         )
-    expected = group.totals().tolist()
+        reader.fail(join(path, lacking), f"missing (the group gives {given})")
+    if strong is not None:
+        _check_totals(
+            reader, data["strong_totals"], join(path, "strong_totals"), group.strong_totals()
+        )
+
+    _check_totals(reader, data["totals"], join(path, "totals"), group.totals())
+    return group
+
+
+def _check_totals(reader: RecordReader, value: object, path: str, sums: np.ndarray | None) -> None:
+    """A group's ``totals`` (or ``strong_totals``): one per position, each the sum of the
+    replica-0 values (of the lane) that the reader computed, ``sums``."""
+    totals = reader.array(value, path)
+    expected = [] if sums is None else sums.tolist()
+    if len(totals) != len(expected):
+        reader.fail(path, f"expected {len(expected)} totals (one per position), got {len(totals)}")
     for i, item in enumerate(totals):
-        total = reader.hex64(item, item_path(totals_path, i))
+        total = reader.hex64(item, item_path(path, i))
         if total != expected[i]:
             reader.fail(
-                item_path(totals_path, i),
+                item_path(path, i),
                 f"{item} is not the sum of the replica-0 values, {to_hex(expected[i])}",
             )
-    return group
+
+
+def group_strong(
+    reader: RecordReader, data: Mapping, path: str, shape: tuple[int, ...]
+) -> np.ndarray | None:
+    """A group's optional ``strong`` rows (docs/checksum.md, "The strong lane"), as a
+    record and an output folder's checksum line hold them: as many rows as ``values``
+    (``shape``), one residue below ``2**64 - 59`` per replica key; None where the group
+    has none (a record of the seed engine, or of a kvaudit before the lane).
+
+    Args:
+        reader: The reader naming the source and key path in its errors.
+        data: The group's JSON object.
+        path: Its key path.
+        shape: ``(positions, replica keys)`` of its ``values``.
+
+    Returns:
+        The residues (uint64), or None.
+
+    Raises:
+        KvauditError: A row count or width other than the values', a value that is not
+            16 lowercase hex digits, or one not below the prime.
+
+    """
+    if "strong" not in data:
+        return None
+    strong_path = join(path, "strong")
+    rows = reader.array(data["strong"], strong_path)
+    count, width = shape
+    if len(rows) != count:
+        reader.fail(strong_path, f"expected {count} rows (one per position), got {len(rows)}")
+    strong = np.zeros((count, width), dtype=np.uint64)
+    for i, row in enumerate(rows):
+        row_path = item_path(strong_path, i)
+        reader.array(row, row_path)
+        if len(row) != width:
+            reader.fail(row_path, f"expected {width} values (one per replica key), got {len(row)}")
+        strong[i] = [reader.residue(item, item_path(row_path, k)) for k, item in enumerate(row)]
+    return strong
 
 
 def group_span(reader: RecordReader, data: Mapping, path: str) -> tuple[int, int]:

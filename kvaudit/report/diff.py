@@ -26,8 +26,8 @@ def diff_verdict(report: DiffReport, sides: SideNames = DIFF_SIDE_NAMES) -> str:
     """The report's verdict, in one line.
 
     The line is ``OK: ...`` when the report is ok, else ``MISMATCH: ...`` (blocks,
-    replicas or requests differ or are missing) or ``UNVERIFIED: ...`` (only groups that
-    could not be compared).
+    replicas, requests or layer scales differ or are missing) or ``UNVERIFIED: ...``
+    (only groups that could not be compared).
 
     Args:
         report: The report judged.
@@ -80,7 +80,10 @@ def diff_verdict(report: DiffReport, sides: SideNames = DIFF_SIDE_NAMES) -> str:
         parts.append(f"{plural(missing, 'position')} missing on the {sides.consumer}")
     if unverified:
         parts.append(f"{plural(unverified, 'group')} could not be verified")
-    if differing or replicas or report.only_in_producer or (missing and not report.allow_missing):
+    # Each differing scale in full: the layer and both values are the finding.
+    parts.extend(report.scale_differences)
+    failed = differing or replicas or report.only_in_producer or report.scale_differences
+    if failed or (missing and not report.allow_missing):
         return "MISMATCH: " + "; ".join(parts)
     if report.empty_reason is not None and not parts:
         return f"UNVERIFIED: {scope}; nothing was verified: {report.empty_reason}"
@@ -163,6 +166,8 @@ def print_diff(
     """
     if title:
         console.print(Text(title, style="bold"), soft_wrap=True)
+    for line in report.scale_differences:
+        console.print(Text(line, style="red"), soft_wrap=True)
     findings = diagnose(report)
     for (request_id, gid), found in findings.items():
         for finding in found:

@@ -87,6 +87,10 @@ def print_inventory(console: Console, inventory: Inventory) -> None:
             )
     columns = ("worker", ">group", "type", "block", "layout", ">layers", ">bytes")
     console.print(filled_table("Groups", (*columns, "fingerprint", "covered"), rows))
+    scale_rows = _scale_rows(inventory)
+    if scale_rows:
+        columns = ("worker", ">group", ">k_scale", ">v_scale", "layers")
+        console.print(filled_table("Scales (quantized KV)", columns, scale_rows))
 
     group_ids = sorted({gid for req in inventory.requests.values() for gid in req.positions})
     table = Table(title="Requests", title_justify="left")
@@ -101,3 +105,34 @@ def print_inventory(console: Console, inventory: Inventory) -> None:
             cells.append(f"{len(held)} ({ranges(held)})" if held else "-")
         table.add_row(request_id, str(request.num_tokens), *cells)
     console.print(table)
+
+
+def _scale_text(scale: float | None) -> str:
+    return "-" if scale is None else repr(float(scale))
+
+
+def _scale_rows(inventory: Inventory) -> list[list[str | Text]]:
+    """The ``Scales`` table's rows: per worker and group, one row per pair of K and V
+    scales, with the layers that have it (``all N layers`` where every layer of the group
+    has the same)."""
+    rows: list[list[str | Text]] = []
+    for item in inventory.workers:
+        for group in item.groups:
+            pairs: dict[tuple[float | None, float | None], list[str]] = {}
+            for name, k_scale, v_scale in group.scales:
+                pairs.setdefault((k_scale, v_scale), []).append(str(name))
+            for (k_scale, v_scale), names in pairs.items():
+                if len(pairs) == 1 and len(names) == group.layers:
+                    layers = f"all {len(names)} layers"
+                else:
+                    layers = ", ".join(names)
+                rows.append(
+                    [
+                        worker_name(item.worker),
+                        str(group.id),
+                        _scale_text(k_scale),
+                        _scale_text(v_scale),
+                        layers,
+                    ]
+                )
+    return rows

@@ -26,7 +26,7 @@ def numeric_verdict(report: NumericReport) -> str:
     """One line: OK, or what failed."""
     if report.ok:
         return f"OK: every element within atol {report.atol:g} + rtol {report.rtol:g} x |producer|"
-    parts = []
+    parts = list(report.scale_differences)
     if report.failed_slices:
         parts.append(f"{report.failed_slices} (layer, head) slices over the tolerance")
     if report.only_producer or report.only_consumer:
@@ -61,6 +61,9 @@ def print_numeric(console: Console, report: NumericReport, title: str) -> None:
 
     """
     console.print(Text(title), soft_wrap=True)
+    # First: a differing scale explains every value of its layer being off.
+    for line in report.scale_differences:
+        console.print(Text(line, style="red"), soft_wrap=True)
     for (rid, gid), findings in diagnose_numeric(report).items():
         for finding in findings:
             console.print(Text(f"{rid} group {gid}: {finding.line}", style="red"), soft_wrap=True)

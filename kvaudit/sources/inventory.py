@@ -21,7 +21,9 @@ class GroupInfo:
     """One group on one worker: its spec, size, coverage and fingerprint.
 
     Fields a record does not keep (type, layout, layers, bytes) are None for a record;
-    ``bytes`` is None for checksummers handed over in Python too.
+    ``bytes`` is None for checksummers handed over in Python too. ``scales`` holds
+    ``(layer, k_scale, v_scale)`` of each layer whose description gives a scale (a
+    quantized cache), in layer order; empty where none does or it is not known.
     """
 
     id: int
@@ -34,6 +36,7 @@ class GroupInfo:
     layout: str | None = None
     layers: int | None = None
     bytes: int | None = None
+    scales: tuple[tuple[str, float | None, float | None], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,11 @@ def group_info(views: GroupViews, tensors: Mapping[str, LayerTensor] | None) -> 
         layout="state" if spec.is_state else spec.layout,
         layers=len(group.layers),
         bytes=size,
+        scales=tuple(
+            (layer.name, layer.spec.k_scale, layer.spec.v_scale)
+            for layer in group.layers
+            if layer.spec.k_scale is not None or layer.spec.v_scale is not None
+        ),
     )
 
 

@@ -61,6 +61,12 @@ class RecordSource(Source):
                     covered=gid not in summary.not_covered,
                     reason=summary.not_covered.get(gid),
                     block_size=block_sizes.get(gid),
+                    scales=tuple(
+                        (name, fact.k_scale, fact.v_scale)
+                        for name, fact in summary.layers.items()
+                        if fact.group == gid
+                        and (fact.k_scale is not None or fact.v_scale is not None)
+                    ),
                 )
                 for gid in gids
             ]

@@ -202,6 +202,7 @@ class SocketSource(Source):
             summary.fingerprints,
             summary.not_covered,
             record.requests,
+            summary.layers,
         )
 
     def trimmed(self, num_tokens: Mapping[str, int]) -> SocketSource:

@@ -54,13 +54,15 @@ def attention_parts(spec: LayerSpec, tensor: LayerTensor, num_blocks: int) -> tu
             [_as_pieces(rows[:, i]) for i in range(2)] if "K" in layout else [_as_pieces(rows)]
         )
     cell_pieces = sum(pieces.shape[-1] for pieces in row_pieces)
+    k_pieces = 0
+    if "C" in layout and spec.head_size_v and len(row_pieces) == 1:
+        k_pieces = spec.head_size * cell_pieces // (spec.head_size + spec.head_size_v)
     parts = []
     offset = 0
     for pieces in row_pieces:
         if pieces.shape[-1]:
-            parts.append(
-                PieceView(unflatten(pieces, 0, (num_blocks, kernel_blocks)), offset, cell_pieces)
-            )
+            blocked = unflatten(pieces, 0, (num_blocks, kernel_blocks))
+            parts.append(PieceView(blocked, offset, cell_pieces, k_pieces))
         offset += pieces.shape[-1]
     return tuple(parts)
 

@@ -24,12 +24,15 @@ class PieceView:
     ``[blocks, kernel_blocks, heads, tokens, pieces]``, any strides.
 
     ``piece_offset`` is the index of the part's first piece within the cell, and
-    ``cell_pieces`` the number of pieces of the whole cell.
+    ``cell_pieces`` the number of pieces of the whole cell. ``k_pieces``: where the part
+    holds whole cells of a K row then a V row (a ``C`` layout), the K row's pieces, by
+    which layer sums split it into K and V; 0 otherwise.
     """
 
     pieces: Array
     piece_offset: int
     cell_pieces: int
+    k_pieces: int = 0
 
 
 @dataclass(frozen=True)

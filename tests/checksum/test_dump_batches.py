@@ -12,6 +12,7 @@ from helpers.dumped_sets import Sets
 
 from kvaudit.checksum import checksum_dump_set
 from kvaudit.checksum.dump_staging import StagedBatches
+from kvaudit.compare import compare_records
 from kvaudit.core.validation import Positions
 from kvaudit.dumps import open_dump_set
 from kvaudit.formats import record_to_json
@@ -43,6 +44,25 @@ def test_every_way_of_reading_batches_gives_the_same_record(
             for group_id, group in request.groups.items():
                 expected = one.requests[request_id].groups[group_id]
                 assert group.values.tolist() == expected.values.tolist()
+                assert group.strong is not None and expected.strong is not None
+                assert group.strong.tolist() == expected.strong.tolist()
+
+
+def test_both_lanes_of_dumps_agree_across_layouts_and_block_sizes(sets: Sets) -> None:
+    """The producer's dumps (TP=2 PP=2, block size 16) and the consumer's (TP=4, block
+    size 4, other layouts) of the same KV match in both lanes: the strong lane is summed
+    over workers and coarsened over block sizes modulo its prime."""
+    producer = checksum_dump_set(open_dump_set(sets.producer.paths), positions="request")
+    consumer = checksum_dump_set(open_dump_set(sets.consumer.paths), positions="request")
+    for record in (producer, consumer):
+        assert all(
+            group.strong is not None
+            for request in record.requests.values()
+            for group in request.groups.values()
+        )
+    report = compare_records(producer, consumer)
+    assert report.ok and report.compared and not report.warnings
+    assert all(group.seed_lane_only is None for _, _, group in report.groups())
 
 
 def test_the_cpu_path_reads_dumps_without_torch(sets: Sets) -> None:

@@ -30,7 +30,7 @@ from click.testing import CliRunner, Result
 from helpers import kvbuild as kb
 from helpers import reference as ref
 from helpers.example_module import example
-from helpers.report_keys import DIFF_KEYS, GROUP_KEYS
+from helpers.report_keys import DIFF_KEYS, GROUP_KEYS, OPTIONAL_GROUP_KEYS
 from safetensors import safe_open
 
 from kvaudit.checksum.checksummer import RequestBlocks
@@ -92,14 +92,15 @@ def check_shape(report: dict) -> None:
     for request in report["requests"].values():
         assert set(request) == {"num_tokens", "groups"}
         for gid, group in request["groups"].items():
-            assert gid.isdigit() and set(group) == GROUP_KEYS
+            assert gid.isdigit() and GROUP_KEYS <= set(group) <= GROUP_KEYS | OPTIONAL_GROUP_KEYS
             assert isinstance(group["compared"], int)
             assert all(isinstance(p, int) for p in group["mismatched_positions"])
             assert all(len(pair) == 2 for pair in group["replicas_differing"])
             assert group["unverified"] is None or isinstance(group["unverified"], str)
             assert all(isinstance(p, int) for p in group["missing_positions"])
             for entry in group["located"]:
-                assert LOCATED_KEYS <= set(entry) <= {*LOCATED_KEYS, "replica", "holds"}
+                optional = {"replica", "holds", "kv_exchanged", "element"}
+                assert LOCATED_KEYS <= set(entry) <= LOCATED_KEYS | optional
                 assert set(entry["consumer_worker"]) == {"tp_rank", "pp_rank"}
                 for key in ("max_abs_error", "max_rel_error", "scaled_error"):
                     assert entry[key] is None or isinstance(entry[key], float)
@@ -188,6 +189,8 @@ def expected_located(sets: Path, folder: str, rank: int, request_id: str) -> lis
                 sum(bin(value).count("1") for value in flipped),
                 not cell.any(),
                 int((np.isfinite(values) & ~np.isfinite(mine)).sum()),
+                [(int(k), float(values[k]), float(mine[k])) for k in np.flatnonzero(differ)],
+                np.array_equal(cell.reshape(2, -1)[::-1], raw.reshape(2, -1)),
             )
         )
     entries = []
@@ -227,9 +230,22 @@ def expected_located(sets: Path, folder: str, rank: int, request_id: str) -> lis
                 "consumer_zeros": all(item[6] for item in items),
                 "nonfinite": sum(item[7] for item in items),
                 **({"holds": holds[0]} if holds else {}),
+                **({"kv_exchanged": True} if all(item[9] for item in items) else {}),
+                **element_of(items),
             }
         )
     return entries
+
+
+def element_of(items: list) -> dict:
+    """The one changed element of a slice's differing cells (K then V rows of
+    ``HEAD_SIZE`` bf16 elements each), as the JSON says it; empty where not one."""
+    if len(items) != 1 or len(items[0][8]) != 1:
+        return {}
+    [(k, before, after)] = items[0][8]
+    part, index = ("K", k) if k < example.HEAD_SIZE else ("V", k - example.HEAD_SIZE)
+    element = {"part": part, "index": index, "dtype": "bfloat16"}
+    return {"element": element | {"before": before, "after": after}}
 
 
 # diff on the example.
@@ -418,7 +434,7 @@ PLANTED_KINDS = {
     "swap-tokens": "foreign_tokens",
     "swap-heads": "heads_exchanged",
     "stale": "stale_block",
-    "shift": "foreign_tokens",
+    "shift": "tokens_shifted",
 }
 """The fault kind the diagnosis names for each planted mode."""
 
@@ -653,6 +669,13 @@ def test_non_finite_errors_are_null(small: Small, tmp_path: Path) -> None:
             ),
             "consumer_zeros": False,
             "nonfinite": 1,
+            "element": {
+                "part": "K",
+                "index": 3,
+                "dtype": "bfloat16",
+                "before": torch.from_numpy(original[6:8].copy()).view(torch.bfloat16).item(),
+                "after": "nan",
+            },
         }
     ]
     assert [finding["kind"] for finding in report["diagnosis"]] == ["nonfinite"]

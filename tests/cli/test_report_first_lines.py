@@ -11,16 +11,14 @@ fp16 consumer compared by value). What each must say follows from what was plant
 
 from __future__ import annotations
 
-import json
 import shutil
-import xml.etree.ElementTree as ET
-from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 from helpers.example_module import example
+from helpers.report_forms import reports
 from helpers.valued_sets import ATTN, CONSUMER, PRODUCER, draw, dump, model
 
 from kvaudit.cli import main
@@ -53,56 +51,6 @@ def planted(sets: Path, folder: Path, mode: str, *args: str, ranks: range) -> Pa
         )
         assert result.exit_code == 0, result.output
     return folder
-
-
-class Findings(HTMLParser):
-    """The page's diagnosis items: each ``li.finding``'s kind and text."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.items: list[tuple[str, str]] = []
-        self.inside = False
-
-    def handle_starttag(self, tag: str, attrs: list) -> None:
-        attributes = dict(attrs)
-        if tag == "li" and attributes.get("class") == "finding":
-            self.items.append((attributes["data-kind"], ""))
-            self.inside = True
-
-    def handle_endtag(self, tag: str) -> None:
-        if tag == "li":
-            self.inside = False
-
-    def handle_data(self, data: str) -> None:
-        if self.inside:
-            kind, text = self.items[-1]
-            self.items[-1] = (kind, text + data)
-
-
-def reports(producer: Path, consumer: Path, out: Path, *extra: str) -> dict:
-    """One run's table (stdout), JSON, JUnit and HTML."""
-    out.mkdir(exist_ok=True)
-    paths = {name: out / f"report.{name}" for name in ("json", "xml", "html")}
-    result = CliRunner().invoke(
-        main,
-        [
-            *("diff", str(producer), str(consumer), "--device", "cpu", *extra),
-            *("--json", str(paths["json"]), "--html", str(paths["html"])),
-            *(("--junit", str(paths["xml"])) if "--numeric" not in extra else ()),
-        ],
-    )
-    page = Findings()
-    page.feed(paths["html"].read_text())
-    found = {
-        "status": result.exit_code,
-        "table": result.stdout.splitlines(),
-        "json": json.loads(paths["json"].read_text()),
-        "html": page.items,
-    }
-    if paths["xml"].exists():
-        cases = ET.parse(paths["xml"]).getroot().iter("testcase")
-        found["junit"] = [c.find("failure").get("message") for c in cases if len(c)]
-    return found
 
 
 def check_first_lines(found: dict, kind: str, title: str, *place: str) -> None:

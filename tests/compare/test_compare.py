@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from helpers.report_keys import DIFF_KEYS, GROUP_KEYS
+from helpers.report_keys import DIFF_KEYS, GROUP_KEYS, OPTIONAL_GROUP_KEYS
 
 from kvaudit.compare import (
     DiffReport,
@@ -615,7 +615,7 @@ def check_json_shape(data: dict) -> None:
         assert set(request["num_tokens"]) == {"producer", "consumer"}
         for gid, group in request["groups"].items():
             assert gid.isdigit()
-            assert set(group) == GROUP_KEYS
+            assert GROUP_KEYS <= set(group) <= GROUP_KEYS | OPTIONAL_GROUP_KEYS
             assert type(group["compared"]) is int
             assert all(type(p) is int for p in group["mismatched_positions"])
             for pair in group["replicas_differing"]:
@@ -660,7 +660,12 @@ def test_json_shape_and_values() -> None:
     assert data["only_in_producer"] == ["req-gone"] and data["only_in_consumer"] == []
     a0 = data["requests"]["req-a"]["groups"]["0"]
     assert data["requests"]["req-a"]["num_tokens"] == {"producer": 40, "consumer": 40}
+    # Records built by hand carry the seed lane alone, and the report says so.
+    assert data["warnings"] == [
+        "compared by the seed lane only: neither side carries the strong lane"
+    ]
     assert a0 == {
+        "seed_lane_only": "neither side carries the strong lane",
         "compared": 3,
         "mismatched_positions": [2],
         "missing_positions": [],

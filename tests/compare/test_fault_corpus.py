@@ -1069,6 +1069,8 @@ def located_without_errors(report: dict, rid: str, gid: int) -> list[dict]:
         "consumer_zeros",
         "nonfinite",
         "holds",
+        "kv_exchanged",
+        "element",
     )
     return [
         {k: v for k, v in e.items() if not k.startswith("max_") and k not in skipped}
@@ -1171,8 +1173,9 @@ CORPUS_KINDS = {
     "stale-sender-after-abort": {"tail_not_written"},
     "tail-not-visible-zero": {"tail_not_written"},
     "tail-not-visible-old": {"tail_not_written"},
-    "neighbour-heads-tp2-tp4": {"heads_exchanged"},
-    "neighbour-heads-tp8-replicated": {"heads_exchanged", "replica_differs"},
+    # Rank 1 received rank 2's heads, which stay intact there: copied, not exchanged.
+    "neighbour-heads-tp2-tp4": {"heads_duplicated"},
+    "neighbour-heads-tp8-replicated": {"heads_duplicated", "replica_differs"},
     "indexer-not-sent": {"untraced", "replica_differs"},
     "sliding-window-not-sent": {"nonfinite", "untraced"},
     # Junk state pages: some of their bytes read as NaN or infinite.

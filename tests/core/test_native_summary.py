@@ -29,7 +29,7 @@ def version_lines() -> list[str]:
 
 def test_every_extension_of_setup_is_named() -> None:
     assert sorted(built_by_setup()) == sorted(native.EXTENSIONS)
-    assert len(built_by_setup()) == 3
+    assert len(built_by_setup()) == 4
 
 
 def test_version_names_the_loops_that_load(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -50,7 +50,7 @@ def test_version_says_what_did_not_build(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(native.importlib, "import_module", lambda name: object())
     _, loops = version_lines()
     assert loops == (
-        "C loops: checksum, numeric errors; not built (no C compiler at install?), "
+        "C loops: checksum, numeric errors, strong lane; not built (no C compiler at install?), "
         "numpy runs: numeric reads"
     )
     monkeypatch.setattr(native, "_LOADED", dict.fromkeys(native.EXTENSIONS))

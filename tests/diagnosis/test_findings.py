@@ -5,9 +5,18 @@ The same rules over real faults (injected as they happen, then diffed) are check
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from kvaudit.compare import GroupComparison, LocatedDifference, StaleSource, TokenRun
+from kvaudit.compare import (
+    ElementChange,
+    GroupComparison,
+    LocatedDifference,
+    StaleSource,
+    TokenRun,
+    TokenShift,
+)
 from kvaudit.diagnosis import diagnose_group, layer_text
 
 L = "model.layers.{}.self_attn.attn"
@@ -226,7 +235,7 @@ def test_each_entry_is_explained_once() -> None:
         entry(3, 0, 0, [50, 51]),
     ]
     found = diagnose_group(group(located), 64)
-    assert kinds(found) == ["heads_exchanged", "zeros", "bit_flip", "differs"]
+    assert kinds(found) == ["heads_duplicated", "zeros", "bit_flip", "differs"]
     assert [f.positions for f in found] == [(0,), (1,), (2,), (3,)]
     assert sum(f.located for f in found) == len(located)
 
@@ -238,3 +247,77 @@ def test_layer_text() -> None:
     every = [L.format(i) for i in range(4)]
     assert layer_text(every, every) == "every layer"
     assert layer_text(["a", "b", "c"]) == "a, b and 1 more layers"
+
+
+def test_a_sequence_diverges_only_where_every_slice_differs_at_its_first_token() -> None:
+    # Tokens 20-39 of 40 differ in both heads of both layers, values of KV's scale.
+    every = [entry(p, layer, head, [t for t in range(20, 40) if t // 16 == p])
+             for p in (1, 2) for layer in (0, 1) for head in (0, 1)]  # fmt: skip
+    layers = [L.format(0), L.format(1)]
+    found = diagnose_group(group(every, compared=3, layers=layers, heads=2), 40)
+    assert kinds(found) == ["diverges"]
+    assert found[0].text.startswith("the consumer's KV diverges from token 20: tokens 20-39 of 40")
+    assert found[0].located == len(every)
+    # One head short at token 20: not a divergence (a sender of one rank: the tail).
+    assert "diverges" not in kinds(diagnose_group(group(every[1:], 3, layers=layers, heads=2), 40))
+    # Zeros: never written, the tail; junk far beyond the values around it: not KV.
+    zeros = [dataclasses.replace(item, consumer_zeros=True) for item in every]
+    assert kinds(diagnose_group(group(zeros, 3, layers=layers, heads=2), 40)) == [
+        "tail_not_written"
+    ]
+    junk = [dataclasses.replace(item, scaled_error=1e30) for item in every]
+    assert "diverges" not in kinds(diagnose_group(group(junk, 3, layers=layers, heads=2), 40))
+
+
+def test_a_copied_head_is_duplicated_and_a_swapped_pair_exchanged() -> None:
+    copied = [entry(p, 0, 2, list(range(16 * p, 16 * p + 16)), holds=(L.format(0), 1))
+              for p in range(2)]  # fmt: skip
+    found = diagnose_group(group(copied), 32)
+    assert kinds(found) == ["heads_duplicated"]
+    assert (
+        found[0].text
+        == f"head 1 duplicated over head 2 (head 1 intact), in {L.format(0)} at positions 0-1"
+    )
+    copied_layer = [entry(0, 3, h, list(range(16)), holds=(L.format(0), h)) for h in (0, 1)]
+    found = diagnose_group(group(copied_layer), 16)
+    assert kinds(found) == ["layers_duplicated"]
+    assert found[0].text.startswith(f"{L.format(0)} duplicated over {L.format(3)} (")
+
+
+def test_shifted_tokens_and_kv_exchanged_are_named_before_the_trace() -> None:
+    moved = [entry(2, layer, 0, list(range(32, 48))) for layer in (0, 1)]
+    shifts = [TokenShift(33, 47, 1, ((L.format(0), 0), (L.format(1), 0)), (32,))]
+    found = diagnose_group(group(moved, stale_sources={2: []}, token_shifts=shifts), 64)
+    assert kinds(found) == ["tokens_shifted"]
+    assert found[0].text == (
+        "by +1 slot from token 33: tokens 33-47 hold the producer's tokens 32-46 (token 32 "
+        f"of the same blocks holds other bytes), in head 0 of {L.format('{0-1}')} at position 2"
+    )
+    swapped = [entry(p, 1, h, list(range(16 * p, 16 * p + 16)), kv_exchanged=True)
+               for p in range(2) for h in range(4)]  # fmt: skip
+    found = diagnose_group(group(swapped, stale_sources={0: [], 1: []}), 32)
+    assert kinds(found) == ["kv_exchanged"]
+    assert found[0].text.startswith(f"{L.format(1)} heads 0-3, tokens 0-31 (positions 0-1): ")
+
+
+def test_one_element_named_with_its_values() -> None:
+    change = ElementChange("V", 5, "bfloat16", 0.125, -0.125)
+    located = [
+        entry(0, 0, 1, [3], differing_bytes=1, differing_bits=1, element=change),
+        entry(0, 1, 1, [5], differing_bytes=2, differing_bits=5, element=change),
+    ]
+    found = diagnose_group(group(located, stale_sources={0: []}), 16)
+    assert kinds(found) == ["bit_flip", "element_changed"]
+    assert found[0].text.endswith(
+        "one bit of byte 0 of its cell: V element 5 (bfloat16): 0.125 -> -0.125"
+    )
+    assert (
+        found[1].text
+        == f"{L.format(1)} head 1 token 5 (position 0), V element 5 (bfloat16): 0.125 -> -0.125"
+    )
+
+
+def test_untraced_tokens_across_blocks_are_one_place() -> None:
+    located = [entry(p, 0, 0, list(range(16 * p, 16 * p + 16))) for p in range(6)]
+    found = diagnose_group(group(located, stale_sources={p: [] for p in range(6)}), 96)
+    assert found[0].text.startswith("tokens 0-95 (positions 0-5) differ in head 0 of ")

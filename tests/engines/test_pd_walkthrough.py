@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,17 @@ def test_the_walkthrough_runs_as_documented(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "walk-through done" in done.stdout
-    assert (tmp_path / "out" / "vllm-pd" / "decode" / "kvaudit-output.json").is_file()
+    out = tmp_path / "out" / "vllm-pd"
+    assert (out / "decode" / "kvaudit-output.json").is_file()
+    # Production keeps few dumps: without any, the records' layer sums still name the
+    # layer and plane of the planted fault (faulty_transfer.py: layer 0, a K element).
+    for side in ("prefill", "decode"):
+        shutil.copytree(
+            out / side, tmp_path / "nodumps" / side, ignore=shutil.ignore_patterns("dumps")
+        )
+    diff = kvaudit_cli("diff", tmp_path / "nodumps" / "prefill", tmp_path / "nodumps" / "decode")
+    assert diff.returncode == 1, diff.stdout[-3000:] + diff.stderr[-3000:]
+    assert "layer 0 K differs (by the records' layer sums" in diff.stdout, diff.stdout[-3000:]
 
 
 def test_offline_pd_requests_are_paired_by_their_prompts(model: Path, tmp_path: Path) -> None:

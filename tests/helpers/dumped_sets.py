@@ -21,7 +21,7 @@ from safetensors import safe_open
 from helpers import kvbuild as kb
 from helpers import reference as ref
 from kvaudit.checksum.checksummer import RequestBlocks
-from kvaudit.compare import LocatedDifference
+from kvaudit.compare import ElementChange, LocatedDifference
 from kvaudit.description import parse_description
 from kvaudit.dumps import write_dump
 from kvaudit.records import WorkerInfo
@@ -263,6 +263,46 @@ def expected_errors(a: np.ndarray, b: np.ndarray, dtype: torch.dtype) -> tuple[f
     return worst_abs, worst_rel
 
 
+def k_bytes(name: str, dtype: torch.dtype) -> int | None:
+    """The bytes of an attention layer's K row (its cell: K then V), None for MLA and
+    states."""
+    layer = next((x for g in MODEL.groups for x in g.layers if x.name == name), None)
+    if not isinstance(layer, kb.Attn) or layer.type == "mla":
+        return None
+    return layer.head_size * dtype.itemsize
+
+
+def kv_swapped(name: str, differing: list) -> bool:
+    """Whether each differing consumer cell is its producer cell with K and V exchanged."""
+    half = k_bytes(name, differing[0][1].dtype)
+    if half is None:
+        return False
+    return all(
+        np.array_equal(b.data[:half], a.data[half:])
+        and np.array_equal(b.data[half:], a.data[:half])
+        for _, a, b in differing
+    )
+
+
+def one_element(name: str, differing: list) -> ElementChange | None:
+    """The one element that differs, where one token's cell differs in one element."""
+    if len(differing) != 1:
+        return None
+    _, a, b = differing[0]
+    size = a.dtype.itemsize
+    pairs = list(zip(a.data.reshape(-1, size), b.data.reshape(-1, size)))
+    changed = [k for k, (x, y) in enumerate(pairs) if not np.array_equal(x, y)]
+    if len(changed) != 1:
+        return None
+    k = changed[0]
+    (before,), (after,) = values(pairs[k][0], a.dtype), values(pairs[k][1], a.dtype)
+    half = k_bytes(name, a.dtype)
+    part, index = "", k
+    if half is not None:
+        part, index = ("K", k) if k * size < half else ("V", k - half // size)
+    return ElementChange(part, index, str(a.dtype).removeprefix("torch."), before, after)
+
+
 def expected_located(
     producer: dict,
     consumer: dict,
@@ -355,6 +395,8 @@ def expected_located(
                 position=position,
                 layer=name,
                 head=head,
+                kv_exchanged=kv_swapped(name, differing),
+                element=one_element(name, differing),
                 tokens=[t for t, _, _ in differing],
                 first_byte=int(np.flatnonzero(a0.data != b0.data)[0]),
                 max_abs_error=max(e[0] for e in errors),

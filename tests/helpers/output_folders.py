@@ -65,6 +65,7 @@ def write_folder(
     flip: Flip | None = None,
     requests: Collection[str] | None = None,
     engine: str | None = None,
+    layer_sums: bool = False,
 ) -> list[kb.Worker]:
     """Write an engine's output folder: every worker's description and one checksum line
     per request (``requests``, default all of ``TOKENS``, in order), and a dump per
@@ -72,7 +73,8 @@ def write_folder(
 
     ``names`` gives a request the id its engine names it by (default its own);
     ``prompts`` writes each line's prompt digest; ``flip`` changes a byte of the KV
-    first (on the worker that holds its head).
+    first (on the worker that holds its head); ``layer_sums`` writes each block's layer
+    sums in the lines, as the engine integrations do by default.
     """
     chosen = list(TOKENS) if requests is None else list(requests)
     kv = {
@@ -87,7 +89,7 @@ def write_folder(
         description = parse_description(worker.description, "w")
         info = WorkerInfo(worker.tp_rank, tp_size, 0, 1, role, engine)
         output.write_description(folder, worker.description, info)
-        summer = Checksummer.of_worker(description, worker.tensors, info)
+        summer = Checksummer.of_worker(description, worker.tensors, info, layer_sums=layer_sums)
         lines = []
         for rid in chosen:
             num_tokens, groups = worker.requests[rid]

@@ -25,4 +25,7 @@ GROUP_KEYS = {
     "stale_sources",
     "token_runs",
 }
+OPTIONAL_GROUP_KEYS = {"stale_matches", "token_shifts", "seed_lane_only"}
+"""A group's keys written only where they say something (a list cut short, a shift, a
+seed-lane-only verdict)."""
 FINDING_KEYS = {"request", "group", "kind", "text", "positions", "tokens", "slices", "located"}

@@ -24,6 +24,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
 from kvaudit.checksum.kernels.triton_kernel import TABLE_FIELDS, TritonLaunch, _accumulate_kernel
+from kvaudit.checksum.kernels.triton_strong import _strong_kernel
 from kvaudit.checksum.kernels.triton_tiling import (
     LaunchConfig,
     Shape,
@@ -31,6 +32,11 @@ from kvaudit.checksum.kernels.triton_tiling import (
     launch_config,
     layout_is_aligned,
 )
+from kvaudit.core.scheme import STRONG_TOKEN_PLACES
+
+KERNELS = ("seed", "strong", "fused")
+"""The kernels a variant compiles for: the seed lane's, the strong lane's alone, and the
+strong kernel computing both lanes in one pass (kvaudit/checksum/kernels/triton_strong.py)."""
 
 ARCHES = (80, 90, 100)
 """The compute capabilities checked: A100 (sm_80), H100/H200 (sm_90), B200 (sm_100)."""
@@ -123,23 +129,26 @@ def _stand_in(piece_bytes: int, start_mod16: int) -> torch.Tensor:
     return storage[skip:]
 
 
-def _specialisation(variant: Variant, arch: int) -> tuple[ASTSource, dict]:
+def _specialisation(variant: Variant, arch: int, kernel_name: str) -> tuple[ASTSource, dict]:
     """The kernel source specialised as the launch would be, and its compile options."""
     config = variant.config
     stride_args, constants = kernel_arguments(
         variant.shape, variant.strides, variant.piece_bytes, config
     )
     longs = torch.empty(2, dtype=torch.int64)
+    pointers = 5 if kernel_name == "seed" else 9
     args = [
         _stand_in(variant.piece_bytes, variant.start_mod16),
-        *([longs] * 5),
+        *([longs] * pointers),
         variant.columns,
         *stride_args,
     ]
     options = {"num_warps": config.num_warps, "num_stages": 1}
     keywords = dict(constants, FIELDS=TABLE_FIELDS, **options)
+    if kernel_name != "seed":
+        keywords.update(TOKEN_PLACES=STRONG_TOKEN_PLACES, SEED=kernel_name == "fused")
     backend = make_backend(GPUTarget("cuda", arch, 32))
-    kernel = _accumulate_kernel
+    kernel = _accumulate_kernel if kernel_name == "seed" else _strong_kernel
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, parsed = binder(*args, **keywords)
     parsed, signature, constexprs, attrs = kernel._pack_args(
@@ -148,13 +157,14 @@ def _specialisation(variant: Variant, arch: int) -> tuple[ASTSource, dict]:
     return ASTSource(kernel, signature, constexprs, attrs), parsed.__dict__
 
 
-def compile_variant(variant: Variant, arch: int) -> Resources:
-    """Compiles ``variant`` for ``sm_<arch>`` and reads its resources (cached per distinct
-    specialisation, so variants that compile alike are compiled once)."""
+def compile_variant(variant: Variant, arch: int, kernel_name: str = "seed") -> Resources:
+    """Compiles ``variant`` of the kernel ``kernel_name`` (one of ``KERNELS``) for
+    ``sm_<arch>`` and reads its resources (cached per distinct specialisation, so variants
+    that compile alike are compiled once)."""
     with warnings.catch_warnings():
         # The kernel has no floating point: Triton 3.9's notice about FP fusion is moot.
         warnings.filterwarnings("ignore", message=".*FP_FUSION.*")
-        source, options = _specialisation(variant, arch)
+        source, options = _specialisation(variant, arch, kernel_name)
     config = variant.config
     tile = config.block_rows * config.block_pieces
     cell = variant.shape[1] * variant.shape[2] * variant.shape[3] * variant.shape[4]

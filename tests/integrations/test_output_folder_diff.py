@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from click.testing import CliRunner
 from helpers.output_folders import LAYERS, TOKENS, Flip, token_ids, write_folder
 
@@ -56,9 +57,14 @@ def test_a_diff_of_output_folders_locates_from_their_dumps(tmp_path: Path) -> No
     status, report, _ = diff(str(tmp_path / "prefill"), str(tmp_path / "decode"))
     assert status == 1
     assert_located(report, "r1", FLIP)
-    assert finding_texts(report, "r1") == [
-        f"single bit: {FLIP.layer} head 3 token 21 (position 1), one bit of byte 5 of its cell"
+    # Byte 5 is the high byte of bf16 element 2 of the K row; its bit 0x10 was flipped.
+    said = f"single bit: {FLIP.layer} head 3 token 21 (position 1), one bit of byte 5 of its cell"
+    [text] = finding_texts(report, "r1")
+    before, after = text.removeprefix(f"{said}: K element 2 (bfloat16): ").split(" -> ")
+    bits = [
+        torch.tensor(float(v)).to(torch.bfloat16).view(torch.int16).item() for v in (before, after)
     ]
+    assert bits[0] ^ bits[1] == 0x10 << 8
     assert not report["requests"]["r2"]["groups"]["0"]["mismatched_positions"]
     # Without --locate nothing is read from the dumps; --locate is allowed with them.
     _, quiet, _ = diff(str(tmp_path / "prefill"), str(tmp_path / "decode"), "--no-locate")

@@ -33,11 +33,15 @@ def test_the_walkthrough_catches_and_locates_the_fault(tmp_path: Path) -> None:
     assert (
         "kept in the batch: ['req-ok', 'req-prefix']; aborted through SGLang: ['req-bad']" in lines
     )
-    assert (
-        "req-bad group 0: not traced: token 33 (position 2) differ in head 2 of "
-        "model.layers.1.self_attn.attn, consumer worker tp 0 pp 0; no producer slice holds "
-        "these bytes"
-    ) in lines
+    # The walk-through adds 1.0 to K element 3 of layer 1, head 2, token 33: named with
+    # both values, which differ by exactly what was added.
+    place = (
+        "req-bad group 0: single element: model.layers.1.self_attn.attn head 2 token 33 "
+        "(position 2), K element 3 (bfloat16): "
+    )
+    [line] = {line for line in lines if line.startswith(place)}
+    before, after = (float(x) for x in line.removeprefix(place).split(" -> "))
+    assert after - before == 1.0
     assert lines[-1] == "walk-through done: caught inline and located"
     out = tmp_path / "out" / "sglang-cpu"  # where the relative folder is, nowhere else
     assert (out / "prefill" / "dumps" / "req-bad").is_dir()

@@ -151,8 +151,9 @@ def test_a_corrupted_block_is_logged_counted_and_dumped(
     block = consumer.tables["d-a"][1]
     assert lines == [
         f"kvaudit: MISMATCH request req-a group 0: positions [1] (blocks [{block}]) differ "
-        "from the producer's checksums; positions 0-1 compared; none of the last 65536 "
-        "blocks received from the producer holds their checksums"
+        "from the producer's checksums (positions 0-1 compared); looked up among the last "
+        "65536 blocks received from the producer: no recent producer block holds these "
+        "checksums"
     ]
     got = counters(consumer)
     assert (got["mismatched_requests"], got["mismatched_blocks"]) == (1, 1)
@@ -173,7 +174,10 @@ def test_a_stale_block_names_its_source(tmp_path: Path, caplog: pytest.LogCaptur
     with caplog.at_level(logging.INFO, logger="kvaudit.vllm"):
         run_pair(tmp_path, stale)
     [line] = [r.getMessage() for r in caplog.records if "MISMATCH" in r.getMessage()]
-    assert line.endswith("; position 1 holds req-b position 1 (a stale block)")
+    assert line.endswith(
+        "looked up among the last 65536 blocks received from the producer: "
+        "position 1 holds req-b position 1 (a stale block)"
+    )
 
 
 def test_example_connector_under_tp_2_is_caught(

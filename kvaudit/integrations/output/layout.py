@@ -15,6 +15,8 @@ LEGACY_MARKER = "kvaudit-vllm.json"
 LEGACY_FORMAT = "kvaudit.vllm-output/1"
 """The format the legacy marker names."""
 LINE_FORMATS = (LINE_FORMAT, "kvaudit.vllm-checksums/1")
+DESCRIPTION = "cache.yaml"
+"""The folder's and each worker's cache description (YAML)."""
 CHECKSUMS = "checksums.jsonl"
 """A worker's checksum lines; rotated ones are ``checksums.{N}.jsonl``, N = 1 the newest."""
 ROTATED = re.compile(r"checksums\.([1-9][0-9]{0,8})\.jsonl")

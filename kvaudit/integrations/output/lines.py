@@ -3,8 +3,12 @@ merged into its worker's record."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
 
 from ...core.validation import (
     MAX_TOKENS,
@@ -13,8 +17,16 @@ from ...core.validation import (
     check_positions,
     join,
 )
-from ...records import GroupChecksums, RequestChecksums, WorkerInfo, WorkerRecord
-from ...records.reading import RecordReader, group_span, group_values, item_path
+from ...records import (
+    PLANES,
+    GroupChecksums,
+    LayerPart,
+    LayerSums,
+    RequestChecksums,
+    WorkerInfo,
+    WorkerRecord,
+)
+from ...records.reading import RecordReader, group_span, group_strong, group_values, item_path
 from .layout import LINE_FORMATS
 
 _LINE_KEYS = (
@@ -31,6 +43,8 @@ _LINE_KEYS = (
 _LINE_ROLES = ("producer", "consumer")
 _WORKER_KEYS = ("tp_rank", "tp_size", "pp_rank", "pp_size", "engine")
 _GROUP_KEYS = ("block_size", "start", "replica_keys", "values")
+_OPTIONAL_GROUP_KEYS = ("strong", "layer_sums")
+"""The strong lane's rows: lines of the seed engine or an older kvaudit have none."""
 
 
 def check_line(
@@ -81,10 +95,17 @@ def check_line(
     for key, value in reader.obj(line["groups"], "groups").items():
         gid = reader.group_id(key, "groups")
         path = item_path("groups", key)
-        group = reader.keys(value, path, _GROUP_KEYS)
+        group = reader.keys(value, path, _GROUP_KEYS, _OPTIONAL_GROUP_KEYS)
         block_size, start = group_span(reader, group, path)
         keys, values = group_values(reader, group, path)
-        checks = GroupChecksums(block_size, start, keys, values, fingerprints.get(gid, 0))
+        strong = group_strong(reader, group, path, values.shape)
+        checks = GroupChecksums(
+            block_size, start, keys, values, fingerprints.get(gid, 0), strong=strong
+        )
+        if "layer_sums" in group:
+            checks.layer_sums = _layer_sums(
+                reader, group["layer_sums"], join(path, "layer_sums"), checks.count
+            )
         check_positions(reader.source, path, num_tokens, block_size, start, checks.count)
         groups[gid] = checks
     result = {
@@ -100,6 +121,36 @@ def check_line(
     if "prompt" in line:
         result["prompt"] = _prompt(reader, line["prompt"])
     return result
+
+
+def _layer_sums(reader: RecordReader, value: object, path: str, count: int) -> LayerSums:
+    """A group's ``layer_sums``: distinct ``[layer, plane]`` labels and base64 of
+    ``count`` rows of one little-endian uint64 per label."""
+    data = reader.keys(value, path, ("parts", "sums"))
+    parts_path = join(path, "parts")
+    parts: list[LayerPart] = []
+    for i, item in enumerate(reader.array(data["parts"], parts_path)):
+        item_at = item_path(parts_path, i)
+        pair = reader.array(item, item_at)
+        if len(pair) != 2 or pair[1] not in PLANES:
+            planes = ", ".join(PLANES)
+            reader.fail(item_at, f"expected [layer, one of {planes}], {reader.got(item)}")
+        parts.append((reader.integer(pair[0], item_path(item_at, 0)), pair[1]))
+    if len(set(parts)) != len(parts):
+        reader.fail(parts_path, "a [layer, plane] is listed twice")
+    sums_path = join(path, "sums")
+    try:
+        raw = base64.b64decode(reader.string(data["sums"], sums_path), validate=True)
+    except binascii.Error as error:
+        reader.fail(sums_path, f"not base64 ({error})")
+    expected = count * len(parts) * 8
+    if len(raw) != expected:
+        reader.fail(
+            sums_path,
+            f"{len(raw)} bytes, expected {expected} ({count} positions x {len(parts)} parts x 8)",
+        )
+    values = np.frombuffer(raw, dtype="<u8").astype(np.uint64).reshape(count, len(parts))
+    return LayerSums(parts, values)
 
 
 def _prompt(reader: RecordReader, value: object) -> str:
@@ -189,6 +240,8 @@ def merge_line(record: WorkerRecord | None, line: Mapping[str, Any], source: str
             group.replica_keys,
             group.values,
             record.fingerprints.get(gid, 0),
+            layer_sums=group.layer_sums,
+            strong=group.strong,
         )
         for gid, group in line["groups"].items()
     }

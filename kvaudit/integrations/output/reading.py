@@ -24,7 +24,15 @@ from ...core.validation import (
 )
 from ...records import Record, WorkerRecord, combine_workers
 from ...records.reading import RecordReader
-from .layout import CHECKSUMS, FORMAT, LEGACY_FORMAT, LEGACY_MARKER, MARKER, ROTATED
+from .layout import (
+    CHECKSUMS,
+    DESCRIPTION,
+    FORMAT,
+    LEGACY_FORMAT,
+    LEGACY_MARKER,
+    MARKER,
+    ROTATED,
+)
 from .lines import check_line, merge_line
 
 # Reading the folder back, as strictly as a record file: the marker's content, every
@@ -244,6 +252,14 @@ def _read_worker(
             if role is not None and line["role"] != role:
                 continue
             record = merge_line(record, line, source)
+    described = worker / DESCRIPTION
+    if record is not None and described.exists():
+        # The worker's description (written before its first line): its layers' facts,
+        # scales included, which the checksum lines do not repeat.
+        from ...description import load_description
+        from ...records.layers import layer_facts
+
+        record.layers = layer_facts(load_description(described))
     return record
 
 

@@ -4,6 +4,7 @@ appended to the worker's file, which is rotated past a size."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import json
@@ -17,8 +18,17 @@ import numpy as np
 
 from ...core.files import atomic_path
 from ...core.scheme import to_hex
-from ...records import RequestChecksums, WorkerInfo, WorkerRecord
-from .layout import CHECKSUMS, FORMAT, LINE_FORMAT, MARKER, ROTATED, rotated_name, worker_folder
+from ...records import GroupChecksums, LayerSums, RequestChecksums, WorkerInfo, WorkerRecord
+from .layout import (
+    CHECKSUMS,
+    DESCRIPTION,
+    FORMAT,
+    LINE_FORMAT,
+    MARKER,
+    ROTATED,
+    rotated_name,
+    worker_folder,
+)
 
 MAX_CHECKSUM_BYTES = 64 << 20
 """The default size ``checksums.jsonl`` grows to before it is rotated (64 MiB: about
@@ -72,9 +82,9 @@ def write_description(
     import yaml  # only the connector writes YAML; readers of the folder never import it
 
     text = yaml.safe_dump(dict(description), sort_keys=False).encode("utf-8")
-    _write_whole(folder / "cache.yaml", text)
+    _write_whole(folder / DESCRIPTION, text)
     if worker.pp_size == 1 and worker.tp_rank == 0:
-        _write_whole(Path(output) / "cache.yaml", text)
+        _write_whole(Path(output) / DESCRIPTION, text)
     marker = json.dumps({"format": FORMAT, "engine": engine}).encode("utf-8")
     _write_whole(Path(output) / MARKER, marker)
 
@@ -101,15 +111,7 @@ def checksum_line(
 
     """
     worker = record.worker
-    groups = {
-        str(gid): {
-            "block_size": group.block_size,
-            "start": group.start,
-            "replica_keys": [list(key) for key in group.replica_keys],
-            "values": [[to_hex(v) for v in row] for row in group.values.tolist()],
-        }
-        for gid, group in sorted(checksums.groups.items())
-    }
+    groups = {str(gid): _group_entry(group) for gid, group in sorted(checksums.groups.items())}
     line: dict[str, Any] = {
         "format": LINE_FORMAT,
         "request": request,
@@ -130,6 +132,41 @@ def checksum_line(
     if prompt is not None:
         line["prompt"] = prompt
     return json.dumps(line, separators=(",", ":"))
+
+
+def layer_sums_entry(sums: LayerSums) -> dict[str, Any]:
+    """A group's layer sums as a checksum line holds them: the labels, and the values as
+    base64 of little-endian uint64, row by row (a third of hex strings' bytes, and no
+    Python loop over the values in the engine's thread).
+
+    Args:
+        sums: The layer sums (``[positions, parts]``).
+
+    Returns:
+        ``{"parts": [[layer, plane], ...], "sums": base64}``.
+
+    """
+    data = np.ascontiguousarray(sums.values, dtype="<u8").tobytes()
+    return {
+        "parts": [[number, plane] for number, plane in sums.parts],
+        "sums": base64.b64encode(data).decode("ascii"),
+    }
+
+
+def _group_entry(group: GroupChecksums) -> dict[str, Any]:
+    """One group of a checksum line: its values, the strong lane's and the layer sums
+    where it has them."""
+    entry: dict[str, Any] = {
+        "block_size": group.block_size,
+        "start": group.start,
+        "replica_keys": [list(key) for key in group.replica_keys],
+        "values": [[to_hex(v) for v in row] for row in group.values.tolist()],
+    }
+    if group.strong is not None:
+        entry["strong"] = [[to_hex(v) for v in row] for row in group.strong.tolist()]
+    if group.layer_sums is not None:
+        entry["layer_sums"] = layer_sums_entry(group.layer_sums)
+    return entry
 
 
 def append_checksums(

@@ -104,6 +104,11 @@ MALFORMED = "malformed kvaudit checksum row"
 """The reason of a row with kvaudit's marker whose words no kvaudit prefill writes."""
 
 
+def _entry_name(entry: Any) -> str:
+    """A description layer entry's name (the entry itself, or its ``name``)."""
+    return entry if isinstance(entry, str) else str(entry["name"])
+
+
 def content_signature(
     raw: Mapping[str, Any], layers: Sequence[str] | None = None, tp_size: int = 1
 ) -> int:
@@ -133,7 +138,8 @@ def content_signature(
         "kvaudit-sglang-inline",
         2,
         spec["type"],
-        tuple(group["layers"] if layers is None else layers),
+        # Names only: a layer entry with its own spec (its scales) is a mapping.
+        tuple(_entry_name(entry) for entry in (group["layers"] if layers is None else layers)),
         raw.get("model_kv_heads"),
         spec["head_size"],
         spec.get("head_size_v"),
@@ -156,7 +162,7 @@ def _group_identity(raw: Mapping[str, Any], group: Mapping[str, Any], tp_size: i
         return (
             group["id"],
             spec["type"],
-            tuple(group["layers"]),
+            tuple(_entry_name(entry) for entry in group["layers"]),
             raw.get("model_kv_heads"),
             spec["head_size"],
             spec.get("head_size_v"),

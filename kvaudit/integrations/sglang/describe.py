@@ -19,6 +19,7 @@ Heads are mapped across TP as SGLang's ``QKVParallelLinear`` maps them (``sglang
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -237,6 +238,7 @@ def describe_sglang_cache(
     names: LayerNames = DEFAULT_LAYER_NAME,
     sliding_window: int | None = None,
     state_names: str = STATE_LAYER_NAME,
+    attention: Mapping[int, Any] | None = None,
 ) -> dict[str, Any]:
     """The description dict of one SGLang worker's KV pool (what ``parse_description``
     reads): group 0 the pool's (full-attention) layers; a hybrid pool's second group
@@ -264,6 +266,8 @@ def describe_sglang_cache(
         sliding_window: The window in tokens (the scheduler's ``sliding_window_size``);
             required for an ``SWAKVPool``.
         state_names: The state layers' names, a template with ``{i}`` and ``{state}``.
+        attention: The model's ``RadixAttention`` layers by global layer id
+            (``sglang_attention_layers``), for the scales of an fp8 pool; None: none.
 
     Returns:
         The description as a plain dict.
@@ -276,7 +280,12 @@ def describe_sglang_cache(
     kind = _pool_kind(pool)
     if kind in ("mha", "mla"):
         return _describe_single(
-            pool, tp_rank=tp_rank, tp_size=tp_size, total_kv_heads=total_kv_heads, names=names
+            pool,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            total_kv_heads=total_kv_heads,
+            names=names,
+            attention=attention,
         )
     full = _describe_single(
         pool.full_kv_pool,
@@ -284,6 +293,7 @@ def describe_sglang_cache(
         tp_size=tp_size,
         total_kv_heads=total_kv_heads,
         names=_model_names(pool.full_kv_pool, names),
+        attention=_dense_attention(pool.full_kv_pool, attention),
     )
     page_size = int(pool.page_size)
     if kind == "swa":
@@ -295,6 +305,7 @@ def describe_sglang_cache(
             tp_size=tp_size,
             total_kv_heads=total_kv_heads,
             names=_model_names(pool.swa_kv_pool, names),
+            attention=_dense_attention(pool.swa_kv_pool, attention),
         )
         (group,) = window["groups"]
         group["spec"].update(type="sliding_window", sliding_window=int(sliding_window))
@@ -312,6 +323,15 @@ def _model_names(sub_pool: Any, names: LayerNames) -> Callable[[int], str]:
     """The names of a hybrid pool's sub-pool by dense index: its model layer ids named."""
     ids = tuple(int(i) for i in sub_pool.model_layer_ids)
     return lambda dense: _name_of(names, ids[dense])
+
+
+def _dense_attention(sub_pool: Any, attention: Mapping[int, Any] | None) -> dict[int, Any] | None:
+    """The attention layers of a hybrid pool's sub-pool by its dense index (the ids its
+    own buffers are read by), from the model's by global layer id."""
+    if attention is None:
+        return None
+    ids = tuple(int(i) for i in sub_pool.model_layer_ids)
+    return {dense: attention[i] for dense, i in enumerate(ids) if i in attention}
 
 
 def _state_entries(mamba_pool: Any) -> list[tuple[int, str, torch.Tensor, int]]:
@@ -391,9 +411,15 @@ def _describe_single(
     tp_size: int = 1,
     total_kv_heads: int | None = None,
     names: LayerNames = DEFAULT_LAYER_NAME,
+    attention: Mapping[int, Any] | None = None,
 ) -> dict[str, Any]:
     """The description dict of one SGLang worker's KV pool (what ``parse_description``
     reads), one group (id 0) of the pool's layers.
+
+    Where the pool is quantized (fp8) and ``attention`` holds a layer's ``RadixAttention``
+    with scales loaded (``k_scale_float``, ``v_scale_float``: what SGLang divides K and V
+    by before storing them), the layer's spec carries them as ``k_scale`` and ``v_scale``:
+    on the group's spec where every layer has the same, else on each layer.
 
     A page is a block: ``num_blocks`` is the pool's whole pages, padding page 0 included
     (never a request's). The global heads of a rank follow from its TP rank and size
@@ -409,6 +435,8 @@ def _describe_single(
             get_total_num_kv_heads()``); required for MHA at TP > 1, ignored for MLA.
         names: The layer names: a template with ``{i}``, a mapping or a function of the
             global SGLang layer id.
+        attention: The model's ``RadixAttention`` layers by global layer id
+            (``sglang_attention_layers``); None: no scales recorded.
 
     Returns:
         The description as a plain dict.
@@ -454,16 +482,63 @@ def _describe_single(
         rows = int(pool.kv_buffer[0].shape[0])
         spec.update(type="mla", head_size=int(pool.kv_cache_dim), layout="NTC")
     description["num_blocks"] = _pages(pool, rows)
+    layers: list[Any] = layer_names(pool, names)
+    if attention is not None and pool.dtype.itemsize == 1:
+        # SGLang applies the scales only where it casts K and V to a one-byte dtype.
+        scales = [_scales(attention.get(layer_id), kind == "mla") for layer_id in layer_ids(pool)]
+        if all(found == scales[0] for found in scales):
+            spec.update(scales[0])
+        else:
+            layers = [
+                {"name": name, "spec": found} if found else name
+                for name, found in zip(layers, scales, strict=True)
+            ]
     description["groups"] = [
         {
             "id": 0,
             "transfer": True,
             "host_resident": False,
             "spec": spec,
-            "layers": layer_names(pool, names),
+            "layers": layers,
         }
     ]
     return description
+
+
+def _scales(layer: Any, mla: bool) -> dict[str, float]:
+    """A ``RadixAttention``'s loaded K and V scales (``k_scale_float``, ``v_scale_float``;
+    None until SGLang's ``BaseKVCacheMethod`` loads them, and where the model has no KV
+    cache quantization); an MLA layer (one latent row) its K scale only."""
+    found: dict[str, float] = {}
+    for key in ("k_scale", "v_scale")[: 1 if mla else 2]:
+        value = getattr(layer, f"{key}_float", None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = float(value)
+            if math.isfinite(value) and value > 0:
+                found[key] = value
+    return found
+
+
+def sglang_attention_layers(model: Any) -> dict[int, Any]:
+    """The ``RadixAttention`` layers of an SGLang model by their global layer id (what
+    ``describe_sglang_cache`` reads the scales of).
+
+    Args:
+        model: The model (``scheduler.tp_worker.model_runner.model``), or None.
+
+    Returns:
+        Each attention layer by ``layer_id``; empty where there are none.
+
+    """
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    if not isinstance(model, torch.nn.Module):
+        return {}
+    return {
+        int(module.layer_id): module
+        for module in model.modules()
+        if isinstance(module, RadixAttention)
+    }
 
 
 def _paged(buffer: torch.Tensor, pages: int, page_size: int, dtype: torch.dtype) -> torch.Tensor:

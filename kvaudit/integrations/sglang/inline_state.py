@@ -11,6 +11,7 @@ from typing import Any
 
 from ...records import WorkerRecord
 from ...views.inputs import RequestBlocks
+from .describe import sglang_attention_layers
 from .ranks import PRODUCER, LayerSpan, RankChecksummer, attention_tp, pipeline_ranks
 from .recording import Recorder, settings_from_environment
 
@@ -140,6 +141,7 @@ def rank_checksummer(scheduler: Any, role: str, layers: LayerSpan | None = None)
         _, tp_rank, tp_size = attention_tp(scheduler)
         pp_rank, pp_size = pipeline_ranks()
         total = scheduler.model_config.get_total_num_kv_heads()
+        settings = settings_from_environment()
         cached[1][key] = RankChecksummer(
             pool,
             tp_rank=tp_rank,
@@ -150,8 +152,26 @@ def rank_checksummer(scheduler: Any, role: str, layers: LayerSpan | None = None)
             role=role,
             layers=layers,
             sliding_window=getattr(scheduler, "sliding_window_size", None),
+            attention=attention_layers(scheduler),
+            # Only the output folder's lines carry them (the carried words do not).
+            layer_sums=settings.output is not None and settings.layer_sums,
         )
     return cached[1][key]
+
+
+def attention_layers(scheduler: Any) -> dict[int, Any] | None:
+    """The scheduler's model's ``RadixAttention`` layers by layer id, for the scales of an
+    fp8 pool; None where the model cannot be reached (a scheduler without a model
+    runner): the description then gives no scales, and nothing else changes."""
+    runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
+    model = getattr(runner, "model", None)
+    if model is None:
+        return None
+    try:
+        return sglang_attention_layers(model)
+    except Exception:  # never the engine's failure: no scales is the worst it costs
+        log_fault("reading the attention layers' KV scales")
+        return None
 
 
 def recorder(scheduler: Any, role: str) -> Recorder | None:

@@ -90,14 +90,27 @@ def judge(
         if total == carried.total and residual == 0:
             verdict.verified.append(carried.layers)
             continue
-        what = "replicas disagree" if total == carried.total else "mismatch"
         verdict.failed.append(
-            f"kvaudit KV checksum {what} req={rid} tokens={carried.first}..{carried.end} "
-            f"layers={_layers_text(carried.layers)} expected={carried.total:#018x} "
-            f"got={total:#018x} replica_residual={residual:#x}"
+            _failed_line(rid, carried, total, residual)
             + _failed_groups(carried, [part[n][3:] for part in sums])
         )
     return verdict
+
+
+def _failed_line(rid: str, carried: Carried, total: int, residual: int) -> str:
+    """A mismatch line: what was compared (the ranks' summed checksum of the tokens and
+    layers against the one the prefill carried) and what was found (the totals differ,
+    or they agree but the consumer's replicas of the same KV do not)."""
+    what = "replicas disagree" if total == carried.total else "mismatch"
+    totals = "the totals agree" if total == carried.total else "the totals differ"
+    replicas = "disagree" if residual else "agree"
+    found = f"{totals}; the consumer's replicas {replicas} (replica_residual={residual:#x})"
+    return (
+        f"kvaudit KV checksum {what} req={rid} tokens={carried.first}..{carried.end} "
+        f"layers={_layers_text(carried.layers)}: compared the checksum of these tokens and "
+        f"layers summed over every rank with the one the prefill carried: "
+        f"expected={carried.total:#018x} got={total:#018x}; {found}"
+    )
 
 
 def _failed_groups(carried: Carried, parts: list[list[int]]) -> str:

@@ -53,6 +53,7 @@ def sglang_agent(
     sliding_window: int | None = None,
     state_names: str = STATE_LAYER_NAME,
     lock: threading.Lock | threading.RLock | None = None,
+    attention: Mapping[int, Any] | None = None,
     **options: Any,
 ) -> Agent:
     """An agent serving one SGLang worker's pool on ``path``.
@@ -83,6 +84,8 @@ def sglang_agent(
         names: The layer names, as for ``describe_sglang_cache``.
         sliding_window: The window in tokens (an ``SWAKVPool``).
         state_names: The state layers' names (a ``HybridLinearKVPool``).
+        attention: The model's ``RadixAttention`` layers by layer id
+            (``sglang_attention_layers``), for the scales of an fp8 pool; None: none.
         lock: None to answer in ``poll()``; else the lock the scheduler holds during each
             step.
         **options: ``kvaudit.live.Agent``'s limits (``timeout``, ``wait_timeout``,
@@ -104,6 +107,7 @@ def sglang_agent(
         names=names,
         sliding_window=sliding_window,
         state_names=state_names,
+        attention=attention,
     )
     description = parse_description(raw, f"the SGLang pool of {engine} pp {pp_rank} tp {tp_rank}")
 

@@ -5,6 +5,7 @@ a transfer. Imports SGLang (through ``describe``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -47,6 +48,8 @@ class RankChecksummer:
         names: Any = DEFAULT_LAYER_NAME,
         layers: LayerSpan | None = None,
         sliding_window: int | None = None,
+        attention: Mapping[int, Any] | None = None,
+        layer_sums: bool = False,
     ) -> None:
         from ...checksum.checksummer import Checksummer
 
@@ -57,6 +60,7 @@ class RankChecksummer:
             total_kv_heads=total_kv_heads,
             names=names,
             sliding_window=sliding_window,
+            attention=attention,
         )
         ids = hybrid_layer_ids(pool)
         held = (ids[0], ids[-1] + 1)
@@ -72,10 +76,14 @@ class RankChecksummer:
         if span != held:
             (group,) = raw["groups"]
             chosen = [
-                name for i, name in zip(ids, group["layers"], strict=True) if span[0] <= i < span[1]
+                entry
+                for i, entry in zip(ids, group["layers"], strict=True)
+                if span[0] <= i < span[1]
             ]
             raw = {**raw, "groups": [{**group, "layers": chosen}]}
-            caches = {name: caches[name] for name in chosen}
+            # An entry is a name, or a mapping with its name (a layer with its own scales).
+            kept = [entry if isinstance(entry, str) else entry["name"] for entry in chosen]
+            caches = {name: caches[name] for name in kept}
         self.raw = raw
         self.description = parse_description(raw, "sglang")
         self.tensors = caches
@@ -99,6 +107,7 @@ class RankChecksummer:
             pp_size=pp_size,
             role=role,
             engine=ENGINES[role],
+            layer_sums=layer_sums,
         )
         if self.checksummer.not_covered:
             raise NotDescribable(

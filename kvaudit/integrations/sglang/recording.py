@@ -38,6 +38,8 @@ LIVE_VARIABLE = "KVAUDIT_SGLANG_LIVE"
 OUTPUT_VARIABLE = "KVAUDIT_SGLANG_OUTPUT"
 MAX_DUMP_BYTES_VARIABLE = "KVAUDIT_SGLANG_MAX_DUMP_BYTES"
 ROTATE_DUMPS_VARIABLE = "KVAUDIT_SGLANG_ROTATE_DUMPS"
+LAYER_SUMS_VARIABLE = "KVAUDIT_SGLANG_LAYER_SUMS"
+"""``0`` leaves the per-layer K/V sums out of the checksum lines (default ``1``)."""
 WHERE = "environment"
 
 
@@ -49,17 +51,21 @@ class InlineSettings:
     work); ``max_dump_bytes``: at most this many bytes of dumps per scheduler process (0:
     no dumps, not even of a mismatch); ``rotate_dumps``: a prefill dumps every request it
     sends and keeps the latest within ``max_dump_bytes``, so that a decode's failed check
-    finds the prefill's side still on disk.
+    finds the prefill's side still on disk; ``layer_sums``: each checksum line also holds
+    every block's total split per layer and K or V plane, so that ``kvaudit diff`` of two
+    output folders names the differing layer without a dump (docs/checksum.md, "Layer
+    sums").
     """
 
     output: str | None = None
     max_dump_bytes: int = 0
     rotate_dumps: bool = False
+    layer_sums: bool = True
 
 
 def settings_from_environment(environ: Mapping[str, str] = os.environ) -> InlineSettings:
-    """The settings ``KVAUDIT_SGLANG_OUTPUT``, ``KVAUDIT_SGLANG_MAX_DUMP_BYTES`` and
-    ``KVAUDIT_SGLANG_ROTATE_DUMPS`` give.
+    """The settings ``KVAUDIT_SGLANG_OUTPUT``, ``KVAUDIT_SGLANG_MAX_DUMP_BYTES``,
+    ``KVAUDIT_SGLANG_ROTATE_DUMPS`` and ``KVAUDIT_SGLANG_LAYER_SUMS`` give.
 
     Args:
         environ: The environment (default: this process's).
@@ -81,12 +87,15 @@ def settings_from_environment(environ: Mapping[str, str] = os.environ) -> Inline
     rotate_text = environ.get(ROTATE_DUMPS_VARIABLE, "0").strip() or "0"
     if rotate_text not in ("0", "1"):
         raise KvauditError(f"{ROTATE_DUMPS_VARIABLE}: expected 0 or 1, got {rotate_text!r}", WHERE)
+    sums_text = environ.get(LAYER_SUMS_VARIABLE, "1").strip() or "1"
+    if sums_text not in ("0", "1"):
+        raise KvauditError(f"{LAYER_SUMS_VARIABLE}: expected 0 or 1, got {sums_text!r}", WHERE)
     if folder is None and (int(size_text) or rotate_text == "1"):
         raise KvauditError(
             f"{MAX_DUMP_BYTES_VARIABLE} and {ROTATE_DUMPS_VARIABLE} need {OUTPUT_VARIABLE}",
             WHERE,
         )
-    return InlineSettings(folder, int(size_text), rotate_text == "1")
+    return InlineSettings(folder, int(size_text), rotate_text == "1", sums_text == "1")
 
 
 class Recorder:

@@ -14,11 +14,26 @@ from ...core.scheme import valid_tokens
 
 @dataclass(frozen=True)
 class GroupLayout:
-    """What the scheduler needs of a KV cache group: its block size and whether it may
-    hold null blocks for positions out of its window."""
+    """What the scheduler needs of a KV cache group: its block size, whether it may
+    hold null blocks for positions out of its window, and that window (a sliding
+    window's tokens, or a chunked local attention's chunk; 0: none known)."""
 
     block_size: int
     windowed: bool = False
+    sliding_window: int = 0
+    attention_chunk: int = 0
+
+    def freed_positions(self, computed_tokens: int) -> int:
+        """How many leading block positions vLLM may have given back to its pool once
+        ``computed_tokens`` tokens were computed (the positions out of the window of
+        the next token: their blocks are freed, and reused, while the request runs)."""
+        if self.sliding_window:
+            skipped = max(0, computed_tokens - self.sliding_window + 1)
+        elif self.attention_chunk:
+            skipped = computed_tokens // self.attention_chunk * self.attention_chunk
+        else:
+            return 0
+        return skipped // self.block_size
 
 
 @dataclass
@@ -87,6 +102,44 @@ def compared_text(compared: list[int], held: int, skipped: int) -> str:
     if skipped:
         parts.append(f"{skipped} loaded not compared (the producer's valid tokens differ)")
     return "; ".join(parts)
+
+
+def mismatch_line(
+    audit_id: str,
+    group_id: int,
+    positions: list[int],
+    blocks: list[int],
+    where: str,
+    stale: list[str],
+    searched: int,
+) -> str:
+    """The MISMATCH log line: what was compared, what differs, and what the search of
+    recent producer blocks for the differing checksums found (a search, not a cause).
+
+    Args:
+        audit_id: The request's id.
+        group_id: The group.
+        positions: The positions whose checksums differ.
+        blocks: Their block ids here.
+        where: What was compared (``compared_text``).
+        stale: Per differing position holding a recent producer block's checksum,
+            ``position P holds R position Q``; empty where none does.
+        searched: How many recent producer blocks were searched.
+
+    Returns:
+        The line.
+
+    """
+    found = (
+        "; ".join(stale) + " (a stale block)"
+        if stale
+        else "no recent producer block holds these checksums"
+    )
+    return (
+        f"kvaudit: MISMATCH request {audit_id} group {group_id}: positions {positions} "
+        f"(blocks {blocks}) differ from the producer's checksums ({where}); looked up among "
+        f"the last {searched} blocks received from the producer: {found}"
+    )
 
 
 def replica_differences(mine: Any) -> list[int]:

@@ -16,6 +16,7 @@ _KEYS = (
     "max_dump_bytes",
     "dump_sample_rate",
     "rotate_dumps",
+    "layer_sums",
     "positions",
     "backend",
     "engine",
@@ -35,6 +36,9 @@ class AuditConfig:
     ``rotate_dumps``: a producer dumps every request it sends and keeps the latest within
     ``max_dump_bytes`` (the oldest removed), so a consumer's failed check finds the
     producer's side still on disk;
+    ``layer_sums``: each checksum line also holds every block's total split per layer and
+    K or V plane, so that ``kvaudit diff`` of two output folders names the differing layer
+    without a dump (docs/checksum.md, "Layer sums");
     ``positions``: ``request`` or ``block`` numbering; ``backend``: the checksum backend;
     ``engine``: a label for this engine in records (default: its KV role and engine id);
     ``live_socket``: a folder where each worker serves a live agent on
@@ -46,6 +50,7 @@ class AuditConfig:
     max_dump_bytes: int = 0
     dump_sample_rate: float = 0.0
     rotate_dumps: bool = False
+    layer_sums: bool = True
     positions: str = "request"
     backend: str = "auto"
     engine: str = ""
@@ -87,6 +92,9 @@ def parse_config(raw: object) -> AuditConfig:
     rotate = values.get("rotate_dumps", False)
     if not isinstance(rotate, bool):
         raise KvauditError(f"rotate_dumps: expected true or false, got {rotate!r}", WHERE)
+    layer_sums = values.get("layer_sums", True)
+    if not isinstance(layer_sums, bool):
+        raise KvauditError(f"layer_sums: expected true or false, got {layer_sums!r}", WHERE)
     engine = values.get("engine", "")
     if not isinstance(engine, str):
         raise KvauditError(f"engine: expected text, got {engine!r}", WHERE)
@@ -99,6 +107,7 @@ def parse_config(raw: object) -> AuditConfig:
         max_dump_bytes=size,
         dump_sample_rate=float(rate),
         rotate_dumps=rotate,
+        layer_sums=layer_sums,
         positions=values.get("positions", "request"),
         backend=values.get("backend", "auto"),
         engine=engine,

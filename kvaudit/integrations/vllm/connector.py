@@ -223,7 +223,13 @@ class KVAuditConnector(WrappedClassQueries, KVConnectorBase_V1):
         tp_rank, tp_size, pp_rank, pp_size = worker_ranks(self._vllm_config)
         worker = WorkerInfo(tp_rank, tp_size, pp_rank, pp_size, "consumer", self.engine_label)
         heads = model_kv_heads(self._vllm_config)
-        description_dict, left_out = describe_vllm_cache(self._kv_cache_config, kv_caches, heads)
+        # The attention modules, for the scales of a quantized (fp8) cache.
+        modules = getattr(
+            getattr(self._vllm_config, "compilation_config", None), "static_forward_context", None
+        )
+        description_dict, left_out = describe_vllm_cache(
+            self._kv_cache_config, kv_caches, heads, modules if isinstance(modules, dict) else None
+        )
         if not description_dict["groups"]:
             reasons = "; ".join(f"group {gid}: {why}" for gid, why in sorted(left_out.items()))
             logger.warning("kvaudit: no KV cache group of this worker can be audited (%s)", reasons)

@@ -8,6 +8,7 @@ heads, tokens, K row then V row]`` (kernel blocks, any strides), which is kvaudi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +24,8 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
+
+from ...core.dtypes import parse_dtype
 
 # Most derived first: an MLA spec is a full-attention spec, a sliding-window MLA spec a
 # sliding-window spec.
@@ -43,10 +46,25 @@ def describe_vllm_cache(
     kv_cache_config: KVCacheConfig,
     kv_caches: Mapping[str, torch.Tensor],
     model_kv_heads: int | None = None,
+    attention_layers: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], dict[int, str]]:
     """The description dict of this worker's caches, and the groups left out (id: why).
 
-    Group ids are the indices of ``kv_cache_config.kv_cache_groups``.
+    Group ids are the indices of ``kv_cache_config.kv_cache_groups``. Where
+    ``attention_layers`` holds a layer's ``Attention`` module and its cache is quantized
+    (fp8), the layer's spec carries the module's ``k_scale`` and ``v_scale``
+    (``layer_scales``).
+
+    Args:
+        kv_cache_config: The worker's ``KVCacheConfig``.
+        kv_caches: The caches ``register_kv_caches`` was handed, by layer name.
+        model_kv_heads: The model's KV heads, where every attention layer shares them.
+        attention_layers: The attention modules by layer name (vLLM's
+            ``compilation_config.static_forward_context``); None: no scales recorded.
+
+    Returns:
+        The description dict, and the groups left out with why.
+
     """
     groups = []
     left_out: dict[int, str] = {}
@@ -61,7 +79,9 @@ def describe_vllm_cache(
                 cache = kv_caches.get(name)
                 if cache is None:
                     raise NotDescribable(f"layer {name} has no cache in register_kv_caches")
-                layers.append({"name": name, "spec": _attention_spec(spec, cache, name)})
+                layer_spec = _attention_spec(spec, cache, name)
+                layer_spec.update(layer_scales((attention_layers or {}).get(name), layer_spec))
+                layers.append({"name": name, "spec": layer_spec})
         except NotDescribable as error:
             left_out[group_id] = str(error)
             continue
@@ -90,6 +110,51 @@ def describe_vllm_cache(
     if drafts:
         description["draft_layers"] = drafts
     return description, left_out
+
+
+def _scale_of(module: Any, name: str) -> float | None:
+    """A module's scale ``name`` (``k_scale``, ``v_scale``): its host copy
+    ``_{name}_float`` where it has one (what vLLM's backends read), else its one-element
+    tensor ``_{name}``; None where it has neither or the value is not a positive finite
+    number."""
+    value = getattr(module, f"_{name}_float", None)
+    if value is None:
+        tensor = getattr(module, f"_{name}", None)
+        if isinstance(tensor, torch.Tensor) and tensor.numel() == 1:
+            value = tensor.detach().to("cpu", torch.float64).item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) and value > 0 else None
+
+
+def layer_scales(module: Any, spec: Mapping[str, Any]) -> dict[str, float]:
+    """The K and V scales of one attention module, for its layer's spec: only where its
+    cache is quantized (a one-byte dtype, or ``kv_cache_dtype`` other than ``auto``):
+    vLLM keeps scales of 1.0 on every layer, which an unquantized cache never applies.
+    An MLA layer (no V rows) gets its K scale only.
+
+    Args:
+        module: The layer's ``Attention`` (or MLA attention) module; None: no scales.
+        spec: The layer's spec dict as ``describe_vllm_cache`` builds it.
+
+    Returns:
+        ``k_scale`` and ``v_scale`` where the module has them, else nothing.
+
+    """
+    if module is None:
+        return {}
+    quantized = str(getattr(module, "kv_cache_dtype", "auto")) != "auto"
+    try:
+        one_byte = parse_dtype(str(spec["dtype"])).itemsize == 1
+    except ValueError:
+        one_byte = False
+    if not (quantized or one_byte):
+        return {}
+    found = {key: _scale_of(module, key) for key in ("k_scale", "v_scale")}
+    if not spec.get("head_size_v"):
+        found.pop("v_scale")
+    return {key: value for key, value in found.items() if value is not None}
 
 
 def _layer_spec(spec: KVCacheSpec, name: str) -> KVCacheSpec:

@@ -157,7 +157,11 @@ def group_layouts(kv_cache_config: KVCacheConfig) -> dict[int, GroupLayout]:
         if not group.enable_kv_transfer or not all(isinstance(s, AttentionSpec) for s in specs):
             continue
         windowed = any(isinstance(s, (SlidingWindowSpec, ChunkedLocalAttentionSpec)) for s in specs)
-        out[group_id] = GroupLayout(int(spec.block_size), windowed)
+        window = max((s.sliding_window for s in specs if isinstance(s, SlidingWindowSpec)),
+                     default=0)  # fmt: skip
+        chunk = max((s.attention_chunk_size for s in specs
+                     if isinstance(s, ChunkedLocalAttentionSpec)), default=0)  # fmt: skip
+        out[group_id] = GroupLayout(int(spec.block_size), windowed, int(window), int(chunk))
     return out
 
 

@@ -27,6 +27,7 @@ from .checks import (
     GroupLayout,
     compared_positions,
     compared_text,
+    mismatch_line,
     position_span,
     replica_differences,
 )
@@ -168,7 +169,7 @@ class SchedulerAudit:
             if state is None:
                 continue
             state.tables = [list(ids) for ids in new.block_ids]
-            self._maybe_produce(state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+            self._maybe_produce(state, new.num_computed_tokens, scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             state = self._requests.get(rid)
@@ -181,7 +182,7 @@ class SchedulerAudit:
                 else:
                     for table, ids in zip(state.tables, new_ids, strict=False):
                         table.extend(ids)
-            self._maybe_produce(state, cached.num_computed_tokens[i] + scheduled.get(rid, 0))
+            self._maybe_produce(state, cached.num_computed_tokens[i], scheduled.get(rid, 0))
         for state in self._requests.values():
             if state.consumer_due:
                 state.consumer_due = False
@@ -204,19 +205,21 @@ class SchedulerAudit:
             state = self._requests.get(rid)
             if state is not None and state.tables:
                 tokens = int(done) + int(scheduled.get(rid, 0))
-                tables[state.audit_id] = (tokens, self._groups_of(state, tokens))
+                tables[state.audit_id] = (tokens, self._groups_of(state, tokens, done=int(done)))
         return tables
 
-    def _maybe_produce(self, state: _Request, computed: int) -> None:
+    def _maybe_produce(self, state: _Request, done: int, scheduled: int) -> None:
+        """A producer job once this step (``scheduled`` tokens after ``done``) completes
+        the request's prompt."""
         if not self.producer or state.role == CONSUMER or state.produced:
             return
-        if computed < state.prompt_tokens or state.prompt_tokens == 0:
+        if done + scheduled < state.prompt_tokens or state.prompt_tokens == 0:
             return
         state.role = PRODUCER
         state.produced = True
         job = AuditJob(
             state.request, state.audit_id, PRODUCER, state.prompt_tokens,
-            self._groups_of(state, state.prompt_tokens),
+            self._groups_of(state, state.prompt_tokens, done=done),
             dump=self.config.rotate_dumps or self.dump_sampled(state.audit_id),
             prompt=state.prompt,
         )  # fmt: skip
@@ -248,18 +251,22 @@ class SchedulerAudit:
         self._step.jobs.append(job)
 
     def _groups_of(
-        self, state: _Request, num_tokens: int, first_token: int = 0
+        self, state: _Request, num_tokens: int, first_token: int = 0, done: int = 0
     ) -> dict[int, tuple[int, list[int]]]:
         """Per audited group, the first position and block ids of the request's tokens
         ``first_token .. num_tokens - 1`` (a position holding any token before
-        ``first_token`` is left out)."""
+        ``first_token`` is left out). In a windowed group, positions out of the window
+        once ``done`` tokens were computed (at this step's start) are left out too:
+        vLLM freed their blocks then without saying so in its scheduler output, so the
+        ids the tables still hold there may be another request's, or this one's at a
+        later position."""
         out = {}
         for gid, layout in self.groups.items():
             if gid >= len(state.tables):
                 continue
             count = -(-num_tokens // layout.block_size)
             ids = state.tables[gid][:count]
-            start = -(-first_token // layout.block_size)
+            start = max(-(-first_token // layout.block_size), layout.freed_positions(done))
             if layout.windowed:
                 while start < len(ids) and ids[start] == NULL_BLOCK:
                     start += 1
@@ -438,15 +445,8 @@ class SchedulerAudit:
                 found = self._stale.get((group.group_id, int(totals[p - mine.start])))
                 if found is not None and found != (state.audit_id, p):
                     stale.append(f"position {p} holds {found[0]} position {found[1]}")
-            found_text = "; ".join(stale) + " (a stale block)" if stale else (
-                f"none of the last {_STALE_INDEX_SIZE} blocks received from the producer "
-                "holds their checksums"
-            )  # fmt: skip
-            logger.error(
-                "kvaudit: MISMATCH request %s group %d: positions %s (blocks %s) differ from "
-                "the producer's checksums; %s; %s",
-                state.audit_id, group.group_id, sorted(positions), blocks, where, found_text,
-            )  # fmt: skip
+            logger.error(mismatch_line(state.audit_id, group.group_id, sorted(positions), blocks,
+                                       where, stale, _STALE_INDEX_SIZE))  # fmt: skip
             self.counters.mismatched_blocks += len(positions)
         if bad_blocks:
             self.counters.mismatched_requests += 1

@@ -63,6 +63,8 @@ class WorkerAudit:
             "engine": worker.engine,
             "source": f"worker pp{worker.pp_rank} tp{worker.tp_rank}",
             "left_out": left_out,
+            # Only the output folder's lines carry them (the wire and the verdict do not).
+            "layer_sums": config.layer_sums and config.output is not None,
         }
         self.checksummers = {
             PRODUCER: Checksummer(description, self.tensors, role="producer", **common),
