@@ -39,7 +39,14 @@ from sglang.srt.disaggregation.utils import (
     kv_layout_signature,
 )
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.memory_pool import (
+    HybridLinearKVPool,
+    HybridReqToTokenPool,
+    KVWriteLoc,
+    MHATokenToKVPool,
+    MLATokenToKVPool,
+    ReqToTokenPool,
+)
 from sglang.srt.plugins.hook_registry import HookRegistry
 
 from kvaudit.integrations.sglang import inline, plugin, sglang_kv_heads
@@ -61,6 +68,120 @@ REQUESTS = {
 }
 CHANGED = ("req-bad", 1, 2, 33)  # the decode's corrupted cell: layer 1, head 2, token 33
 HOOKED = {"send_kv_chunk", "_commit_transfer_to_req", "_verify_kv_checksums"}
+HYBRID = ("swa", "linear")
+"""Hybrid pool kinds: ``swa`` (an ``SWAKVPool``: layer 0 full attention, layer 1 a
+``WINDOW``-token window in its own pool) and ``linear`` (a ``HybridLinearKVPool``: layer 0
+full attention, layer 1 a GatedDeltaNet-like Mamba layer whose states live in the
+``HybridReqToTokenPool``'s ``MambaPool``, one slot per request)."""
+WINDOW = 20
+# The Mamba layer: conv state cat(q, k, v) of 16 + 16 + 32 rows (each sub-block sharded on
+# its own across TP), 3 taps; temporal state [4 heads, 8, 8].
+KEY_DIM, VALUE_DIM, CONV_TAPS, STATE_HEADS, STATE_DIM = 16, 32, 3, 4, 8
+CONV_GROUPS = (KEY_DIM, KEY_DIM, VALUE_DIM)
+STATE_NAME = "model.layers.{i}.linear_attn.{state}"
+
+
+def state_of(rid: str, temporal_dtype: torch.dtype = torch.float32):
+    """The request's global Mamba state after its prompt: conv ``[64, 3]`` (bf16) and
+    temporal ``[4, 8, 8]``."""
+    gen = torch.Generator().manual_seed(200 + sorted(REQUESTS).index(rid))
+    conv = torch.randn(sum(CONV_GROUPS), CONV_TAPS, generator=gen).to(DTYPE)
+    temporal = torch.randn(STATE_HEADS, STATE_DIM, STATE_DIM, generator=gen).to(temporal_dtype)
+    return conv, temporal
+
+
+def rank_state(state, tp_rank: int, tp_size: int, contiguous: bool = False):
+    """TP rank ``tp_rank``'s part of a global state, as SGLang shards it: each q/k/v
+    sub-block of the conv state on its own (``contiguous``: one contiguous slice instead,
+    the fault of a transfer that ignores ``conv_shard_groups``)."""
+    conv, temporal = state
+    if contiguous:
+        rows = conv.shape[0] // tp_size
+        part = conv[tp_rank * rows : (tp_rank + 1) * rows]
+    else:
+        parts, first = [], 0
+        for size in CONV_GROUPS:
+            local = size // tp_size
+            parts.append(conv[first + tp_rank * local : first + (tp_rank + 1) * local])
+            first += size
+        part = torch.cat(parts)
+    heads = STATE_HEADS // tp_size
+    return part, temporal[tp_rank * heads : (tp_rank + 1) * heads]
+
+
+def hybrid_pools(kind: str, tp_size: int, heads: int, page: int, temporal_dtype: torch.dtype):
+    """A hybrid kind's real pool, allocator and request rows on the CPU."""
+    from sglang.srt.configs.mamba_utils import (
+        Mamba2CacheParams,
+        Mamba2StateDType,
+        Mamba2StateShape,
+    )
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    if kind == "swa":
+        pool = SWAKVPool(
+            size=page * 32,
+            size_swa=page * 16,
+            page_size=page,
+            dtype=DTYPE,
+            head_num=heads,
+            head_dim=HEAD_DIM,
+            swa_attention_layer_ids=[1],
+            full_attention_layer_ids=[0],
+            device="cpu",
+        )
+        allocator = SWATokenToKVPoolAllocator(
+            size=page * 32,
+            size_swa=page * 16,
+            page_size=page,
+            dtype=DTYPE,
+            device="cpu",
+            kvcache=pool,
+            need_sort=False,
+        )
+        r2t = ReqToTokenPool(size=8, max_context_len=128, device="cpu", enable_memory_saver=False)
+        return pool, allocator, r2t
+    shape = Mamba2StateShape.create(
+        tp_world_size=tp_size,
+        intermediate_size=VALUE_DIM,
+        n_groups=KEY_DIM // STATE_DIM,
+        num_heads=STATE_HEADS,
+        head_dim=STATE_DIM,
+        state_size=STATE_DIM,
+        conv_kernel=CONV_TAPS + 1,
+        conv_shard_groups=list(CONV_GROUPS),
+    )
+    params = Mamba2CacheParams(
+        shape=shape,
+        layers=[1],
+        dtype=Mamba2StateDType(conv=DTYPE, temporal=temporal_dtype),
+    )
+    r2t = HybridReqToTokenPool(
+        size=8,
+        mamba_size=8,
+        mamba_spec_state_size=8,
+        max_context_len=128,
+        device="cpu",
+        enable_memory_saver=False,
+        cache_params=params,
+        mamba_layer_ids=[1],
+        enable_mamba_extra_buffer=False,
+    )
+    pool = HybridLinearKVPool(
+        size=page * 32,
+        dtype=DTYPE,
+        page_size=page,
+        head_num=heads,
+        head_dim=HEAD_DIM,
+        full_attention_layer_ids=[0],
+        device="cpu",
+        mamba_pool=r2t.mamba_pool,
+    )
+    allocator = PagedTokenToKVPoolAllocator(
+        size=page * 32, page_size=page, dtype=DTYPE, device="cpu", kvcache=pool, need_sort=False
+    )
+    return pool, allocator, r2t
 
 
 def register_inline() -> None:
@@ -105,10 +226,15 @@ class World:
         page: int = PAGE,
         layers: tuple[int, int] = (0, LAYERS),
         kind: str = "mha",
+        faults: dict[str, str] | None = None,
+        temporal_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.shard = sglang_kv_heads(tp_rank, tp_size, HEADS)
         self.layers = layers
         self.kind = kind
+        if kind in HYBRID:
+            self._hybrid(tp_rank, tp_size, order, junk, page, faults or {}, temporal_dtype)
+            return
         common = dict(
             size=page * 32,
             page_size=page,
@@ -162,11 +288,84 @@ class World:
                     SimpleNamespace(layer_id=layer), loc.long(), k[:, part], v[:, part]
                 )
 
+    def _hybrid(self, tp_rank, tp_size, order, junk, page, faults, temporal_dtype) -> None:
+        """A hybrid world: layer 0's KV through the pool's own ``set_kv_buffer``; the
+        window layer's only at the window's pages (the decode receives no more), through
+        SGLang's ``set_full_to_swa_mapping``; the Mamba states in each request's state
+        slot. ``faults`` per request: ``window-not-sent`` (the window's pages left as
+        allocated), ``stale-window`` (one window page holding another request's KV),
+        ``contiguous-state`` (the conv state as a TP=2 source's rows land when sliced
+        contiguously), ``full-cell`` (one element of layer 0 changed)."""
+        self.pool, self.allocator, self.req_to_token = hybrid_pools(
+            self.kind, tp_size, self.shard.count, page, temporal_dtype
+        )
+        self.metadata = MetadataBuffers(
+            size=8,
+            hidden_size=16,
+            hidden_states_dtype=DTYPE,
+            max_sampling_mask_tokens=16,
+            kv_checksum_enabled=True,
+        )
+        self.rows = {}
+        full = self.allocator.full_attn_allocator if self.kind == "swa" else self.allocator
+        full.alloc(junk * page)
+        if self.kind == "swa":
+            self.allocator.swa_attn_allocator.alloc((junk % 3 + 1) * page)
+        else:
+            self.req_to_token.mamba_allocator.alloc(junk % 3 + 1)
+        part = slice(self.shard.first, self.shard.first + self.shard.count)
+        for rid in order:
+            n = REQUESTS[rid][0]
+            pages = -(-n // page)
+            loc = full.alloc(pages * page)
+            (row,) = self.req_to_token.alloc_rows(1)
+            self.req_to_token.write((row, slice(0, n)), loc[:n].to(torch.int32))
+            self.rows[rid] = row
+            k, v = kv_of(rid)[0]
+            if faults.get(rid) == "full-cell":  # layer 0, token 33, element 3 of every head
+                k = k.clone()
+                k[33, :, 3] += 1.0
+            self.pool.set_kv_buffer(
+                SimpleNamespace(layer_id=0), loc[:n].long(), k[:, part], v[:, part]
+            )
+            if self.kind == "swa":
+                start = (max(0, n - WINDOW) // page) * page
+                swa = self.allocator.swa_attn_allocator.alloc(pages * page - start)
+                self.allocator.set_full_to_swa_mapping(loc[start:], swa)
+                k, v = kv_of(rid)[1]
+                if faults.get(rid) == "stale-window":  # the first window page: another's
+                    k = k.clone()
+                    stale = kv_of("req-plain")[1][0][: min(page, n - start)]
+                    k[start : start + stale.shape[0]] = stale
+                if faults.get(rid) != "window-not-sent":
+                    written = KVWriteLoc(loc[start:n].long(), swa_loc=swa[: n - start].long())
+                    self.pool.set_kv_buffer(
+                        SimpleNamespace(layer_id=1),
+                        written,
+                        k[start:n, part],
+                        v[start:n, part],
+                    )
+                continue
+            (slot,) = self.req_to_token.mamba_allocator.alloc(1).tolist()
+            self.req_to_token.req_index_to_mamba_index_mapping[row] = slot
+            state = state_of(rid, temporal_dtype)
+            conv, temporal = rank_state(state, tp_rank, tp_size)
+            if faults.get(rid) == "contiguous-state":
+                # What a transfer from two TP ranks that ignores conv_shard_groups puts
+                # here: each source rank's conv rows (its q, k and v parts) in one run.
+                sources = torch.cat([rank_state(state, r, 2)[0] for r in range(2)])
+                conv = rank_state((sources, temporal), tp_rank, tp_size, contiguous=True)[0]
+            cache = self.pool.mamba_pool.mamba_cache
+            cache.conv[0][0, slot] = conv
+            cache.temporal[0, slot] = temporal
+
     def sglang_digest(self):
         """SGLang's own digest (``KvChecksumComputer.compute``: Adler-32 of this rank's
         bytes, buffer-major, page-minor), on the CPU."""
         if self.kind == "mla":
             buffers = list(self.pool.kv_buffer)
+        elif self.kind in HYBRID:  # the full pool's pages (the state's digest left out)
+            buffers = self.pool.full_kv_pool.k_buffer + self.pool.full_kv_pool.v_buffer
         else:
             buffers = self.pool.k_buffer + self.pool.v_buffer
         _, _, item_lens = self.pool.get_contiguous_buf_infos()
@@ -215,6 +414,7 @@ def prefill_rank(
     pp_size: int = 1,
     output: str | None = None,
     kind: str = "mha",
+    temporal_dtype: str = "float32",
 ) -> None:
     """One prefill rank (a spawned process; world rank ``pp_rank * tp_size + tp_rank``,
     each PP stage's TP ranks one gloo group): the real ``send_kv_chunk`` of every
@@ -257,6 +457,7 @@ def prefill_rank(
         junk=3 + rank,
         layers=stage_layers(pp_rank, pp_size),
         kind=kind,
+        temporal_dtype=getattr(torch, temporal_dtype),
     )
     heads = 1 if kind == "mla" else HEADS
     parallel = {"tp_rank": tp_rank, "pp_rank": pp_rank, "dp_rank": 0, "attn_tp_rank": tp_rank}
@@ -271,7 +472,9 @@ def prefill_rank(
             token_to_kv_pool_allocator=world.allocator,
             rust_server=None,
             model_config=SimpleNamespace(
-                hf_text_config=None,
+                hf_text_config=SimpleNamespace(full_attention_layer_ids=[0])
+                if kind == "linear"
+                else None,
                 num_hidden_layers=LAYERS,
                 get_total_num_kv_heads=lambda: heads,
             ),
@@ -291,6 +494,7 @@ def prefill_rank(
             transfer_backend=TransferBackend.FAKE,
         )
         sched.kv_checksum_computer = world.sglang_digest()  # compute() needs CUDA
+        sched.sliding_window_size = WINDOW
         sched.disagg_prefill_bootstrap_queue = queue
         sched.disagg_metadata_buffers = world.metadata
         sched.enable_staging = False
@@ -356,6 +560,8 @@ class Decode:
         layers: tuple[int, int] = (0, LAYERS),
         changed: tuple[str, int, int, int] = CHANGED,
         kind: str = "mha",
+        faults: dict[str, str] | None = None,
+        temporal_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.world = World(
             tp_rank,
@@ -365,10 +571,14 @@ class Decode:
             page,
             layers,
             kind,
+            faults,
+            temporal_dtype,
         )
         rid, layer, head, token = changed
         shard = self.world.shard
-        if kind == "mla" and layers[0] <= layer < layers[1]:  # the latent's element 3
+        if kind in HYBRID:  # its faults are the world's (``faults``)
+            pass
+        elif kind == "mla" and layers[0] <= layer < layers[1]:  # the latent's element 3
             slot = int(self.world.req_to_token.req_to_token[self.world.rows[rid], token])
             self.world.pool.kv_buffer[layer - layers[0]][slot, 0, 3] += 1.0
         elif shard.first <= head < shard.first + shard.count and layers[0] <= layer < layers[1]:
@@ -414,6 +624,7 @@ class Decode:
         sched._handle_kv_checksum_mismatch = MethodType(
             SchedulerDisaggregationDecodeMixin._handle_kv_checksum_mismatch, sched
         )
+        sched.sliding_window_size = WINDOW
         self.sched = sched
         self.queue = DecodeTransferQueue(
             req_to_metadata_buffer_idx_allocator=ReqToMetadataIdxAllocator(8),
@@ -465,14 +676,19 @@ def row_words(prefill: list[dict], rid: str, rank: int = 1) -> list[int]:
 
 
 def run_prefill(
-    out: Path, tp_size: int = 2, pp_size: int = 1, output: str | None = None, kind: str = "mha"
+    out: Path,
+    tp_size: int = 2,
+    pp_size: int = 1,
+    output: str | None = None,
+    kind: str = "mha",
+    temporal_dtype: str = "float32",
 ) -> list[dict]:
     """A whole prefill: ``prefill_rank`` in ``tp_size * pp_size`` spawned processes (their
     files under ``out``); every rank's results, in world rank order."""
     import torch.multiprocessing as mp
 
     ranks = tp_size * pp_size
-    args = (str(out / "init"), str(out), tp_size, pp_size, output, kind)
+    args = (str(out / "init"), str(out), tp_size, pp_size, output, kind, temporal_dtype)
     mp.spawn(prefill_rank, args=args, nprocs=ranks)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
 

@@ -72,3 +72,83 @@ def expected_mla_moments(rid: str, first: int) -> tuple[int, int, int]:
         for layer, latent in latent_of(rid).items()
     )
     return _moments(ref.Group(PAGE, layers), REQUESTS[rid][0], first)
+
+
+def _uint(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor's elements as unsigned integers of their own width (2 or 4 bytes)."""
+    width = {2: (torch.int16, np.uint16), 4: (torch.int32, np.uint32)}[tensor.element_size()]
+    return tensor.contiguous().view(width[0]).numpy().view(width[1])
+
+
+def _hybrid_groups(rid: str, first: int, kind: str) -> dict[int, tuple[ref.Group, int]]:
+    """A hybrid world's request (pd_world's ``swa`` or ``linear``) over the range from
+    ``first``, per group its reference group and first block: group 0 layer 0's blocks;
+    ``swa``: group 1 the window layer's blocks from the window's first page (``max(first,
+    tokens - WINDOW)`` rounded down to a page); ``linear``: group 1 the request's Mamba
+    state, each global row of its conv and temporal states one slice (spec "State (Mamba)
+    groups"), its one block at 0."""
+    from pd_world import CONV_GROUPS, STATE_NAME, WINDOW, state_of
+
+    from kvaudit.integrations.sglang.describe import STATE_BLOCK_TOKENS
+
+    n = REQUESTS[rid][0]
+    kv = kv_of(rid)
+
+    def attention(layer: int) -> ref.Group:
+        cells = torch.cat(kv[layer], dim=-1).contiguous().view(torch.uint8).numpy()
+        return ref.Group(PAGE, (ref.Layer(NAME.format(i=layer), cells),))
+
+    groups = {0: (attention(0), first // PAGE)}
+    if kind == "swa":
+        groups[1] = (attention(1), max(first, n - WINDOW) // PAGE)
+        return groups
+    conv, temporal = state_of(rid)
+    caches = (
+        ref.SplitState(
+            STATE_NAME.format(i=1, state="conv"),
+            (_uint(conv)[None],),
+            (0,),
+            (tuple((rows, 1) for rows in CONV_GROUPS),),
+        ),
+        ref.SplitState(
+            STATE_NAME.format(i=1, state="temporal"),
+            (_uint(temporal)[None],),
+            (0,),
+            (((temporal.shape[0], 1),),),
+        ),
+    )
+    groups[1] = (ref.Group(STATE_BLOCK_TOKENS, caches), 0)
+    return groups
+
+
+def expected_group_sums(rid: str, first: int, kind: str) -> dict[int, int]:
+    """The spec's (seed lane's) sum per group of a hybrid world's request over the range
+    from ``first`` (``_hybrid_groups``)."""
+    n = REQUESTS[rid][0]
+    return {
+        g: int(ref.total(ref.block_checksums(group, n, start=start)).sum(dtype=np.uint64))
+        for g, (group, start) in _hybrid_groups(rid, first, kind).items()
+    }
+
+
+def expected_hybrid_strong(
+    rid: str, first: int, kind: str
+) -> tuple[dict[int, int], tuple[int, int, int]]:
+    """The strong lane of a hybrid world's request over the range from ``first``
+    (``_hybrid_groups``), as the inline check carries it (docs/sglang.md): per group its
+    sum modulo ``2**64 - 59``, and the moments ``sum (j + 1)**m * S_j`` over every group's
+    blocks, a page's at ``j`` its position, the state's at weight 0 (``m = 0`` only)."""
+    n = REQUESTS[rid][0]
+    prime = ref.STRONG_PRIME
+    sums: dict[int, int] = {}
+    moments = [0, 0, 0]
+    for g, (group, start) in _hybrid_groups(rid, first, kind).items():
+        by_class = ref.strong_block_checksums(group, n, start=start)
+        blocks = [sum(values) % prime for values in zip(*by_class.values(), strict=True)]
+        sums[g] = sum(blocks) % prime
+        state = group.block_size != PAGE
+        for i, value in enumerate(blocks):
+            x = 0 if state else start + i + 1
+            for m in range(3):
+                moments[m] = (moments[m] + x**m * value) % prime
+    return sums, (moments[0], moments[1], moments[2])

@@ -150,7 +150,8 @@ def test_other_layouts_and_pools_are_refused(monkeypatch: pytest.MonkeyPatch) ->
         full_attention_layer_ids=[1],
         device="cpu",
     )
-    with pytest.raises(NotDescribable, match="SWAKVPool is not described yet"):
+    # Described with its window (tests/sglang/test_hybrid.py); never without it.
+    with pytest.raises(NotDescribable, match="an SWAKVPool needs its sliding window"):
         describe_sglang_cache(swa)
     # Padding page 0 and slots out of their page's place are not a request's blocks.
     with pytest.raises(NotDescribable, match="padding page 0"):

@@ -22,11 +22,31 @@ Three moments locate one differing unit among any number (``(j + 1) = M'_1 / M'_
 the differences), name every differing unit of a range of up to three, and make a
 difference confined to up to three units (each unit's strong lane changed, as every one-
 or two-bit fault changes it) certain to be seen: the Vandermonde matrix of distinct
-nonzero ``j + 1`` is invertible modulo the prime.
+``j + 1`` is invertible modulo the prime.
+
+A hybrid pool's request (two groups: full attention and window, or full attention and
+Mamba state) is summed over every group: ``S_j`` is every paged group's blocks of unit
+``j`` (the full layers' page and, where the window holds it, the window pool's page of
+the same positions); a state group's block (the whole request's state, no position) is
+the unit ``j = -1``, weight ``j + 1 = 0``, in ``M_0`` alone: distinct from every page's
+weight, so the three moments' claims hold with it as one of the units. Each group's own
+strong-lane sum and signature travel in the spare words of the request's
+``bootstrap_room`` row of the same metadata buffers (SGLang reads word 0 only), so that
+the decode names the group that failed; the checksum row alone covers every group:
+
+====  =====================================================================
+word  content (``bootstrap_room`` row)
+====  =====================================================================
+1     ``GROUPS_TAG << 48 | groups`` (0: no group words)
+2k+2  group ``k``'s ``id << 32 | group_signature`` (low 32 bits), ``k < MAX_GROUPS``
+2k+3  group ``k``'s strong lane summed over its blocks of the range and the stage's
+      ranks, modulo ``2**64 - 59`` (its part of ``M_0``)
+====  =====================================================================
 
 Version 2 (``MARKER``: word 2 the marker, 3 the seed lane's sum over the range's blocks,
 4 and 5 the range, 6 the 63-bit signature, 7 the layer word) is still read, from an older
-kvaudit prefill, and compared by the seed lane alone.
+kvaudit prefill, and compared by the seed lane alone (over every group, its group words
+unused).
 
 This module imports neither SGLang nor anything that does.
 """
@@ -57,13 +77,22 @@ STRONG, SEED = "strong", "seed"
 """The lanes a row carries: the strong lane's moments (version 3), the seed lane's sum."""
 
 
+GROUPS_TAG = 0x6B67
+"""The top 16 bits of word 1 of a ``bootstrap_room`` row that carries group words."""
+MAX_GROUPS = 3
+"""Groups a row carries words of (words 2..7 of the ``bootstrap_room`` row)."""
+GroupWord = tuple[int, int, int]
+"""One group's words: ``(group id, low 32 bits of its signature, its strong-lane sum)``."""
+
+
 @dataclass(frozen=True)
 class Carried:
     """What a prefill wrote into a request's checksum row: over tokens ``first .. end -
     1`` and global layer ids ``layers[0] .. layers[1] - 1``, under ``signature``, for the
     transfer whose bootstrap room's low 32 bits are ``room``, ``sums``: the strong lane's
     moments over units of ``unit`` tokens (``lane`` strong), or the seed lane's sum over
-    the range (``lane`` seed, ``unit`` 0: a version 2 row)."""
+    the range (``lane`` seed, ``unit`` 0: a version 2 row); ``groups``: a hybrid pool's
+    group words from the ``bootstrap_room`` row."""
 
     sums: tuple[int, ...]
     first: int
@@ -72,6 +101,8 @@ class Carried:
     layers: tuple[int, int]
     room: int
     unit: int = 0
+    groups: tuple[GroupWord, ...] = ()
+    """Each group's words, for a description of several groups (else empty)."""
 
     @property
     def lane(self) -> str:
@@ -120,19 +151,29 @@ def _entry_name(entry: Any) -> str:
     return entry if isinstance(entry, str) else str(entry["name"])
 
 
-def content_signature(raw: Mapping[str, Any], layers: Sequence[str] | None = None) -> int:
+def content_signature(
+    raw: Mapping[str, Any], layers: Sequence[str] | None = None, tp_size: int = 1
+) -> int:
     """A 63-bit nonzero hash of what a checksum of a description's layers covers,
     independent of TP width, page size and block count: kind, layer names, model KV
-    heads, head sizes and dtype.
+    heads, head sizes and dtype (of a description of several groups: every group's
+    ``group_signature`` identity, in order).
 
     Args:
         raw: ``describe_sglang_cache``'s dict.
-        layers: The layer names summed (default: every layer of the description).
+        layers: The layer names summed (default: every layer of the description; a
+            description of one group only).
+        tp_size: The TP size the description's state rows are split over.
 
     Returns:
         The signature (positive, never 0).
 
     """
+    if len(raw["groups"]) > 1:
+        if layers is not None:
+            raise ValueError("a subset of layers is summed for one group only")
+        identity: tuple = tuple(_group_identity(raw, g, tp_size) for g in raw["groups"])
+        return _hash(("kvaudit-sglang-inline-groups", 1, identity))
     (group,) = raw["groups"]
     spec = group["spec"]
     identity = (
@@ -146,8 +187,129 @@ def content_signature(raw: Mapping[str, Any], layers: Sequence[str] | None = Non
         spec.get("head_size_v"),
         spec["dtype"],
     )
+    return _hash(identity)
+
+
+def _hash(identity: tuple) -> int:
     digest = hashlib.blake2b(repr(identity).encode(), digest_size=8).digest()
     return (int.from_bytes(digest, "little") >> 1) | 1
+
+
+def _group_identity(raw: Mapping[str, Any], group: Mapping[str, Any], tp_size: int) -> tuple:
+    """What a group's checksum covers, the same at every TP width: its id and type, and
+    per layer its name, heads (the model's), sizes, dtypes and window, or its states'
+    global shapes and split segments."""
+    spec = group["spec"]
+    if spec["type"] != "mamba":
+        return (
+            group["id"],
+            spec["type"],
+            tuple(_entry_name(entry) for entry in group["layers"]),
+            raw.get("model_kv_heads"),
+            spec["head_size"],
+            spec.get("head_size_v"),
+            spec["dtype"],
+            spec.get("sliding_window"),
+        )
+    layers = []
+    for layer in group["layers"]:
+        merged = {**spec, **layer.get("spec", {})}
+        states = []
+        for shape, dtype, split in zip(
+            merged["shapes"], merged["dtypes"], merged["state_splits"], strict=True
+        ):
+            rows = [local * tp_size // replicas for local, replicas in split["segments"]]
+            whole = list(shape)
+            whole[split["axis"]] = sum(rows)
+            states.append((tuple(whole), dtype, split["axis"], tuple(rows)))
+        layers.append((layer["name"], tuple(states)))
+    return (group["id"], "mamba", tuple(layers))
+
+
+def group_signature(raw: Mapping[str, Any], group_id: int, tp_size: int = 1) -> int:
+    """A 32-bit nonzero hash of one group's identity (``_group_identity``), what the
+    group words carry: equal on both sides when the group describes the same KV.
+
+    Args:
+        raw: ``describe_sglang_cache``'s dict.
+        group_id: The group.
+        tp_size: The TP size the description's state rows are split over.
+
+    Returns:
+        The signature's low 32 bits (never 0).
+
+    """
+    (group,) = [g for g in raw["groups"] if g["id"] == group_id]
+    return (_hash(("kvaudit-sglang-group", 1, _group_identity(raw, group, tp_size))) & MASK32) | 1
+
+
+def write_groups(metadata_buffers: Any, index: int, groups: Sequence[GroupWord]) -> None:
+    """Words 1..7 of ``bootstrap_room`` row ``index``: the group words (``groups``, at
+    most ``MAX_GROUPS``), or zeros (none).
+
+    Args:
+        metadata_buffers: SGLang's ``MetadataBuffers``.
+        index: The request's metadata buffer index.
+        groups: Each group's ``(id, signature, sum)``.
+
+    """
+    words = metadata_buffers.bootstrap_room.view(torch.int64)[index]
+    words[1:8] = 0
+    if not groups:
+        return
+    if len(groups) > MAX_GROUPS:
+        raise ValueError(f"{len(groups)} groups do not fit the row (at most {MAX_GROUPS})")
+    values = [GROUPS_TAG << 48 | len(groups)]
+    for group_id, signature, total in groups:
+        values += [group_id << 32 | (signature & MASK32), total]
+    for slot, value in enumerate(values, start=1):
+        words[slot] = value - MOD64 if value >= 1 << 63 else value
+
+
+def read_groups(metadata_buffers: Any, index: int) -> tuple[GroupWord, ...]:
+    """The group words of ``bootstrap_room`` row ``index`` (empty: none, or not kvaudit's).
+
+    Args:
+        metadata_buffers: SGLang's ``MetadataBuffers``.
+        index: The request's metadata buffer index.
+
+    Returns:
+        Each group's ``(id, signature, sum)``.
+
+    """
+    room = getattr(metadata_buffers, "bootstrap_room", None)
+    if room is None or room.shape[-1] < 8:
+        return ()
+    words = [v % MOD64 for v in room.view(torch.int64)[index].tolist()]
+    head = words[1]
+    count = head & 0xFF
+    if head >> 48 != GROUPS_TAG or not 0 < count <= MAX_GROUPS:
+        return ()
+    # A sum at or above the prime is no kvaudit prefill's: no group words (the checksum
+    # row still covers every group).
+    if not all(words[3 + 2 * k] < STRONG_PRIME for k in range(count)):
+        return ()
+    return tuple(
+        (words[2 + 2 * k] >> 32, words[2 + 2 * k] & MASK32, words[3 + 2 * k]) for k in range(count)
+    )
+
+
+def group_row(groups: Sequence[GroupWord]) -> list[int]:
+    """Group words as ``2 * MAX_GROUPS`` words for a gather (zeros where none)."""
+    words = [0] * (2 * MAX_GROUPS)
+    for k, (group_id, signature, total) in enumerate(groups[:MAX_GROUPS]):
+        words[2 * k] = group_id << 32 | signature
+        words[2 * k + 1] = total
+    return words
+
+
+def split_group_row(words: Sequence[int]) -> tuple[GroupWord, ...]:
+    """``group_row``'s words back as group words."""
+    return tuple(
+        (words[2 * k] >> 32, words[2 * k] & MASK32, words[2 * k + 1])
+        for k in range(MAX_GROUPS)
+        if words[2 * k]
+    )
 
 
 def write_carried(metadata_buffers: Any, index: int, carried: Carried | None) -> None:
@@ -235,7 +397,7 @@ def locate(differences: Sequence[int], units: Sequence[int]) -> list[int] | None
 
     Args:
         differences: ``D_0 .. D_2`` modulo ``2**64 - 59`` (not all 0).
-        units: The range's units, ascending.
+        units: The range's units, ascending (``-1``: a state group's block, weight 0).
 
     Returns:
         The differing units, or None where they cannot be named (more than one unit of a
@@ -265,7 +427,7 @@ def locate(differences: Sequence[int], units: Sequence[int]) -> list[int] | None
 
 def _solve(xs: list[int], rhs: list[int]) -> list[int]:
     """``d`` with ``sum_i xs[i]**m * d[i] = rhs[m]`` (m < len(xs)) modulo the prime: the
-    Vandermonde system of distinct nonzero ``xs``, by Gaussian elimination."""
+    Vandermonde system of distinct ``xs``, by Gaussian elimination."""
     prime = STRONG_PRIME
     n = len(xs)
     rows = [[pow(x, m, prime) for x in xs] + [rhs[m] % prime] for m in range(n)]

@@ -28,10 +28,12 @@ from typing import Any
 import torch
 import yaml
 from sglang.srt.mem_cache.memory_pool import (
+    HybridLinearKVPool,
     KVCache,
     MHATokenToKVPool,
     MLATokenToKVPool,
 )
+from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
 from ...core.files import atomic_path
 from ...description import description_to_dict, parse_description
@@ -39,6 +41,17 @@ from ...views.inputs import RequestBlocks
 
 DEFAULT_LAYER_NAME = "model.layers.{i}.self_attn.attn"
 """The layer name of SGLang layer id ``i`` unless the caller gives its own names."""
+STATE_LAYER_NAME = "model.layers.{i}.linear_attn.{state}"
+"""The layer name of state ``state`` (``conv``, ``conv1``, ..., ``temporal``) of SGLang
+linear-attention layer id ``i``: one kvaudit layer per state tensor, all of one layer
+module (``model.layers.{i}``), so their rows are numbered one after the other."""
+STATE_BLOCK_TOKENS = 1 << 24
+"""The block size of a Mamba state group (the largest a description takes): one block,
+the request's state slot, covers every position of a request (the state being the
+request's after its last token); a longer request is not described."""
+HYBRID_GROUP = 1
+"""The group id of a hybrid pool's second group: the window layers (``SWAKVPool``) or the
+Mamba states (``HybridLinearKVPool``); the full-attention layers are group 0."""
 
 LayerNames = str | Mapping[int, str] | Callable[[int], str]
 """A template with ``{i}`` (the global layer id), a mapping of global layer id to name, or
@@ -152,24 +165,60 @@ def layer_names(pool: KVCache, names: LayerNames = DEFAULT_LAYER_NAME) -> list[s
     return result
 
 
+def _mha_kind(pool: Any, what: str) -> None:
+    """Refuse an ``MHATokenToKVPool`` (or sub-pool) kvaudit does not describe."""
+    if type(pool) is not MHATokenToKVPool:
+        raise NotDescribable(
+            f"{what} is a {type(pool).__name__}: only MHATokenToKVPool ('nhd') is described"
+        )
+    layout = getattr(pool, "kv_cache_layout", "nhd")
+    if layout != "nhd" or getattr(pool, "use_hnd", False):
+        raise NotDescribable(
+            f"MHATokenToKVPool layout {layout!r} is not described: only SGLang's "
+            "default 'nhd' [slots, heads, head_dim] buffers are"
+        )
+
+
 def _pool_kind(pool: KVCache) -> str:
-    """``"mha"`` or ``"mla"``; any other pool (a subclass included) is refused."""
+    """``"mha"``, ``"mla"``, ``"swa"`` or ``"linear"``; any other pool (a subclass
+    included) is refused, with the reason."""
     if type(pool) is MHATokenToKVPool:
-        layout = getattr(pool, "kv_cache_layout", "nhd")
-        if layout != "nhd" or getattr(pool, "use_hnd", False):
-            raise NotDescribable(
-                f"MHATokenToKVPool layout {layout!r} is not described: only SGLang's "
-                "default 'nhd' [slots, heads, head_dim] buffers are"
-            )
+        _mha_kind(pool, "the pool")
         return "mha"
     if type(pool) is MLATokenToKVPool:
         if getattr(pool, "use_dsa", False):
-            raise NotDescribable("an MLATokenToKVPool with use_dsa (DSA) is not described yet")
+            raise NotDescribable(DSA_REFUSED)
         return "mla"
+    if type(pool) is SWAKVPool:
+        if pool.request_window is not None or pool.swa_req_ring_size is not None:
+            raise NotDescribable(
+                "an SWAKVPool with per-request window rows or rings is not described: "
+                "only the paged window pool (full_to_swa_index_mapping) is"
+            )
+        if getattr(pool.full_kv_pool, "use_dsa", False):
+            raise NotDescribable(DSA_REFUSED)
+        _mha_kind(pool.full_kv_pool, "the SWAKVPool's full pool")
+        _mha_kind(pool.swa_kv_pool, "the SWAKVPool's window pool")
+        return "swa"
+    if type(pool) is HybridLinearKVPool:
+        if pool.use_dsa:
+            raise NotDescribable(DSA_REFUSED)
+        if pool.use_mla:
+            raise NotDescribable("a HybridLinearKVPool with MLA full layers is not described yet")
+        _mha_kind(pool.full_kv_pool, "the HybridLinearKVPool's full pool")
+        return "linear"
     raise NotDescribable(
-        f"{type(pool).__name__} is not described yet: only MHATokenToKVPool ('nhd') and "
-        "MLATokenToKVPool are"
+        f"{type(pool).__name__} is not described yet: only MHATokenToKVPool ('nhd'), "
+        "MLATokenToKVPool, SWAKVPool and HybridLinearKVPool (MHA full layers) are"
     )
+
+
+DSA_REFUSED = (
+    "a pool with use_dsa (NSA/DSA) is not described: its index-k buffer packs fp8 keys "
+    "and their scales page by page (index_k_with_scale_buffer), a layout kvaudit does "
+    "not describe, and SGLang 0.5.23 allocates it only under a published DCP parallel "
+    "config (not on a bare CPU)"
+)
 
 
 def _pages(pool: KVCache, rows: int) -> int:
@@ -181,6 +230,181 @@ def _pages(pool: KVCache, rows: int) -> int:
 
 
 def describe_sglang_cache(
+    pool: KVCache,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    total_kv_heads: int | None = None,
+    names: LayerNames = DEFAULT_LAYER_NAME,
+    sliding_window: int | None = None,
+    state_names: str = STATE_LAYER_NAME,
+    attention: Mapping[int, Any] | None = None,
+) -> dict[str, Any]:
+    """The description dict of one SGLang worker's KV pool (what ``parse_description``
+    reads): group 0 the pool's (full-attention) layers; a hybrid pool's second group
+    (``HYBRID_GROUP``) its window layers or Mamba states, in a block space of its own.
+
+    A page is a block: ``num_blocks`` is the pool's whole pages, padding page 0 included
+    (never a request's). The global heads of a rank follow from its TP rank and size
+    (``sglang_kv_heads``), which kvaudit's ``Checksummer`` is given; the description
+    carries ``model_kv_heads`` so that heads replicated over ranks are counted once.
+    ``SWAKVPool``: group 1 is its window pool's layers (``sliding_window``), its
+    ``num_blocks`` the window pool's pages. ``HybridLinearKVPool``: group 1 is its Mamba
+    pool's states as SGLang transfers them (one kvaudit layer per state tensor, named by
+    ``state_names``), one block per state slot, TP-split rows as SGLang slices them.
+
+    Args:
+        pool: The worker's ``MHATokenToKVPool`` (layout "nhd"), ``MLATokenToKVPool``,
+            ``SWAKVPool`` or ``HybridLinearKVPool`` (MHA full layers), the one
+            ``token_to_kv_pool_allocator.get_kvcache()`` returns.
+        tp_rank: The worker's attention TP rank.
+        tp_size: The attention TP size.
+        total_kv_heads: The model's KV heads before TP (``ModelConfig.
+            get_total_num_kv_heads()``); required for MHA at TP > 1, ignored for MLA.
+        names: The attention layer names: a template with ``{i}``, a mapping or a
+            function of the global SGLang layer id.
+        sliding_window: The window in tokens (the scheduler's ``sliding_window_size``);
+            required for an ``SWAKVPool``.
+        state_names: The state layers' names, a template with ``{i}`` and ``{state}``.
+        attention: The model's ``RadixAttention`` layers by global layer id
+            (``sglang_attention_layers``), for the scales of an fp8 pool; None: none.
+
+    Returns:
+        The description as a plain dict.
+
+    Raises:
+        NotDescribable: A pool kind or layout kvaudit does not describe, or heads that do
+            not match SGLang's placement at this TP rank and size.
+
+    """
+    kind = _pool_kind(pool)
+    if kind in ("mha", "mla"):
+        return _describe_single(
+            pool,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            total_kv_heads=total_kv_heads,
+            names=names,
+            attention=attention,
+        )
+    full = _describe_single(
+        pool.full_kv_pool,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        total_kv_heads=total_kv_heads,
+        names=_model_names(pool.full_kv_pool, names),
+        attention=_dense_attention(pool.full_kv_pool, attention),
+    )
+    page_size = int(pool.page_size)
+    if kind == "swa":
+        if sliding_window is None or sliding_window < 1:
+            raise NotDescribable("an SWAKVPool needs its sliding window (sliding_window_size)")
+        window = _describe_single(
+            pool.swa_kv_pool,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            total_kv_heads=total_kv_heads,
+            names=_model_names(pool.swa_kv_pool, names),
+            attention=_dense_attention(pool.swa_kv_pool, attention),
+        )
+        (group,) = window["groups"]
+        group["spec"].update(type="sliding_window", sliding_window=int(sliding_window))
+        second = {"id": HYBRID_GROUP, "num_blocks": window["num_blocks"], **group}
+        second["id"] = HYBRID_GROUP
+    else:
+        second = _state_group(pool.mamba_pool, tp_size, state_names)
+    if page_size != int(full["groups"][0]["spec"]["block_size"]):
+        raise NotDescribable("the hybrid pool's page size differs from its full pool's")
+    full["groups"].append(second)
+    return full
+
+
+def _model_names(sub_pool: Any, names: LayerNames) -> Callable[[int], str]:
+    """The names of a hybrid pool's sub-pool by dense index: its model layer ids named."""
+    ids = tuple(int(i) for i in sub_pool.model_layer_ids)
+    return lambda dense: _name_of(names, ids[dense])
+
+
+def _dense_attention(sub_pool: Any, attention: Mapping[int, Any] | None) -> dict[int, Any] | None:
+    """The attention layers of a hybrid pool's sub-pool by its dense index (the ids its
+    own buffers are read by), from the model's by global layer id."""
+    if attention is None:
+        return None
+    ids = tuple(int(i) for i in sub_pool.model_layer_ids)
+    return {dense: attention[i] for dense, i in enumerate(ids) if i in attention}
+
+
+def _state_entries(mamba_pool: Any) -> list[tuple[int, str, torch.Tensor, int]]:
+    """SGLang's transfer entries of a Mamba pool, as ``(layer id, state name, tensor
+    [slots, ...], split axis)``, in SGLang's transfer order (``_iter_transfer_state_
+    entries``: the conv states, then the temporal, each over the layers)."""
+    if getattr(mamba_pool, "_slot_siblings", ()):
+        raise NotDescribable("a MambaPool with slot-indexed side states is not described yet")
+    entries = []
+    seen: dict[tuple[int, str], int] = {}
+    for field_name, tensor, axis, layer_id in mamba_pool._iter_transfer_state_entries():
+        if field_name not in ("conv", "temporal"):
+            raise NotDescribable(f"Mamba state {field_name!r} is not described yet")
+        if axis is None:
+            raise NotDescribable("replicated request state (no TP slice axis) is not described")
+        count = seen.get((int(layer_id), field_name), 0)
+        seen[(int(layer_id), field_name)] = count + 1
+        state = field_name if count == 0 else f"{field_name}{count}"
+        entries.append((int(layer_id), state, tensor, int(axis)))
+    if not entries:
+        raise NotDescribable("the Mamba pool holds no state")
+    return entries
+
+
+def _state_group(mamba_pool: Any, tp_size: int, state_names: str) -> dict[str, Any]:
+    """The state group of a Mamba pool: one layer per state tensor, its rows split as
+    SGLang slices them for a transfer between TP widths (``conv_shard_groups``: each
+    q/k/v sub-block of a GatedDeltaNet conv state sharded on its own)."""
+    shard_groups = getattr(mamba_pool, "conv_shard_groups", None)
+    layers = []
+    slots = None
+    for layer_id, state, tensor, axis in _state_entries(mamba_pool):
+        shape = [int(n) for n in tensor.shape[1:]]
+        slots = int(tensor.shape[0]) if slots is None else slots
+        if int(tensor.shape[0]) != slots:
+            raise NotDescribable("the Mamba pool's states hold different slot counts")
+        local = shape[axis]
+        segments = [[local, 1]]
+        if state.startswith("conv") and shard_groups:
+            parts = [int(n) for n in shard_groups]
+            if any(n % tp_size for n in parts) or sum(parts) // tp_size != local:
+                raise NotDescribable(
+                    f"conv_shard_groups {parts} do not split {local} rows at TP {tp_size}"
+                )
+            segments = [[n // tp_size, 1] for n in parts]
+        spec = {
+            "shapes": [shape],
+            "dtypes": [str(tensor.dtype).removeprefix("torch.")],
+            "state_splits": [{"axis": axis, "segments": segments}],
+        }
+        layers.append({"name": state_names.format(i=layer_id, state=state), "spec": spec})
+    layers.sort(key=lambda layer: layer["name"])
+    return {
+        "id": HYBRID_GROUP,
+        "num_blocks": slots,
+        "transfer": True,
+        "host_resident": False,
+        "spec": {"type": "mamba", "block_size": STATE_BLOCK_TOKENS, **layers[0]["spec"]},
+        "layers": layers,
+    }
+
+
+def hybrid_layer_ids(pool: KVCache) -> list[int]:
+    """The global SGLang layer ids a pool holds (a hybrid pool's: all its groups')."""
+    kind = _pool_kind(pool)
+    if kind == "swa":
+        return sorted(pool.layers_mapping)
+    if kind == "linear":
+        return sorted({*pool.full_attention_layer_id_mapping, *pool.mamba_pool.mamba_layer_ids})
+    return layer_ids(pool)
+
+
+def _describe_single(
     pool: KVCache,
     *,
     tp_rank: int = 0,
@@ -326,14 +550,20 @@ def _paged(buffer: torch.Tensor, pages: int, page_size: int, dtype: torch.dtype)
     return view.view(pages, page_size, *view.shape[1:])
 
 
-def sglang_layer_caches(pool: KVCache, names: LayerNames = DEFAULT_LAYER_NAME) -> LayerCaches:
+def sglang_layer_caches(
+    pool: KVCache,
+    names: LayerNames = DEFAULT_LAYER_NAME,
+    state_names: str = STATE_LAYER_NAME,
+) -> LayerCaches:
     """The pool's layers as kvaudit's ``Checksummer`` and ``write_dump`` take them, by
     layer name: ``(K, V)`` pairs ``[pages, page_size, heads, head_dim]`` (``NTHD``) of an
-    MHA pool, ``[pages, page_size, row]`` (``NTC``) of an MLA pool. Views, not copies.
+    MHA pool (a hybrid pool's full and window pools), ``[pages, page_size, row]``
+    (``NTC``) of an MLA pool, ``[slots, ...]`` of each Mamba state. Views, not copies.
 
     Args:
         pool: The pool ``describe_sglang_cache`` described.
         names: The same layer names given to ``describe_sglang_cache``.
+        state_names: The same state names given to ``describe_sglang_cache``.
 
     Returns:
         ``{layer name: (k, v)}`` or ``{layer name: latent}``.
@@ -343,9 +573,19 @@ def sglang_layer_caches(pool: KVCache, names: LayerNames = DEFAULT_LAYER_NAME) -
 
     """
     kind = _pool_kind(pool)
+    if kind == "swa":
+        return {
+            **sglang_layer_caches(pool.full_kv_pool, _model_names(pool.full_kv_pool, names)),
+            **sglang_layer_caches(pool.swa_kv_pool, _model_names(pool.swa_kv_pool, names)),
+        }
+    if kind == "linear":
+        result = sglang_layer_caches(pool.full_kv_pool, _model_names(pool.full_kv_pool, names))
+        for layer_id, state, tensor, _ in _state_entries(pool.mamba_pool):
+            result[state_names.format(i=layer_id, state=state)] = tensor
+        return result
     page_size = int(pool.page_size)
     dtype = pool.dtype
-    result: LayerCaches = {}
+    result = {}
     for index, name in enumerate(layer_names(pool, names)):
         if kind == "mha":
             k, v = pool.k_buffer[index], pool.v_buffer[index]
@@ -407,6 +647,91 @@ def request_blocks(
             f"{page_size}-token page"
         )
     return RequestBlocks(num_tokens=num_tokens, groups={group_id: (0, pages.tolist())})
+
+
+def window_start(first: int, end: int, sliding_window: int, page_size: int) -> int:
+    """The first position of a request's window that a transfer moves, as SGLang 0.5.23's
+    prefill computes it (``_swa_payload``): ``max(first, end - sliding_window)`` rounded
+    down to a page.
+
+    Args:
+        first: The first position sent (the decode's prefix, a page boundary).
+        end: The end of the range sent (exclusive).
+        sliding_window: The window in tokens.
+        page_size: The page size.
+
+    Returns:
+        The window's first position, a page boundary.
+
+    """
+    return (max(first, end - sliding_window) // page_size) * page_size
+
+
+def pool_request_blocks(
+    pool: KVCache,
+    req_to_token_pool: Any,
+    req_pool_idx: int,
+    first: int,
+    end: int,
+    *,
+    sliding_window: int | None = None,
+) -> RequestBlocks:
+    """A request's blocks over positions ``first .. end - 1`` in every group of a pool.
+
+    Group 0: the pages of its ``req_to_token`` row. An ``SWAKVPool``'s window group:
+    the window pool's pages of positions ``window_start(first, end, ...) .. end - 1``
+    only (the positions SGLang's transfer moves), through SGLang's own
+    ``full_to_swa_index_mapping``. A ``HybridLinearKVPool``'s state group: the request's
+    state slot (``req_index_to_mamba_index_mapping``, translated as SGLang translates it
+    for a transfer) as the block of position 0.
+
+    Args:
+        pool: The pool ``describe_sglang_cache`` described.
+        req_to_token_pool: The worker's ``ReqToTokenPool`` (``HybridReqToTokenPool``
+            for a ``HybridLinearKVPool``).
+        req_pool_idx: The request's row.
+        first: The first position (a page boundary).
+        end: The end of the range (exclusive).
+        sliding_window: The window in tokens (an ``SWAKVPool``).
+
+    Returns:
+        The request's ``RequestBlocks`` (``num_tokens`` is ``end``).
+
+    Raises:
+        NotDescribable: A range not on a page boundary, slots not where the pages put
+            them, a window page SGLang's mapping does not map, a state slot out of range.
+
+    """
+    kind = _pool_kind(pool)
+    page = int(pool.page_size)
+    if first % page or not 0 <= first < end:
+        raise NotDescribable(f"the range {first}..{end} does not start on a {page}-token page")
+    row = req_to_token_pool.req_to_token[int(req_pool_idx)]
+    part = request_blocks(row[first:end], end - first, page)
+    groups = {0: (first // page, part.groups[0][1])}
+    if kind == "swa":
+        if sliding_window is None:
+            raise NotDescribable("an SWAKVPool needs its sliding window (sliding_window_size)")
+        start = window_start(first, end, sliding_window, page)
+        mapping = pool.full_to_swa_index_mapping
+        if mapping is None:
+            raise NotDescribable("the SWAKVPool has no full_to_swa_index_mapping registered")
+        slots = mapping[row[start:end].long()]
+        try:
+            window = request_blocks(slots, end - start, page)
+        except NotDescribable as error:
+            raise NotDescribable(f"window positions {start}..{end - 1}: {error}") from None
+        groups[HYBRID_GROUP] = (start // page, window.groups[0][1])
+    elif kind == "linear":
+        index = req_to_token_pool.req_index_to_mamba_index_mapping[int(req_pool_idx)]
+        slot = int(req_to_token_pool.translate_mamba_indices(index.reshape(1))[0])
+        slots = int(pool.mamba_pool.size) + 1
+        if end > STATE_BLOCK_TOKENS:
+            raise NotDescribable(f"{end} tokens exceed a state block of {STATE_BLOCK_TOKENS}")
+        if not 0 <= slot < slots:
+            raise NotDescribable(f"state slot {slot} is not one of the pool's {slots}")
+        groups[HYBRID_GROUP] = (0, [slot])
+    return RequestBlocks(num_tokens=end, groups=groups)
 
 
 def write_cache_yaml(path: str | os.PathLike[str], raw: Mapping[str, Any]) -> dict[str, Any]:

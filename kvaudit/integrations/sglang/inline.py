@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .carried import write_carried
+from .carried import write_carried, write_groups
 from .inline_decode import (
     ATTRIBUTE,
     CARRIED,
@@ -87,6 +87,7 @@ def around_send_kv_chunk(original, self, req, last_chunk=False, end_idx=None):
             # The slot is reused: no earlier request's words may travel with this one.
             try:
                 write_carried(self.disagg_metadata_buffers, req.metadata_buffer_index, None)
+                write_groups(self.disagg_metadata_buffers, req.metadata_buffer_index, ())
             except Exception:
                 log_fault("clearing the checksum row")
     return original(self, req, last_chunk=last_chunk, end_idx=end_idx)

@@ -6,6 +6,7 @@ carried stage's layers, and the sums gathered (a second collective) and judged
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from sglang.srt.disaggregation.checksum import is_health_check_req
@@ -14,15 +15,19 @@ from ...records import WorkerRecord
 from ...views.inputs import RequestBlocks
 from .carried import (
     MALFORMED,
+    MAX_GROUPS,
     MOD64,
     MOMENTS,
     STRONG,
     Carried,
     Unverified,
+    group_row,
     layer_word,
     read_carried,
+    read_groups,
     room_bits,
     signature_word,
+    split_group_row,
     split_layer_word,
 )
 from .describe import NotDescribable
@@ -30,13 +35,14 @@ from .inline_state import STATS, log_fault, rank_checksummer
 from .inline_verdicts import (
     COARSE,
     COMPARED,
+    DESCRIBED_APART,
     NOT_COMPARED,
     PART,
     judge,
     record_unverified,
     record_verdict,
 )
-from .ranks import CONSUMER, block_sums, gather_ranks, strong_moments
+from .ranks import CONSUMER, RankChecksummer, block_sums, gather_ranks
 
 ATTRIBUTE = "kvaudit_carried"
 """The attribute of a decode ``Req`` that holds what its checksum row carried."""
@@ -47,6 +53,9 @@ def commit_carried(queue: Any, decode_req: Any) -> None:
     request (before SGLang's ``clear_slot`` zeroes it)."""
     try:
         carried = read_carried(queue.metadata_buffers, decode_req.metadata_buffer_index)
+        if isinstance(carried, Carried):
+            groups = read_groups(queue.metadata_buffers, decode_req.metadata_buffer_index)
+            carried = dataclasses.replace(carried, groups=groups)
     except Exception as error:
         carried = Unverified("checksum row unreadable", str(error))
     try:
@@ -61,9 +70,10 @@ expected: a health check, a request SGLang's own path did not commit), a carried
 a row that cannot be used (unverified, with a reason on the rank that holds it)."""
 
 
-ROW = 1 + 1 + MOMENTS + 4
+ROW = 1 + 1 + MOMENTS + 4 + 2 * MAX_GROUPS
 """Words of a rank's row in the first gather: ``[kind, unit, sum_0 .. sum_2, first, end,
-signature, layers]`` (a seed-lane row: unit 0, its sum in ``sum_0``)."""
+signature, layers, *group words]`` (a seed-lane row: unit 0, its sum in ``sum_0``; the
+group words ``group_row``'s, zeros for a pool of one group)."""
 
 
 def _carried_row(req: Any) -> tuple[list[int], Unverified | None]:
@@ -88,12 +98,13 @@ def _carried_row(req: Any) -> tuple[list[int], Unverified | None]:
     c = carried
     sums = [*c.sums, *[0] * (MOMENTS - len(c.sums))]
     row = [CARRIED, c.unit, *sums, c.first, c.end, c.signature, layer_word(c.layers, c.room)]
+    row += group_row(c.groups)
     if (
         len(row) != ROW
         or not all(isinstance(v, int) and 0 <= v < MOD64 for v in row)
         or not c.first < c.end
     ):
-        raise ValueError(f"words {row[1:]} do not fit a checksum row")
+        raise ValueError(f"words {row[1:9]} do not fit a checksum row")
     return row, None
 
 
@@ -122,14 +133,15 @@ def _candidates(parts: list[list[list[int]]], i: int) -> tuple[list[Carried], bo
     seen: list[Carried] = []
     unreadable = False
     for part in parts:
-        kind, unit, *sums, first, end, signature, word = part[i]
+        kind, unit, *sums, first, end, signature, word = part[i][: ROW - 2 * MAX_GROUPS]
         if kind == CARRIED:
             layers, room = split_layer_word(word)
             if not (layers[0] < layers[1] and first < end):
                 unreadable = True  # never sent by a kvaudit rank; checked all the same
                 continue
             carried_sums = tuple(sums) if unit else (sums[0],)
-            carried = Carried(carried_sums, first, end, signature, layers, room, unit)
+            groups = split_group_row(part[i][ROW - 2 * MAX_GROUPS :])
+            carried = Carried(carried_sums, first, end, signature, layers, room, unit, groups)
             if carried not in seen:
                 seen.append(carried)
         elif kind != NOTHING:
@@ -137,15 +149,55 @@ def _candidates(parts: list[list[list[int]]], i: int) -> tuple[list[Carried], bo
     return seen, unreadable
 
 
+class DescribedApart(Exception):
+    """A group the prefill and this decode describe differently (another dtype, shape,
+    split or layers): a mismatch named by group, never a request admitted unverified."""
+
+
+def _groups_apart(summer: RankChecksummer, carried: Carried) -> str | None:
+    """The groups whose signatures differ between the carried words and this decode's
+    description, as one line (None: the carried groups are this decode's)."""
+    mine = summer.group_signatures
+    theirs = {group_id: signature for group_id, signature, _ in carried.groups}
+    if not carried.groups or mine == theirs:
+        return None
+    apart = []
+    for group_id in sorted({*mine, *theirs}):
+        if mine.get(group_id) == theirs.get(group_id):
+            continue
+        (group,) = [g for g in summer.raw["groups"] if g["id"] == group_id] or [None]
+        if group is None or group_id not in theirs:
+            side = "the decode" if group is None else "the prefill"
+            apart.append(f"group {group_id} missing on {side}")
+            continue
+        spec = group["spec"]
+        held = [
+            layer.get("spec", {}).get("dtypes", spec.get("dtypes", [spec.get("dtype")]))
+            if isinstance(layer, dict)
+            else spec.get("dtypes", [spec.get("dtype")])
+            for layer in group["layers"]
+        ]
+        dtypes = sorted({str(d) for layer in held for d in layer})
+        apart.append(
+            f"group {group_id} ({spec['type']}) described apart: the decode holds "
+            f"{len(group['layers'])} layers of {'/'.join(dtypes)}"
+        )
+    return "; ".join(apart)
+
+
 def _consumer_part(
     scheduler: Any, req: Any, carried: Carried
 ) -> tuple[list[int], RequestBlocks, WorkerRecord | None]:
     """This decode rank's part of the checksum of what ``carried`` covers: its row of the
-    second gather (``[COMPARED or COARSE, moments.., residual moments..]`` for the strong
-    lane, ``[COMPARED, total, residual, 0, 0, 0]`` for the seed lane), the blocks, and the
-    record, kept when it covers every layer of the pool.
+    second gather (``[COMPARED or COARSE, moments (3), residual moments (2), group sums
+    (MAX_GROUPS), state]`` for the strong lane, ``[COMPARED, total, residual, 0, ...]``
+    for the seed lane), the blocks, and the record, kept when it covers every layer of
+    the pool. The group sums are each carried group's strong-lane sum, in the order of
+    the carried group words; ``state``: 1 where the pool has a state group (its block
+    weighted 0 in the moments, a unit ``-1`` the moments can name).
 
     Raises:
+        DescribedApart: A group described differently here than on the prefill.
         NotDescribable: What the row carried cannot be compared here (another signature,
             page size, range or layers); the message says why.
 
@@ -154,6 +206,9 @@ def _consumer_part(
     summer = whole if carried.layers == whole.layers else None
     if summer is None:
         summer = rank_checksummer(scheduler, CONSUMER, carried.layers)
+    apart = _groups_apart(summer, carried)
+    if apart is not None:
+        raise DescribedApart(apart)
     signature = signature_word(summer.signature, carried.lane)
     if carried.signature != signature:
         raise NotDescribable(
@@ -183,21 +238,24 @@ def _consumer_part(
             f"range start {carried.first} is not where this decode's cached prefix ends "
             f"({held} tokens): the first page holds tokens the decode did not receive"
         )
-    row = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-    blocks = summer.range_blocks(row, carried.first, carried.end)
+    pool = scheduler.req_to_token_pool
+    blocks = summer.request_range(pool, req.kv.req_pool_idx, carried.first, carried.end)
     record = summer.range_record(req.rid, blocks)
     kept = record if summer is whole else None
     if carried.lane != STRONG:
-        total, residual = block_sums(record, req.rid)
-        return [COMPARED, total, residual, 0, 0, 0], blocks, kept
+        # An older prefill's row: its seed-lane total over every group (no group words).
+        total, residual = block_sums(record, req.rid, None)
+        return [COMPARED, total, residual] + [0] * (PART - 3), blocks, kept
     page = summer.page_size
+    groups = [summer.moments(record, req.rid, page, g)[0][0] for g, _, _ in carried.groups]
+    tail = [*groups, *[0] * (MAX_GROUPS - len(groups)), int(bool(summer.state_groups))]
     if carried.unit % page:
         # Pages coarser than the prefill's: the moments' weights cannot be split; the
         # unweighted sum over the range (the moment of order 0) is compared alone.
-        moments, residuals = strong_moments(record, req.rid, page, page)
-        return [COARSE, moments[0], 0, 0, *residuals], blocks, kept
-    moments, residuals = strong_moments(record, req.rid, page, carried.unit)
-    return [COMPARED, *moments, *residuals], blocks, kept
+        moments, residuals = summer.moments(record, req.rid, page)
+        return [COARSE, moments[0], 0, 0, *residuals, *tail], blocks, kept
+    moments, residuals = summer.moments(record, req.rid, carried.unit)
+    return [COMPARED, *moments, *residuals, *tail], blocks, kept
 
 
 def abort_mismatched(scheduler: Any, batch: Any, mismatched: list[tuple[int, str]]) -> list[int]:
@@ -278,6 +336,10 @@ def decode_checks(scheduler: Any, batch: Any) -> list[tuple[int, str]]:
     for n, (i, carried) in enumerate(checks):
         try:
             row, blocks, record = _consumer_part(scheduler, reqs[i], carried)
+        except DescribedApart as error:  # a mismatch, named by group
+            errors[n] = str(error)
+            mine.append([DESCRIBED_APART] + [0] * (PART - 1))
+            continue
         except Exception as error:  # not compared, with the reason
             errors[n] = str(error)
             mine.append([NOT_COMPARED] + [0] * (PART - 1))

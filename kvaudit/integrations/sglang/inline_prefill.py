@@ -1,8 +1,10 @@
 """The prefill side of the inline check: before a request's last chunk is sent, every
 attention TP rank of a PP stage checksums its part of the request's tokens over the
-stage's layers, the strong lane's moments over the range's pages are gathered over the
-attention TP CPU group and added modulo ``2**64 - 59``, and every rank writes the same
-words into the request's checksum row (``carried``)."""
+stage's layers, the strong lane's moments over the range's pages (every group's, for a
+hybrid pool) and each group's strong-lane sum are gathered over the attention TP CPU
+group and added modulo ``2**64 - 59``, and every rank writes the same words into the
+request's checksum row and, for a hybrid pool, its ``bootstrap_room`` row
+(``carried``)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,18 @@ from sglang.srt.disaggregation.checksum import is_health_check_req
 from ...core.scheme import STRONG_PRIME
 from ...records import WorkerRecord
 from ...views.inputs import RequestBlocks
-from .carried import MASK32, MOMENTS, Carried, room_bits, write_carried
+from .carried import (
+    MASK32,
+    MAX_GROUPS,
+    MOMENTS,
+    Carried,
+    GroupWord,
+    room_bits,
+    write_carried,
+    write_groups,
+)
 from .inline_state import STATS, log_once, rank_checksummer, write_output
-from .ranks import PRODUCER, group_sums, strong_moments
+from .ranks import PRODUCER, group_sums
 
 
 def prefill_range(req: Any, page_size: int, end_idx: int | None) -> tuple[int, int]:
@@ -47,31 +58,40 @@ def prefill_checksum(scheduler: Any, req: Any, end_idx: int | None = None) -> Ca
         return None
     status, moments, first, end, signature, layers = 0, [0] * MOMENTS, 0, 0, 0, (0, 0)
     page = 0
+    words: list[GroupWord] = []
     record: WorkerRecord | None = None
     blocks: RequestBlocks | None = None
     try:
         summer = rank_checksummer(scheduler, PRODUCER)
         page = summer.page_size
         first, end = prefill_range(req, page, end_idx)
-        row = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-        blocks = summer.range_blocks(row, first, end)
+        blocks = summer.request_range(scheduler.req_to_token_pool, req.kv.req_pool_idx, first, end)
         record = summer.range_record(req.rid, blocks)
-        # One unit per page: the moments name the prefill's pages.
-        moments, _ = strong_moments(record, req.rid, page, page)
+        # One unit per page: the moments name the prefill's pages (over every group).
+        moments, _ = summer.moments(record, req.rid, page)
+        words = summer.group_words(record, req.rid)
         signature, layers = summer.signature & MASK32, summer.layers
     except Exception as error:  # the request is sent, unverified
         status = 1
         log_once(f"prefill checksum not carried: {error}")
     group = getattr(scheduler, "attn_tp_cpu_group", None)
-    # Summed modulo the strong lane's prime (the status, a count of failed ranks, too).
-    ((status, *moments),) = group_sums([[status, *moments]], group, STRONG_PRIME)
+    # Summed modulo the strong lane's prime (the status, a count of failed ranks, too),
+    # with each group's strong-lane sum.
+    sums = [total for _, _, total in words] + [0] * (MAX_GROUPS - len(words))
+    ((status, *summed),) = group_sums([[status, *moments, *sums]], group, STRONG_PRIME)
+    moments, sums = summed[:MOMENTS], summed[MOMENTS:]
     if status:
         STATS.not_written += 1
         write_carried(buffers, index, None)
+        write_groups(buffers, index, ())
         return None
     room = room_bits(req.bootstrap_room)
-    carried = Carried(tuple(moments), first, end, signature, layers, room, unit=page)
+    # Every rank's group ids and signatures are equal (the same description at every
+    # rank): this rank's own, with the sums over the ranks.
+    groups = tuple((g, sig, total) for (g, sig, _), total in zip(words, sums, strict=False))
+    carried = Carried(tuple(moments), first, end, signature, layers, room, page, groups)
     write_carried(buffers, index, carried)
+    write_groups(buffers, index, carried.groups)
     STATS.written += 1
     assert blocks is not None
     write_output(scheduler, PRODUCER, req.rid, record, blocks, dump=True)

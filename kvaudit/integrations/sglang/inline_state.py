@@ -151,6 +151,7 @@ def rank_checksummer(scheduler: Any, role: str, layers: LayerSpan | None = None)
             total_kv_heads=int(total),
             role=role,
             layers=layers,
+            sliding_window=getattr(scheduler, "sliding_window_size", None),
             attention=attention_layers(scheduler),
             # Only the output folder's lines carry them (the carried words do not).
             layer_sums=settings.output is not None and settings.layer_sums,

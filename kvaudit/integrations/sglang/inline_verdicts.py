@@ -10,7 +10,7 @@ from typing import Any
 from ...core.scheme import STRONG_PRIME
 from ...records import WorkerRecord
 from ...views.inputs import RequestBlocks
-from .carried import MOD64, MOMENTS, STRONG, Carried, Unverified, locate
+from .carried import MAX_GROUPS, MOD64, MOMENTS, STRONG, Carried, Unverified, locate
 from .inline_state import STATS, count_unverified, first_time, log_fault, logger, write_output
 from .ranks import CONSUMER, LayerSpan
 
@@ -34,13 +34,19 @@ def record_unverified(requests: list[tuple[Any, Unverified]]) -> None:
         log_fault("recording the decode's verdicts")
 
 
-COMPARED, NOT_COMPARED, COARSE = 1, 2, 3
+COMPARED, NOT_COMPARED, COARSE, DESCRIBED_APART = 1, 2, 3, 4
 """Kinds of a rank's part of a check in the second gather: compared (the strong lane's
 moments, or the seed lane's sum), not compared on that rank, compared by the strong
-lane's unweighted sum alone (the decode's pages coarser than the prefill's units)."""
-PART = 6
-"""Words of a rank's part of a check: ``[kind, moments (3), residual moments (2)]``, or
-``[kind, total, residual, 0, 0, 0]`` for the seed lane."""
+lane's unweighted sum alone (the decode's pages coarser than the prefill's units), a
+group the decode describes differently from the prefill (another dtype, shape or split:
+a mismatch)."""
+GROUP_SUMS = 1 + MOMENTS + 2
+"""Where a part's group sums start."""
+PART = GROUP_SUMS + MAX_GROUPS + 1
+"""Words of a rank's part of a check: ``[kind, moments (3), residual moments (2), group
+sums (MAX_GROUPS), state]`` (group sums: each carried group's strong-lane sum; ``state``:
+1 where the pool has a state group, its block the unit ``-1``), or ``[kind, total,
+residual, 0, ...]`` for the seed lane."""
 SEED_ONLY = "compared by the seed lane only (the prefill's kvaudit carries no strong lane)"
 COARSE_ONLY = (
     "compared by the strong lane's sum over the range only (the decode's pages are coarser "
@@ -61,18 +67,25 @@ class Verdict:
 
 
 def _units_text(units: list[int], unit: int, first: int, end: int) -> str:
-    """Differing units as the mismatch line names them: the prefill's blocks and tokens."""
-    noun = "block" if len(units) == 1 else "blocks"
-    spans = ", ".join(f"{max(j * unit, first)}..{min((j + 1) * unit, end) - 1}" for j in units)
+    """Differing units as the mismatch line names them: the prefill's blocks and tokens,
+    and ``the state`` (unit ``-1``: a state group's block, of no tokens)."""
+    named = []
+    pages = [j for j in units if j >= 0]
+    if pages:
+        noun = "block" if len(pages) == 1 else "blocks"
+        spans = ", ".join(f"{max(j * unit, first)}..{min((j + 1) * unit, end) - 1}" for j in pages)
+        named.append(f"{noun} {', '.join(map(str, pages))} (tokens {spans}, {unit}-token blocks)")
+    if -1 in units:
+        named.append("the state")
     verb = "differs" if len(units) == 1 else "differ"
-    return f"{noun} {', '.join(map(str, units))} (tokens {spans}, {unit}-token blocks) {verb}"
+    return f"{' and '.join(named)} {verb}"
 
 
 def _strong_check(
     rid: str, carried: Carried, parts: list[list[int]], coarse: bool
 ) -> tuple[str | None, list[str]]:
-    """One strong-lane check from the ranks' parts: its mismatch line (None: it agrees)
-    and its notes."""
+    """One strong-lane check from the ranks' parts: its mismatch line (None: it agrees;
+    a hybrid pool's ends with the groups whose sums differ) and its notes."""
     prime = STRONG_PRIME
     got = [sum(part[1 + m] for part in parts) % prime for m in range(MOMENTS)]
     residual = [sum(part[1 + MOMENTS + m] for part in parts) % prime for m in range(2)]
@@ -84,11 +97,14 @@ def _strong_check(
         return None, notes
     head = f"req={rid} tokens={carried.first}..{carried.end} layers={_layers_text(carried.layers)}"
     tail = f"expected={carried.sums[0]:#018x} got={got[0]:#018x} replica_residual={residual[0]:#x}"
+    tail += _failed_groups(carried, [part[GROUP_SUMS:] for part in parts])
     if not any(differences):
         found = "the blocks agree with the prefill's; the consumer's replicas disagree"
         return f"kvaudit KV checksum replicas disagree {head} {found} {tail}", notes
     unit = carried.unit
-    units = list(range(carried.first // unit, -(-carried.end // unit)))
+    # A state group's block (weight 0) is the unit -1: the moments name it as any other.
+    state = [-1] if any(part[PART - 1] for part in parts) else []
+    units = state + list(range(carried.first // unit, -(-carried.end // unit)))
     located = None if coarse else locate(differences, units)
     if located:
         where = _units_text(located, unit, carried.first, carried.end)
@@ -115,7 +131,7 @@ def judge(
         checks: Every check of the batch: ``(index into the batch, what a row carried)``.
         numbers: The request's checks, as indices into ``checks``.
         sums: Per rank, its ``PART`` words of every check (kind ``NOT_COMPARED``: not
-            compared on that rank).
+            compared on that rank; ``DESCRIBED_APART``: a group described apart).
         errors: This rank's reasons, by check, for the checks it could not compare.
 
     Returns:
@@ -126,6 +142,14 @@ def judge(
     for n in numbers:
         carried = checks[n][1]
         kinds = {part[n][0] for part in sums}
+        if DESCRIBED_APART in kinds:
+            verdict.failed.append(
+                f"kvaudit KV description mismatch req={rid} "
+                f"tokens={carried.first}..{carried.end} "
+                f"layers={_layers_text(carried.layers)}: "
+                + errors.get(n, "a group is described apart on a peer rank")
+            )
+            continue
         if NOT_COMPARED in kinds:
             verdict.problem = verdict.problem or errors.get(n, "not comparable on a peer rank")
             continue
@@ -164,6 +188,20 @@ def _failed_line(rid: str, carried: Carried, total: int, residual: int) -> str:
         f"layers summed over every rank with the one the prefill carried: "
         f"expected={expected:#018x} got={total:#018x}; {found}; {SEED_ONLY}"
     )
+
+
+def _failed_groups(carried: Carried, parts: list[list[int]]) -> str:
+    """`` groups=ID,...`` naming the groups whose strong-lane sums differ (every rank's
+    group sums added modulo ``2**64 - 59`` against the carried group words); "" without
+    group words (a pool of one group, or none arrived)."""
+    if not carried.groups:
+        return ""
+    failed = [
+        str(group_id)
+        for k, (group_id, _, expected) in enumerate(carried.groups)
+        if sum(part[k] for part in parts) % STRONG_PRIME != expected
+    ]
+    return f" groups={','.join(failed) or 'none (the replicas)'}"
 
 
 def record_verdict(

@@ -23,9 +23,10 @@ from ...live import Agent
 from ...views.inputs import RequestBlocks
 from .describe import (
     DEFAULT_LAYER_NAME,
+    STATE_LAYER_NAME,
     LayerNames,
     describe_sglang_cache,
-    request_blocks,
+    pool_request_blocks,
     sglang_layer_caches,
 )
 
@@ -49,6 +50,8 @@ def sglang_agent(
     role: Role = "consumer",
     engine: str = "sglang",
     names: LayerNames = DEFAULT_LAYER_NAME,
+    sliding_window: int | None = None,
+    state_names: str = STATE_LAYER_NAME,
     lock: threading.Lock | threading.RLock | None = None,
     attention: Mapping[int, Any] | None = None,
     **options: Any,
@@ -65,8 +68,11 @@ def sglang_agent(
         path: The unix socket (``kvaudit.live.socket_path(engine, pp_rank, tp_rank)``
             gives the conventional one: ``live:/run/kvaudit/ENGINE`` names every worker
             of the engine).
-        pool: The worker's ``MHATokenToKVPool`` or ``MLATokenToKVPool``.
-        req_to_token_pool: The worker's ``ReqToTokenPool``.
+        pool: The worker's ``MHATokenToKVPool``, ``MLATokenToKVPool``, ``SWAKVPool`` or
+            ``HybridLinearKVPool`` (each group served: a request's window pages and its
+            Mamba state slot as ``pool_request_blocks`` finds them).
+        req_to_token_pool: The worker's ``ReqToTokenPool`` (``HybridReqToTokenPool``
+            with a ``HybridLinearKVPool``).
         held: The requests the pool holds now (``HeldRequests``), asked at each request.
         tp_rank: The worker's attention TP rank.
         tp_size: The attention TP size.
@@ -76,6 +82,8 @@ def sglang_agent(
         role: ``producer`` (a prefill) or ``consumer`` (a decode).
         engine: The engine's name, kept in records and dumps.
         names: The layer names, as for ``describe_sglang_cache``.
+        sliding_window: The window in tokens (an ``SWAKVPool``).
+        state_names: The state layers' names (a ``HybridLinearKVPool``).
         attention: The model's ``RadixAttention`` layers by layer id
             (``sglang_attention_layers``), for the scales of an fp8 pool; None: none.
         lock: None to answer in ``poll()``; else the lock the scheduler holds during each
@@ -97,22 +105,25 @@ def sglang_agent(
         tp_size=tp_size,
         total_kv_heads=total_kv_heads,
         names=names,
+        sliding_window=sliding_window,
+        state_names=state_names,
         attention=attention,
     )
     description = parse_description(raw, f"the SGLang pool of {engine} pp {pp_rank} tp {tp_rank}")
-    page_size = int(pool.page_size)
 
     def block_tables() -> dict[str, RequestBlocks]:
-        table = req_to_token_pool.req_to_token
+        # A window group covers the last ``sliding_window`` tokens held (page-aligned).
         return {
-            request_id: request_blocks(table[row], tokens, page_size)
+            request_id: pool_request_blocks(
+                pool, req_to_token_pool, row, 0, tokens, sliding_window=sliding_window
+            )
             for request_id, (row, tokens) in held().items()
         }
 
     return Agent(
         path,
         description,
-        sglang_layer_caches(pool, names),
+        sglang_layer_caches(pool, names, state_names),
         block_tables,
         tp_rank=tp_rank,
         tp_size=tp_size,

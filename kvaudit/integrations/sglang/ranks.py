@@ -5,7 +5,7 @@ a transfer. Imports SGLang (through ``describe``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -16,12 +16,13 @@ from ...core.scheme import STRONG_PRIME
 from ...description import parse_description
 from ...records import WorkerInfo, WorkerRecord
 from ...views.inputs import RequestBlocks
-from .carried import MOD64, MOMENTS, content_signature
+from .carried import MOD64, MOMENTS, GroupWord, content_signature, group_signature
 from .describe import (
     DEFAULT_LAYER_NAME,
     NotDescribable,
     describe_sglang_cache,
-    layer_ids,
+    hybrid_layer_ids,
+    pool_request_blocks,
     request_blocks,
     sglang_layer_caches,
 )
@@ -48,6 +49,7 @@ class RankChecksummer:
         role: str,
         names: Any = DEFAULT_LAYER_NAME,
         layers: LayerSpan | None = None,
+        sliding_window: int | None = None,
         attention: Mapping[int, Any] | None = None,
         layer_sums: bool = False,
     ) -> None:
@@ -59,9 +61,10 @@ class RankChecksummer:
             tp_size=tp_size,
             total_kv_heads=total_kv_heads,
             names=names,
+            sliding_window=sliding_window,
             attention=attention,
         )
-        ids = layer_ids(pool)
+        ids = hybrid_layer_ids(pool)
         held = (ids[0], ids[-1] + 1)
         span = held if layers is None else (int(layers[0]), int(layers[1]))
         if not held[0] <= span[0] < span[1] <= held[1]:
@@ -69,6 +72,8 @@ class RankChecksummer:
                 f"layers {span[0]}..{span[1] - 1} are not all on this rank "
                 f"(it holds {held[0]}..{held[1] - 1})"
             )
+        if span != held and len(raw["groups"]) > 1:
+            raise NotDescribable("a hybrid pool's layers are checksummed all together only")
         caches = sglang_layer_caches(pool, names)
         if span != held:
             (group,) = raw["groups"]
@@ -84,9 +89,20 @@ class RankChecksummer:
         self.raw = raw
         self.description = parse_description(raw, "sglang")
         self.tensors = caches
+        self.pool = pool
+        self.sliding_window = sliding_window
         self.page_size = int(pool.page_size)
         self.layers = span
-        self.signature = content_signature(raw)
+        self.signature = content_signature(raw, tp_size=tp_size)
+        self.group_ids = [int(group["id"]) for group in raw["groups"]]
+        """The description's groups; more than one: the pool is hybrid (group words)."""
+        self.state_groups = frozenset(
+            int(group["id"]) for group in raw["groups"] if group["spec"]["type"] == "mamba"
+        )
+        """The groups of states (no positions): weight 0 in the moments."""
+        self.group_signatures = {
+            g: group_signature(raw, g, tp_size) for g in self.group_ids if len(self.group_ids) > 1
+        }
         self.worker = WorkerInfo(tp_rank, tp_size, pp_rank, pp_size, role, ENGINES[role])
         self.checksummer = Checksummer(
             self.description,
@@ -119,12 +135,51 @@ class RankChecksummer:
         part = request_blocks(row[first:end], end - first, page)
         return RequestBlocks(num_tokens=end, groups={0: (first // page, part.groups[0][1])})
 
+    def request_range(
+        self, req_to_token_pool: Any, req_pool_idx: int, first: int, end: int
+    ) -> RequestBlocks:
+        """The blocks of tokens ``first .. end - 1`` of the request in row
+        ``req_pool_idx``, in every group of the pool (``pool_request_blocks``).
+
+        Raises:
+            NotDescribable: As ``range_blocks``; a window or state SGLang does not map.
+
+        """
+        if len(self.group_ids) == 1:
+            return self.range_blocks(req_to_token_pool.req_to_token[req_pool_idx], first, end)
+        return pool_request_blocks(
+            self.pool,
+            req_to_token_pool,
+            req_pool_idx,
+            first,
+            end,
+            sliding_window=self.sliding_window,
+        )
+
+    def group_words(self, record: WorkerRecord, request: str) -> list[GroupWord]:
+        """This rank's ``(group id, group signature, sum)`` per group of a hybrid pool
+        (empty for one group); the sums are this rank's part of the group's strong lane
+        modulo ``2**64 - 59`` (its part of the moment ``M_0``, ``strong_moments``)."""
+        page = self.page_size
+        return [
+            (g, self.group_signatures[g], self.moments(record, request, page, g)[0][0])
+            for g in self.group_ids
+            if len(self.group_ids) > 1
+        ]
+
+    def moments(
+        self, record: WorkerRecord, request: str, unit: int, group: int | None = None
+    ) -> tuple[list[int], list[int]]:
+        """``strong_moments`` of this rank's record over units of ``unit`` tokens, of
+        ``group`` (None: every group), its state groups weighted 0."""
+        return strong_moments(record, request, self.page_size, unit, group, self.state_groups)
+
     def range_record(self, request: str, blocks: RequestBlocks) -> WorkerRecord:
         """This rank's per-block checksums of the request's ``blocks``."""
         return self.checksummer.checksum({request: blocks})
 
 
-def block_sums(record: WorkerRecord, request: str) -> tuple[int, int]:
+def block_sums(record: WorkerRecord, request: str, group: int | None = 0) -> tuple[int, int]:
     """A rank's part of the request's checksum summed over its blocks, and its replica
     residual.
 
@@ -136,12 +191,19 @@ def block_sums(record: WorkerRecord, request: str) -> tuple[int, int]:
     Args:
         record: The rank's record of the request (``RankChecksummer.range_record``).
         request: The request.
+        group: The group summed, or None for every group of the record.
 
     Returns:
         ``(total, residual)``, each mod 2**64.
 
     """
-    checksums = record.requests[request].groups.get(0)
+    if group is None:
+        parts = [block_sums(record, request, g) for g in record.requests[request].groups]
+        return (
+            sum(total for total, _ in parts) % MOD64,
+            sum(residual for _, residual in parts) % MOD64,
+        )
+    checksums = record.requests[request].groups.get(group)
     if checksums is None:  # a producer's rank that holds no replica 0 (MLA at TP > 1)
         return 0, 0
     columns = checksums.values.sum(axis=0, dtype="uint64").tolist()
@@ -156,23 +218,33 @@ def block_sums(record: WorkerRecord, request: str) -> tuple[int, int]:
 
 
 def strong_moments(
-    record: WorkerRecord, request: str, page: int, unit: int
+    record: WorkerRecord,
+    request: str,
+    page: int,
+    unit: int,
+    group: int | None = None,
+    states: Collection[int] = (),
 ) -> tuple[list[int], list[int]]:
     """A rank's part of the strong lane's moments over the request's units, and of its
     replica residuals (docs/sglang.md, "Inline verification").
 
-    Per block ``p`` (in unit ``j = p * page // unit``, weight ``x = j + 1``), the block's
-    strong lane ``S`` is the sum of its replica-0 columns and its residual the other
-    replicas' columns minus ``R - 1`` times replica 0's, all modulo ``2**64 - 59``. The
-    moments are ``sum x**m * S`` (m = 0, 1, 2), the residual's ``sum x**m * residual``
-    (m = 0, 1): summed over the ranks, the residuals are 0 when every replica holds the
-    same KV, and a difference confined to one or two units never cancels.
+    Per block ``p`` of a paged group (in unit ``j = p * page // unit``, weight ``x = j +
+    1``; a hybrid pool's window pages are numbered by their positions as the full pool's
+    are), the block's strong lane ``S`` is the sum of its replica-0 columns and its
+    residual the other replicas' columns minus ``R - 1`` times replica 0's, all modulo
+    ``2**64 - 59``. A state group's block (``states``: the whole request's state, no
+    position) has weight ``x = 0``. The moments are ``sum x**m * S`` (m = 0, 1, 2), the
+    residual's ``sum x**m * residual`` (m = 0, 1): summed over the ranks, the residuals
+    are 0 when every replica holds the same KV, and a difference confined to one or two
+    units never cancels.
 
     Args:
         record: The rank's record of the request (``RankChecksummer.range_record``).
         request: The request.
-        page: The record's block size (tokens).
+        page: The paged groups' block size (tokens).
         unit: The tokens of a unit, a multiple of ``page``.
+        group: The group summed, or None for every group of the record.
+        states: The state groups' ids (weight 0).
 
     Returns:
         ``(moments, residual moments)``, residues modulo ``2**64 - 59``.
@@ -181,25 +253,33 @@ def strong_moments(
         ValueError: A record without the strong lane.
 
     """
-    moments, residuals = [0] * MOMENTS, [0, 0]
-    checksums = record.requests[request].groups.get(0)
-    if checksums is None:  # a producer's rank that holds no replica 0 (MLA at TP > 1)
-        return moments, residuals
-    if checksums.strong is None:
-        raise ValueError("the rank's checksums hold no strong lane")
     prime = STRONG_PRIME
-    positions = np.arange(checksums.start, checksums.start + checksums.count, dtype=np.uint64)
-    x = positions * np.uint64(page) // np.uint64(unit) + np.uint64(1)  # below 2**32
-    weights = [np.ones_like(x), x, x * x]  # x**2 below 2**64: exact
-    for (replicas, index), column in zip(checksums.replica_keys, checksums.strong.T, strict=True):
-        # The moments are linear: each column's, exact, then added with its coefficient.
-        sums = [exact_dot(column, w) for w in weights]
-        if index == 0:
-            moments = [(a + b) % prime for a, b in zip(moments, sums, strict=True)]
-            factor = -(replicas - 1)
+    moments, residuals = [0] * MOMENTS, [0, 0]
+    held = record.requests[request].groups
+    for g in sorted(held) if group is None else [group]:
+        checksums = held.get(g)
+        if checksums is None:  # a producer's rank that holds no replica 0 (MLA at TP > 1)
+            continue
+        if checksums.strong is None:
+            raise ValueError("the rank's checksums hold no strong lane")
+        first = np.uint64(checksums.start)
+        positions = np.arange(checksums.count, dtype=np.uint64) + first
+        if g in states:
+            x = np.zeros_like(positions)
         else:
-            factor = 1
-        residuals = [(r + factor * v) % prime for r, v in zip(residuals, sums, strict=False)]
+            x = positions * np.uint64(page) // np.uint64(unit) + np.uint64(1)  # below 2**32
+        weights = [np.ones_like(x), x, x * x]  # x**2 below 2**64: exact
+        for (replicas, index), column in zip(
+            checksums.replica_keys, checksums.strong.T, strict=True
+        ):
+            # The moments are linear: each column's, exact, then added with its coefficient.
+            sums = [exact_dot(column, w) for w in weights]
+            if index == 0:
+                moments = [(a + b) % prime for a, b in zip(moments, sums, strict=True)]
+                factor = -(replicas - 1)
+            else:
+                factor = 1
+            residuals = [(r + factor * v) % prime for r, v in zip(residuals, sums, strict=False)]
     return moments, residuals
 
 

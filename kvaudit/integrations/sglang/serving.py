@@ -86,6 +86,7 @@ def scheduler_agent(scheduler: Any, folder: str) -> Agent:
         pp_size=pp_size,
         role=PRODUCER if mode == "prefill" else CONSUMER,
         engine=engine,
+        sliding_window=getattr(scheduler, "sliding_window_size", None),
     )
 
 
