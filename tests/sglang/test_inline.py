@@ -214,6 +214,18 @@ def test_the_moments_name_the_differing_blocks() -> None:
     assert carried.locate(differences, list(range(100))) is None
 
 
+def test_the_moments_name_a_state_block_at_weight_zero() -> None:
+    """A hybrid pool's state block is the unit -1 (weight 0, in moment 0 alone): named
+    alone or with pages, never taken for a page, and absent from a range without it."""
+    big = STRONG_PRIME - 777
+    pages = list(range(5))
+    assert carried.locate(moments_of({-1: big}), [-1, *pages]) == [-1]
+    assert carried.locate(moments_of({-1: 3, 1: big}), [-1, 0, 1]) == [-1, 1]
+    assert carried.locate(moments_of({3: big}), [-1, *pages]) == [3]
+    # Without the state unit, a state-only difference is not taken for a page.
+    assert carried.locate(moments_of({-1: big}), pages) is None
+
+
 def test_prefill_without_kvaudit_is_unverified(prefill, decode):
     req = decode.receive("req-plain", prefill, index=5)
     assert decode.verify([req]) == [req]
