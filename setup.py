@@ -27,7 +27,11 @@ def extension(
 
 
 EXTENSIONS = [
-    extension("kvaudit._native._row_sums", "kvaudit/_native/_row_sums.c"),
+    extension(
+        "kvaudit._native._row_sums",
+        "kvaudit/_native/_row_sums.c",
+        depends=("kvaudit/_native/_piece_views.h",),
+    ),
     extension(
         "kvaudit._native._element_errors",
         "kvaudit/_native/_element_errors.c",
@@ -42,7 +46,11 @@ EXTENSIONS = [
         flags=("-ffp-contract=off",),
     ),
     extension("kvaudit._native._value_reads", "kvaudit/_native/_value_reads.c"),
-    extension("kvaudit._native._strong_sums", "kvaudit/_native/_strong_sums.c"),
+    extension(
+        "kvaudit._native._strong_sums",
+        "kvaudit/_native/_strong_sums.c",
+        depends=("kvaudit/_native/_piece_views.h",),
+    ),
 ]
 
 setup(ext_modules=EXTENSIONS)

@@ -21,20 +21,14 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_piece_views.h"
+
 typedef unsigned __int128 u128;
 
 /* P = 2**64 - 59; 2**64 is 59 modulo P. */
 #define PRIME_GAP 59u
 #define PRIME ((uint64_t)0 - PRIME_GAP)
 #define TOKEN_PLACES 4096
-
-/* A view's layout: sizes and byte strides. */
-typedef struct {
-    const char *data;
-    Py_ssize_t itemsize;
-    Py_ssize_t blocks, kernel_blocks, heads, tokens, pieces;
-    Py_ssize_t block_step, kernel_block_step, head_step, token_step, piece_step;
-} Layout;
 
 /* The rows of one call and their weights. */
 typedef struct {
@@ -208,67 +202,6 @@ static void all_strong_sums(const Layout *v, const Rows *rows)
             total = add_mod(total, mul_mod(reduce(values[c]), cells[c].weight));
         rows->sums[i] = total;
     }
-}
-
-/* Whether a buffer format names an integer type of native byte order. */
-static int integer_format(const char *format)
-{
-    if (format == NULL) return 1;
-    if (*format == '<' || *format == '=' || *format == '@') {
-#if PY_BIG_ENDIAN
-        if (*format == '<') return 0;
-#endif
-        format++;
-    }
-    return format[0] != '\0' && format[1] == '\0' && strchr("bBhHiIlLqQnN", format[0]) != NULL;
-}
-
-/* An int64 C-contiguous 1-D buffer of `length` items (-1: any length, set on return). */
-static int int64_vector(Py_buffer *buffer, const char *name, Py_ssize_t *length)
-{
-    if (buffer->ndim != 1 || buffer->itemsize != 8 || !integer_format(buffer->format)
-        || (buffer->strides != NULL && buffer->strides[0] != 8)) {
-        PyErr_Format(PyExc_ValueError, "%s must be a contiguous 1-D int64 array", name);
-        return -1;
-    }
-    if (*length >= 0 && buffer->shape[0] != *length) {
-        PyErr_Format(PyExc_ValueError, "%s holds %zd values, expected %zd", name,
-                     buffer->shape[0], *length);
-        return -1;
-    }
-    *length = buffer->shape[0];
-    return 0;
-}
-
-/* The layout of a 5-D piece view; -1 with an exception where it is not one. */
-static int read_layout(const Py_buffer *view, Layout *layout)
-{
-    if (view->ndim != 5 || !integer_format(view->format)
-        || (view->itemsize != 2 && view->itemsize != 4 && view->itemsize != 8)) {
-        PyErr_SetString(PyExc_ValueError,
-                        "pieces must be a 5-D array of 2-, 4- or 8-byte integers");
-        return -1;
-    }
-    Py_ssize_t steps[5];
-    for (int axis = 4; axis >= 0; axis--)
-        steps[axis] = view->strides != NULL ? view->strides[axis]
-                      : axis == 4           ? view->itemsize
-                                            : steps[axis + 1] * view->shape[axis + 1];
-    *layout = (Layout){
-        .data = view->buf,
-        .itemsize = view->itemsize,
-        .blocks = view->shape[0],
-        .kernel_blocks = view->shape[1],
-        .heads = view->shape[2],
-        .tokens = view->shape[3],
-        .pieces = view->shape[4],
-        .block_step = steps[0],
-        .kernel_block_step = steps[1],
-        .head_step = steps[2],
-        .token_step = steps[3],
-        .piece_step = steps[4],
-    };
-    return 0;
 }
 
 /* Every row within the view, checked once per call: the loop reads where block ids point. */
