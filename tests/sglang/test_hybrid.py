@@ -21,11 +21,8 @@ from kvaudit.checksum.checksummer import Checksummer
 from kvaudit.cli import main
 from kvaudit.description import parse_description
 from kvaudit.integrations.sglang import NotDescribable, describe_sglang_cache, sglang_agent
-from kvaudit.integrations.sglang.describe import (
-    STATE_BLOCK_TOKENS,
-    pool_request_blocks,
-    sglang_layer_caches,
-)
+from kvaudit.integrations.sglang.describe import STATE_BLOCK_TOKENS, sglang_layer_caches
+from kvaudit.integrations.sglang.pages import pool_request_blocks
 from kvaudit.live import socket_path
 
 ORDER = ["req-ok", "req-bad", "req-prefix"]

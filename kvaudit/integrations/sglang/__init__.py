@@ -19,14 +19,13 @@ if TYPE_CHECKING:
         HeadShard,
         NotDescribable,
         describe_sglang_cache,
-        pool_request_blocks,
-        request_blocks,
-        sglang_attention_layers,
         sglang_kv_heads,
         sglang_layer_caches,
         write_cache_yaml,
     )
     from .live import HeldRequests, sglang_agent
+    from .pages import pool_request_blocks, request_blocks
+    from .scales import sglang_attention_layers
 
 __all__ = [
     "DEFAULT_LAYER_NAME",
@@ -46,6 +45,8 @@ __all__ = [
 _EXPORTS = {
     **dict.fromkeys(__all__, ".describe"),
     **dict.fromkeys(("HeldRequests", "sglang_agent"), ".live"),
+    **dict.fromkeys(("pool_request_blocks", "request_blocks"), ".pages"),
+    "sglang_attention_layers": ".scales",
 }
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)

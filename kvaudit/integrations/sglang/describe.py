@@ -19,9 +19,8 @@ Heads are mapped across TP as SGLang's ``QKVParallelLinear`` maps them (``sglang
 
 from __future__ import annotations
 
-import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +36,7 @@ from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
 from ...core.files import atomic_path
 from ...description import description_to_dict, parse_description
-from ...views.inputs import RequestBlocks
+from .scales import layer_scales
 
 DEFAULT_LAYER_NAME = "model.layers.{i}.self_attn.attn"
 """The layer name of SGLang layer id ``i`` unless the caller gives its own names."""
@@ -179,7 +178,7 @@ def _mha_kind(pool: Any, what: str) -> None:
         )
 
 
-def _pool_kind(pool: KVCache) -> str:
+def pool_kind(pool: KVCache) -> str:
     """``"mha"``, ``"mla"``, ``"swa"`` or ``"linear"``; any other pool (a subclass
     included) is refused, with the reason."""
     if type(pool) is MHATokenToKVPool:
@@ -277,7 +276,7 @@ def describe_sglang_cache(
             not match SGLang's placement at this TP rank and size.
 
     """
-    kind = _pool_kind(pool)
+    kind = pool_kind(pool)
     if kind in ("mha", "mla"):
         return _describe_single(
             pool,
@@ -396,7 +395,7 @@ def _state_group(mamba_pool: Any, tp_size: int, state_names: str) -> dict[str, A
 
 def hybrid_layer_ids(pool: KVCache) -> list[int]:
     """The global SGLang layer ids a pool holds (a hybrid pool's: all its groups')."""
-    kind = _pool_kind(pool)
+    kind = pool_kind(pool)
     if kind == "swa":
         return sorted(pool.layers_mapping)
     if kind == "linear":
@@ -446,7 +445,7 @@ def _describe_single(
             not match SGLang's placement at this TP rank and size.
 
     """
-    kind = _pool_kind(pool)
+    kind = pool_kind(pool)
     page_size = int(pool.page_size)
     dtype = str(pool.dtype).removeprefix("torch.")
     spec: dict[str, Any] = {
@@ -485,7 +484,9 @@ def _describe_single(
     layers: list[Any] = layer_names(pool, names)
     if attention is not None and pool.dtype.itemsize == 1:
         # SGLang applies the scales only where it casts K and V to a one-byte dtype.
-        scales = [_scales(attention.get(layer_id), kind == "mla") for layer_id in layer_ids(pool)]
+        scales = [
+            layer_scales(attention.get(layer_id), kind == "mla") for layer_id in layer_ids(pool)
+        ]
         if all(found == scales[0] for found in scales):
             spec.update(scales[0])
         else:
@@ -503,42 +504,6 @@ def _describe_single(
         }
     ]
     return description
-
-
-def _scales(layer: Any, mla: bool) -> dict[str, float]:
-    """A ``RadixAttention``'s loaded K and V scales (``k_scale_float``, ``v_scale_float``;
-    None until SGLang's ``BaseKVCacheMethod`` loads them, and where the model has no KV
-    cache quantization); an MLA layer (one latent row) its K scale only."""
-    found: dict[str, float] = {}
-    for key in ("k_scale", "v_scale")[: 1 if mla else 2]:
-        value = getattr(layer, f"{key}_float", None)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = float(value)
-            if math.isfinite(value) and value > 0:
-                found[key] = value
-    return found
-
-
-def sglang_attention_layers(model: Any) -> dict[int, Any]:
-    """The ``RadixAttention`` layers of an SGLang model by their global layer id (what
-    ``describe_sglang_cache`` reads the scales of).
-
-    Args:
-        model: The model (``scheduler.tp_worker.model_runner.model``), or None.
-
-    Returns:
-        Each attention layer by ``layer_id``; empty where there are none.
-
-    """
-    from sglang.srt.layers.radix_attention import RadixAttention
-
-    if not isinstance(model, torch.nn.Module):
-        return {}
-    return {
-        int(module.layer_id): module
-        for module in model.modules()
-        if isinstance(module, RadixAttention)
-    }
 
 
 def _paged(buffer: torch.Tensor, pages: int, page_size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -572,7 +537,7 @@ def sglang_layer_caches(
         NotDescribable: A pool kind or layout kvaudit does not describe.
 
     """
-    kind = _pool_kind(pool)
+    kind = pool_kind(pool)
     if kind == "swa":
         return {
             **sglang_layer_caches(pool.full_kv_pool, _model_names(pool.full_kv_pool, names)),
@@ -599,139 +564,6 @@ def sglang_layer_caches(
             pages = _pages(pool, int(latent.shape[0]))
             result[name] = _paged(latent[:, 0], pages, page_size, dtype)
     return result
-
-
-def request_blocks(
-    req_to_token_row: torch.Tensor | Sequence[int],
-    num_tokens: int,
-    page_size: int,
-    *,
-    group_id: int = 0,
-) -> RequestBlocks:
-    """A request's blocks from its ``req_to_token`` row (``ReqToTokenPool.req_to_token[
-    req.kv.req_pool_idx]``): block ids are the pages holding its tokens, in order.
-
-    Every token slot must lie at its place in its page (``slot % page_size`` equal to the
-    token's position in its block), as SGLang's paged allocators hand slots out, and no
-    token may lie in padding page 0.
-
-    Args:
-        req_to_token_row: The request's row of token slots (at least ``num_tokens``).
-        num_tokens: The tokens of the request to cover.
-        page_size: The pool's page size.
-        group_id: The description's group id (0 for ``describe_sglang_cache``'s).
-
-    Returns:
-        The request's ``RequestBlocks``, from position 0.
-
-    Raises:
-        NotDescribable: A row shorter than ``num_tokens``, slots not page-aligned, or a
-            token in page 0.
-
-    """
-    row = torch.as_tensor(req_to_token_row).detach().to("cpu", torch.int64).reshape(-1)
-    if num_tokens < 0 or row.numel() < num_tokens:
-        raise NotDescribable(f"the row holds {row.numel()} slots, not {num_tokens} tokens")
-    slots = row[:num_tokens]
-    padding = slots < page_size
-    if bool(padding.any()):
-        token = int(padding.nonzero()[0, 0])
-        raise NotDescribable(f"token {token} lies in padding page 0: the row is not allocated")
-    pages = slots[::page_size] // page_size
-    positions = torch.arange(num_tokens, dtype=torch.int64)
-    expected = pages.repeat_interleave(page_size)[:num_tokens] * page_size + positions % page_size
-    if not torch.equal(slots, expected):
-        token = int((slots != expected).nonzero()[0, 0])
-        raise NotDescribable(
-            f"token {token} lies in slot {int(slots[token])}, not at its place in a "
-            f"{page_size}-token page"
-        )
-    return RequestBlocks(num_tokens=num_tokens, groups={group_id: (0, pages.tolist())})
-
-
-def window_start(first: int, end: int, sliding_window: int, page_size: int) -> int:
-    """The first position of a request's window that a transfer moves, as SGLang 0.5.23's
-    prefill computes it (``_swa_payload``): ``max(first, end - sliding_window)`` rounded
-    down to a page.
-
-    Args:
-        first: The first position sent (the decode's prefix, a page boundary).
-        end: The end of the range sent (exclusive).
-        sliding_window: The window in tokens.
-        page_size: The page size.
-
-    Returns:
-        The window's first position, a page boundary.
-
-    """
-    return (max(first, end - sliding_window) // page_size) * page_size
-
-
-def pool_request_blocks(
-    pool: KVCache,
-    req_to_token_pool: Any,
-    req_pool_idx: int,
-    first: int,
-    end: int,
-    *,
-    sliding_window: int | None = None,
-) -> RequestBlocks:
-    """A request's blocks over positions ``first .. end - 1`` in every group of a pool.
-
-    Group 0: the pages of its ``req_to_token`` row. An ``SWAKVPool``'s window group:
-    the window pool's pages of positions ``window_start(first, end, ...) .. end - 1``
-    only (the positions SGLang's transfer moves), through SGLang's own
-    ``full_to_swa_index_mapping``. A ``HybridLinearKVPool``'s state group: the request's
-    state slot (``req_index_to_mamba_index_mapping``, translated as SGLang translates it
-    for a transfer) as the block of position 0.
-
-    Args:
-        pool: The pool ``describe_sglang_cache`` described.
-        req_to_token_pool: The worker's ``ReqToTokenPool`` (``HybridReqToTokenPool``
-            for a ``HybridLinearKVPool``).
-        req_pool_idx: The request's row.
-        first: The first position (a page boundary).
-        end: The end of the range (exclusive).
-        sliding_window: The window in tokens (an ``SWAKVPool``).
-
-    Returns:
-        The request's ``RequestBlocks`` (``num_tokens`` is ``end``).
-
-    Raises:
-        NotDescribable: A range not on a page boundary, slots not where the pages put
-            them, a window page SGLang's mapping does not map, a state slot out of range.
-
-    """
-    kind = _pool_kind(pool)
-    page = int(pool.page_size)
-    if first % page or not 0 <= first < end:
-        raise NotDescribable(f"the range {first}..{end} does not start on a {page}-token page")
-    row = req_to_token_pool.req_to_token[int(req_pool_idx)]
-    part = request_blocks(row[first:end], end - first, page)
-    groups = {0: (first // page, part.groups[0][1])}
-    if kind == "swa":
-        if sliding_window is None:
-            raise NotDescribable("an SWAKVPool needs its sliding window (sliding_window_size)")
-        start = window_start(first, end, sliding_window, page)
-        mapping = pool.full_to_swa_index_mapping
-        if mapping is None:
-            raise NotDescribable("the SWAKVPool has no full_to_swa_index_mapping registered")
-        slots = mapping[row[start:end].long()]
-        try:
-            window = request_blocks(slots, end - start, page)
-        except NotDescribable as error:
-            raise NotDescribable(f"window positions {start}..{end - 1}: {error}") from None
-        groups[HYBRID_GROUP] = (start // page, window.groups[0][1])
-    elif kind == "linear":
-        index = req_to_token_pool.req_index_to_mamba_index_mapping[int(req_pool_idx)]
-        slot = int(req_to_token_pool.translate_mamba_indices(index.reshape(1))[0])
-        slots = int(pool.mamba_pool.size) + 1
-        if end > STATE_BLOCK_TOKENS:
-            raise NotDescribable(f"{end} tokens exceed a state block of {STATE_BLOCK_TOKENS}")
-        if not 0 <= slot < slots:
-            raise NotDescribable(f"state slot {slot} is not one of the pool's {slots}")
-        groups[HYBRID_GROUP] = (0, [slot])
-    return RequestBlocks(num_tokens=end, groups=groups)
 
 
 def write_cache_yaml(path: str | os.PathLike[str], raw: Mapping[str, Any]) -> dict[str, Any]:

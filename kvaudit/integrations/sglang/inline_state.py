@@ -11,9 +11,9 @@ from typing import Any
 
 from ...records import WorkerRecord
 from ...views.inputs import RequestBlocks
-from .describe import sglang_attention_layers
 from .ranks import PRODUCER, LayerSpan, RankChecksummer, attention_tp, pipeline_ranks
 from .recording import Recorder, settings_from_environment
+from .scales import sglang_attention_layers
 
 # One logger for the whole inline check, named as before it was split into modules: a
 # deployment's logging settings for it keep working.

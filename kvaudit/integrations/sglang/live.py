@@ -26,9 +26,9 @@ from .describe import (
     STATE_LAYER_NAME,
     LayerNames,
     describe_sglang_cache,
-    pool_request_blocks,
     sglang_layer_caches,
 )
+from .pages import pool_request_blocks
 
 HeldRequests = Callable[[], Mapping[str, tuple[int, int]]]
 """Returns the requests a worker's pool holds now: request id to ``(req_pool_idx, tokens

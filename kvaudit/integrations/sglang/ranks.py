@@ -22,10 +22,9 @@ from .describe import (
     NotDescribable,
     describe_sglang_cache,
     hybrid_layer_ids,
-    pool_request_blocks,
-    request_blocks,
     sglang_layer_caches,
 )
+from .pages import pool_request_blocks, request_blocks
 
 PRODUCER, CONSUMER = "producer", "consumer"
 ENGINES = {PRODUCER: "SGLang prefill", CONSUMER: "SGLang decode"}
