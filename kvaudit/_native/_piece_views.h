@@ -79,4 +79,36 @@ static int read_layout(const Py_buffer *view, Layout *layout)
     return 0;
 }
 
+/* Every row within the view: its block exists and its token count fits the row. Checked
+ * once per call by each loop, because the loops read wherever a block id points. */
+static int check_rows(const Layout *v, Py_ssize_t count, const int64_t *block_ids,
+                      const int64_t *valid_tokens)
+{
+    Py_ssize_t tokens_per_row = v->kernel_blocks * v->tokens;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (block_ids[i] < 0 || block_ids[i] >= v->blocks) {
+            PyErr_Format(PyExc_IndexError, "block id %lld is outside the view's %zd blocks",
+                         (long long)block_ids[i], v->blocks);
+            return -1;
+        }
+        if (valid_tokens[i] < 0 || valid_tokens[i] > tokens_per_row) {
+            PyErr_Format(PyExc_ValueError, "%lld valid tokens in a row of %zd",
+                         (long long)valid_tokens[i], tokens_per_row);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The call's 7 buffers: the piece view, then 6 int64 vectors of which the last is
+ * written; `*held` counts those taken (to release), -1 with an exception on failure. */
+static int take_buffers(PyObject *const *args, Py_buffer buffers[7], int *held)
+{
+    for (*held = 0; *held < 7; (*held)++) {
+        int flags = *held == 6 ? PyBUF_RECORDS : PyBUF_RECORDS_RO;
+        if (PyObject_GetBuffer(args[*held], &buffers[*held], flags) < 0) return -1;
+    }
+    return 0;
+}
+
 #endif

@@ -312,26 +312,6 @@ static void all_row_sums(const Layout *v, const Rows *rows)
     }
 }
 
-/* Every row within the view: its block exists and its token count fits the row. Checked
- * here, once per call, because the loop reads wherever a block id points. */
-static int check_rows(const Layout *v, const Rows *rows)
-{
-    Py_ssize_t tokens_per_row = v->kernel_blocks * v->tokens;
-    for (Py_ssize_t i = 0; i < rows->count; i++) {
-        if (rows->block_ids[i] < 0 || rows->block_ids[i] >= v->blocks) {
-            PyErr_Format(PyExc_IndexError, "block id %lld is outside the view's %zd blocks",
-                         (long long)rows->block_ids[i], v->blocks);
-            return -1;
-        }
-        if (rows->valid_tokens[i] < 0 || rows->valid_tokens[i] > tokens_per_row) {
-            PyErr_Format(PyExc_ValueError, "%lld valid tokens in a row of %zd",
-                         (long long)rows->valid_tokens[i], tokens_per_row);
-            return -1;
-        }
-    }
-    return 0;
-}
-
 PyDoc_STRVAR(row_sums_doc,
              "row_sums(pieces, block_ids, first_tokens, valid_tokens, piece_weights, "
              "head_weights, sums)\n--\n\n"
@@ -352,11 +332,7 @@ static PyObject *row_sums(PyObject *module, PyObject *const *args, Py_ssize_t na
     Py_buffer buffers[7];
     int held = 0;
     PyObject *result = NULL;
-    if (PyObject_GetBuffer(args[0], &buffers[0], PyBUF_RECORDS_RO) < 0) goto done;
-    for (held = 1; held < 7; held++) {
-        int flags = held == 6 ? PyBUF_RECORDS : PyBUF_RECORDS_RO;
-        if (PyObject_GetBuffer(args[held], &buffers[held], flags) < 0) goto done;
-    }
+    if (take_buffers(args, buffers, &held) < 0) goto done;
     Layout layout;
     if (read_layout(&buffers[0], &layout) < 0) goto done;
     Py_ssize_t count = -1, piece_count = layout.heads * layout.pieces, heads = layout.heads;
@@ -372,7 +348,7 @@ static PyObject *row_sums(PyObject *module, PyObject *const *args, Py_ssize_t na
         .head_weights = buffers[5].buf,
         .sums = buffers[6].buf,
     };
-    if (check_rows(&layout, &rows) < 0) goto done;
+    if (check_rows(&layout, rows.count, rows.block_ids, rows.valid_tokens) < 0) goto done;
     Py_BEGIN_ALLOW_THREADS
     all_row_sums(&layout, &rows);
     Py_END_ALLOW_THREADS
