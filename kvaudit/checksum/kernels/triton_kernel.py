@@ -36,6 +36,74 @@ _PIECE_DTYPES = (torch.int64, torch.int32, torch.int16)
 
 
 @triton.jit
+def load_tile(
+    template_ptr,
+    base,
+    tile,
+    valid,
+    stride_kernel_block,
+    stride_head,
+    stride_token,
+    stride_piece,
+    KERNEL_BLOCKS: tl.constexpr,
+    HEADS: tl.constexpr,
+    TOKENS: tl.constexpr,
+    PIECES: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    PIECE_TILES: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr,
+    EVEN_PIECES: tl.constexpr,
+    PIECE_BITS: tl.constexpr,
+    VEC: tl.constexpr,
+):
+    """One tile of ``BLOCK_R`` cell rows (kernel block, head, token) by ``BLOCK_P`` pieces,
+    read unsigned as int64 (rows past ``valid`` tokens and pieces past ``PIECES`` as 0),
+    with each element's piece index ``p`` and each row's head ``h`` and token ``u`` in the
+    block: what both kernels (the seed lane's, the strong lane's) read."""
+    r = (tile // PIECE_TILES) * BLOCK_R + tl.arange(0, BLOCK_R)
+    p = (tile % PIECE_TILES) * BLOCK_P + tl.arange(0, BLOCK_P)
+    if HEADS_FASTEST:
+        h = r % HEADS
+        t = (r // HEADS) % TOKENS
+    else:
+        t = r % TOKENS
+        h = (r // TOKENS) % HEADS
+    k = r // (HEADS * TOKENS)
+    u = k * TOKENS + t
+    live = (u < valid) & (r < KERNEL_BLOCKS * HEADS * TOKENS)
+    start = (
+        base
+        + k.to(tl.int64) * stride_kernel_block
+        + h.to(tl.int64) * stride_head
+        + t.to(tl.int64) * stride_token
+    )
+    if VEC > 1:
+        pointers = template_ptr + (start[:, None] * VEC + p[None, :])
+    else:
+        pointers = template_ptr + (start[:, None] + p.to(tl.int64)[None, :] * stride_piece)
+    mask = live[:, None] if EVEN_PIECES else live[:, None] & (p < PIECES)[None, :]
+    x = tl.load(pointers, mask=mask, other=0, eviction_policy="evict_first")
+    if PIECE_BITS == 16:
+        x = x.to(tl.uint16, bitcast=True).to(tl.int64)
+    elif PIECE_BITS == 32:
+        x = x.to(tl.uint32, bitcast=True).to(tl.int64)
+    return x, p, h, u, live
+
+
+@triton.jit
+def seed_terms(x, p, h, u, first, first_slice, cell_pieces, piece_offset):
+    """The seed lane's sums of a tile's rows: each element's weight
+    ``m_h * (2 * j + 1)``, ``j = j0_r + p``, as ``m_h * ((2 * j0_r + 1) * S_r + 2 * Q_r)``
+    with ``S_r`` the row's plain sum and ``Q_r`` its sum weighed by piece index."""
+    plain = tl.sum(x, axis=1)
+    ramp = tl.sum(x * p.to(tl.int64)[None, :], axis=1)
+    factor = 2 * (first_slice + h) + 1
+    j0 = (first + u) * cell_pieces + piece_offset
+    return factor * ((2 * j0 + 1) * plain + 2 * ramp)
+
+
+@triton.jit
 def _accumulate_kernel(
     template_ptr,
     table_ptr,
@@ -94,43 +162,15 @@ def _accumulate_kernel(
     else:
         base = element_offset + block * stride_block
 
-    rows_local = tl.arange(0, BLOCK_R)
-    pieces_local = tl.arange(0, BLOCK_P)
     acc = tl.zeros([BLOCK_R], dtype=tl.int64)
     for step in range(TILES_PER_PROGRAM):
         tile = chunk * TILES_PER_PROGRAM + step
-        r = (tile // PIECE_TILES) * BLOCK_R + rows_local
-        p = (tile % PIECE_TILES) * BLOCK_P + pieces_local
-        if HEADS_FASTEST:
-            h = r % HEADS
-            t = (r // HEADS) % TOKENS
-        else:
-            t = r % TOKENS
-            h = (r // TOKENS) % HEADS
-        k = r // (HEADS * TOKENS)
-        u = k * TOKENS + t
-        live = (u < valid) & (r < KERNEL_BLOCKS * HEADS * TOKENS)
-        start = (
-            base
-            + k.to(tl.int64) * stride_kernel_block
-            + h.to(tl.int64) * stride_head
-            + t.to(tl.int64) * stride_token
-        )
-        if VEC > 1:
-            pointers = template_ptr + (start[:, None] * VEC + p[None, :])
-        else:
-            pointers = template_ptr + (start[:, None] + p.to(tl.int64)[None, :] * stride_piece)
-        mask = live[:, None] if EVEN_PIECES else live[:, None] & (p < PIECES)[None, :]
-        x = tl.load(pointers, mask=mask, other=0, eviction_policy="evict_first")
-        if PIECE_BITS == 16:
-            x = x.to(tl.uint16, bitcast=True).to(tl.int64)
-        elif PIECE_BITS == 32:
-            x = x.to(tl.uint32, bitcast=True).to(tl.int64)
-        plain = tl.sum(x, axis=1)
-        ramp = tl.sum(x * p.to(tl.int64)[None, :], axis=1)
-        factor = 2 * (first_slice + h) + 1
-        j0 = (first + u) * cell_pieces + piece_offset
-        acc += factor * ((2 * j0 + 1) * plain + 2 * ramp)
+        x, p, h, u, _ = load_tile(
+            template_ptr, base, tile, valid, stride_kernel_block, stride_head, stride_token,
+            stride_piece, KERNEL_BLOCKS, HEADS, TOKENS, PIECES, BLOCK_R, BLOCK_P, PIECE_TILES,
+            HEADS_FASTEST, EVEN_PIECES, PIECE_BITS, VEC,
+        )  # fmt: skip
+        acc += seed_terms(x, p, h, u, first, first_slice, cell_pieces, piece_offset)
     total = tl.sum(acc, axis=0)
     tl.atomic_add(out_ptr + row.to(tl.int64) * num_columns + column, total, sem="relaxed")
 

@@ -38,7 +38,7 @@ from ...core.errors import KvauditError
 from ...core.scheme import STRONG_PRIME, STRONG_TOKEN_PLACES, strong_weight
 from ..strong import head_weights, token_weights
 from . import LaunchPart
-from .triton_kernel import TABLE_FIELDS, entry_table
+from .triton_kernel import TABLE_FIELDS, entry_table, load_tile, seed_terms
 from .triton_tiling import MAX_GRID_YZ, kernel_arguments, launch_config, layout_is_aligned
 
 if TYPE_CHECKING:
@@ -141,46 +141,18 @@ def _strong_kernel(
     else:
         base = element_offset + block * stride_block
     mask = 0xFFFFFFFF
-    rows_local = tl.arange(0, BLOCK_R)
-    pieces_local = tl.arange(0, BLOCK_P)
     acc_lo = tl.zeros([BLOCK_R], dtype=tl.int64)
     acc_hi = tl.zeros([BLOCK_R], dtype=tl.int64)
     seed_acc = tl.zeros([BLOCK_R], dtype=tl.int64)
     for step in range(TILES_PER_PROGRAM):
         tile = chunk * TILES_PER_PROGRAM + step
-        r = (tile // PIECE_TILES) * BLOCK_R + rows_local
-        p = (tile % PIECE_TILES) * BLOCK_P + pieces_local
-        if HEADS_FASTEST:
-            h = r % HEADS
-            t = (r // HEADS) % TOKENS
-        else:
-            t = r % TOKENS
-            h = (r // TOKENS) % HEADS
-        k = r // (HEADS * TOKENS)
-        u = k * TOKENS + t
-        live = (u < valid) & (r < KERNEL_BLOCKS * HEADS * TOKENS)
-        start = (
-            base
-            + k.to(tl.int64) * stride_kernel_block
-            + h.to(tl.int64) * stride_head
-            + t.to(tl.int64) * stride_token
-        )
-        if VEC > 1:
-            pointers = template_ptr + (start[:, None] * VEC + p[None, :])
-        else:
-            pointers = template_ptr + (start[:, None] + p.to(tl.int64)[None, :] * stride_piece)
-        live_pieces = live[:, None] if EVEN_PIECES else live[:, None] & (p < PIECES)[None, :]
-        x = tl.load(pointers, mask=live_pieces, other=0, eviction_policy="evict_first")
-        if PIECE_BITS == 16:
-            x = x.to(tl.uint16, bitcast=True).to(tl.int64)
-        elif PIECE_BITS == 32:
-            x = x.to(tl.uint32, bitcast=True).to(tl.int64)
+        x, p, h, u, _ = load_tile(
+            template_ptr, base, tile, valid, stride_kernel_block, stride_head, stride_token,
+            stride_piece, KERNEL_BLOCKS, HEADS, TOKENS, PIECES, BLOCK_R, BLOCK_P, PIECE_TILES,
+            HEADS_FASTEST, EVEN_PIECES, PIECE_BITS, VEC,
+        )  # fmt: skip
         if SEED:
-            plain = tl.sum(x, axis=1)
-            ramp = tl.sum(x * p.to(tl.int64)[None, :], axis=1)
-            factor = 2 * (first_slice + h) + 1
-            j0 = (first + u) * cell_pieces + piece_offset
-            seed_acc += factor * ((2 * j0 + 1) * plain + 2 * ramp)
+            seed_acc += seed_terms(x, p, h, u, first, first_slice, cell_pieces, piece_offset)
         # The pieces' places 2**(64 p): padded to the piece tiles, so never masked.
         w = tl.load(piece_weights_ptr + p)[None, :]
         w_lo = w & mask
