@@ -24,6 +24,8 @@ from .kernels import BackendChoice, Launch, LaunchPart, resolve_backend
 if TYPE_CHECKING:
     import torch
 
+    from .strong import StrongPart
+
 
 @dataclass
 class GroupPlan:
@@ -42,6 +44,8 @@ class GroupPlan:
     """The resolved backend's name: a ``triton`` plan computes the strong lane with the
     Triton kernel too (on a GPU, or on the CPU under the interpreter)."""
     strong_launches: list | None = field(default=None, repr=False, compare=False)
+    strong_parts: list[StrongPart] | None = field(default=None, repr=False, compare=False)
+    """The strong lane's CPU parts, built on first use (:meth:`strong`)."""
     """The strong kernel's launches, built on first use (kernels/triton_strong.py)."""
     columns: list[tuple[ReplicaKey, int, str]] | None = None
     """With layer sums, each output column's replica key, layer number and plane; None:
@@ -196,8 +200,6 @@ class GroupPlan:
             The residues modulo ``2**64 - 59``, one column per replica key.
 
         """
-        from .strong import StrongPart
-
         if self.device != "cpu" or self.backend == "triton":
             from .kernels import triton_strong
 
@@ -206,15 +208,20 @@ class GroupPlan:
         if not len(block_ids):
             return out
         counted = np.flatnonzero(valid_tokens > 0)
-        for part in self.parts:
-            from .kernels.numpy_cpu import as_numpy
-
-            strong_part = StrongPart.of(part, as_numpy(part.pieces))
-            sums = strong_part.row_sums(
-                block_ids[counted], first_tokens[counted], valid_tokens[counted]
-            )
+        for part in self._strong_parts():
+            sums = part.row_sums(block_ids[counted], first_tokens[counted], valid_tokens[counted])
             out[counted, part.column] = strong_add(out[counted, part.column], sums)
         return out
+
+    def _strong_parts(self) -> list[StrongPart]:
+        """The parts as the strong lane's CPU path reads them, built on first use: their
+        per-head weights are modular powers, not to be recomputed on every call."""
+        if self.strong_parts is None:
+            from .kernels.numpy_cpu import as_numpy
+            from .strong import StrongPart
+
+            self.strong_parts = [StrongPart.of(part, as_numpy(part.pieces)) for part in self.parts]
+        return self.strong_parts
 
 
 def _parts(view: LayerView, layer_sums: bool) -> tuple[PieceView, ...]:
