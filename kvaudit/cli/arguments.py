@@ -1,6 +1,6 @@
-"""What the commands share about their arguments: SOURCEs opened (spread under
-torchrun), descriptions read, ``--request`` ids, and output options checked before any
-work."""
+"""What the commands share about their arguments: SOURCEs opened (as the command's
+processes open them: spread under torchrun), descriptions read, ``--request`` ids, and
+output options checked before any work."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from ..core.errors import KvauditError
 from ..core.files import check_output, output_identity
-from ..distributed import is_writer, spread
+from ..distributed.processes import processes
 
 if TYPE_CHECKING:
     from ..description import CacheDescription
@@ -26,7 +26,7 @@ def check_outputs(outputs: dict[str, str | None], inputs: Sequence[str | None]) 
         KvauditError: One line naming the output and the problem.
 
     """
-    if not is_writer():
+    if not processes().writes:
         return
     named = [name for name in inputs if name]
     seen: dict[object, str] = {}
@@ -59,13 +59,7 @@ def open_sources(
 ) -> Source:
     """SOURCE arguments resolved; live tensors move to ``--device`` only when given. Under
     torchrun, each process opens its share of the dumps (docs/scale.md)."""
-    if spread():
-        from ..distributed.commands import open_spread_source
-
-        return open_spread_source(names, config, device)
-    from ..sources import open_source
-
-    return open_source(names, config, device_given=device is not None)
+    return processes().open_sources(names, config, device)
 
 
 def wanted_ids(request_ids: Sequence[str]) -> list[str] | None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ..core.exit_status import ExitStatus
-from ..distributed import spread
+from ..distributed.processes import processes
 from .arguments import check_outputs, load_config, open_sources, wanted_ids
 from .group import main
 from .options import DIFF_EXIT_HELP, ReportFormat, common_options, report_options, request_option
@@ -108,7 +108,7 @@ def diff(
     """Compare a producer's KV with a consumer's, request by request: PRODUCER and
     CONSUMER are each a dump file, a directory of one engine's dumps, a record (JSON) or a
     live handle. Differing blocks are located down to layers, heads, tokens and bytes."""
-    from ..compare import CompareOptions, diff_sources, diff_work
+    from ..compare import CompareOptions, diff_work
     from ..report import DIFF_SIDE_NAMES
     from ..sources import resolve_device
     from .progress import progress_bar
@@ -139,11 +139,7 @@ def diff(
         options = CompareOptions(
             wanted, runtime, advance, allow_missing, allow_empty, seed_lane_only
         )
-        report = diff_sources(left, right, options, locate=False if spread() else locate)
-    if spread():
-        from ..distributed.commands import locate_across
-
-        locate_across(report, left, right, wanted, locate)
+        report = processes().diff(left, right, options, locate)
     title = f"diff: producer {left.describe()}, consumer {right.describe()}"
     suite = ("kvaudit.diff", report_name or default_name(left.names, right.names))
     emit_report(diff_forms(report, title, DIFF_SIDE_NAMES, suite, all_located), outputs)

@@ -14,7 +14,8 @@ import click
 from ..core.errors import KvauditError, one_line
 from ..core.exit_status import ExitStatus
 from ..core.interrupts import check_interrupted, interrupt_received, interrupt_signals
-from ..distributed import Settled, spread
+from ..distributed import Settled
+from ..distributed.processes import processes
 from .exits import INTERRUPTED_LINE, internal_error_line, tolerant_streams
 
 # click >= 8.2 raises this for a bare `kvaudit`; its message is the help text.
@@ -38,10 +39,7 @@ class KvauditGroup(click.Group):
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
-            if spread():
-                from ..distributed.commands import begin
-
-                begin(self.given, self.debug)
+            processes().begin(self.given, self.debug)
             return super().invoke(ctx)
         except KeyboardInterrupt as interruption:
             raise _CommandInterrupted from interruption
@@ -60,21 +58,16 @@ class KvauditGroup(click.Group):
         catch_bus_errors()
         self.debug = False
         self.given = tuple(sys.argv[1:] if args is None else args)
+        runtime = processes()
         try:
             status, line = self._run(args, prog_name, complete_var, **extra)
             if line is not None:
                 click.echo(line, err=True)
-            if spread():
-                from ..distributed.commands import finish
-
-                status, more = finish(self.given, self.debug, status, line)
-                if more is not None:
-                    click.echo(one_line(more), err=True)
+            status, more = runtime.finish(self.given, self.debug, status, line)
+            if more is not None:
+                click.echo(one_line(more), err=True)
         finally:
-            if spread():
-                from ..distributed.comm import leave
-
-                leave()
+            runtime.leave()
         if not standalone_mode:
             return status
         sys.exit(status)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ..core.errors import KvauditError, printable
-from ..distributed import is_writer, spread
+from ..distributed.processes import processes
 from .options import ReportFormat
 
 if TYPE_CHECKING:
@@ -179,16 +179,12 @@ def _raise_broken_pipe() -> None:
 
 def stamp(data: dict[str, Any]) -> dict[str, Any]:
     """A result's JSON, with ``"processes"`` when several processes computed it."""
-    if not spread():
-        return data
-    from ..distributed.commands import stamped
-
-    return stamped(data)
+    return processes().stamp(data)
 
 
 def emit_table(render: Callable[[Console], None], output: str | None) -> None:
     """Print tables on stdout's console, or write them as plain text to ``output``."""
-    if not is_writer():
+    if not processes().writes:
         return
     from ..report import make_console, render_text
 
@@ -204,7 +200,7 @@ def emit_table(render: Callable[[Console], None], output: str | None) -> None:
 def emit(text: str, output: str | None) -> None:
     """Print ``text``, or write it to ``output`` whole or not at all (under torchrun,
     rank 0 only)."""
-    if not is_writer():
+    if not processes().writes:
         return
     from ..core.files import atomic_path
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from ..core.exit_status import ExitStatus
-from ..distributed import spread
+from ..distributed.processes import processes
 from .arguments import check_outputs, load_config, open_sources, wanted_ids
 from .group import main
 from .options import DIFF_EXIT_HELP, ReportFormat, common_options, report_options, request_option
@@ -57,7 +57,7 @@ def verify(
     """Check a dump set (or record) one way: against a saved record (--against), the
     producer checksums its dumps received (--received), or the stored checksums of its
     offloaded blocks (--stored)."""
-    from ..compare import CompareOptions, verify_sources, verify_work
+    from ..compare import CompareOptions, verify_work
     from ..report import SideNames
     from ..sources import resolve_device
     from .progress import progress_bar
@@ -81,14 +81,13 @@ def verify(
     saved = open_sources([against], None, device) if against is not None else None
     wanted = wanted_ids(request_ids)
     work = verify_work(source, against=saved, request_ids=wanted)
-    check = verify_sources
-    if spread():
-        from ..distributed.spread_verify import verify_spread as check
     with progress_bar(work, "verify", enabled=not quiet) as advance:
         options = CompareOptions(
             wanted, runtime, advance, allow_missing, allow_empty, seed_lane_only
         )
-        report = check(source, options, against=saved, received=received, stored=stored)
+        report = processes().verify(
+            source, options, against=saved, received=received, stored=stored
+        )
     if saved is not None:
         sides = SideNames("saved record", "source")
         title = f"verify {source.describe()} against {saved.describe()}"

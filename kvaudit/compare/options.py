@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 class CompareOptions:
     """The options that every comparison driver takes besides its sides (docs/api.md).
 
-    ``diff_sources``, ``verify_sources``, ``numeric_sources`` and ``verify_spread`` share
+    ``diff_sources``, ``verify_sources``, ``numeric_sources`` and the torchrun runtime share
     them. ``request_ids``: the requests compared (None: every request either side holds);
     ``runtime``: where checksums are computed (None: the best device at hand);
     ``progress``: called with the bytes checksummed since its last call;

@@ -17,7 +17,7 @@ that nothing holds whole is therefore traced again block by block at the finer s
 each block whose tokens differ on its own, its sources named at that size.
 
 The steps are separate so that processes holding parts of the sides can each do theirs
-(``kvaudit.distributed.spread_trace``): ``trace_units`` (what to trace), ``unit_digests``
+(``kvaudit.distributed.tracing``): ``trace_units`` (what to trace), ``unit_digests``
 (the consumer's content of each), ``ProducerBlocks.match`` (the producer blocks whose
 slices held here match) and ``stale_sources`` (the sources, from every part's matches,
 finer blocks only where the whole finds none).

@@ -2,11 +2,14 @@
 records gathered to rank 0, differences located by asking the rank that holds the blocks
 (docs/scale.md).
 
+A command asks ``processes()`` (``processes``) how its processes run: one process
+(``OneProcess``) or torchrun's (``torchrun.Torchrun``), never which one it runs under.
 ``spread()`` reads only the environment, so the single-process path never imports torch
-(nor does catching ``Settled``);
-``comm`` (the process group and byte collectives), ``placement`` (SOURCE rank fields and
-which process reads which file), ``spread_source`` (the dump set spread over processes)
-and ``spread_locate`` (locating across processes) import it.
+(nor does catching ``Settled``); ``torchrun`` (the runtime), ``comm`` (the process group and
+byte collectives), ``placement`` (SOURCE rank fields and which process reads which file),
+``spread_source`` (the dump set spread over processes), ``locating`` and ``tracing`` (the
+differences of a diff located and traced across processes) and ``carried`` (the checksums
+dumps carry, read where they are) import it.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ every process learns what each dump holds (its worker, requests and inventory; J
 all take the same decisions. ``checksum`` computes each process's dumps where it runs
 (its GPU or the CPU) and gathers one record per worker to every process, where they are
 summed as in one process. Locating a difference asks for single blocks
-(``kvaudit.distributed.spread_locate``).
+(``kvaudit.distributed.locating``).
 """
 
 from __future__ import annotations

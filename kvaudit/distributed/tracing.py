@@ -1,5 +1,6 @@
-"""Tracing differing blocks across processes: each process digests the blocks its own
-dumps hold, and only digests and matches travel.
+"""The torchrun runtime's tracing after locating: each process digests the blocks its own
+dumps hold, and only digests and matches travel (``kvaudit.compare.trace``'s steps, each
+run where the dumps are).
 
 Rank 0, which holds the located entries, gives every process the blocks to trace
 (``kvaudit.compare.trace.trace_units``). Each process digests the slices of those consumer blocks
@@ -64,7 +65,7 @@ def _matches(parts: Sequence[Sequence[Sequence[Any]]], count: int) -> list[Match
     return merged
 
 
-def trace_spread(
+def trace_across(
     report: DiffReport,
     producer: SpreadSource,
     consumer: SpreadSource,
@@ -113,4 +114,4 @@ def trace_spread(
         traced.fill(report)
 
 
-__all__ = ["trace_spread"]
+__all__ = ["trace_across"]

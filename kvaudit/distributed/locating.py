@@ -1,5 +1,11 @@
-"""Locating differences across processes: rank 0 reads the differing blocks of each
-worker from the process that holds its dump, which sends only those blocks.
+"""The torchrun runtime's step after a diff: differences located and traced across the
+processes. Rank 0 reads the differing blocks of each worker from the process that holds
+its dump, which sends only those blocks; tracing exchanges digests (``tracing``).
+
+It is a step of its own, not ``diff_sources``' locating with blocks fetched elsewhere:
+every process must take part in each exchange, in the same order, and a failure on one
+(a holder that cannot write its blocks, rank 0 failing to locate) must reach all of them
+only at the end, where they settle it together, or the others would wait on a send.
 
 For each run of consecutive differing positions, the holder of each worker writes a
 small dump (the kvaudit dump format, ``write_dump``) of the request's blocks at those
@@ -14,14 +20,17 @@ import os
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 
-from ..compare import DiffReport
+from ..compare import DiffReport, shared_tokens
 from ..compare.diff import viewed_shapes
+from ..compare.trace import partial_note
 from ..core.errors import KvauditError
 from ..dumps import Dump, open_dump, write_dump
 from ..locate import locate_differences
+from ..sources import Source
 from ..views.inputs import RequestBlocks
 from .comm import Comm
 from .spread_source import Held, SpreadSource
+from .tracing import trace_across
 
 ERROR_MARK = b"E"
 DUMP_MARK = b"D"
@@ -132,7 +141,7 @@ class _Fetcher:
         return dataclasses.replace(open_dump(path), path=item.name)
 
 
-def locate_spread(
+def _locate_fetched(
     report: DiffReport,
     producer: SpreadSource,
     consumer: SpreadSource,
@@ -183,3 +192,50 @@ def locate_spread(
                 raise KvauditError(fetcher.error)
 
         comm.outcomes(settled)
+
+
+def locate_across(
+    report: DiffReport,
+    producer: Source,
+    consumer: Source,
+    request_ids: Sequence[str] | None,
+    locate: bool | None,
+) -> None:
+    """Locate the report's differences and trace them to the producer blocks they hold,
+    as ``diff --locate`` does in one process, reading blocks from the processes that hold
+    them (``locate``: None when both sides are dumps, True required, False never).
+
+    Raises:
+        KvauditError: ``locate=True`` with a side that holds only checksums.
+
+    """
+    if locate is False:
+        return
+    if not (isinstance(producer, SpreadSource) and isinstance(consumer, SpreadSource)):
+        side = consumer if isinstance(producer, SpreadSource) else producer
+        names = ", ".join(side.names)
+        if side.raw_kv() is None:
+            where = f"{names} is a {side.kind} that holds only checksums, not the KV"
+            needs = "the raw KV on both sides"
+        else:
+            where = (
+                f"{names} is a {side.kind} source, which is not spread over torchrun's "
+                "processes: run the diff in one process to locate"
+            )
+            needs = "dumps on both sides under torchrun"
+        if locate:
+            raise KvauditError(f"--locate needs {needs}; {where}")
+        if report.untraced is not None:  # diff_sources traced by checksums, saying why
+            report.untraced = partial_note(where)
+        return
+    shared = shared_tokens(producer, consumer, request_ids)
+    consumed = consumer.trimmed(shared)
+    _locate_fetched(report, producer.trimmed(shared), consumed, shared)
+    # The bytes decide now, as in one process: the checksums' trace is dropped.
+    report.untraced = None
+    for _, _, group in report.groups():
+        group.stale_sources = {}
+    trace_across(report, producer, consumed, shared)
+
+
+__all__ = ["block_dump", "locate_across"]

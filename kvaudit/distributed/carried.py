@@ -1,5 +1,9 @@
-"""``kvaudit verify`` over a dump set spread among processes: against a record as in one
-process; the received and stored checksums the dumps carry, read where the dumps are."""
+"""The torchrun runtime's reading of the checksums that spread dumps carry, for ``verify
+--received`` and ``--stored``: the received wire bytes every process learned of each dump,
+the stored checksums checked by the process that holds each dump and gathered.
+
+A step of its own: ``verify_sources`` reads these from a ``DumpSet`` in this process,
+while here each process holds only its share of the dumps."""
 
 from __future__ import annotations
 
@@ -12,12 +16,11 @@ from ..compare import (
     carried_wires,
     stored_checks,
     stored_report,
-    verify_sources,
     verify_wire,
 )
-from ..compare.options import DEFAULT_OPTIONS, CompareOptions
+from ..compare.options import CompareOptions
 from ..records.wire import WireChecksums
-from ..sources import Progress, Runtime, Source
+from ..sources import Progress, Runtime
 from .spread_source import SpreadSource
 
 
@@ -52,19 +55,17 @@ def spread_stored(
     return stored_report(checks, positions="request")
 
 
-def verify_spread(
-    source: Source,
-    options: CompareOptions = DEFAULT_OPTIONS,
-    *,
-    against: Source | None = None,
-    received: bool = False,
-    stored: bool = False,
-) -> DiffReport:
-    """``kvaudit.compare.verify_sources`` for a source spread among processes (every
-    process calls it): ``received`` and ``stored`` read the carried checksums where the
-    dumps are; anything else is checked as in one process."""
-    if against is not None or not isinstance(source, SpreadSource) or received == stored:
-        return verify_sources(source, options, against=against, received=received, stored=stored)
+def verify_carried(source: SpreadSource, options: CompareOptions, *, stored: bool) -> DiffReport:
+    """``verify --received`` (``stored`` False) or ``--stored`` of a source spread among
+    processes, every process calling it: what ``kvaudit.compare.verify_sources`` reads of
+    the dumps (the received wire bytes, the stored checksums against the blocks) is read
+    where the dumps are, and what it computes from them as in one process.
+
+    Raises:
+        KvauditError: On every process, a requested id the source does not hold, or bad
+            carried checksums on any process.
+
+    """
     runtime, progress = options.device(), options.progress
     ids = None if options.request_ids is None else list(dict.fromkeys(options.request_ids))
     if ids is not None:
