@@ -184,7 +184,7 @@ def test_kinds_do_not_mix(dump: Path, tmp_path: Path) -> None:
     saved = tmp_path / "record.json"
     saved.write_text(json.dumps(record_to_json(checksum_dump_set(open_dump_set([dump])))))
     with pytest.raises(KvauditError, match=r"^live: handles cannot be mixed with dumps"):
-        open_source(["live:handle.py", str(dump)])
+        open_source(["py:handle.py", str(dump)])
     with pytest.raises(KvauditError, match="a record stands alone"):
         open_source([str(dump), str(saved)])
     with pytest.raises(KvauditError, match="no such file or directory"):
