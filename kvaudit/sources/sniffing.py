@@ -214,13 +214,9 @@ def live_target_error(name: str) -> KvauditError | None:
     if not target or _is_socket_or_folder(target):
         return None
     if target.endswith(".py"):
-        what = "a Python file"
+        what = "names a Python file, not a socket or a folder of sockets (what live: names)"
     elif not os.path.lexists(target) and all(part.isidentifier() for part in target.split(".")):
-        what = "a Python module name and no socket or folder"
+        what = "is no socket or folder but reads as a Python module name"
     else:
         return None
-    return KvauditError(
-        f"{what}: live: names a socket or a folder of sockets; write py:{target} for a "
-        "Python handle",
-        name,
-    )
+    return KvauditError(f"{what}; write py:{target} for a Python handle", name)
