@@ -21,6 +21,7 @@ from ..core.files import atomic_path
 from ..description import CacheDescription
 from ..dumps import Dump, open_dump
 from ..locate import cell_addresses
+from ..sources.sniffing import with_hint
 from ..views import LayerView
 from .modes import MODE_FAULTS, WHOLE_BLOCK_MODES, Block, Fault, open_block
 from .result import MODES, ChangedSlice, CorruptMode, PlantedFault
@@ -86,7 +87,10 @@ def corrupt_dump(
         raise KvauditError(f"unknown mode {mode!r}, expected one of {', '.join(MODES)}", path)
     if os.path.isdir(path):
         raise KvauditError("is a directory; corrupt writes a copy of one dump file", path)
-    dump = open_dump(path, config)
+    try:
+        dump = open_dump(path, config)
+    except KvauditError as error:
+        raise with_hint(error) from None  # a record or a description is named as one
     block = open_block(dump, request_id, group_id, position)
     if token is not None and mode in WHOLE_BLOCK_MODES:
         raise block.fail(f"{mode} {WHOLE_BLOCK_MODES[mode]}; it takes no token")

@@ -37,23 +37,13 @@ def is_local(name: str) -> bool:
 
 @dataclass(frozen=True)
 class Unit:
-    """Dump paths one process opens together (a file, or the ExampleConnector folders
-    of a SOURCE, which read as one dump), the key under which processes that see the same
-    files find them, and their size in bytes."""
+    """Dump paths one process opens together (one dump file; vLLM ExampleConnector
+    folders are a source kind of their own, opened whole by every process), the key under
+    which processes that see the same files find them, and their size in bytes."""
 
     key: str
     paths: tuple[str, ...]
     size: int
-
-
-def _size(path: str) -> int:
-    if os.path.isdir(path):
-        return sum(
-            entry.stat().st_size
-            for entry in os.scandir(path)
-            if entry.is_file(follow_symlinks=True)
-        )
-    return os.stat(path).st_size
 
 
 def units(names: Sequence[str], place: Place) -> list[Unit]:
@@ -64,20 +54,12 @@ def units(names: Sequence[str], place: Place) -> list[Unit]:
 
     """
     found: list[Unit] = []
-    folders: list[str] = []
-    folder_key = ""
     for name in names:
         path = fill(name, place)
         check_input(path, directory=True)  # a FIFO or a device would block
         scope = f"node {place.node_rank}:" if is_local(name) else "shared:"
         for item in expand_dump_paths([path]):
-            if os.path.isdir(item):
-                folders.append(item)
-                folder_key += scope + os.path.abspath(item) + "|"
-            else:
-                found.append(Unit(scope + os.path.abspath(item), (item,), _size(item)))
-    if folders:
-        found.append(Unit(folder_key, tuple(folders), sum(_size(item) for item in folders)))
+            found.append(Unit(scope + os.path.abspath(item), (item,), os.stat(item).st_size))
     return found
 
 

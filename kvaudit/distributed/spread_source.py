@@ -21,7 +21,6 @@ from ..core.errors import KvauditError
 from ..core.validation import worker_layout
 from ..description import CacheDescription, description_to_dict, parse_description
 from ..dumps import Dump, DumpSet, open_dump
-from ..dumps.example_connector import open_example_connectors
 from ..formats import record_to_json
 from ..records import Record, WorkerInfo, WorkerRecord, combine_workers
 from ..sources import Progress, Runtime, Source, open_source
@@ -34,6 +33,7 @@ from ..sources.inventory import (
     request_inventory,
 )
 from ..sources.registry import source_kind
+from ..sources.sniffing import with_hint
 from ..views.inputs import RequestBlocks
 from .comm import Comm
 from .placement import Unit, assign, fill, units
@@ -100,9 +100,11 @@ def _held(rank: int, data: Mapping[str, Any]) -> Held:
 
 
 def _open_unit(unit: Unit, config: CacheDescription | None) -> Dump:
-    if len(unit.paths) == 1 and not os.path.isdir(unit.paths[0]):
-        return open_dump(unit.paths[0], config)
-    return open_example_connectors(list(unit.paths), config)
+    (path,) = unit.paths  # a dump file (placement.units)
+    try:
+        return open_dump(path, config)
+    except KvauditError as error:
+        raise with_hint(error) from None  # a record or a description is named as one
 
 
 class SpreadSource(Source):

@@ -7,9 +7,11 @@ package is file I/O only: checksumming a dump set is ``kvaudit.checksum.checksum
 
 Modules, each using only those above it: ``safetensors_io`` (the file format), ``layers``
 (the tensors a description's layers have), ``dump`` (the dataclasses and the format's
-names), ``example_connector`` (vLLM ExampleConnector folders), ``hints`` (hints for
-common mistakes), ``reading`` (one dump, strictly), ``dump_sets`` (one engine's dumps
-opened together), ``writing`` (``write_dump``).
+names), ``example_connector`` (vLLM ExampleConnector folders read as a dump), ``hints``
+(the other engine's description named in errors), ``reading`` (one dump, strictly),
+``dump_sets`` (one engine's dumps opened together), ``writing`` (``write_dump``). Which
+input a path is (a dump, a record, ExampleConnector folders) is ``kvaudit.sources``'s to
+say: nothing here recognises inputs.
 """
 
 from __future__ import annotations

@@ -11,26 +11,16 @@ from ..core.validation import fail, worker_layout
 from ..description import CacheDescription
 from .dump import DumpSet
 from .reading import open_dump
+from .safetensors_io import safetensors_files
 
 
 def expand_dump_paths(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
-    """Dump files and ExampleConnector folders: each path, a directory's files, or the
-    ExampleConnector folders inside a directory that holds no files of its own."""
+    """Dump files: each path, or a directory's ``*.safetensors`` files."""
     result = []
     for path in paths:
         source = os.fspath(path)
         if os.path.isdir(source):
-            # Imported here: a dump file never needs the ExampleConnector reader.
-            from .example_connector import (
-                example_connector_folders,
-                is_example_connector,
-                safetensors_files,
-            )
-
-            if is_example_connector(source):
-                result.append(source)
-                continue
-            files = safetensors_files(source) or example_connector_folders(source)
+            files = safetensors_files(source)
             if not files and dump_folders(source):
                 fail(
                     source,
@@ -52,13 +42,13 @@ def open_dump_set(
 ) -> DumpSet:
     """Open one engine's dumps, checking each strictly.
 
-    The paths may be dump files, directories of ``*.safetensors`` dumps, or
-    ExampleConnector folders (several read as one dump of their requests, or those inside
-    a directory given); ``config`` overrides each dump's description. A worker missing
-    from the TP x PP layout is not an error: the set is incomplete.
+    The paths may be dump files or directories of ``*.safetensors`` dumps (vLLM
+    ExampleConnector folders are a source kind of their own: ``kvaudit.sources``);
+    ``config`` overrides each dump's description. A worker missing from the TP x PP
+    layout is not an error: the set is incomplete.
 
     Args:
-        paths: The dumps' files, directories or folders (one path alone is taken too).
+        paths: The dumps' files or directories (one path alone is taken too).
         config: A description that overrides each dump's; None to use the embedded ones.
 
     Returns:
@@ -74,12 +64,7 @@ def open_dump_set(
     files = expand_dump_paths(paths)
     if not files:
         raise KvauditError("no dumps given")
-    folders = [file for file in files if os.path.isdir(file)]
-    dumps = [open_dump(file, config) for file in files if not os.path.isdir(file)]
-    if folders:
-        from .example_connector import open_example_connectors
-
-        dumps.append(open_example_connectors(folders, config))
+    dumps = [open_dump(file, config) for file in files]
     missing = worker_layout([dump.worker for dump in dumps])
     dumps.sort(key=lambda dump: (dump.worker.pp_rank, dump.worker.tp_rank))
     return DumpSet(dumps, not missing, missing)
@@ -88,7 +73,7 @@ def open_dump_set(
 def dump_folders(directory: str | os.PathLike[str]) -> list[str]:
     """The folders directly inside ``directory`` that hold kvaudit dump files of their own
     (an output folder's ``dumps/``: a dump set per request), sorted by name; none when
-    ``directory`` holds dump files or ExampleConnector folders itself.
+    ``directory`` holds dump files itself.
 
     Raises:
         KvauditError: A folder cannot be listed, or a dump file in one is not a regular
@@ -98,16 +83,7 @@ def dump_folders(directory: str | os.PathLike[str]) -> list[str]:
     source = os.fspath(directory)
     if not os.path.isdir(source):  # a dump file, the usual argument, needs no more
         return []
-    # Imported here: a dump file never needs the ExampleConnector reader.
-    from .example_connector import (
-        example_connector_folders,
-        is_example_connector,
-        safetensors_files,
-    )
-
     if safetensors_files(source):
-        return []
-    if is_example_connector(source) or example_connector_folders(source):
         return []
     try:
         names = sorted(os.listdir(source))

@@ -19,14 +19,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..core.dtypes import dtype_name
-from ..core.errors import KvauditError
-from ..core.files import check_input
 from ..core.validation import fail
 from ..description import CacheDescription, LayerEntry, LayerSpec
 from ..records import WorkerInfo
 from .dump import META_FORMAT, Dump, DumpRequest
 from .layers import kv_apart, owner_layers
-from .safetensors_io import Entry, map_file, read_header, tensor_view
+from .safetensors_io import Entry, map_file, read_header, safetensors_files, tensor_view
 
 if TYPE_CHECKING:
     import torch
@@ -98,52 +96,6 @@ def _match(file: str, entry: LayerEntry, item: Entry) -> tuple[_Form, int]:
     )
 
 
-def safetensors_files(folder: str) -> list[str]:
-    """The folder's ``*.safetensors`` files, sorted.
-
-    Raises:
-        KvauditError: The folder cannot be listed, or one of them is not a regular file (a
-            FIFO or a device would block the reader).
-
-    """
-    try:
-        names = sorted(os.listdir(folder))
-    except OSError as error:
-        fail(folder, f"cannot list: {error.strerror}")
-    paths = [os.path.join(folder, name) for name in names if name.endswith(".safetensors")]
-    files = [path for path in paths if not os.path.isdir(path)]
-    for path in files:
-        check_input(path)
-    return files
-
-
-def is_example_connector(folder: str) -> bool:
-    """Whether a folder holds ExampleConnector files: one ``kv_cache`` tensor per file and
-    no kvaudit metadata."""
-    files = safetensors_files(folder)
-    if not files:
-        return False
-    for file in files:
-        try:
-            header = read_header(file)
-        except KvauditError:
-            return False
-        if META_FORMAT in header.metadata or set(header.tensors) != {EXAMPLE_CONNECTOR_TENSOR}:
-            return False
-    return True
-
-
-def example_connector_folders(directory: str) -> list[str]:
-    """The ExampleConnector folders directly inside a directory (a connector's storage
-    path), sorted by name."""
-    try:
-        names = sorted(os.listdir(directory))
-    except OSError as error:
-        fail(directory, f"cannot list: {error.strerror}")
-    folders = [os.path.join(directory, name) for name in names]
-    return [folder for folder in folders if os.path.isdir(folder) and is_example_connector(folder)]
-
-
 def request_id_of(folder: str) -> str:
     """A folder's request id: its name (the connector's hash of the prompt)."""
     return os.path.basename(os.path.abspath(folder))
@@ -153,7 +105,8 @@ def open_example_connector(folder: str, config: CacheDescription | None) -> Dump
     """One request's prompt KV saved by vLLM's ExampleConnector as a one-request dump
     whose rows are the request's block positions (views of the files, no copy but the
     zero padding of a last block the tokens do not fill)."""
-    if not is_example_connector(folder):
+    paths = safetensors_files(folder)
+    if not paths:
         fail(
             folder,
             "is a directory but not an ExampleConnector folder (<layer_name>.safetensors "
@@ -161,10 +114,7 @@ def open_example_connector(folder: str, config: CacheDescription | None) -> Dump
         )
     if config is None:
         fail(folder, "an ExampleConnector folder embeds no cache description: give one (--config)")
-    files = {
-        os.path.basename(path).removesuffix(".safetensors"): path
-        for path in safetensors_files(folder)
-    }
+    files = {os.path.basename(path).removesuffix(".safetensors"): path for path in paths}
     _check_files(files, config)
     num_tokens: int | None = None
     loaded: dict[str, tuple[LayerEntry, torch.Tensor, _Form]] = {}
@@ -179,7 +129,7 @@ def open_example_connector(folder: str, config: CacheDescription | None) -> Dump
         if spec.is_state or kv_apart(spec):
             kind = "a state layer" if spec.is_state else f"layout {spec.layout} keeps K and V apart"
             fail(file, f"layer {entry.name}: {kind}; ExampleConnector saves one kv_cache per layer")
-        item = read_header(file).tensors[EXAMPLE_CONNECTOR_TENSOR]
+        item = _saved_tensor(file)
         form, tokens = _match(file, entry, item)
         if num_tokens is not None and tokens != num_tokens:
             fail(file, f"holds {tokens} tokens, the folder's other layers hold {num_tokens}")
@@ -211,6 +161,19 @@ def open_example_connector(folder: str, config: CacheDescription | None) -> Dump
         requests={request_id_of(folder): request},
         maps=maps,
     )
+
+
+def _saved_tensor(file: str) -> Entry:
+    """A layer file's ``kv_cache`` tensor, the file checked to be as the connector saves
+    it: that one tensor and no kvaudit metadata."""
+    header = read_header(file)
+    if META_FORMAT in header.metadata or set(header.tensors) != {EXAMPLE_CONNECTOR_TENSOR}:
+        fail(
+            file,
+            f"not an ExampleConnector file: expected one {EXAMPLE_CONNECTOR_TENSOR} tensor "
+            "and no kvaudit metadata",
+        )
+    return header.tensors[EXAMPLE_CONNECTOR_TENSOR]
 
 
 def open_example_connectors(folders: Sequence[str], config: CacheDescription | None) -> Dump:

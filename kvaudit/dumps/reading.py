@@ -42,14 +42,7 @@ from .dump import (
     DumpRequest,
     TorchViews,
 )
-from .hints import (
-    DESCRIPTION_HINT,
-    RECORD_HINT,
-    looks_like_description,
-    looks_like_record,
-    other_engine_hint,
-    own_description_option,
-)
+from .hints import other_engine_hint, own_description_option
 from .layers import (
     check_layer,
     kernel_blocks_per_block,
@@ -473,13 +466,16 @@ def _check_whole_cache_rows(
 
 
 def open_dump(path: str | os.PathLike[str], config: CacheDescription | None = None) -> Dump:
-    """Open one worker's dump (or a vLLM ExampleConnector folder), checking it strictly.
+    """Open one worker's dump file, checking it strictly.
 
     ``config`` overrides the description the dump embeds (and is required by a dump
-    without one, and by an ExampleConnector folder).
+    without one). A file that is no dump is named with the reader's error; which other
+    input it looks like (a description, a record) is said where SOURCE arguments are
+    recognised (``kvaudit.sources.sniffing.with_hint``). A vLLM ExampleConnector folder is
+    read by ``kvaudit.dumps.example_connector.open_example_connectors``.
 
     Args:
-        path: A dump file, or an ExampleConnector folder of one request.
+        path: A dump file.
         config: A description that overrides the dump's; None to use the embedded one.
 
     Returns:
@@ -493,20 +489,8 @@ def open_dump(path: str | os.PathLike[str], config: CacheDescription | None = No
 
     """
     source = os.fspath(path)
-    check_input(source, directory=True)  # a FIFO or a device would block or never end
-    if os.path.isdir(source):
-        # Imported here: a dump file never needs the ExampleConnector reader.
-        from .example_connector import open_example_connector
-
-        return open_example_connector(source, config)
-    try:
-        header = read_header(source)
-    except KvauditError:
-        if looks_like_description(source):
-            fail(source, DESCRIPTION_HINT)
-        if looks_like_record(source):
-            fail(source, RECORD_HINT)
-        raise
+    check_input(source)  # a FIFO or a device would block or never end
+    header = read_header(source)
     metadata = header.metadata
     version = metadata.get(META_FORMAT)
     if version is None:

@@ -67,6 +67,25 @@ class Header:
     metadata: dict[str, str]
 
 
+def safetensors_files(folder: str) -> list[str]:
+    """The folder's ``*.safetensors`` files, sorted by name.
+
+    Raises:
+        KvauditError: The folder cannot be listed, or one of them is not a regular file (a
+            FIFO or a device would block the reader).
+
+    """
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError as error:
+        fail(folder, f"cannot list: {error.strerror}")
+    paths = [os.path.join(folder, name) for name in names if name.endswith(".safetensors")]
+    files = [path for path in paths if not os.path.isdir(path)]
+    for path in files:
+        check_input(path)
+    return files
+
+
 def read_header(path: str) -> Header:
     """Parse a safetensors header and check that every tensor's bytes lie in the file."""
     check_input(path)  # a FIFO or a device would block or never end

@@ -7,11 +7,13 @@ A command's SOURCEs are one of (docs/cli.md):
 - one record, the JSON ``kvaudit checksum --format json`` writes (a ``.json`` file, or any
   file whose content starts with ``{``);
 - Python handles ``py:PATH``, each one worker of this process
-  (``kvaudit.sources.handle_source``; ``live:FILE.py`` and ``live:module`` too);
+  (``kvaudit.sources.handle_source``);
 - running engines ``live:PATH``: a live agent's socket or a folder of them
-  (``kvaudit.sources.socket_source``);
+  (``kvaudit.sources.socket_source``; never a Python handle);
 - one output folder of an in-engine audit, vLLM or SGLang
-  (``kvaudit.sources.output_folder_source``).
+  (``kvaudit.sources.output_folder_source``);
+- vLLM ExampleConnector folders, or a connector's storage directory of them
+  (``kvaudit.sources.example_connector_source``).
 
 In Python, ``ChecksummerSource`` wraps an engine's live ``Checksummer`` objects
 (``kvaudit.testing.LiveSide``).
@@ -19,9 +21,10 @@ In Python, ``ChecksummerSource`` wraps an engine's live ``Checksummer`` objects
 Modules: ``base`` (the ``Source`` interface, ``Runtime``), ``inventory`` (what ``inspect``
 shows), ``raw`` (the raw-KV protocol dumps and live tensors share, for checksumming and
 locating), ``registry`` (kinds by prefix or sniffing, objects by type), then one module per
-kind: ``record_source``, ``output_folder_source``, ``dump_source`` (with ``dump_checksums``,
-the bounded-memory checksums of a dump set), ``handle_source``, ``socket_source``,
-``checksummer_source``, and ``sniffing`` (how the built-in kinds are recognised). A new
+kind: ``record_source``, ``output_folder_source``, ``example_connector_source``,
+``dump_source`` (with ``dump_checksums``, the bounded-memory checksums of a dump set),
+``handle_source``, ``socket_source``, ``checksummer_source``, and ``sniffing`` (the one
+place that recognises the built-in kinds, and what a wrong input looks like). A new
 kind is one module and its ``register_kind`` line in ``registry`` (docs/architecture.md).
 The names below are imported on first use, and a kind's module when it opens its
 arguments: a command given dumps imports only theirs.

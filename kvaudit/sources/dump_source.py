@@ -1,6 +1,7 @@
-"""Dump sets as sources: dump files, directories of dumps and ExampleConnector folders,
-one engine's workers, memory-mapped and checksummed in bounded batches; and folders of
-dump sets, one per request (an output folder's ``dumps/``), read as one set.
+"""Dump sets as sources: dump files and directories of dumps, one engine's workers,
+memory-mapped and checksummed in bounded batches; and folders of dump sets, one per
+request (an output folder's ``dumps/``), read as one set. vLLM ExampleConnector folders
+open as a dump source too (``kvaudit.sources.example_connector_source``).
 
 Dumps are the kind a SOURCE argument is when no other kind claims it, so a path that does
 not exist is reported as a missing dump.
@@ -20,6 +21,7 @@ from ..records import Record, WorkerInfo
 from .base import Progress, Runtime, trim
 from .raw import FetchingWorker, RawKVSource, RawWorker
 from .registry import OpenOptions
+from .sniffing import with_hint
 
 
 class DumpSource(RawKVSource):
@@ -153,11 +155,15 @@ def open_dumps(
     names: Sequence[str], claimed: Sequence[str], options: OpenOptions
 ) -> DumpSource | DumpFoldersSource:
     """The dumps kind's opener (the fallback kind): every argument a dump or a folder, or
-    every argument a folder of dump sets, one per request."""
-    if names and all(is_dump_folders(name) for name in names):
-        sets, _ = open_dump_folders(names, options.config)
-        return DumpFoldersSource(names, sets)
-    return DumpSource(names, open_dump_set(names, options.config))
+    every argument a folder of dump sets, one per request. A file that does not read as a
+    dump but looks like a description or a record is named as one."""
+    try:
+        if names and all(is_dump_folders(name) for name in names):
+            sets, _ = open_dump_folders(names, options.config)
+            return DumpFoldersSource(names, sets)
+        return DumpSource(names, open_dump_set(names, options.config))
+    except KvauditError as error:
+        raise with_hint(error) from None
 
 
 def dump_set_as_source(

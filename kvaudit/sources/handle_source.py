@@ -1,8 +1,6 @@
 """Python handles as sources: ``py:PATH`` arguments, each one worker of the process that
-runs kvaudit (a notebook, a test). ``live:PATH`` with a ``.py`` file or a dotted module
-name that is no file or folder is the same handle (the older spelling); ``live:`` with a
-socket or a folder of sockets is a running engine's agent
-(``kvaudit.sources.socket_source``).
+runs kvaudit (a notebook, a test). ``live:`` always names a running engine's agent, a
+socket or a folder of sockets (``kvaudit.sources.socket_source``).
 
 ``PATH`` is a Python file (``tools/live.py``) or an importable module (``mypkg.kv_live``)
 that defines ``kvaudit_live()``, which returns ``(description, tensors, rank, requests)``:
@@ -45,14 +43,14 @@ from ..views.inputs import RequestBlocks, is_tensor, plain_requests
 from .base import Progress, Runtime
 from .raw import RawKVSource, TensorWorker, checksum_each, one_line, one_line_errors
 from .registry import OpenOptions
-from .sniffing import LIVE_PREFIX, PY_PREFIX
+from .sniffing import PY_PREFIX
 
 LIVE_FUNCTION = "kvaudit_live"
 _RANK_KEYS = ("tp_rank", "tp_size", "pp_rank", "pp_size", "role", "engine", "num_blocks")
 
 
 class HandleSource(RawKVSource):
-    """Workers of a running process, each from its ``live:PATH`` handle."""
+    """Workers of a running process, each from its ``py:PATH`` handle."""
 
     kind = "live"
     workers: list[TensorWorker]
@@ -87,11 +85,10 @@ def open_handles(
 
 
 def _load_live(name: str, config: CacheDescription | None) -> TensorWorker:
-    """Import a ``live:PATH`` handle and call its ``kvaudit_live()``."""
-    prefix = PY_PREFIX if name.startswith(PY_PREFIX) else LIVE_PREFIX
-    target = name[len(prefix) :]
+    """Import a ``py:PATH`` handle and call its ``kvaudit_live()``."""
+    target = name[len(PY_PREFIX) :]
     if not target:
-        raise KvauditError(f"expected {prefix}PATH, a Python file or module", name)
+        raise KvauditError(f"expected {PY_PREFIX}PATH, a Python file or module", name)
     module = _import_live(name, target)
     function = getattr(module, LIVE_FUNCTION, None)
     if not callable(function):

@@ -15,11 +15,11 @@ from ..core.errors import KvauditError
 from ..core.files import check_input
 from ..core.validation import MAX_DEPTH, DuplicateKeyError, short, short_text, unique_keys
 from ..description import CacheDescription
-from ..dumps.hints import DESCRIPTION_HINT, is_description_data, looks_like_description
 from ..records import Record, WorkerInfo
 from .base import Progress, Runtime, Source
 from .inventory import GroupInfo, Inventory, RequestInventory, WorkerInventory, add_request
 from .registry import OpenOptions
+from .sniffing import DESCRIPTION_HINT, is_description_data, looks_like_description
 
 
 class RecordSource(Source):

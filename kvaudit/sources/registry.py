@@ -8,7 +8,8 @@ how they become a source. ``open_source`` serves the command line, ``source_of``
 
 The built-in kinds are listed here by name (``"module:function"``): a kind's module is
 imported when it opens its arguments, so a command given dumps never imports the record,
-live or socket kinds (``kvaudit.sources.sniffing`` recognises them all).
+handle, socket, output-folder or ExampleConnector kinds (``kvaudit.sources.sniffing``
+recognises them all, and is the only module that does).
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ from ..core.errors import KvauditError
 from ..core.files import check_input
 from ..description import CacheDescription
 from .base import Source
-from .sniffing import PY_PREFIX, is_output_folder, is_python_handle, is_record, is_socket
+from .sniffing import (
+    LIVE_PREFIX,
+    PY_PREFIX,
+    is_example_connector_source,
+    is_output_folder,
+    is_record,
+)
 
 
 @dataclass(frozen=True)
@@ -121,7 +128,7 @@ def open_source(
     if not names:
         raise KvauditError("no SOURCE given")
     for name in names:
-        if not name.startswith("live:"):
+        if not name.startswith(LIVE_PREFIX):
             check_input(name, directory=True)  # a FIFO or a device would block
     kind, claimed = source_kind(names)
     return kind.open(names, claimed, OpenOptions(config, device_given))
@@ -224,13 +231,19 @@ _ACCEPTED.append("dump paths")
 _wrap.register(os.PathLike)(_path)
 _wrap.register(Sequence)(_paths)
 
-# The built-in kinds, tried in this order after those with a prefix (docs/cli.md, SOURCE).
+# The built-in kinds (docs/cli.md, SOURCE): those with a prefix first, then the sniffed
+# ones in this order, then dumps, which take what no other kind claims.
 register_kind(SourceKind("record", ".record_source:open_records", sniff=is_record))
 register_kind(
     SourceKind("output", ".output_folder_source:open_output_folders", sniff=is_output_folder)
 )
-register_kind(SourceKind("dumps", ".dump_source:open_dumps"), fallback=True)
 register_kind(
-    SourceKind("live", ".handle_source:open_handles", prefix=PY_PREFIX, sniff=is_python_handle)
+    SourceKind(
+        "example-connector",
+        ".example_connector_source:open_example_connector_folders",
+        sniff=is_example_connector_source,
+    )
 )
-register_kind(SourceKind("live", ".socket_source:open_sockets", sniff=is_socket))
+register_kind(SourceKind("dumps", ".dump_source:open_dumps"), fallback=True)
+register_kind(SourceKind("py", ".handle_source:open_handles", prefix=PY_PREFIX))
+register_kind(SourceKind("live", ".socket_source:open_sockets", prefix=LIVE_PREFIX))

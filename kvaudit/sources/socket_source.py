@@ -31,6 +31,7 @@ from .inventory import GroupInfo, Inventory, WorkerInventory, request_inventory
 from .raw import FetchingWorker, RawWorker
 from .registry import OpenOptions
 from .sniffing import LIVE_PREFIX as PREFIX
+from .sniffing import live_target_error
 
 
 @dataclass
@@ -387,7 +388,12 @@ def _listing(
 def open_sockets(
     names: Sequence[str], claimed: Sequence[str], options: OpenOptions
 ) -> SocketSource:
-    """The live kind's opener: every argument a socket or a folder of sockets."""
+    """The live kind's opener: every argument a socket or a folder of sockets (one that
+    names a Python handle is refused with the ``py:`` spelling)."""
+    for name in claimed:
+        error = live_target_error(name)
+        if error is not None:
+            raise error
     if len(claimed) != len(names):
         raise KvauditError("live: sockets cannot be mixed with dumps, records or Python handles")
     scratch = _Scratch()

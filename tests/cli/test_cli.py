@@ -249,13 +249,13 @@ def kvaudit_live():
     return ex.description(ex.PRODUCER), tensors, {{"tp_rank": {rank}, "tp_size": 2}}, requests
 """
         )
-    handles = [f"live:{tmp_path / f'live{rank}.py'}" for rank in (0, 1)]
+    handles = [f"py:{tmp_path / f'live{rank}.py'}" for rank in (0, 1)]
     live = record_of(*handles)
     assert totals(live) == totals(record_of(sets / "producer"))
     result = run("checksum", handles[0], "--format", "json")
     assert result.exit_code == 1
     assert json.loads(result.stdout)["complete"] is False
-    assert_one_line_error(run("checksum", f"live:{tmp_path / 'none.py'}"), "none.py")
+    assert_one_line_error(run("checksum", f"py:{tmp_path / 'none.py'}"), "none.py")
 
 
 # Inspect.

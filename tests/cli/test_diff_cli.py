@@ -798,7 +798,7 @@ def kvaudit_live():
     return ex.description(engine), tensors, {{"role": "producer"}}, requests
 """
     )
-    live = f"live:{handle}"
+    live = f"py:{handle}"
     assert diff_json(live, sets / "consumer", status=0)["ok"] is True
     report = diff_json(live, sets / "consumer-broken", status=1)
     medium = report["requests"]["req-medium"]["groups"]["0"]

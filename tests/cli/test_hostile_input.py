@@ -373,14 +373,14 @@ def test_live_handles_returning_the_wrong_types_are_one_line(
 ) -> None:
     handle = tmp_path / "handle.py"
     handle.write_text(LIVE.format(description=DESCRIPTION, change=change))
-    line = assert_one_line_error(run("checksum", f"live:{handle}"), "handle.py")
+    line = assert_one_line_error(run("checksum", f"py:{handle}"), "handle.py")
     assert words in line
 
 
 def test_a_plain_live_handle_still_checksums(tmp_path: Path) -> None:
     handle = tmp_path / "handle.py"
     handle.write_text(LIVE.format(description=DESCRIPTION, change="pass"))
-    result = run("checksum", f"live:{handle}", "--format", "json")
+    result = run("checksum", f"py:{handle}", "--format", "json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["requests"]["r"]["num_tokens"] == 10
 

@@ -437,7 +437,7 @@ def test_live_handle_calling_system_exit_is_refused(tmp_path: Path, where: str) 
         body += "sys.exit(0)\n"
     body += "def kvaudit_live():\n    sys.exit(0)\n"
     handle.write_text(body)
-    assert_error(run("inspect", f"live:{handle}"), "SystemExit", "handle.py")
+    assert_error(run("inspect", f"py:{handle}"), "SystemExit", "handle.py")
 
 
 # Output writes and their temporary files.

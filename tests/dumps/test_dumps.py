@@ -22,10 +22,11 @@ from kvaudit.checksum import checksum_dump_set, total_bytes
 from kvaudit.checksum.checksummer import Checksummer, RequestBlocks
 from kvaudit.core.errors import DescriptionError, KvauditError
 from kvaudit.description import CacheDescription, parse_description
-from kvaudit.dumps import open_dump, open_dump_set, write_dump
+from kvaudit.dumps import DumpSet, open_dump, open_dump_set, write_dump
 from kvaudit.dumps.safetensors_io import read_header
 from kvaudit.formats import record_to_json
 from kvaudit.records import WorkerInfo, combine_workers
+from kvaudit.sources import DumpSource, open_source
 from kvaudit.sources.raw import request_rows
 
 NUM_BLOCKS = 16
@@ -959,6 +960,13 @@ def test_write_refuses_what_a_reader_refuses(tmp_path: Path, options: dict, expe
 # vLLM ExampleConnector folders.
 
 
+def connector_set(folders: list[Path], config: CacheDescription | None = None) -> DumpSet:
+    """ExampleConnector folders opened as SOURCE arguments are (``kvaudit.sources``)."""
+    source = open_source([str(folder) for folder in folders], config)
+    assert isinstance(source, DumpSource)
+    return source.dump_set
+
+
 @pytest.mark.parametrize("token_major", [False, True], ids=["blocked-layout", "token-major"])
 @pytest.mark.parametrize(
     ("kind", "tokens"), [("attention", 8), ("attention", 10), ("mla", 8), ("mla", 13)]
@@ -1028,8 +1036,8 @@ def test_example_connector_folder(
             live[layer] = cache.reshape(2, num_blocks * 2, kernel, heads, head_size)
 
     with pytest.raises(KvauditError, match="--config"):
-        open_dump_set([folder])
-    dump_set = open_dump_set([folder], config=config)
+        connector_set([folder])
+    dump_set = connector_set([folder], config)
     (dump,) = dump_set.dumps
     assert dump.path == str(folder)
     assert list(dump.requests) == ["req-42"]
@@ -1119,7 +1127,7 @@ def test_example_connector_folder_must_match_the_config(tmp_path: Path) -> None:
         "config",
     )
     with pytest.raises(KvauditError) as error:
-        open_dump(folder, config)
+        connector_set([folder], config)
     message = str(error.value)
     assert message.startswith(str(folder / "model.layers.0.attn.safetensors"))
     assert (

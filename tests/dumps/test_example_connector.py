@@ -27,13 +27,21 @@ from kvaudit.checksum import checksum_dump_set
 from kvaudit.checksum.checksummer import RequestBlocks
 from kvaudit.cli import main
 from kvaudit.core.errors import KvauditError
-from kvaudit.description import parse_description
-from kvaudit.dumps import open_dump_set, write_dump
+from kvaudit.description import CacheDescription, parse_description
+from kvaudit.dumps import DumpSet, write_dump
 from kvaudit.formats import record_to_json
 from kvaudit.records import WorkerInfo
+from kvaudit.sources import DumpSource, open_source
 
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 NUM_BLOCKS = 12
+
+
+def connector_set(folders: list[Path], config: CacheDescription | None = None) -> DumpSet:
+    """ExampleConnector folders opened as SOURCE arguments are (``kvaudit.sources``)."""
+    source = open_source([str(folder) for folder in folders], config)
+    assert isinstance(source, DumpSource)
+    return source.dump_set
 
 
 @dataclass(frozen=True)
@@ -150,10 +158,10 @@ def test_a_folder_under_the_engines_own_description(
     ]
     folder = tmp_path / "0f3a9c"
     write_folder(folder, model, kv, table)
-    record = record_to_json(checksum_dump_set(open_dump_set([folder], config)))
+    record = record_to_json(checksum_dump_set(connector_set([folder], config)))
     assert totals(record) == {"0f3a9c": expected_totals(model, kv)}
     assert record["requests"]["0f3a9c"]["num_tokens"] == tokens
-    by_block = record_to_json(checksum_dump_set(open_dump_set([folder], config), positions="block"))
+    by_block = record_to_json(checksum_dump_set(connector_set([folder], config), positions="block"))
     assert totals(by_block) == {"0f3a9c": expected_totals(model, kv, "block")}
 
 
@@ -170,12 +178,12 @@ def test_several_request_folders(tmp_path: Path) -> None:
         ids = ids[count:]
         expected[name] = expected_totals(model, kv)
     folders = [storage / name for name in expected]
-    record = record_to_json(checksum_dump_set(open_dump_set(folders, config)))
+    record = record_to_json(checksum_dump_set(connector_set(folders, config)))
     assert totals(record) == expected
     # The connector's storage path holds the folders: given alone, it reads them all.
-    assert totals(record_to_json(checksum_dump_set(open_dump_set([storage], config)))) == expected
+    assert totals(record_to_json(checksum_dump_set(connector_set([storage], config)))) == expected
     # A subset: one folder.
-    one = record_to_json(checksum_dump_set(open_dump_set([folders[1]], config)))
+    one = record_to_json(checksum_dump_set(connector_set([folders[1]], config)))
     assert totals(one) == {"c3d4": expected["c3d4"]}
 
     # On the command line, with the description in -c.
@@ -240,7 +248,7 @@ def test_the_older_form_is_still_read(tmp_path: Path, layout: str, merged: bool)
         saved = planes.reshape(2, tokens, -1) if merged else planes
         save_file({"kv_cache": saved.contiguous()}, str(folder / f"{name}.safetensors"))
     config = parse_description(model.description(layout), "cache.yaml")
-    record = record_to_json(checksum_dump_set(open_dump_set([folder], config)))
+    record = record_to_json(checksum_dump_set(connector_set([folder], config)))
     assert totals(record) == {"req": expected_totals(model, kv)}
 
 
@@ -252,7 +260,7 @@ def test_two_tokens_of_two_heads_are_read_as_todays_form(tmp_path: Path) -> None
     folder = tmp_path / "r"
     write_folder(folder, model, kv, [5])
     config = parse_description(model.description("KNTHD"), "cache.yaml")
-    record = record_to_json(checksum_dump_set(open_dump_set([folder], config)))
+    record = record_to_json(checksum_dump_set(connector_set([folder], config)))
     assert totals(record) == {"r": expected_totals(model, kv)}
 
 
@@ -264,7 +272,7 @@ def test_folders_that_cannot_be_read_together(tmp_path: Path) -> None:
     write_folder(first, model, kv, [0, 1])
     write_folder(second, model, kv, [2, 3])
     with pytest.raises(KvauditError) as error:
-        open_dump_set([first, second], config)
+        connector_set([first, second], config)
     assert str(error.value) == f"{second}: request same is also the folder {first}"
     # One folder in today's form, one in the older form.
     older = tmp_path / "older"
@@ -275,7 +283,7 @@ def test_folders_that_cannot_be_read_together(tmp_path: Path) -> None:
             {"kv_cache": planes.reshape(2, 8, -1).contiguous()}, str(older / f"{name}.safetensors")
         )
     with pytest.raises(KvauditError) as error:
-        open_dump_set([first, older], config)
+        connector_set([first, older], config)
     assert str(error.value).startswith(
         f"{older}: its layers are saved in other forms than those of {first}"
     )

@@ -590,22 +590,58 @@ def test_private_folder_required(tmp_path: Path) -> None:
         Agent(str(shared / "w.sock"), description, tensors, dict)
 
 
-def test_python_handle_under_py_prefix(tmp_path: Path) -> None:
-    handle = tmp_path / "handle.py"
-    handle.write_text(
-        f"""
+def _handle_text(marker: Path) -> str:
+    """A Python handle of the toy engine that leaves ``marker`` when it is imported."""
+    return f"""
+import pathlib
 import sys
 sys.path.insert(0, {str(ENGINE.parent)!r})
 from helpers import live_engine as toy
+
+pathlib.Path({str(marker)!r}).touch()
 
 def kvaudit_live():
     engine = toy.Engine(0, 1, False, "cpu", 5)
     tensors = {{n: toy.layer_tensor(c, "NTHC") for n, c in zip(toy.LAYERS, engine.caches)}}
     return toy.description(1, "NTHC"), tensors, {{}}, engine.block_tables()
 """
-    )
-    new = run("checksum", f"py:{handle}", "--request", "stable", "--format", "json")
-    old = run("checksum", f"live:{handle}", "--request", "stable", "--format", "json")
-    assert new.exit_code == 0, new.output
-    assert totals(json.loads(new.stdout), "stable") == totals(json.loads(old.stdout), "stable")
-    assert totals(json.loads(new.stdout), "stable") == reference_totals("stable", 0, 1)
+
+
+def test_python_handle_under_py_prefix(tmp_path: Path) -> None:
+    handle = tmp_path / "handle.py"
+    handle.write_text(_handle_text(tmp_path / "imported"))
+    result = run("checksum", f"py:{handle}", "--request", "stable", "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert totals(json.loads(result.stdout), "stable") == reference_totals("stable", 0, 1)
+
+
+@pytest.mark.parametrize("form", ["file", "missing file", "module"])
+def test_live_with_a_python_target_says_to_write_py(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, form: str
+) -> None:
+    """``live:`` names sockets only (docs/cli.md): a Python file, or a dotted module name
+    that is no path, is one line saying to write ``py:TARGET``, and the handle is not run
+    (the older spelling ran it)."""
+    marker = tmp_path / "imported"
+    package = tmp_path / "kvaudit_probe_handles"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "toy.py").write_text(_handle_text(marker))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the module name is no path here
+    target = {
+        "file": str(package / "toy.py"),
+        "missing file": str(tmp_path / "none.py"),
+        "module": "kvaudit_probe_handles.toy",
+    }[form]
+    line = assert_exit_2_naming(run("checksum", f"live:{target}", "--request", "stable"))
+    assert line.startswith(f"kvaudit: error: live:{target}: ")
+    assert line.endswith(f"write py:{target} for a Python handle")
+    assert not marker.exists()
+    if form != "missing file":  # the same target under py: is the handle it names
+        result = run("checksum", f"py:{target}", "--request", "stable", "--format", "json")
+        assert result.exit_code == 0, result.output
+        assert marker.exists()
+        assert totals(json.loads(result.stdout), "stable") == reference_totals("stable", 0, 1)

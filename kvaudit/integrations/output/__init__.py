@@ -36,7 +36,6 @@ from .layout import (
     MARKER,
     ROTATED,
     dump_path,
-    is_output_folder,
     rotated_name,
     worker_folder,
 )
@@ -81,7 +80,6 @@ __all__ = [
     "checksum_line",
     "cut_short",
     "dump_path",
-    "is_output_folder",
     "merge_line",
     "prompt_digest",
     "read_output",

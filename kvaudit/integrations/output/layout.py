@@ -39,12 +39,6 @@ def _safe_name(request: str) -> str:
     return "_" + name[1:] if name.startswith(".") or not name else name
 
 
-def is_output_folder(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is an in-engine audit's output folder: it holds a marker (whatever
-    the marker is: the reader says what is wrong with it)."""
-    return any(os.path.lexists(Path(path) / name) for name in (MARKER, LEGACY_MARKER))
-
-
 def rotated_name(number: int) -> str:
     """The name of the ``number``-th rotated checksum file (1: the newest)."""
     return f"checksums.{number}.jsonl" if number else CHECKSUMS
