@@ -132,7 +132,7 @@ class Checksummer:
             role: ``"producer"`` checksums replica 0 of each layer; ``"consumer"`` and
                 ``"offload"`` checksum every replica.
             backend: ``"auto"`` (Triton on CUDA tensors, numpy on the CPU), ``"numpy"``,
-                ``"torch"`` or ``"triton"``.
+                ``"torch"``, ``"triton"`` or one ``register_backend`` added.
             num_blocks: The number of manager blocks the tensors hold, for every group or
                 per group id; None for each group's block space (its own ``num_blocks``,
                 else the description's).
