@@ -27,6 +27,7 @@ from ..views.inputs import (
     plain_requests,
     tensors_by_name,
 )
+from .block_ids import check_group_blocks
 from .dump import (
     COPY_BYTES,
     FORMAT,
@@ -45,7 +46,7 @@ from .layers import (
     owner_layers,
     tensor_names,
 )
-from .reading import check_group_blocks, check_metadata
+from .reading import check_metadata
 from .safetensors_io import (
     Output,
     as_integers,
