@@ -141,10 +141,45 @@ static int take_call(const char *function, PyObject *const *args, Py_ssize_t nar
     return check_rows(layout, rows, buffers[1].buf, buffers[3].buf);
 }
 
-/* Release the buffers a call took. */
-static void release_call(Py_buffer buffers[7], int held)
+/* A loop over a call's rows: the view's layout and the call's 7 buffers, all checked. */
+typedef void (*Loop)(const Layout *layout, const Py_buffer buffers[7]);
+
+/* A loop's Python function: the call taken and checked (`take_call`), then `loop` run
+ * without the GIL; None, or NULL with an exception. */
+static PyObject *call_loop(const char *function, PyObject *const *args, Py_ssize_t nargs,
+                           const char *const names[6], const Py_ssize_t lengths[6], Loop loop)
 {
+    Py_buffer buffers[7];
+    int held = 0;
+    Layout layout;
+    PyObject *result = NULL;
+    if (take_call(function, args, nargs, names, lengths, buffers, &held, &layout) == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        loop(&layout, buffers);
+        Py_END_ALLOW_THREADS
+        result = Py_NewRef(Py_None);
+    }
     for (int i = 0; i < held; i++) PyBuffer_Release(&buffers[i]);
+    return result;
 }
+
+/* The module `kvaudit._native.NAME` of one loop function: its method table, its
+ * definition and its init function. */
+#define LOOP_MODULE(NAME, FUNCTION, FUNCTION_DOC, MODULE_DOC)                                 \
+    static PyMethodDef methods[] = {                                                         \
+        {#FUNCTION, (PyCFunction)(void (*)(void))FUNCTION, METH_FASTCALL, FUNCTION_DOC},     \
+        {NULL, NULL, 0, NULL},                                                               \
+    };                                                                                       \
+    static struct PyModuleDef module = {                                                     \
+        PyModuleDef_HEAD_INIT,                                                               \
+        .m_name = "kvaudit._native." #NAME,                                                  \
+        .m_doc = MODULE_DOC,                                                                 \
+        .m_size = 0,                                                                         \
+        .m_methods = methods,                                                                \
+    };                                                                                       \
+    PyMODINIT_FUNC PyInit_##NAME(void)                                                       \
+    {                                                                                        \
+        return PyModuleDef_Init(&module);                                                    \
+    }
 
 #endif

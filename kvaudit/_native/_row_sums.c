@@ -315,18 +315,9 @@ PyDoc_STRVAR(row_sums_doc,
              "The other arguments are contiguous 1-D int64 arrays: piece_weights "
              "[heads * pieces], head_weights [heads], sums (written) one per row.");
 
-static PyObject *row_sums(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+/* The call's rows, read from its checked buffers, through the loop. */
+static void run_row_sums(const Layout *layout, const Py_buffer buffers[7])
 {
-    static const char *const names[] = {"block_ids",     "first_tokens", "valid_tokens",
-                                        "piece_weights", "head_weights", "sums"};
-    static const Py_ssize_t lengths[] = {PER_ROW,        PER_ROW,  PER_ROW,
-                                         PER_HEAD_PIECE, PER_HEAD, PER_ROW};
-    Py_buffer buffers[7];
-    int held = 0;
-    Layout layout;
-    PyObject *result = NULL;
-    if (take_call("row_sums", args, nargs, names, lengths, buffers, &held, &layout) < 0)
-        goto done;
     Rows rows = {
         .count = buffers[1].shape[0],
         .block_ids = buffers[1].buf,
@@ -336,29 +327,17 @@ static PyObject *row_sums(PyObject *module, PyObject *const *args, Py_ssize_t na
         .head_weights = buffers[5].buf,
         .sums = buffers[6].buf,
     };
-    Py_BEGIN_ALLOW_THREADS
-    all_row_sums(&layout, &rows);
-    Py_END_ALLOW_THREADS
-    result = Py_NewRef(Py_None);
-done:
-    release_call(buffers, held);
-    return result;
+    all_row_sums(layout, &rows);
 }
 
-static PyMethodDef methods[] = {
-    {"row_sums", (PyCFunction)(void (*)(void))row_sums, METH_FASTCALL, row_sums_doc},
-    {NULL, NULL, 0, NULL},
-};
-
-static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT,
-    .m_name = "kvaudit._native._row_sums",
-    .m_doc = "The numpy backend's row sums in C (kvaudit/checksum/kernels/numpy_cpu.py).",
-    .m_size = 0,
-    .m_methods = methods,
-};
-
-PyMODINIT_FUNC PyInit__row_sums(void)
+static PyObject *row_sums(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    return PyModuleDef_Init(&module);
+    static const char *const names[] = {"block_ids",     "first_tokens", "valid_tokens",
+                                        "piece_weights", "head_weights", "sums"};
+    static const Py_ssize_t lengths[] = {PER_ROW,        PER_ROW,  PER_ROW,
+                                         PER_HEAD_PIECE, PER_HEAD, PER_ROW};
+    return call_loop("row_sums", args, nargs, names, lengths, run_row_sums);
 }
+
+LOOP_MODULE(_row_sums, row_sums, row_sums_doc,
+            "The numpy backend's row sums in C (kvaudit/checksum/kernels/numpy_cpu.py).")

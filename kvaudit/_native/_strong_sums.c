@@ -213,18 +213,9 @@ PyDoc_STRVAR(strong_sums_doc,
              "first_tokens[i]. The other arguments are contiguous 1-D int64 arrays: "
              "head_weights [heads], token_weights [4096], sums (written) one per row.");
 
-static PyObject *strong_sums(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+/* The call's rows, read from its checked buffers, through the loop. */
+static void run_strong_sums(const Layout *layout, const Py_buffer buffers[7])
 {
-    static const char *const names[] = {"block_ids",    "first_tokens",  "valid_tokens",
-                                        "head_weights", "token_weights", "sums"};
-    static const Py_ssize_t lengths[] = {PER_ROW,  PER_ROW,      PER_ROW,
-                                         PER_HEAD, TOKEN_PLACES, PER_ROW};
-    Py_buffer buffers[7];
-    int held = 0;
-    Layout layout;
-    PyObject *result = NULL;
-    if (take_call("strong_sums", args, nargs, names, lengths, buffers, &held, &layout) < 0)
-        goto done;
     Rows rows = {
         .count = buffers[1].shape[0],
         .block_ids = buffers[1].buf,
@@ -234,29 +225,17 @@ static PyObject *strong_sums(PyObject *module, PyObject *const *args, Py_ssize_t
         .token_weights = buffers[5].buf,
         .sums = buffers[6].buf,
     };
-    Py_BEGIN_ALLOW_THREADS
-    all_strong_sums(&layout, &rows);
-    Py_END_ALLOW_THREADS
-    result = Py_NewRef(Py_None);
-done:
-    release_call(buffers, held);
-    return result;
+    all_strong_sums(layout, &rows);
 }
 
-static PyMethodDef methods[] = {
-    {"strong_sums", (PyCFunction)(void (*)(void))strong_sums, METH_FASTCALL, strong_sums_doc},
-    {NULL, NULL, 0, NULL},
-};
-
-static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT,
-    .m_name = "kvaudit._native._strong_sums",
-    .m_doc = "The checksum's strong lane in C (kvaudit/checksum/strong.py).",
-    .m_size = 0,
-    .m_methods = methods,
-};
-
-PyMODINIT_FUNC PyInit__strong_sums(void)
+static PyObject *strong_sums(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    return PyModuleDef_Init(&module);
+    static const char *const names[] = {"block_ids",    "first_tokens",  "valid_tokens",
+                                        "head_weights", "token_weights", "sums"};
+    static const Py_ssize_t lengths[] = {PER_ROW,  PER_ROW,      PER_ROW,
+                                         PER_HEAD, TOKEN_PLACES, PER_ROW};
+    return call_loop("strong_sums", args, nargs, names, lengths, run_strong_sums);
 }
+
+LOOP_MODULE(_strong_sums, strong_sums, strong_sums_doc,
+            "The checksum's strong lane in C (kvaudit/checksum/strong.py).")

@@ -111,6 +111,27 @@ def open_dump(path: str | os.PathLike[str], config: CacheDescription | None = No
         DescriptionError: The embedded description is invalid (source ``PATH
             (kvaudit.cache)``, with the key path).
 
+    Example:
+        >>> import pathlib, tempfile, numpy as np, torch
+        >>> from kvaudit import RequestBlocks, WorkerInfo
+        >>> from kvaudit.description import parse_description
+        >>> from kvaudit.dumps import open_dump, write_dump
+        >>> cache = torch.arange(4 * 8 * 2 * 2 * 4, dtype=torch.float32).reshape(2, 4, 2, 8, 4)
+        >>> description = parse_description({"kvaudit": 1, "num_blocks": 4, "groups": [{"spec": {
+        ...     "type": "full_attention", "block_size": 8, "num_kv_heads": 2, "head_size": 4,
+        ...     "dtype": "float32", "layout": "KNHTD"}, "layers": ["model.layers.0.attn"]}]}, "d")
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "consumer.safetensors"
+        >>> write_dump(path, description, {"model.layers.0.attn": cache},
+        ...            {"r": RequestBlocks(8, {0: (0, [2])})}, worker=WorkerInfo(role="consumer"))
+        >>> dump = open_dump(path)
+        >>> dump.worker.role, list(dump.requests), dump.num_rows
+        ('consumer', ['r'], 1)
+        >>> kv = dump.arrays["model.layers.0.attn"]  # memory-mapped; the elements' bits
+        >>> kv.shape  # KNHTD: [K and V, rows, heads, tokens, head size]
+        (2, 1, 2, 8, 4)
+        >>> np.array_equal(kv[:, 0].view(np.float32), cache[:, 2].numpy())
+        True
+
     """
     source = os.fspath(path)
     check_input(source, directory=True)  # a FIFO or a device would block or never end

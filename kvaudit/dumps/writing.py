@@ -330,6 +330,24 @@ def write_dump(
             description does not have, a bad request, bad ranks or role, or a file that
             cannot be written.
 
+    Example:
+        A producer at TP=1 dumps the two blocks (3 and 1, in that order) of a 20-token request:
+
+        >>> import pathlib, tempfile, torch
+        >>> from kvaudit import RequestBlocks, WorkerInfo
+        >>> from kvaudit.description import parse_description
+        >>> from kvaudit.dumps import open_dump, write_dump
+        >>> description = parse_description({"kvaudit": 1, "num_blocks": 6, "groups": [{
+        ...     "spec": {"type": "full_attention", "block_size": 16, "num_kv_heads": 1,
+        ...              "head_size": 4, "dtype": "float32", "layout": "NTHC"},
+        ...     "layers": ["model.layers.0.self_attn.attn"]}]}, "writer")
+        >>> kv = {"model.layers.0.self_attn.attn": torch.randn(6, 16, 1, 8)}
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "rank0.safetensors"
+        >>> write_dump(path, description, kv, {"req-7": RequestBlocks(20, {0: (0, [3, 1])})},
+        ...            worker=WorkerInfo(tp_rank=0, tp_size=1, role="producer"))
+        >>> open_dump(path).block_ids  # the dumped rows, in block id order
+        [1, 3]
+
     """
     target = os.fspath(path)
     header, placed = _dump_parts(
