@@ -8,7 +8,7 @@ plans once, then checksums requests into a ``WorkerRecord``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -338,6 +338,7 @@ class Launched:
     strong: Array | None
 
 
+@dataclass(eq=False)
 class PendingChecksums:
     """A worker's checksums on their way to the host.
 
@@ -345,18 +346,11 @@ class PendingChecksums:
     ``WorkerRecord``.
     """
 
-    def __init__(
-        self,
-        record: WorkerRecord,
-        launched: list[Launched],
-        checksummer: Checksummer,
-        done: torch.cuda.Event | None,
-    ) -> None:
-        self._record = record
-        self._launched = launched
-        self._checksummer = checksummer
-        self._done = done
-        self._result: WorkerRecord | None = None
+    _record: WorkerRecord
+    _launched: list[Launched]
+    _checksummer: Checksummer
+    _done: torch.cuda.Event | None
+    _result: WorkerRecord | None = field(default=None, init=False)
 
     def ready(self) -> bool:
         """Whether ``result()`` would return without waiting."""

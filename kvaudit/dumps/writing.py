@@ -337,11 +337,12 @@ def write_dump(
         >>> from kvaudit import RequestBlocks, WorkerInfo
         >>> from kvaudit.description import parse_description
         >>> from kvaudit.dumps import open_dump, write_dump
-        >>> description = parse_description({"kvaudit": 1, "num_blocks": 6, "groups": [{
-        ...     "spec": {"type": "full_attention", "block_size": 16, "num_kv_heads": 1,
-        ...              "head_size": 4, "dtype": "float32", "layout": "NTHC"},
-        ...     "layers": ["model.layers.0.self_attn.attn"]}]}, "writer")
-        >>> kv = {"model.layers.0.self_attn.attn": torch.randn(6, 16, 1, 8)}
+        >>> layer = "model.layers.0.self_attn.attn"
+        >>> spec = {"type": "full_attention", "block_size": 16, "num_kv_heads": 1,
+        ...         "head_size": 4, "dtype": "float32", "layout": "NTHC"}
+        >>> groups = [{"spec": spec, "layers": [layer]}]
+        >>> description = parse_description({"kvaudit": 1, "num_blocks": 6, "groups": groups}, "w")
+        >>> kv = {layer: torch.randn(6, 16, 1, 8)}  # [blocks, tokens, heads, K and V]
         >>> path = pathlib.Path(tempfile.mkdtemp()) / "rank0.safetensors"
         >>> write_dump(path, description, kv, {"req-7": RequestBlocks(20, {0: (0, [3, 1])})},
         ...            worker=WorkerInfo(tp_rank=0, tp_size=1, role="producer"))
