@@ -37,6 +37,7 @@ EXTENSIONS = [
         "kvaudit/_native/_element_errors.c",
         depends=(
             "kvaudit/_native/_element_errors_copies.h",
+            "kvaudit/_native/_element_errors_f64.h",
             "kvaudit/_native/_element_errors_fused.h",
             "kvaudit/_native/_element_errors_row.h",
             "kvaudit/_native/_element_values.h",
