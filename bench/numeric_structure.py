@@ -37,9 +37,14 @@ def _former_structure() -> tuple[Any, Any]:
             def trimmed(self) -> tuple[Any, Any]:
                 return producer, consumer
 
+            def warnings(self) -> list[str]:
+                return []
+
         return Sides()
 
-    def compared(sides: Any, producer: Any, consumer: Any, options: Any) -> tuple[Any, None, None]:
+    def compared(
+        sides: Any, producer: Any, consumer: Any, options: Any, warnings: Any
+    ) -> tuple[Any, None, None]:
         return diff_sources(producer, consumer, options, locate=False), None, None
 
     return paired, compared

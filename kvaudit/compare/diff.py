@@ -54,7 +54,8 @@ def diff_work(producer: Source, consumer: Source, request_ids: Sequence[str] | N
 class PairedSides:
     """A producer and a consumer made ready to be checksummed and compared: paired by
     prompt (the consumer's ids renamed to the producer's), the requests checked, and what
-    the comparison needs of the sides as given (their token counts, windows and warnings)."""
+    the comparison needs of the sides as given (their token counts, windows and the
+    pairing's notes)."""
 
     producer: Source
     consumer: Source
@@ -62,7 +63,17 @@ class PairedSides:
     counts: tuple[dict[str, int], dict[str, int]]
     windows: dict[int, AttentionWindow]
     shared: dict[str, int]
-    warnings: list[str]
+    notes: list[str]
+
+    def warnings(self) -> list[str]:
+        """The sides' warnings so far (a side adds one when a dump it reads for locating
+        cannot be read), the pairing's notes, and swapped roles or one set twice."""
+        return [
+            *self.producer.warnings,
+            *self.consumer.warnings,
+            *self.notes,
+            *side_warnings(self.producer, self.consumer),
+        ]
 
     def trimmed(self) -> tuple[Source, Source]:
         """Both sides trimmed to the tokens both hold (``shared``)."""
@@ -98,17 +109,16 @@ def paired_sides(producer: Source, consumer: Source, options: CompareOptions) ->
         (producer.token_counts(), consumer.token_counts()),
         group_windows(producer, consumer),
         shared_tokens(producer, consumer, ids),
-        [
-            *producer.warnings,
-            *consumer.warnings,
-            *pairing.notes,
-            *side_warnings(producer, consumer),
-        ],
+        list(pairing.notes),
     )
 
 
 def checksum_compare(
-    sides: PairedSides, producer: Source, consumer: Source, options: CompareOptions
+    sides: PairedSides,
+    producer: Source,
+    consumer: Source,
+    options: CompareOptions,
+    warnings: Sequence[str],
 ) -> tuple[DiffReport, Record, Record]:
     """Both (trimmed) sides checksummed over the requests they hold and their records
     compared: the bitwise diff without locating or tracing.
@@ -118,9 +128,10 @@ def checksum_compare(
         producer: The producer, trimmed to the shared tokens.
         consumer: The consumer, trimmed likewise.
         options: The runtime, progress and what a pass accepts.
+        warnings: What the report warns of before its own warnings (``sides.warnings()``).
 
     Returns:
-        The report (the sides' warnings first), the producer's and the consumer's record.
+        The report, the producer's and the consumer's record.
 
     Raises:
         KvauditError: Records of different position numberings, or any bad input met
@@ -140,7 +151,7 @@ def checksum_compare(
         seed_lane_only=options.seed_lane_only,
     )
     options.judge(report)
-    report.warnings = [*sides.warnings, *report.warnings]
+    report.warnings = [*warnings, *report.warnings]
     return report, left, right
 
 
@@ -181,9 +192,10 @@ def diff_sources(
     producer, consumer = sides.producer, sides.consumer
     untrimmed = producer.raw_kv() if locate is not False else None
     dumped = _dumped_kv(producer, consumer, locate)
+    warnings = sides.warnings()  # after reading the dumps for locating: they may warn
     producer, consumer = sides.trimmed()
     raw = _raw_kv(producer, consumer, locate, dumped is not None)
-    report, left, right = checksum_compare(sides, producer, consumer, options)
+    report, left, right = checksum_compare(sides, producer, consumer, options, warnings)
     if raw is not None:
         group_shapes(report, [*raw[0], *raw[1]])
         locate_report(report, *raw, sides.shared)

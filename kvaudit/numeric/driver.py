@@ -73,7 +73,7 @@ def numeric_sources(
     # the records only, neither located nor traced.
     checked = CompareOptions(ids, options.runtime, allow_missing=True, allow_empty=True)
     sides = paired_sides(producer, consumer, checked)
-    structure, _, _ = checksum_compare(sides, *sides.trimmed(), checked)
+    structure, _, _ = checksum_compare(sides, *sides.trimmed(), checked, sides.warnings())
     left, right = raw
     report = numeric_diff(
         left,
