@@ -30,16 +30,18 @@ EXTENSIONS = [
     extension(
         "kvaudit._native._row_sums",
         "kvaudit/_native/_row_sums.c",
-        depends=("kvaudit/_native/_piece_views.h",),
+        depends=("kvaudit/_native/_inline.h", "kvaudit/_native/_piece_views.h"),
     ),
     extension(
         "kvaudit._native._element_errors",
         "kvaudit/_native/_element_errors.c",
         depends=(
             "kvaudit/_native/_element_errors_copies.h",
+            "kvaudit/_native/_element_errors_f64.h",
             "kvaudit/_native/_element_errors_fused.h",
             "kvaudit/_native/_element_errors_row.h",
             "kvaudit/_native/_element_values.h",
+            "kvaudit/_native/_inline.h",
             "kvaudit/_native/_mapped_rows.h",
         ),
         # No fused multiply-adds: the tolerance test rounds as numpy's does (bit for bit).

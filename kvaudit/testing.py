@@ -105,6 +105,20 @@ def as_source(side: Side, config: CacheDescription | None = None, label: str = "
     Raises:
         KvauditError: A side that cannot be read or is of no known kind.
 
+    Example:
+        >>> import torch
+        >>> from kvaudit import Checksummer, RequestBlocks
+        >>> from kvaudit.description import parse_description
+        >>> from kvaudit.testing import LiveSide, as_source
+        >>> description = parse_description({"kvaudit": 1, "num_blocks": 3, "groups": [{
+        ...     "spec": {"type": "full_attention", "block_size": 2, "num_kv_heads": 1,
+        ...              "head_size": 8, "dtype": "float16", "layout": "NTHC"},
+        ...     "layers": ["model.layers.3.attn"]}]}, "live")
+        >>> workers = [Checksummer(description, {"model.layers.3.attn": torch.zeros(3, 2, 1, 16)})]
+        >>> source = as_source(LiveSide(workers, {"r": RequestBlocks(4, {0: (0, [0, 2])})}))
+        >>> source.request_ids
+        ['r']
+
     """
     return source_of(side, config, label)
 
@@ -133,6 +147,34 @@ def diff_kv(
     Raises:
         KvauditError: Bad input (a missing or malformed dump, an unknown request id).
 
+    Example:
+        A producer's dump and a consumer's that holds the same KV in other blocks, then one
+        element changed:
+
+        >>> import pathlib, tempfile, torch
+        >>> from kvaudit import RequestBlocks, WorkerInfo
+        >>> from kvaudit.description import parse_description
+        >>> from kvaudit.dumps import write_dump
+        >>> from kvaudit.testing import diff_kv
+        >>> folder = pathlib.Path(tempfile.mkdtemp())
+        >>> description = parse_description({"kvaudit": 1, "num_blocks": 4, "groups": [{
+        ...     "spec": {"type": "full_attention", "block_size": 4, "num_kv_heads": 2,
+        ...              "head_size": 4, "dtype": "float32", "layout": "NHTC"},
+        ...     "layers": ["model.layers.0.attn"]}]}, "diff")
+        >>> def dump(name, cache, blocks, role):
+        ...     write_dump(folder / name, description, {"model.layers.0.attn": cache},
+        ...                {"q": RequestBlocks(8, {0: (0, blocks)})}, worker=WorkerInfo(role=role))
+        ...     return folder / name
+        >>> kv = torch.randn(4, 2, 4, 8)  # NHTC: [blocks, heads, tokens, K and V]
+        >>> sent = dump("producer.safetensors", kv, [0, 1], "producer")
+        >>> moved = kv[[2, 3, 0, 1]]  # the producer's blocks 0 and 1 in blocks 2 and 3
+        >>> diff_kv(sent, dump("consumer.safetensors", moved, [2, 3], "consumer")).ok
+        True
+        >>> moved[3, 1, 2, 0] += 1  # block 3 holds position 1
+        >>> report = diff_kv(sent, dump("consumer.safetensors", moved, [2, 3], "consumer"))
+        >>> report.ok, [group.mismatched_positions for _, _, group in report.groups()]
+        (False, [[1]])
+
     """
     description = _description(config)
     left = as_source(producer, description, "producer")
@@ -150,6 +192,27 @@ def report_text(report: DiffReport, title: str | None = None) -> str:
 
     Returns:
         The text, without colours.
+
+    Example:
+        >>> import torch
+        >>> from kvaudit import Checksummer, RequestBlocks
+        >>> from kvaudit.description import parse_description
+        >>> from kvaudit.testing import LiveSide, diff_kv, report_text
+        >>> description = parse_description({"kvaudit": 1, "num_blocks": 2, "groups": [{
+        ...     "spec": {"type": "full_attention", "block_size": 8, "num_kv_heads": 2,
+        ...              "head_size": 2, "dtype": "float32", "layout": "NHTC"},
+        ...     "layers": ["model.layers.1.attn"]}]}, "text")
+        >>> def side(cache, role):
+        ...     summer = Checksummer(description, {"model.layers.1.attn": cache}, role=role)
+        ...     return LiveSide([summer], {"s": RequestBlocks(8, {0: (0, [1])})}, [[cache]])
+        >>> cache = torch.randn(2, 2, 8, 4)
+        >>> broken = cache.clone()
+        >>> broken[1, 0, 5, 3] = 0.0  # block 1, head 0, token 5, an element of V
+        >>> text = report_text(diff_kv(side(cache, "producer"), side(broken, "consumer")), "mine")
+        >>> print(text.splitlines()[0])
+        mine
+        >>> "MISMATCH" in text
+        True
 
     """
     return render_text(functools.partial(print_diff, title=title, located_rows="first"), report)
@@ -186,6 +249,36 @@ def assert_kv_equal(
         AssertionError: A block, replica or request differs or is missing, or a group
             could not be verified; the message is the report as plain text.
         KvauditError: Bad input (a missing or malformed dump, an unknown request id).
+
+    Example:
+        Two live sides (a ``LiveSide`` each) of one request, the consumer at TP=2:
+
+        >>> import torch
+        >>> from kvaudit import Checksummer, RequestBlocks
+        >>> from kvaudit.description import parse_description
+        >>> from kvaudit.testing import LiveSide, assert_kv_equal
+        >>> def workers(caches, role):
+        ...     spec = {"type": "full_attention", "block_size": 4, "num_kv_heads": 4 // len(caches),
+        ...             "head_size": 8, "dtype": "bfloat16", "layout": "NHTC"}
+        ...     description = parse_description({"kvaudit": 1, "num_blocks": 2, "model_kv_heads": 4,
+        ...         "groups": [{"spec": spec, "layers": ["model.layers.2.attn"]}]}, role)
+        ...     return [Checksummer(description, {"model.layers.2.attn": cache}, role=role,
+        ...                         tp_rank=rank, tp_size=len(caches))
+        ...             for rank, cache in enumerate(caches)]
+        >>> kv = torch.randn(2, 4, 4, 16).to(torch.bfloat16)  # [blocks, heads, tokens, K and V]
+        >>> blocks = {"t": RequestBlocks(7, {0: (0, [1, 0])})}
+        >>> producer = LiveSide(workers([kv], "producer"), blocks)
+        >>> halves = [kv[:, :2].contiguous(), kv[:, 2:].contiguous()]
+        >>> report = assert_kv_equal(producer, LiveSide(workers(halves, "consumer"), blocks))
+        >>> report.ok
+        True
+        >>> halves[1][0, 1, 2, 0] += 1  # block 0 is position 1 of the request
+        >>> assert_kv_equal(producer, LiveSide(workers(halves, "consumer"), blocks))
+        Traceback (most recent call last):
+        ...
+        AssertionError: ...
+        kvaudit: the consumer's KV is not the producer's
+        ...
 
     """
     __tracebackhide__ = True  # pytest shows the caller's line, not this function's

@@ -28,11 +28,7 @@
 #error "the elements' bits are read as little-endian"
 #endif
 
-#if defined(__GNUC__)
-#define INLINE static inline __attribute__((always_inline))
-#else
-#define INLINE static inline
-#endif
+#include "_inline.h"
 
 /* The loops are compiled twice where the compiler targets x86-64: for AVX2 (vectors of
  * 32 bytes), chosen at load time where the CPU has it, and portable (vectors of 16 bytes:

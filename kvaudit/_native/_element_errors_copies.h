@@ -28,26 +28,9 @@
 #define NAME(x) x##_f32
 #include "_element_errors_row.h"
 
-#define REAL double
-#define UINT uint64_t
-#define ABS fabs
-#define MAGNITUDE 0x7fffffffffffffff
-#define DECODE_ROW decode_row_f64
-#define VREAL f64x2
-#define VBITS i64x2
-#define PART f64x2
-#define VSQUARES f64x2
-#define TARGET
-#define NAME(x) x##_f64
-#define MAX_BITS GENERIC_MAX_BITS
-#define MAX_REAL GENERIC_MAX_REAL
-#define WIDEN GENERIC_WIDEN
-#define MAX_OF_BITS NAME(max_of_bits)
-#define MAX_OF_REAL NAME(max_of_real)
-#define SUM_OF_BITS NAME(sum_of_bits)
-#define PART_OF(v, at) (v)
-#define FUSED 0
-#include "_element_errors_row.h"
+#define F64_LANES 2
+#define F64_TARGET
+#include "_element_errors_f64.h"
 
 #if WITH_AVX2
 /* The largest of eight non-negative int32s, of eight floats none of them NaN (at least 0),
@@ -105,24 +88,7 @@ AVX2 INLINE int64_t sum_of_i32x8(i32x8 v)
 #define NAME(x) x##_f32_avx2
 #include "_element_errors_row.h"
 
-#define REAL double
-#define UINT uint64_t
-#define ABS fabs
-#define MAGNITUDE 0x7fffffffffffffff
-#define DECODE_ROW decode_row_f64
-#define VREAL f64x4
-#define VBITS i64x4
-#define PART f64x4
-#define VSQUARES f64x4
-#define TARGET AVX2
-#define NAME(x) x##_f64_avx2
-#define MAX_BITS GENERIC_MAX_BITS
-#define MAX_REAL GENERIC_MAX_REAL
-#define WIDEN GENERIC_WIDEN
-#define MAX_OF_BITS NAME(max_of_bits)
-#define MAX_OF_REAL NAME(max_of_real)
-#define SUM_OF_BITS NAME(sum_of_bits)
-#define PART_OF(v, at) (v)
-#define FUSED 0
-#include "_element_errors_row.h"
+#define F64_LANES 4
+#define F64_TARGET AVX2
+#include "_element_errors_f64.h"
 #endif

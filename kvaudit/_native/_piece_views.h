@@ -111,4 +111,75 @@ static int take_buffers(PyObject *const *args, Py_buffer buffers[7], int *held)
     return 0;
 }
 
+/* What a vector of a loop's call holds: one value per row, per head, per head and piece,
+ * or a fixed count (>= 0). */
+enum { PER_ROW = -1, PER_HEAD = -2, PER_HEAD_PIECE = -3 };
+
+/* A loop's whole call taken and checked: 7 arguments (`function` in the error), their
+ * buffers (`*held` of them to release), the piece view's layout, the 6 vectors `names`
+ * of the lengths `lengths` (block ids, first tokens and valid tokens first, the written
+ * sums last), and every row within the view; -1 with an exception on failure. */
+static int take_call(const char *function, PyObject *const *args, Py_ssize_t nargs,
+                     const char *const names[6], const Py_ssize_t lengths[6],
+                     Py_buffer buffers[7], int *held, Layout *layout)
+{
+    *held = 0;
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "%s takes 7 arguments, %zd given", function, nargs);
+        return -1;
+    }
+    if (take_buffers(args, buffers, held) < 0 || read_layout(&buffers[0], layout) < 0)
+        return -1;
+    Py_ssize_t rows = -1;
+    for (int i = 0; i < 6; i++) {
+        Py_ssize_t length = lengths[i] == PER_HEAD         ? layout->heads
+                            : lengths[i] == PER_HEAD_PIECE ? layout->heads * layout->pieces
+                                                           : lengths[i];
+        if (int64_vector(&buffers[i + 1], names[i], lengths[i] == PER_ROW ? &rows : &length) < 0)
+            return -1;
+    }
+    return check_rows(layout, rows, buffers[1].buf, buffers[3].buf);
+}
+
+/* A loop over a call's rows: the view's layout and the call's 7 buffers, all checked. */
+typedef void (*Loop)(const Layout *layout, const Py_buffer buffers[7]);
+
+/* A loop's Python function: the call taken and checked (`take_call`), then `loop` run
+ * without the GIL; None, or NULL with an exception. */
+static PyObject *call_loop(const char *function, PyObject *const *args, Py_ssize_t nargs,
+                           const char *const names[6], const Py_ssize_t lengths[6], Loop loop)
+{
+    Py_buffer buffers[7];
+    int held = 0;
+    Layout layout;
+    PyObject *result = NULL;
+    if (take_call(function, args, nargs, names, lengths, buffers, &held, &layout) == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        loop(&layout, buffers);
+        Py_END_ALLOW_THREADS
+        result = Py_NewRef(Py_None);
+    }
+    for (int i = 0; i < held; i++) PyBuffer_Release(&buffers[i]);
+    return result;
+}
+
+/* The module `kvaudit._native.NAME` of one loop function: its method table, its
+ * definition and its init function. */
+#define LOOP_MODULE(NAME, FUNCTION, FUNCTION_DOC, MODULE_DOC)                                 \
+    static PyMethodDef methods[] = {                                                         \
+        {#FUNCTION, (PyCFunction)(void (*)(void))FUNCTION, METH_FASTCALL, FUNCTION_DOC},     \
+        {NULL, NULL, 0, NULL},                                                               \
+    };                                                                                       \
+    static struct PyModuleDef module = {                                                     \
+        PyModuleDef_HEAD_INIT,                                                               \
+        .m_name = "kvaudit._native." #NAME,                                                  \
+        .m_doc = MODULE_DOC,                                                                 \
+        .m_size = 0,                                                                         \
+        .m_methods = methods,                                                                \
+    };                                                                                       \
+    PyMODINIT_FUNC PyInit_##NAME(void)                                                       \
+    {                                                                                        \
+        return PyModuleDef_Init(&module);                                                    \
+    }
+
 #endif

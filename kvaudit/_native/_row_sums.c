@@ -33,6 +33,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_inline.h"
 #include "_piece_views.h"
 
 /* Words of Y one tile holds: 16 KiB, so that Y stays in L1 beside the row's stream. */
@@ -47,13 +48,6 @@
 #define MULTIVERSIONED
 #endif
 
-/* The helpers of the loop are inlined into each of its builds (an outlined helper would
- * have only the baseline build). */
-#if defined(__GNUC__)
-#define INLINE static inline __attribute__((always_inline))
-#else
-#define INLINE static inline
-#endif
 
 /* The rows of one call and their weights (all int64 arrays read as uint64). */
 typedef struct {
@@ -321,26 +315,11 @@ PyDoc_STRVAR(row_sums_doc,
              "The other arguments are contiguous 1-D int64 arrays: piece_weights "
              "[heads * pieces], head_weights [heads], sums (written) one per row.");
 
-static PyObject *row_sums(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+/* The call's rows, read from its checked buffers, through the loop. */
+static void run_row_sums(const Layout *layout, const Py_buffer buffers[7])
 {
-    static const char *const names[] = {"block_ids",     "first_tokens", "valid_tokens",
-                                        "piece_weights", "head_weights", "sums"};
-    if (nargs != 7) {
-        PyErr_Format(PyExc_TypeError, "row_sums takes 7 arguments, %zd given", nargs);
-        return NULL;
-    }
-    Py_buffer buffers[7];
-    int held = 0;
-    PyObject *result = NULL;
-    if (take_buffers(args, buffers, &held) < 0) goto done;
-    Layout layout;
-    if (read_layout(&buffers[0], &layout) < 0) goto done;
-    Py_ssize_t count = -1, piece_count = layout.heads * layout.pieces, heads = layout.heads;
-    Py_ssize_t *lengths[6] = {&count, &count, &count, &piece_count, &heads, &count};
-    for (int i = 0; i < 6; i++)
-        if (int64_vector(&buffers[i + 1], names[i], lengths[i]) < 0) goto done;
     Rows rows = {
-        .count = count,
+        .count = buffers[1].shape[0],
         .block_ids = buffers[1].buf,
         .first_tokens = buffers[2].buf,
         .valid_tokens = buffers[3].buf,
@@ -348,30 +327,17 @@ static PyObject *row_sums(PyObject *module, PyObject *const *args, Py_ssize_t na
         .head_weights = buffers[5].buf,
         .sums = buffers[6].buf,
     };
-    if (check_rows(&layout, rows.count, rows.block_ids, rows.valid_tokens) < 0) goto done;
-    Py_BEGIN_ALLOW_THREADS
-    all_row_sums(&layout, &rows);
-    Py_END_ALLOW_THREADS
-    result = Py_NewRef(Py_None);
-done:
-    for (int i = 0; i < held; i++) PyBuffer_Release(&buffers[i]);
-    return result;
+    all_row_sums(layout, &rows);
 }
 
-static PyMethodDef methods[] = {
-    {"row_sums", (PyCFunction)(void (*)(void))row_sums, METH_FASTCALL, row_sums_doc},
-    {NULL, NULL, 0, NULL},
-};
-
-static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT,
-    .m_name = "kvaudit._native._row_sums",
-    .m_doc = "The numpy backend's row sums in C (kvaudit/checksum/kernels/numpy_cpu.py).",
-    .m_size = 0,
-    .m_methods = methods,
-};
-
-PyMODINIT_FUNC PyInit__row_sums(void)
+static PyObject *row_sums(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    return PyModuleDef_Init(&module);
+    static const char *const names[] = {"block_ids",     "first_tokens", "valid_tokens",
+                                        "piece_weights", "head_weights", "sums"};
+    static const Py_ssize_t lengths[] = {PER_ROW,        PER_ROW,  PER_ROW,
+                                         PER_HEAD_PIECE, PER_HEAD, PER_ROW};
+    return call_loop("row_sums", args, nargs, names, lengths, run_row_sums);
 }
+
+LOOP_MODULE(_row_sums, row_sums, row_sums_doc,
+            "The numpy backend's row sums in C (kvaudit/checksum/kernels/numpy_cpu.py).")

@@ -213,26 +213,11 @@ PyDoc_STRVAR(strong_sums_doc,
              "first_tokens[i]. The other arguments are contiguous 1-D int64 arrays: "
              "head_weights [heads], token_weights [4096], sums (written) one per row.");
 
-static PyObject *strong_sums(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+/* The call's rows, read from its checked buffers, through the loop. */
+static void run_strong_sums(const Layout *layout, const Py_buffer buffers[7])
 {
-    static const char *const names[] = {"block_ids",    "first_tokens",  "valid_tokens",
-                                        "head_weights", "token_weights", "sums"};
-    if (nargs != 7) {
-        PyErr_Format(PyExc_TypeError, "strong_sums takes 7 arguments, %zd given", nargs);
-        return NULL;
-    }
-    Py_buffer buffers[7];
-    int held = 0;
-    PyObject *result = NULL;
-    if (take_buffers(args, buffers, &held) < 0) goto done;
-    Layout layout;
-    if (read_layout(&buffers[0], &layout) < 0) goto done;
-    Py_ssize_t count = -1, heads = layout.heads, places = TOKEN_PLACES;
-    Py_ssize_t *lengths[6] = {&count, &count, &count, &heads, &places, &count};
-    for (int i = 0; i < 6; i++)
-        if (int64_vector(&buffers[i + 1], names[i], lengths[i]) < 0) goto done;
     Rows rows = {
-        .count = count,
+        .count = buffers[1].shape[0],
         .block_ids = buffers[1].buf,
         .first_tokens = buffers[2].buf,
         .valid_tokens = buffers[3].buf,
@@ -240,30 +225,17 @@ static PyObject *strong_sums(PyObject *module, PyObject *const *args, Py_ssize_t
         .token_weights = buffers[5].buf,
         .sums = buffers[6].buf,
     };
-    if (check_rows(&layout, rows.count, rows.block_ids, rows.valid_tokens) < 0) goto done;
-    Py_BEGIN_ALLOW_THREADS
-    all_strong_sums(&layout, &rows);
-    Py_END_ALLOW_THREADS
-    result = Py_NewRef(Py_None);
-done:
-    for (int i = 0; i < held; i++) PyBuffer_Release(&buffers[i]);
-    return result;
+    all_strong_sums(layout, &rows);
 }
 
-static PyMethodDef methods[] = {
-    {"strong_sums", (PyCFunction)(void (*)(void))strong_sums, METH_FASTCALL, strong_sums_doc},
-    {NULL, NULL, 0, NULL},
-};
-
-static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT,
-    .m_name = "kvaudit._native._strong_sums",
-    .m_doc = "The checksum's strong lane in C (kvaudit/checksum/strong.py).",
-    .m_size = 0,
-    .m_methods = methods,
-};
-
-PyMODINIT_FUNC PyInit__strong_sums(void)
+static PyObject *strong_sums(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    return PyModuleDef_Init(&module);
+    static const char *const names[] = {"block_ids",    "first_tokens",  "valid_tokens",
+                                        "head_weights", "token_weights", "sums"};
+    static const Py_ssize_t lengths[] = {PER_ROW,  PER_ROW,      PER_ROW,
+                                         PER_HEAD, TOKEN_PLACES, PER_ROW};
+    return call_loop("strong_sums", args, nargs, names, lengths, run_strong_sums);
 }
+
+LOOP_MODULE(_strong_sums, strong_sums, strong_sums_doc,
+            "The checksum's strong lane in C (kvaudit/checksum/strong.py).")

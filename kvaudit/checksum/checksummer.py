@@ -8,7 +8,7 @@ plans once, then checksums requests into a ``WorkerRecord``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,7 +36,7 @@ from ..records import (
 from ..records.layers import layer_facts
 from ..views import GroupViews, build_group_views
 from ..views.inputs import LayerTensors, RequestBlocks, plain_requests, tensors_by_name
-from .plans import GroupPlan
+from .plans import GroupPlan, fuses_lanes, launch_fused, launch_torch, on_cuda
 
 if TYPE_CHECKING:
     import torch
@@ -49,6 +49,28 @@ class Checksummer:
 
     A producer checksums replica 0 of each layer (any replica describes the same KV);
     a consumer or offload tier checksums every replica, so each can be checked.
+    Example:
+        One layer of 4 blocks of 2 tokens, 2 KV heads of 8 bf16 elements, layout ``NHTC``; a
+        request's 4 tokens in blocks 2 and 0, then the same KV moved to blocks 3 and 1:
+
+        >>> import numpy as np, torch
+        >>> from kvaudit import Checksummer, RequestBlocks
+        >>> from kvaudit.description import parse_description
+        >>> description = parse_description({"kvaudit": 1, "num_blocks": 4, "groups": [{
+        ...     "spec": {"type": "full_attention", "block_size": 2, "num_kv_heads": 2,
+        ...              "head_size": 8, "dtype": "bfloat16", "layout": "NHTC"},
+        ...     "layers": ["model.layers.0.self_attn.attn"]}]}, "example")
+        >>> cache = torch.randn(4, 2, 2, 16).to(torch.bfloat16)  # [blocks, heads, tokens, K|V]
+        >>> summer = Checksummer(description, {"model.layers.0.self_attn.attn": cache})
+        >>> first = summer.checksum({"req-1": RequestBlocks(4, {0: (0, [2, 0])})})
+        >>> first.requests["req-1"].groups[0].values.shape  # per block position, per replica key
+        (2, 1)
+        >>> cache[[3, 1]] = cache[[2, 0]]  # the views are over the live tensor
+        >>> moved = summer.checksum({"req-1": RequestBlocks(4, {0: (0, [3, 1])})})
+        >>> np.array_equal(moved.requests["req-1"].groups[0].values,
+        ...                first.requests["req-1"].groups[0].values)
+        True
+
     """
 
     @classmethod
@@ -132,7 +154,7 @@ class Checksummer:
             role: ``"producer"`` checksums replica 0 of each layer; ``"consumer"`` and
                 ``"offload"`` checksum every replica.
             backend: ``"auto"`` (Triton on CUDA tensors, numpy on the CPU), ``"numpy"``,
-                ``"torch"`` or ``"triton"``.
+                ``"torch"``, ``"triton"`` or one ``register_backend`` added.
             num_blocks: The number of manager blocks the tensors hold, for every group or
                 per group id; None for each group's block space (its own ``num_blocks``,
                 else the description's).
@@ -316,58 +338,7 @@ class Launched:
     strong: Array | None
 
 
-def on_cuda(device: str) -> bool:
-    """Whether a plan's device is a CUDA device."""
-    return device.startswith("cuda")
-
-
-def fuses_lanes(plan: GroupPlan) -> bool:
-    """Whether one kernel pass computes both lanes of the plan (the Triton backend's,
-    without layer sums: their wider columns are the seed launches' alone)."""
-    return plan.backend == "triton" and plan.columns is None
-
-
-def launch_fused(plan: GroupPlan, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Triton plan's seed values and strong residues of rows ``[3, n]`` from one pass of
-    the strong kernel over the KV: like :func:`launch_torch`, nothing is waited for."""
-    import torch
-
-    from .kernels import triton_strong
-
-    tensor = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
-    cuda = on_cuda(plan.device)
-    if cuda:
-        tensor = tensor.pin_memory()
-    ids, first_tokens, valid_tokens = tensor.to(plan.device, non_blocking=True)
-    shape = (len(ids), len(plan.replica_keys))
-    seed = torch.zeros(shape, dtype=torch.int64, device=plan.device)
-    strong = triton_strong.strong_sums(plan, ids, first_tokens, valid_tokens, seed_out=seed)
-    if not cuda:
-        return seed, strong
-    host = torch.empty(shape, dtype=torch.int64, pin_memory=True)
-    host.copy_(seed, non_blocking=True)
-    return host, strong
-
-
-def launch_torch(plan: GroupPlan, rows: np.ndarray) -> torch.Tensor:
-    """A torch plan's checksums of rows ``[3, n]`` (block ids, first tokens, valid tokens):
-    on a GPU the rows go from pinned memory and the values come back into pinned memory,
-    neither waited for."""
-    import torch
-
-    tensor = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
-    cuda = on_cuda(plan.device)
-    if cuda:
-        tensor = tensor.pin_memory()
-    ids, first_tokens, valid_tokens = tensor.to(plan.device, non_blocking=True)
-    device_values = plan.checksum(ids, first_tokens, valid_tokens)
-    if not cuda:
-        return device_values
-    host = torch.empty(device_values.shape, dtype=torch.int64, pin_memory=True)
-    host.copy_(device_values, non_blocking=True)
-    return host
-
-
+@dataclass(eq=False)
 class PendingChecksums:
     """A worker's checksums on their way to the host.
 
@@ -375,18 +346,11 @@ class PendingChecksums:
     ``WorkerRecord``.
     """
 
-    def __init__(
-        self,
-        record: WorkerRecord,
-        launched: list[Launched],
-        checksummer: Checksummer,
-        done: torch.cuda.Event | None,
-    ) -> None:
-        self._record = record
-        self._launched = launched
-        self._checksummer = checksummer
-        self._done = done
-        self._result: WorkerRecord | None = None
+    _record: WorkerRecord
+    _launched: list[Launched]
+    _checksummer: Checksummer
+    _done: torch.cuda.Event | None
+    _result: WorkerRecord | None = field(default=None, init=False)
 
     def ready(self) -> bool:
         """Whether ``result()`` would return without waiting."""

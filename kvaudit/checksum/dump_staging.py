@@ -15,8 +15,9 @@ import numpy as np
 from ..dumps import Dump
 from ..dumps.layers import layer_groups, layer_parts, owner_layers
 from ..dumps.safetensors_io import as_integers
-from .checksummer import Checksummer, launch_torch
+from .checksummer import Checksummer
 from .dump_batches import DumpBatches, Finish, Table, batch_rows, row_axis, strong_lanes
+from .plans import launch_torch
 
 if TYPE_CHECKING:
     import torch

@@ -269,3 +269,58 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
         # A dump's mapping is read-only and torch has no read-only tensors; nothing writes.
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(array)
+
+
+def on_cuda(device: str) -> bool:
+    """Whether a plan's device is a CUDA device."""
+    return device.startswith("cuda")
+
+
+def fuses_lanes(plan: GroupPlan) -> bool:
+    """Whether one kernel pass computes both lanes of the plan (the Triton backend's,
+    without layer sums: their wider columns are the seed launches' alone)."""
+    return plan.backend == "triton" and plan.columns is None
+
+
+def _device_rows(plan: GroupPlan, rows: np.ndarray) -> tuple[torch.Tensor, ...]:
+    """Rows ``[3, n]`` (block ids, first tokens, valid tokens) on the plan's device: on a
+    GPU sent from pinned memory, not waited for."""
+    import torch
+
+    tensor = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+    if on_cuda(plan.device):
+        tensor = tensor.pin_memory()
+    return tuple(tensor.to(plan.device, non_blocking=True))
+
+
+def _to_host(plan: GroupPlan, values: torch.Tensor) -> torch.Tensor:
+    """A plan's int64 results: on a GPU copied into pinned host memory, not waited for;
+    elsewhere as they are."""
+    if not on_cuda(plan.device):
+        return values
+    import torch
+
+    host = torch.empty(values.shape, dtype=torch.int64, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    return host
+
+
+def launch_fused(plan: GroupPlan, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Triton plan's seed values and strong residues of rows ``[3, n]`` from one pass of
+    the strong kernel over the KV: like :func:`launch_torch`, nothing is waited for."""
+    import torch
+
+    from .kernels import triton_strong
+
+    ids, first_tokens, valid_tokens = _device_rows(plan, rows)
+    shape = (len(ids), len(plan.replica_keys))
+    seed = torch.zeros(shape, dtype=torch.int64, device=plan.device)
+    strong = triton_strong.strong_sums(plan, ids, first_tokens, valid_tokens, seed_out=seed)
+    return _to_host(plan, seed), strong
+
+
+def launch_torch(plan: GroupPlan, rows: np.ndarray) -> torch.Tensor:
+    """A torch plan's checksums of rows ``[3, n]`` (block ids, first tokens, valid tokens):
+    on a GPU the rows go from pinned memory and the values come back into pinned memory,
+    neither waited for."""
+    return _to_host(plan, plan.checksum(*_device_rows(plan, rows)))

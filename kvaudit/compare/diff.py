@@ -6,11 +6,14 @@ to the producer blocks they hold.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from ..core.errors import KvauditError
 from ..locate import locate_differences
+from ..records import Record
 from ..sources import Source
 from ..sources.raw import FetchingWorker, RawWorker, fetched, fetches
+from .groups import AttentionWindow
 from .model import DiffReport
 from .options import DEFAULT_OPTIONS, CompareOptions
 from .pairing import pair_by_prompt
@@ -47,6 +50,111 @@ def diff_work(producer: Source, consumer: Source, request_ids: Sequence[str] | N
     return sum(source.work(held_ids(source, ids)) for source in (producer, consumer))
 
 
+@dataclass
+class PairedSides:
+    """A producer and a consumer made ready to be checksummed and compared: paired by
+    prompt (the consumer's ids renamed to the producer's), the requests checked, and what
+    the comparison needs of the sides as given (their token counts, windows and the
+    pairing's notes)."""
+
+    producer: Source
+    consumer: Source
+    ids: list[str] | None
+    counts: tuple[dict[str, int], dict[str, int]]
+    windows: dict[int, AttentionWindow]
+    shared: dict[str, int]
+    notes: list[str]
+
+    def warnings(self) -> list[str]:
+        """The sides' warnings so far (a side adds one when a dump it reads for locating
+        cannot be read), the pairing's notes, and swapped roles or one set twice."""
+        return [
+            *self.producer.warnings,
+            *self.consumer.warnings,
+            *self.notes,
+            *side_warnings(self.producer, self.consumer),
+        ]
+
+    def trimmed(self) -> tuple[Source, Source]:
+        """Both sides trimmed to the tokens both hold (``shared``)."""
+        return trim_to(self.producer, self.shared), trim_to(self.consumer, self.shared)
+
+
+def paired_sides(producer: Source, consumer: Source, options: CompareOptions) -> PairedSides:
+    """The sides paired by prompt, the requested ids checked and the comparison's inputs
+    gathered (what ``diff_sources`` and ``numeric_sources`` both start from).
+
+    Args:
+        producer: The side that sent the KV.
+        consumer: The side that received it.
+        options: The requests compared (``request_ids``).
+
+    Returns:
+        The paired sides, untrimmed, with the requested ids in the producer's names.
+
+    Raises:
+        KvauditError: A requested id on neither side.
+
+    """
+    pairing = pair_by_prompt(producer, consumer)
+    producer, consumer = pairing.producer, pairing.consumer
+    ids = unique_ids(options.request_ids)
+    if ids is not None:
+        ids = unique_ids([pairing.producer_id(rid) for rid in ids])
+        check_wanted(producer, consumer, ids)
+    return PairedSides(
+        producer,
+        consumer,
+        ids,
+        (producer.token_counts(), consumer.token_counts()),
+        group_windows(producer, consumer),
+        shared_tokens(producer, consumer, ids),
+        list(pairing.notes),
+    )
+
+
+def checksum_compare(
+    sides: PairedSides,
+    producer: Source,
+    consumer: Source,
+    options: CompareOptions,
+    warnings: Sequence[str],
+) -> tuple[DiffReport, Record, Record]:
+    """Both (trimmed) sides checksummed over the requests they hold and their records
+    compared: the bitwise diff without locating or tracing.
+
+    Args:
+        sides: What ``paired_sides`` gathered.
+        producer: The producer, trimmed to the shared tokens.
+        consumer: The consumer, trimmed likewise.
+        options: The runtime, progress and what a pass accepts.
+        warnings: What the report warns of before its own warnings (``sides.warnings()``).
+
+    Returns:
+        The report, the producer's and the consumer's record.
+
+    Raises:
+        KvauditError: Records of different position numberings, or any bad input met
+            while checksumming.
+
+    """
+    runtime, progress = options.device(), options.progress
+    positions = shared_numbering(producer, consumer)
+    left = checksum_held(producer, sides.ids, positions, runtime, progress)
+    right = checksum_held(consumer, sides.ids, positions, runtime, progress)
+    report = compare_records(
+        left,
+        right,
+        request_ids=sides.ids,
+        token_counts=sides.counts,
+        windows=sides.windows,
+        seed_lane_only=options.seed_lane_only,
+    )
+    options.judge(report)
+    report.warnings = [*warnings, *report.warnings]
+    return report, left, right
+
+
 def diff_sources(
     producer: Source,
     consumer: Source,
@@ -80,43 +188,17 @@ def diff_sources(
             input met while checksumming.
 
     """
-    runtime, progress = options.device(), options.progress
-    pairing = pair_by_prompt(producer, consumer)
-    producer, consumer = pairing.producer, pairing.consumer
-    ids = unique_ids(options.request_ids)
-    if ids is not None:
-        ids = unique_ids([pairing.producer_id(rid) for rid in ids])
-        check_wanted(producer, consumer, ids)
-    counts = (producer.token_counts(), consumer.token_counts())
-    windows = group_windows(producer, consumer)
-    shared = shared_tokens(producer, consumer, ids)
+    sides = paired_sides(producer, consumer, options)
+    producer, consumer = sides.producer, sides.consumer
     untrimmed = producer.raw_kv() if locate is not False else None
     dumped = _dumped_kv(producer, consumer, locate)
-    warnings = [
-        *producer.warnings,
-        *consumer.warnings,
-        *pairing.notes,
-        *side_warnings(producer, consumer),
-    ]
-    producer = trim_to(producer, shared)
-    consumer = trim_to(consumer, shared)
+    warnings = sides.warnings()  # after reading the dumps for locating: they may warn
+    producer, consumer = sides.trimmed()
     raw = _raw_kv(producer, consumer, locate, dumped is not None)
-    positions = shared_numbering(producer, consumer)
-    left = checksum_held(producer, ids, positions, runtime, progress)
-    right = checksum_held(consumer, ids, positions, runtime, progress)
-    report = compare_records(
-        left,
-        right,
-        request_ids=ids,
-        token_counts=counts,
-        windows=windows,
-        seed_lane_only=options.seed_lane_only,
-    )
-    options.judge(report)
-    report.warnings = [*warnings, *report.warnings]
+    report, left, right = checksum_compare(sides, producer, consumer, options, warnings)
     if raw is not None:
         group_shapes(report, [*raw[0], *raw[1]])
-        locate_report(report, *raw, shared)
+        locate_report(report, *raw, sides.shared)
         remote = [side for side, workers in zip((producer, consumer), raw) if fetches(workers)]
         if remote:
             why = (
@@ -126,12 +208,12 @@ def diff_sources(
             if trace_by_checksums(report, left, right):
                 report.untraced = partial_note(why)
         else:
-            trace_report(report, untrimmed or raw[0], raw[1], shared)
+            trace_report(report, untrimmed or raw[0], raw[1], sides.shared)
     elif dumped is not None:
         # Some requests' dumps: located where both sides dumped the request, traced by
         # the checksums, which every request has.
         group_shapes(report, [*dumped[0], *dumped[1]])
-        locate_report(report, *dumped, shared)
+        locate_report(report, *dumped, sides.shared)
         explain_unlocated(report, *dumped)
         if trace_by_checksums(report, left, right):
             report.untraced = partial_note(_dumped_only(producer, consumer))

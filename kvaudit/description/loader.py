@@ -223,6 +223,20 @@ def load_description(path: str | os.PathLike[str]) -> CacheDescription:
         DescriptionError: One line naming the file and the problem (missing file, malformed
             YAML with its line, or an invalid description with its key path).
 
+    Example:
+        >>> import pathlib, tempfile
+        >>> from kvaudit import load_description
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "cache.yaml"
+        >>> _ = path.write_text(
+        ...     "{kvaudit: 1, num_blocks: 128, groups: [{"
+        ...     "spec: {type: full_attention, block_size: 32, num_kv_heads: 4, head_size: 64,"
+        ...     " dtype: float16, layout: NHTC},"
+        ...     " layers: [model.layers.0.self_attn.attn, model.layers.1.self_attn.attn]}]}"
+        ... )  # YAML (here in flow style: JSON is YAML too)
+        >>> description = load_description(path)
+        >>> [layer.name for layer in description.groups[0].layers]
+        ['model.layers.0.self_attn.attn', 'model.layers.1.self_attn.attn']
+
     """
     source = os.fspath(path)
     try:

@@ -3,9 +3,9 @@ and TP splits, validated into ``LayerSpec``s."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from ..core.validation import MAX_BLOCK_SIZE, join
 from .fields import (
@@ -156,14 +156,21 @@ class SpecChecker(FieldChecker):
             state_splits=state_splits,
         )
 
-    def shapes(self, value: object, path: str) -> tuple[tuple[int, ...], ...]:
-        what = "a non-empty list of state shapes, e.g. [[3, 4096], [64, 128, 64]]"
+    def filled_list(self, value: object, path: str, what: str) -> Sequence[Any]:
+        """A key's value that must be a non-empty list (``what`` says of what), else a
+        failure that says it is missing or what it got instead."""
         if value is None:
             self.fail(path, f"missing; expected {what}")
         if not is_list(value) or not value:
             self.fail(path, f"expected {what}, {self.got(value)}")
+        return cast(Sequence[Any], value)
+
+    def shapes(self, value: object, path: str) -> tuple[tuple[int, ...], ...]:
+        items = self.filled_list(
+            value, path, "a non-empty list of state shapes, e.g. [[3, 4096], [64, 128, 64]]"
+        )
         shapes = []
-        for i, shape in enumerate(value):
+        for i, shape in enumerate(items):
             if not is_list(shape) or not shape:
                 self.fail(
                     f"{path}[{i}]",
@@ -194,12 +201,9 @@ class SpecChecker(FieldChecker):
                 self.fail(axis_path, f"missing; expected an axis of state {i}, 0 to {ndim - 1}")
             axis = self.integer(raw["axis"], axis_path, 0, ndim - 1)
             segments_path = join(item_path, "segments")
-            segments = raw.get("segments")
-            what = "a non-empty list of [local_rows, replicas]"
-            if segments is None:
-                self.fail(segments_path, f"missing; expected {what}")
-            if not is_list(segments) or not segments:
-                self.fail(segments_path, f"expected {what}, {self.got(segments)}")
+            segments = self.filled_list(
+                raw.get("segments"), segments_path, "a non-empty list of [local_rows, replicas]"
+            )
             pairs = []
             for j, segment in enumerate(segments):
                 segment_path = f"{segments_path}[{j}]"

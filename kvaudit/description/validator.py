@@ -226,6 +226,22 @@ def parse_description(data: Mapping[str, Any], source: str) -> CacheDescription:
     Raises:
         DescriptionError: One line: the source, the key path and what is expected there.
 
+    Example:
+        A cache of one full-attention layer (the keys docs/cache-description.md lists):
+
+        >>> from kvaudit.description import parse_description
+        >>> description = parse_description({
+        ...     "kvaudit": 1, "num_blocks": 64, "groups": [{
+        ...         "spec": {"type": "full_attention", "block_size": 16, "num_kv_heads": 8,
+        ...                  "head_size": 128, "dtype": "bfloat16", "layout": "NTHC"},
+        ...         "layers": ["model.layers.0.self_attn.attn"]}]}, "inline")
+        >>> description.groups[0].spec.block_size, description.num_blocks
+        (16, 64)
+        >>> parse_description({"kvaudit": 1, "groups": []}, "inline")
+        Traceback (most recent call last):
+        ...
+        kvaudit.core.errors.DescriptionError: inline: num_blocks: missing; expected a positive ...
+
     """
     check_plain(data, source, error=DescriptionError)
     return _Validator(source).description(data)

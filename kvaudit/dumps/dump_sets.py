@@ -58,6 +58,27 @@ def open_dump_set(
         KvauditError: No dumps given, a bad dump, two dumps of one worker, or dumps that
             disagree on ``tp_size`` or ``pp_size``.
 
+    Example:
+        Two TP ranks of a prefill engine, each with its own head, written and opened as a set:
+
+        >>> import pathlib, tempfile, torch
+        >>> from kvaudit import RequestBlocks, WorkerInfo
+        >>> from kvaudit.description import parse_description
+        >>> from kvaudit.dumps import open_dump_set, write_dump
+        >>> folder = pathlib.Path(tempfile.mkdtemp())
+        >>> description = parse_description({"kvaudit": 1, "num_blocks": 3, "model_kv_heads": 2,
+        ...     "groups": [{"spec": {"type": "full_attention", "block_size": 4, "head_size": 2,
+        ...     "num_kv_heads": 1, "dtype": "float16", "layout": "NHTC"},
+        ...     "layers": ["model.layers.0.attn"]}]}, "tp rank")
+        >>> for rank in range(2):
+        ...     write_dump(folder / f"rank{rank}.safetensors", description,
+        ...                {"model.layers.0.attn": torch.zeros(3, 1, 4, 4, dtype=torch.float16)},
+        ...                {"req": RequestBlocks(6, {0: (0, [0, 2])})},
+        ...                worker=WorkerInfo(tp_rank=rank, tp_size=2, role="producer"))
+        >>> dump_set = open_dump_set([folder])
+        >>> [dump.worker.tp_rank for dump in dump_set.dumps], dump_set.complete
+        ([0, 1], True)
+
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]

@@ -27,6 +27,7 @@ from ..views.inputs import (
     plain_requests,
     tensors_by_name,
 )
+from .block_ids import check_group_blocks
 from .dump import (
     COPY_BYTES,
     FORMAT,
@@ -45,7 +46,7 @@ from .layers import (
     owner_layers,
     tensor_names,
 )
-from .reading import check_group_blocks, check_metadata
+from .reading import check_metadata
 from .safetensors_io import (
     Output,
     as_integers,
@@ -328,6 +329,25 @@ def write_dump(
         KvauditError: A tensor missing, not matching the description or of a layer the
             description does not have, a bad request, bad ranks or role, or a file that
             cannot be written.
+
+    Example:
+        A producer at TP=1 dumps the two blocks (3 and 1, in that order) of a 20-token request:
+
+        >>> import pathlib, tempfile, torch
+        >>> from kvaudit import RequestBlocks, WorkerInfo
+        >>> from kvaudit.description import parse_description
+        >>> from kvaudit.dumps import open_dump, write_dump
+        >>> layer = "model.layers.0.self_attn.attn"
+        >>> spec = {"type": "full_attention", "block_size": 16, "num_kv_heads": 1,
+        ...         "head_size": 4, "dtype": "float32", "layout": "NTHC"}
+        >>> groups = [{"spec": spec, "layers": [layer]}]
+        >>> description = parse_description({"kvaudit": 1, "num_blocks": 6, "groups": groups}, "w")
+        >>> kv = {layer: torch.randn(6, 16, 1, 8)}  # [blocks, tokens, heads, K and V]
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "rank0.safetensors"
+        >>> write_dump(path, description, kv, {"req-7": RequestBlocks(20, {0: (0, [3, 1])})},
+        ...            worker=WorkerInfo(tp_rank=0, tp_size=1, role="producer"))
+        >>> open_dump(path).block_ids  # the dumped rows, in block id order
+        [1, 3]
 
     """
     target = os.fspath(path)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..compare import DiffReport
-from ..compare.diff import diff_sources
+from ..compare.diff import checksum_compare, paired_sides
 from ..compare.model import SEED_LANE_NOTE
 from ..compare.options import DEFAULT_OPTIONS, CompareOptions
 from ..compare.sides import check_wanted, shared_tokens, unique_ids
@@ -33,9 +33,10 @@ def numeric_sources(
 ) -> NumericReport:
     """The producer compared with the consumer by value over the tokens both hold.
 
-    docs/numeric.md describes the comparison. Both sides are also checksummed, as
-    ``diff`` does, for what the values cannot show: positions the consumer lacks and
-    consumer copies of replicated heads that differ from the copy compared by value.
+    docs/numeric.md describes the comparison. Both sides are also checksummed and their
+    records compared, as ``diff`` does (but neither located nor traced), for what the
+    values cannot show: positions the consumer lacks and consumer copies of replicated
+    heads that differ from the copy compared by value.
 
     Args:
         producer: The side that sent the KV.
@@ -67,12 +68,12 @@ def numeric_sources(
                 f"{side.kind} that holds only checksums"
             )
         raw.append(workers)
-    structure = diff_sources(
-        producer,
-        consumer,
-        CompareOptions(ids, options.runtime, allow_missing=True, allow_empty=True),
-        locate=False,
-    )
+    # What the values cannot show (positions the consumer lacks, consumer copies that
+    # differ, the sides' warnings) from the bitwise diff's checksums: the comparison of
+    # the records only, neither located nor traced.
+    checked = CompareOptions(ids, options.runtime, allow_missing=True, allow_empty=True)
+    sides = paired_sides(producer, consumer, checked)
+    structure, _, _ = checksum_compare(sides, *sides.trimmed(), checked, sides.warnings())
     left, right = raw
     report = numeric_diff(
         left,

@@ -39,6 +39,32 @@ def combine_workers(records: Sequence[WorkerRecord]) -> Record:
             PP size, a request's token count or a group's block size, or two workers with
             the same ranks; the message names the sources.
 
+    Example:
+        The sums add up across TP ranks: an engine at TP=2 (a head per rank) gets the totals of
+        one worker holding both heads:
+
+        >>> import numpy as np, torch
+        >>> from kvaudit import Checksummer, RequestBlocks, combine_workers
+        >>> from kvaudit.description import parse_description
+        >>> def engine(caches):
+        ...     spec = {"type": "full_attention", "block_size": 4, "head_size": 8,
+        ...             "num_kv_heads": 2 // len(caches), "dtype": "float16", "layout": "NTHC"}
+        ...     description = parse_description({"kvaudit": 1, "num_blocks": 2, "model_kv_heads": 2,
+        ...         "groups": [{"spec": spec, "layers": ["model.layers.0.attn"]}]}, "tp")
+        ...     request = {"r": RequestBlocks(8, {0: (0, [1, 0])})}
+        ...     return combine_workers([
+        ...         Checksummer(description, {"model.layers.0.attn": cache}, tp_rank=rank,
+        ...                     tp_size=len(caches)).checksum(request)
+        ...         for rank, cache in enumerate(caches)])
+        >>> kv = torch.randn(2, 4, 2, 16).to(torch.float16)  # NTHC: [blocks, tokens, heads, K|V]
+        >>> whole = engine([kv])
+        >>> split = engine([kv[:, :, :1].contiguous(), kv[:, :, 1:].contiguous()])
+        >>> split.complete, len(split.workers)
+        (True, 2)
+        >>> np.array_equal(whole.requests["r"].groups[0].totals(),
+        ...                split.requests["r"].groups[0].totals())
+        True
+
     """
     if not records:
         raise KvauditError("no worker records to combine")

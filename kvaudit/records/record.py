@@ -56,6 +56,31 @@ class Record:
                 wrong type, bad hex, rows of the wrong width, or totals that are not the
                 sums of the replica-0 values; the message names the source and key path.
 
+        Example:
+            A record through its JSON form (``kvaudit checksum --format json``) and back:
+
+            >>> import torch
+            >>> from kvaudit import Checksummer, RequestBlocks, combine_workers
+            >>> from kvaudit.description import parse_description
+            >>> from kvaudit.formats import record_to_json
+            >>> from kvaudit.records import Record
+            >>> description = parse_description({"kvaudit": 1, "num_blocks": 2, "groups": [{
+            ...     "spec": {"type": "full_attention", "block_size": 4, "num_kv_heads": 1,
+            ...              "head_size": 8, "dtype": "float32", "layout": "NHTC"},
+            ...     "layers": ["model.layers.0.attn"]}]}, "json")
+            >>> summer = Checksummer(description, [torch.ones(2, 1, 4, 16)])
+            >>> worker = summer.checksum({"a": RequestBlocks(5, {0: (0, [1, 0])})})
+            >>> record = combine_workers([worker])
+            >>> data = record_to_json(record)  # plain data: json.dumps writes it
+            >>> back = Record.from_json(data, "a.json")
+            >>> record_to_json(back) == data, list(back.requests)
+            (True, ['a'])
+            >>> data["requests"]["a"]["num_tokens"] = "five"
+            >>> Record.from_json(data, "a.json")
+            Traceback (most recent call last):
+            ...
+            kvaudit.core.errors.KvauditError: a.json: requests["a"].num_tokens: expected ...
+
         """
         # Imported here: a checksum writes records, only a few commands read them back.
         from .reading import RecordReader, item_path, request_from_json, worker_from_json

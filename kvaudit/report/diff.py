@@ -6,14 +6,13 @@ from __future__ import annotations
 from typing import Literal
 
 from rich.console import Console
-from rich.table import Table
 from rich.text import Text
 
 from ..compare.model import DiffReport, GroupComparison, matches_text
 from ..core.ranges import ranges
 from ..diagnosis import Finding, diagnose
 from .side_names import DIFF_SIDE_NAMES, SideNames
-from .text import error_text, filled_table, plural
+from .text import SafeTable, error_text, filled_table, plural
 
 LOCATED_ROWS = 40
 """Located differences a table shows per request and group; JSON holds them all."""
@@ -174,7 +173,7 @@ def print_diff(
             console.print(
                 Text(f"{request_id} group {gid}: {finding.line}", style="red"), soft_wrap=True
             )
-    table = Table(title=None)
+    table = SafeTable(title=None)
     for name, justify in (
         ("request", "left"),
         ("group", "right"),

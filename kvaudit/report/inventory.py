@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rich.console import Console
-from rich.table import Table
 from rich.text import Text
 
 from ..core.scheme import to_hex
 from .text import (
+    SafeTable,
     completeness,
     filled_table,
     human_bytes,
@@ -93,7 +93,7 @@ def print_inventory(console: Console, inventory: Inventory) -> None:
         console.print(filled_table("Scales (quantized KV)", columns, scale_rows))
 
     group_ids = sorted({gid for req in inventory.requests.values() for gid in req.positions})
-    table = Table(title="Requests", title_justify="left")
+    table = SafeTable(title="Requests", title_justify="left")
     table.add_column("request")
     table.add_column("tokens", justify="right")
     for gid in group_ids:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 
 from rich.console import Console
-from rich.table import Table
 from rich.text import Text
 
 from ..diagnosis import diagnose_numeric
 from ..numeric.model import NumericReport
+from .text import SafeTable
 
 NUMERIC_ROWS = 20
 """At most this many (layer, head) rows per group; the JSON carries them all."""
@@ -86,7 +86,7 @@ def print_numeric(console: Console, report: NumericReport, title: str) -> None:
                 )
                 console.print(f"{heading}: all {passing} slices within the tolerance{where}")
                 continue
-            table = Table(title=heading)
+            table = SafeTable(title=heading)
             for name in (
                 "layer",
                 "head",

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from rich.console import Console
-from rich.table import Table
 from rich.text import Text
 
 from ..core.scheme import to_hex, valid_tokens
 from ..records import Record
-from .text import completeness, layout_line, print_missing, print_table, worker_name
+from .text import SafeTable, completeness, layout_line, print_missing, print_table, worker_name
 
 
 def print_record(console: Console, record: Record) -> None:
@@ -58,7 +57,7 @@ def print_record(console: Console, record: Record) -> None:
                     f"{group.block_size}, fingerprint {to_hex(group.fingerprint)}",
                 )
             )
-            table = Table()
+            table = SafeTable()
             table.add_column("position", justify="right")
             table.add_column("tokens", justify="right")
             for replicas, index in group.replica_keys:

@@ -181,3 +181,39 @@ def test_rich_never_splits_a_tables_text_line_by_line(monkeypatch: pytest.Monkey
     text = render_text(print_record, big_record(1024, 3))
     assert len(text) > 100_000
     assert 0 < longest[0] < 200
+
+
+def plain_console(buffer: io.StringIO, width: int = 80) -> SafeConsole:
+    return SafeConsole(
+        file=buffer, width=width, color_system=None, markup=False, emoji=False, highlight=False
+    )
+
+
+def test_a_safe_tables_escaped_cells_keep_their_columns() -> None:
+    """A name with control characters, in a title, a header, a string and a styled text
+    cell, is shown escaped, and every line of the table is as wide as the others."""
+    hostile = "r\x1b]0;t\x9b\x7f"  # no BEL: rich's Text drops it on its own
+    table = kvaudit.report.text.SafeTable(title=hostile)
+    table.add_column(hostile)
+    table.add_column("b", justify="right")
+    table.add_row(hostile, Text(hostile, style="bold"))
+    table.add_row("x", "y")
+    buffer = io.StringIO()
+    plain_console(buffer).print(table)
+    text = buffer.getvalue()
+    assert not any(c in text for c in "\x1b\x9b\x7f"), repr(text)
+    shown = "r\\x1b]0;t\\x9b\\x7f"
+    assert text.count(shown) == 4
+    lines = table_lines(text)
+    assert len({len(line) for line in lines}) == 1 and len(lines) == 6
+
+
+def test_text_inside_another_renderable_is_escaped() -> None:
+    """A text that reaches the console inside a renderable it does not unpack (a panel)
+    is escaped on its way out, as any piece of text is."""
+    from rich.panel import Panel
+
+    buffer = io.StringIO()
+    plain_console(buffer).print(Panel(Text("a\x1b[2Jb", style="red")))
+    text = buffer.getvalue()
+    assert "\x1b" not in text and "a\\x1b[2Jb" in text
