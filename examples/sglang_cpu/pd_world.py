@@ -465,7 +465,9 @@ def prefill_rank(
         sched = SimpleNamespace(
             tp_worker=SimpleNamespace(
                 model_runner=SimpleNamespace(
-                    effective_logical_max_total_num_tokens=PAGE * 32, kv_cache_dtype_str="auto"
+                    effective_logical_max_total_num_tokens=PAGE * 32,
+                    kv_cache_dtype_str="auto",
+                    model=None,  # no model: no fp8 scales (the pool is bf16)
                 )
             ),
             kv_shard_widening=1,
@@ -596,6 +598,7 @@ class Decode:
         # release_kv_cache needs a real tree cache: recorded instead.
         patch(sglang_decode, "release_kv_cache", lambda req, *a, **k: self.released.append(req.rid))
         sched = SimpleNamespace(
+            tp_worker=SimpleNamespace(model_runner=SimpleNamespace(model=None)),  # no scales
             kv_checksum_computer=self.world.sglang_digest(),
             req_to_token_pool=self.world.req_to_token,
             token_to_kv_pool_allocator=self.world.allocator,

@@ -76,10 +76,11 @@ def test_a_carried_value_that_cannot_be_gathered_is_that_requests_alone(
     decode = Decode(tp1_decode, monkeypatch.setattr)
     ok = decode.receive("req-ok", prefill, index=2)
     bad = decode.receive("req-bad", prefill, index=4)
-    value = getattr(ok, inline.ATTRIBUTE)
+    state = inline.state_of(decode.sched)
+    value = state.take(ok.rid)
     assert isinstance(value, carried.Carried)
     inverted = carried.Carried(value.sums, 0, 37, value.signature, (2, 0), 1, value.unit)
-    setattr(ok, inline.ATTRIBUTE, inverted)
+    state.keep(ok.rid, inverted)
     assert [req.rid for req in decode.verify([ok, bad])] == ["req-ok"]
     assert decode.aborts == ["req-bad"]
     stats = inline.inline_stats()

@@ -72,7 +72,8 @@ def test_the_scheduler_loop_serves_its_pool_to_live_clients(
         monkeypatch.setenv("KVAUDIT_SGLANG_LIVE", str(root / name))
         got = serving.around_ingest_requests(lambda self: intake.append(1) or ["r"], scheduler)
         assert got == ["r"]  # SGLang's own intake ran, its result returned
-        assert Path(scheduler._kvaudit_agent.path) == root / name / "pp0-tp0.sock"
+        agent = serving.agent_of(scheduler)
+        assert agent is not None and Path(agent.path) == root / name / "pp0-tp0.sock"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "kvaudit", "diff", f"live:{root / 'prefill'}",
                f"live:{root / 'decode'}", "--format", "json"]  # fmt: skip
@@ -84,7 +85,9 @@ def test_the_scheduler_loop_serves_its_pool_to_live_clients(
         time.sleep(0.01)
     out, err = client.communicate(timeout=10)
     for scheduler in schedulers.values():
-        scheduler._kvaudit_agent.close()
+        agent = serving.agent_of(scheduler)
+        assert agent is not None
+        agent.close()
     assert client.returncode == 1, err.decode()[-2000:]
     report = json.loads(out)
     assert sorted(report["requests"]) == sorted(SERVED)

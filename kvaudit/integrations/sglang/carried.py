@@ -56,11 +56,15 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...core.scheme import STRONG_PRIME
+from . import hooked
+
+if TYPE_CHECKING:
+    from sglang.srt.disaggregation.utils import MetadataBuffers
 
 MOD64 = 1 << 64
 MASK32 = 0xFFFF_FFFF
@@ -115,7 +119,7 @@ def signature_word(signature: int, lane: str) -> int:
     return signature & MASK32 if lane == STRONG else signature
 
 
-def room_bits(bootstrap_room: Any) -> int:
+def room_bits(bootstrap_room: int | None) -> int:
     """The low 32 bits of SGLang's bootstrap room (0 where there is none)."""
     return int(bootstrap_room or 0) & 0xFFFF_FFFF
 
@@ -243,7 +247,9 @@ def group_signature(raw: Mapping[str, Any], group_id: int, tp_size: int = 1) -> 
     return (_hash(("kvaudit-sglang-group", 1, _group_identity(raw, group, tp_size))) & MASK32) | 1
 
 
-def write_groups(metadata_buffers: Any, index: int, groups: Sequence[GroupWord]) -> None:
+def write_groups(
+    metadata_buffers: MetadataBuffers, index: int, groups: Sequence[GroupWord]
+) -> None:
     """Words 1..7 of ``bootstrap_room`` row ``index``: the group words (``groups``, at
     most ``MAX_GROUPS``), or zeros (none).
 
@@ -266,7 +272,7 @@ def write_groups(metadata_buffers: Any, index: int, groups: Sequence[GroupWord])
         words[slot] = value - MOD64 if value >= 1 << 63 else value
 
 
-def read_groups(metadata_buffers: Any, index: int) -> tuple[GroupWord, ...]:
+def read_groups(metadata_buffers: MetadataBuffers, index: int) -> tuple[GroupWord, ...]:
     """The group words of ``bootstrap_room`` row ``index`` (empty: none, or not kvaudit's).
 
     Args:
@@ -277,7 +283,9 @@ def read_groups(metadata_buffers: Any, index: int) -> tuple[GroupWord, ...]:
         Each group's ``(id, signature, sum)``.
 
     """
-    room = getattr(metadata_buffers, "bootstrap_room", None)
+    room = hooked.read_or_none(
+        metadata_buffers, hooked.BOOTSTRAP_ROOM, "no group words read (the moments still are)"
+    )
     if room is None or room.shape[-1] < 8:
         return ()
     words = [v % MOD64 for v in room.view(torch.int64)[index].tolist()]
@@ -312,7 +320,7 @@ def split_group_row(words: Sequence[int]) -> tuple[GroupWord, ...]:
     )
 
 
-def write_carried(metadata_buffers: Any, index: int, carried: Carried | None) -> None:
+def write_carried(metadata_buffers: MetadataBuffers, index: int, carried: Carried | None) -> None:
     """Words 2..7 of checksum row ``index``: ``carried`` (version 3), or zeros (nothing
     written).
 
@@ -346,7 +354,7 @@ def write_carried(metadata_buffers: Any, index: int, carried: Carried | None) ->
         words[slot] = value - MOD64 if value >= 1 << 63 else value
 
 
-def read_carried(metadata_buffers: Any, index: int) -> Carried | Unverified:
+def read_carried(metadata_buffers: MetadataBuffers, index: int) -> Carried | Unverified:
     """What checksum row ``index`` carries from a kvaudit prefill (version 3, or 2).
 
     Args:
@@ -357,7 +365,7 @@ def read_carried(metadata_buffers: Any, index: int) -> Carried | Unverified:
         The carried checksum, or why there is none.
 
     """
-    if getattr(metadata_buffers, "kv_checksum", None) is None:
+    if hooked.read_or_none(metadata_buffers, hooked.KV_CHECKSUM, "requests unverified") is None:
         return Unverified("no checksum row (needs --disaggregation-enable-kv-checksum)")
     words = [v % MOD64 for v in metadata_buffers.kv_checksum.view(torch.int64)[index].tolist()]
     marker = words[SLOT_MARKER]

@@ -1,6 +1,6 @@
 """The cache description of an SGLang worker, built from the worker's own KV pool (no
-hand-written YAML), the pool's tensors as kvaudit reads them, and a request's blocks from
-its ``req_to_token`` row.
+hand-written YAML), and the pool's tensors as kvaudit reads them (the pool kinds, layer
+names and heads they rest on: ``pools``).
 
 SGLang 0.5.23 keeps each layer of an ``MHATokenToKVPool`` as two tensors, ``k_buffer[l]``
 and ``v_buffer[l]`` of ``[slots + page_size, local heads, head_dim]`` (the "nhd" layout):
@@ -11,221 +11,56 @@ kernel_block_size = page_size``) in the ``NTHD`` layout, K and V handed as a pai
 page_size, 1, kv_lora_rank + qk_rope_head_dim]``, held whole by every TP rank: viewed as
 ``[pages, page_size, row]`` it is ``NTC``. Page 0 (slots ``0 .. page_size - 1``) is the
 padding page SGLang's allocators never hand out.
-
-Layer ids in SGLang are global (``buffer[layer_id - start_layer]``); a PP stage's pool
-holds ``layer_num`` layers from ``start_layer``, so its names carry the global numbers.
-Heads are mapped across TP as SGLang's ``QKVParallelLinear`` maps them (``sglang_kv_heads``).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import yaml
-from sglang.srt.mem_cache.memory_pool import (
-    HybridLinearKVPool,
-    KVCache,
-    MHATokenToKVPool,
-    MLATokenToKVPool,
-)
-from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+from sglang.srt.mem_cache.memory_pool import KVCache, MambaPool
 
 from ...core.files import atomic_path
 from ...description import description_to_dict, parse_description
+from . import hooked
+from .pools import (
+    DEFAULT_LAYER_NAME,
+    HYBRID_GROUP,
+    STATE_BLOCK_TOKENS,
+    STATE_LAYER_NAME,
+    HeadShard,
+    LayerNames,
+    NotDescribable,
+    layer_ids,
+    layer_names,
+    name_of,
+    pages_of,
+    pool_kind,
+    sglang_kv_heads,
+    state_entries,
+)
 from .scales import layer_scales
 
-DEFAULT_LAYER_NAME = "model.layers.{i}.self_attn.attn"
-"""The layer name of SGLang layer id ``i`` unless the caller gives its own names."""
-STATE_LAYER_NAME = "model.layers.{i}.linear_attn.{state}"
-"""The layer name of state ``state`` (``conv``, ``conv1``, ..., ``temporal``) of SGLang
-linear-attention layer id ``i``: one kvaudit layer per state tensor, all of one layer
-module (``model.layers.{i}``), so their rows are numbered one after the other."""
-STATE_BLOCK_TOKENS = 1 << 24
-"""The block size of a Mamba state group (the largest a description takes): one block,
-the request's state slot, covers every position of a request (the state being the
-request's after its last token); a longer request is not described."""
-HYBRID_GROUP = 1
-"""The group id of a hybrid pool's second group: the window layers (``SWAKVPool``) or the
-Mamba states (``HybridLinearKVPool``); the full-attention layers are group 0."""
-
-LayerNames = str | Mapping[int, str] | Callable[[int], str]
-"""A template with ``{i}`` (the global layer id), a mapping of global layer id to name, or
-a function of the global layer id."""
-
 LayerCaches = dict[str, tuple[torch.Tensor, torch.Tensor] | torch.Tensor]
+"""A pool's layers by name: ``(K, V)`` pairs, latent rows, or state tensors."""
 
-
-class NotDescribable(Exception):
-    """A pool kvaudit cannot describe from what SGLang holds; the message says why (one
-    line)."""
-
-
-@dataclass(frozen=True)
-class HeadShard:
-    """The KV heads one TP rank holds, as SGLang maps them.
-
-    ``first`` is the first global head, ``count`` the heads on the rank, ``replicas`` how
-    many consecutive ranks hold the same heads.
-    """
-
-    first: int
-    count: int
-    replicas: int
-
-
-def sglang_kv_heads(tp_rank: int, tp_size: int, total_kv_heads: int) -> HeadShard:
-    """The global KV heads TP rank ``tp_rank`` holds, as SGLang 0.5.23 places them.
-
-    ``QKVParallelLinear`` (``sglang/srt/layers/linear.py``): with at least as many
-    attention TP ranks as KV heads, each rank holds one head, ``tp_size // total`` ranks
-    hold the same one, and rank ``r`` holds head ``r // replicas``; otherwise each rank
-    holds ``total // tp_size`` consecutive heads from ``r * count``. This is kvaudit's
-    replica rule (docs/checksum.md, "Replicas") with ``model_kv_heads = total_kv_heads``.
-
-    Args:
-        tp_rank: The rank's attention TP rank.
-        tp_size: The attention TP size.
-        total_kv_heads: The model's KV heads before TP.
-
-    Returns:
-        The rank's heads.
-
-    Raises:
-        NotDescribable: Sizes that do not divide as SGLang requires.
-
-    """
-    if tp_size < 1 or not 0 <= tp_rank < tp_size or total_kv_heads < 1:
-        raise NotDescribable(
-            f"tp_rank {tp_rank} / tp_size {tp_size} / total_kv_heads {total_kv_heads} "
-            "are not a TP placement"
-        )
-    if tp_size >= total_kv_heads:
-        if tp_size % total_kv_heads:
-            raise NotDescribable(
-                f"{total_kv_heads} KV heads do not divide TP size {tp_size} "
-                "(SGLang refuses such a model)"
-            )
-        replicas = tp_size // total_kv_heads
-        return HeadShard(first=tp_rank // replicas, count=1, replicas=replicas)
-    if total_kv_heads % tp_size:
-        raise NotDescribable(
-            f"TP size {tp_size} does not divide {total_kv_heads} KV heads "
-            "(SGLang refuses such a model)"
-        )
-    count = total_kv_heads // tp_size
-    return HeadShard(first=tp_rank * count, count=count, replicas=1)
-
-
-def layer_ids(pool: KVCache) -> list[int]:
-    """The global SGLang layer ids a pool holds: ``start_layer`` on, ``layer_num`` of them.
-
-    Args:
-        pool: An SGLang KV pool.
-
-    Returns:
-        The global layer ids, in the pool's buffer order.
-
-    """
-    start = int(pool.start_layer or 0)
-    return list(range(start, start + int(pool.layer_num)))
-
-
-def _name_of(names: LayerNames, layer_id: int) -> str:
-    if isinstance(names, str):
-        return names.format(i=layer_id)
-    if isinstance(names, Mapping):
-        if layer_id not in names:
-            raise NotDescribable(f"no layer name given for SGLang layer {layer_id}")
-        return str(names[layer_id])
-    return str(names(layer_id))
-
-
-def layer_names(pool: KVCache, names: LayerNames = DEFAULT_LAYER_NAME) -> list[str]:
-    """The kvaudit layer names of a pool's layers, in its buffer order.
-
-    Args:
-        pool: An SGLang KV pool.
-        names: A template with ``{i}``, a mapping or a function of the global layer id.
-
-    Returns:
-        One name per layer the pool holds.
-
-    Raises:
-        NotDescribable: A layer without a name, or two layers with one name.
-
-    """
-    result = [_name_of(names, layer_id) for layer_id in layer_ids(pool)]
-    if len(set(result)) != len(result):
-        raise NotDescribable(f"layer names are not unique: {result}")
-    return result
-
-
-def _mha_kind(pool: Any, what: str) -> None:
-    """Refuse an ``MHATokenToKVPool`` (or sub-pool) kvaudit does not describe."""
-    if type(pool) is not MHATokenToKVPool:
-        raise NotDescribable(
-            f"{what} is a {type(pool).__name__}: only MHATokenToKVPool ('nhd') is described"
-        )
-    layout = getattr(pool, "kv_cache_layout", "nhd")
-    if layout != "nhd" or getattr(pool, "use_hnd", False):
-        raise NotDescribable(
-            f"MHATokenToKVPool layout {layout!r} is not described: only SGLang's "
-            "default 'nhd' [slots, heads, head_dim] buffers are"
-        )
-
-
-def pool_kind(pool: KVCache) -> str:
-    """``"mha"``, ``"mla"``, ``"swa"`` or ``"linear"``; any other pool (a subclass
-    included) is refused, with the reason."""
-    if type(pool) is MHATokenToKVPool:
-        _mha_kind(pool, "the pool")
-        return "mha"
-    if type(pool) is MLATokenToKVPool:
-        if getattr(pool, "use_dsa", False):
-            raise NotDescribable(DSA_REFUSED)
-        return "mla"
-    if type(pool) is SWAKVPool:
-        if pool.request_window is not None or pool.swa_req_ring_size is not None:
-            raise NotDescribable(
-                "an SWAKVPool with per-request window rows or rings is not described: "
-                "only the paged window pool (full_to_swa_index_mapping) is"
-            )
-        if getattr(pool.full_kv_pool, "use_dsa", False):
-            raise NotDescribable(DSA_REFUSED)
-        _mha_kind(pool.full_kv_pool, "the SWAKVPool's full pool")
-        _mha_kind(pool.swa_kv_pool, "the SWAKVPool's window pool")
-        return "swa"
-    if type(pool) is HybridLinearKVPool:
-        if pool.use_dsa:
-            raise NotDescribable(DSA_REFUSED)
-        if pool.use_mla:
-            raise NotDescribable("a HybridLinearKVPool with MLA full layers is not described yet")
-        _mha_kind(pool.full_kv_pool, "the HybridLinearKVPool's full pool")
-        return "linear"
-    raise NotDescribable(
-        f"{type(pool).__name__} is not described yet: only MHATokenToKVPool ('nhd'), "
-        "MLATokenToKVPool, SWAKVPool and HybridLinearKVPool (MHA full layers) are"
-    )
-
-
-DSA_REFUSED = (
-    "a pool with use_dsa (NSA/DSA) is not described: its index-k buffer packs fp8 keys "
-    "and their scales page by page (index_k_with_scale_buffer), a layout kvaudit does "
-    "not describe, and SGLang 0.5.23 allocates it only under a published DCP parallel "
-    "config (not on a bare CPU)"
-)
-
-
-def _pages(pool: KVCache, rows: int) -> int:
-    page_size = int(pool.page_size)
-    pages = rows // page_size
-    if pages < 2:
-        raise NotDescribable(f"the pool's {rows} rows hold no page beyond the padding page")
-    return pages
+__all__ = [
+    "DEFAULT_LAYER_NAME",
+    "HYBRID_GROUP",
+    "STATE_BLOCK_TOKENS",
+    "STATE_LAYER_NAME",
+    "HeadShard",
+    "LayerCaches",
+    "LayerNames",
+    "NotDescribable",
+    "describe_sglang_cache",
+    "sglang_kv_heads",
+    "sglang_layer_caches",
+    "write_cache_yaml",
+]
 
 
 def describe_sglang_cache(
@@ -237,7 +72,7 @@ def describe_sglang_cache(
     names: LayerNames = DEFAULT_LAYER_NAME,
     sliding_window: int | None = None,
     state_names: str = STATE_LAYER_NAME,
-    attention: Mapping[int, Any] | None = None,
+    attention: Mapping[int, torch.nn.Module] | None = None,
 ) -> dict[str, Any]:
     """The description dict of one SGLang worker's KV pool (what ``parse_description``
     reads): group 0 the pool's (full-attention) layers; a hybrid pool's second group
@@ -318,13 +153,15 @@ def describe_sglang_cache(
     return full
 
 
-def _model_names(sub_pool: Any, names: LayerNames) -> Callable[[int], str]:
+def _model_names(sub_pool: KVCache, names: LayerNames) -> Callable[[int], str]:
     """The names of a hybrid pool's sub-pool by dense index: its model layer ids named."""
     ids = tuple(int(i) for i in sub_pool.model_layer_ids)
-    return lambda dense: _name_of(names, ids[dense])
+    return lambda dense: name_of(names, ids[dense])
 
 
-def _dense_attention(sub_pool: Any, attention: Mapping[int, Any] | None) -> dict[int, Any] | None:
+def _dense_attention(
+    sub_pool: KVCache, attention: Mapping[int, torch.nn.Module] | None
+) -> dict[int, torch.nn.Module] | None:
     """The attention layers of a hybrid pool's sub-pool by its dense index (the ids its
     own buffers are read by), from the model's by global layer id."""
     if attention is None:
@@ -333,36 +170,17 @@ def _dense_attention(sub_pool: Any, attention: Mapping[int, Any] | None) -> dict
     return {dense: attention[i] for dense, i in enumerate(ids) if i in attention}
 
 
-def _state_entries(mamba_pool: Any) -> list[tuple[int, str, torch.Tensor, int]]:
-    """SGLang's transfer entries of a Mamba pool, as ``(layer id, state name, tensor
-    [slots, ...], split axis)``, in SGLang's transfer order (``_iter_transfer_state_
-    entries``: the conv states, then the temporal, each over the layers)."""
-    if getattr(mamba_pool, "_slot_siblings", ()):
-        raise NotDescribable("a MambaPool with slot-indexed side states is not described yet")
-    entries = []
-    seen: dict[tuple[int, str], int] = {}
-    for field_name, tensor, axis, layer_id in mamba_pool._iter_transfer_state_entries():
-        if field_name not in ("conv", "temporal"):
-            raise NotDescribable(f"Mamba state {field_name!r} is not described yet")
-        if axis is None:
-            raise NotDescribable("replicated request state (no TP slice axis) is not described")
-        count = seen.get((int(layer_id), field_name), 0)
-        seen[(int(layer_id), field_name)] = count + 1
-        state = field_name if count == 0 else f"{field_name}{count}"
-        entries.append((int(layer_id), state, tensor, int(axis)))
-    if not entries:
-        raise NotDescribable("the Mamba pool holds no state")
-    return entries
-
-
-def _state_group(mamba_pool: Any, tp_size: int, state_names: str) -> dict[str, Any]:
+def _state_group(mamba_pool: MambaPool, tp_size: int, state_names: str) -> dict[str, Any]:
     """The state group of a Mamba pool: one layer per state tensor, its rows split as
     SGLang slices them for a transfer between TP widths (``conv_shard_groups``: each
     q/k/v sub-block of a GatedDeltaNet conv state sharded on its own)."""
-    shard_groups = getattr(mamba_pool, "conv_shard_groups", None)
+    try:
+        shard_groups = hooked.read(mamba_pool, hooked.CONV_SHARD_GROUPS)
+    except hooked.NotInThisSglang as missing:
+        raise NotDescribable(f"the Mamba pool cannot be described here: {missing}") from None
     layers = []
     slots = None
-    for layer_id, state, tensor, axis in _state_entries(mamba_pool):
+    for layer_id, state, tensor, axis in state_entries(mamba_pool):
         shape = [int(n) for n in tensor.shape[1:]]
         slots = int(tensor.shape[0]) if slots is None else slots
         if int(tensor.shape[0]) != slots:
@@ -393,16 +211,6 @@ def _state_group(mamba_pool: Any, tp_size: int, state_names: str) -> dict[str, A
     }
 
 
-def hybrid_layer_ids(pool: KVCache) -> list[int]:
-    """The global SGLang layer ids a pool holds (a hybrid pool's: all its groups')."""
-    kind = pool_kind(pool)
-    if kind == "swa":
-        return sorted(pool.layers_mapping)
-    if kind == "linear":
-        return sorted({*pool.full_attention_layer_id_mapping, *pool.mamba_pool.mamba_layer_ids})
-    return layer_ids(pool)
-
-
 def _describe_single(
     pool: KVCache,
     *,
@@ -410,7 +218,7 @@ def _describe_single(
     tp_size: int = 1,
     total_kv_heads: int | None = None,
     names: LayerNames = DEFAULT_LAYER_NAME,
-    attention: Mapping[int, Any] | None = None,
+    attention: Mapping[int, torch.nn.Module] | None = None,
 ) -> dict[str, Any]:
     """The description dict of one SGLang worker's KV pool (what ``parse_description``
     reads), one group (id 0) of the pool's layers.
@@ -480,7 +288,7 @@ def _describe_single(
     else:
         rows = int(pool.kv_buffer[0].shape[0])
         spec.update(type="mla", head_size=int(pool.kv_cache_dim), layout="NTC")
-    description["num_blocks"] = _pages(pool, rows)
+    description["num_blocks"] = pages_of(pool, rows)
     layers: list[Any] = layer_names(pool, names)
     if attention is not None and pool.dtype.itemsize == 1:
         # SGLang applies the scales only where it casts K and V to a one-byte dtype.
@@ -545,7 +353,7 @@ def sglang_layer_caches(
         }
     if kind == "linear":
         result = sglang_layer_caches(pool.full_kv_pool, _model_names(pool.full_kv_pool, names))
-        for layer_id, state, tensor, _ in _state_entries(pool.mamba_pool):
+        for layer_id, state, tensor, _ in state_entries(pool.mamba_pool):
             result[state_names.format(i=layer_id, state=state)] = tensor
         return result
     page_size = int(pool.page_size)
@@ -554,14 +362,14 @@ def sglang_layer_caches(
     for index, name in enumerate(layer_names(pool, names)):
         if kind == "mha":
             k, v = pool.k_buffer[index], pool.v_buffer[index]
-            pages = _pages(pool, int(k.shape[0]))
+            pages = pages_of(pool, int(k.shape[0]))
             result[name] = (
                 _paged(k, pages, page_size, dtype),
                 _paged(v, pages, page_size, dtype),
             )
         else:
             latent = pool.kv_buffer[index]
-            pages = _pages(pool, int(latent.shape[0]))
+            pages = pages_of(pool, int(latent.shape[0]))
             result[name] = _paged(latent[:, 0], pages, page_size, dtype)
     return result
 

@@ -38,17 +38,19 @@ import it.
 This module holds the hooks (and their targets), which ``plugin`` installs; the rest
 lies in sibling modules, their public names imported here: ``inline_prefill`` (the
 prefill's row), ``inline_decode`` (the decode's check), ``inline_verdicts`` (the
-verdicts counted, logged and written) and ``inline_state`` (the process's counts, each
-scheduler's checksummers and writer).
+verdicts counted, logged and written), ``inline_state`` (each scheduler's checksummers
+and writer) and ``state`` (kvaudit's state on a scheduler, the process's counts). The
+SGLang methods hooked and called are named in ``hooked``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+from . import hooked
 from .carried import write_carried, write_groups
 from .inline_decode import (
-    ATTRIBUTE,
     CARRIED,
     NOTHING,
     PEER_UNREADABLE,
@@ -58,61 +60,128 @@ from .inline_decode import (
     decode_checks,
 )
 from .inline_prefill import prefill_checksum, prefill_range
-from .inline_state import (
-    STATS,
-    InlineStats,
-    inline_stats,
-    log_fault,
-    rank_checksummer,
-    recorder,
-    reset_inline_stats,
-)
+from .inline_state import rank_checksummer, recorder
+from .state import InlineStats, SchedulerState, inline_stats, reset_inline_stats, state_of
 
-PREFILL_TARGET = (
-    "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.send_kv_chunk"
-)
-COMMIT_TARGET = "sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req"
-VERIFY_TARGET = (
-    "sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin._verify_kv_checksums"
-)
+if TYPE_CHECKING:
+    from sglang.srt.disaggregation.decode import DecodeRequest, DecodeTransferQueue
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.managers.scheduler import Scheduler
+
+PREFILL_TARGET = hooked.SEND_KV_CHUNK.target
+COMMIT_TARGET = hooked.COMMIT_TRANSFER.target
+VERIFY_TARGET = hooked.VERIFY_CHECKSUMS.target
+
+Hook = Callable[..., Any]
+"""A ``HookRegistry`` AROUND hook: ``hook(original, self, *args, **kwargs)``."""
 
 
-def around_send_kv_chunk(original, self, req, last_chunk=False, end_idx=None):
-    """AROUND hook of ``send_kv_chunk``: carry kvaudit's checksum with the last chunk."""
+def log_fault(scheduler: Scheduler, where: str) -> None:
+    """``SchedulerState.log_fault`` on the scheduler's state; never raises (a scheduler
+    that keeps no state: the fault is logged once all the same). Called in an ``except``
+    block.
+
+    Args:
+        scheduler: The scheduler the hook runs on.
+        where: What kvaudit was doing.
+
+    """
+    try:
+        state_of(scheduler).log_fault(where)
+    except hooked.NotInThisSglang as missing:
+        hooked.report(missing, f"kvaudit failed in {where}")
+
+
+def around_send_kv_chunk(
+    original: Callable[..., Any],
+    self: Scheduler,
+    req: Req,
+    last_chunk: bool = False,
+    end_idx: int | None = None,
+) -> Any:
+    """AROUND hook of ``send_kv_chunk``: carry kvaudit's checksum with the last chunk.
+
+    Args:
+        original: SGLang's ``send_kv_chunk``.
+        self: The prefill scheduler.
+        req: The request sent.
+        last_chunk: Whether this is its last chunk (kvaudit acts on the last only).
+        end_idx: The end of the chunk, as SGLang passes it.
+
+    Returns:
+        What SGLang's method returns.
+
+    """
     if last_chunk:
         try:
             prefill_checksum(self, req, end_idx)
         except Exception:
-            log_fault("the prefill's checksum")
+            log_fault(self, "the prefill's checksum")
             # The slot is reused: no earlier request's words may travel with this one.
             try:
                 write_carried(self.disagg_metadata_buffers, req.metadata_buffer_index, None)
                 write_groups(self.disagg_metadata_buffers, req.metadata_buffer_index, ())
             except Exception:
-                log_fault("clearing the checksum row")
+                log_fault(self, "clearing the checksum row")
     return original(self, req, last_chunk=last_chunk, end_idx=end_idx)
 
 
-def around_commit_transfer_to_req(original, self, decode_req, *args, **kwargs):
-    """AROUND hook of ``DecodeTransferQueue._commit_transfer_to_req``: keep the row."""
+def around_commit_transfer_to_req(
+    original: Callable[..., Any],
+    self: DecodeTransferQueue,
+    decode_req: DecodeRequest,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """AROUND hook of ``DecodeTransferQueue._commit_transfer_to_req``: keep the row.
+
+    Args:
+        original: SGLang's method.
+        self: The decode's transfer queue.
+        decode_req: The request committed.
+        *args: SGLang's further arguments, passed on.
+        **kwargs: SGLang's further keyword arguments, passed on.
+
+    Returns:
+        What SGLang's method returns.
+
+    """
     commit_carried(self, decode_req)
     return original(self, decode_req, *args, **kwargs)
 
 
-def around_verify_kv_checksums(original, self, batch, *args, **kwargs):
+def around_verify_kv_checksums(
+    original: Callable[..., Any],
+    self: Scheduler,
+    batch: ScheduleBatch,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
     """AROUND hook of ``_verify_kv_checksums``: SGLang's own check, then kvaudit's on
-    the requests it kept."""
+    the requests it kept.
+
+    Args:
+        original: SGLang's check.
+        self: The decode scheduler.
+        batch: The prebuilt batch.
+        *args: SGLang's further arguments, passed on.
+        **kwargs: SGLang's further keyword arguments, passed on.
+
+    Returns:
+        What SGLang's check returns.
+
+    """
     result = original(self, batch, *args, **kwargs)
     try:
         mismatched = decode_checks(self, batch)
     except Exception:
-        log_fault("the decode's check")
+        log_fault(self, "the decode's check")
         mismatched = []
     abort_mismatched(self, batch, mismatched)  # SGLang's own abort path, unguarded
     return result
 
 
-def hooks() -> list[tuple[str, Any]]:
+def hooks() -> list[tuple[str, Hook]]:
     """The inline check's ``HookRegistry`` AROUND hooks: ``(target, hook)`` pairs."""
     return [
         (PREFILL_TARGET, around_send_kv_chunk),
@@ -122,16 +191,15 @@ def hooks() -> list[tuple[str, Any]]:
 
 
 __all__ = [
-    "ATTRIBUTE",
     "CARRIED",
     "COMMIT_TARGET",
     "NOTHING",
     "PEER_UNREADABLE",
     "PREFILL_TARGET",
-    "STATS",
     "UNREADABLE",
     "VERIFY_TARGET",
     "InlineStats",
+    "SchedulerState",
     "abort_mismatched",
     "around_commit_transfer_to_req",
     "around_send_kv_chunk",
@@ -145,4 +213,5 @@ __all__ = [
     "rank_checksummer",
     "recorder",
     "reset_inline_stats",
+    "state_of",
 ]

@@ -7,12 +7,13 @@ carried stage's layers, and the sums gathered (a second collective) and judged
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
 
 from sglang.srt.disaggregation.checksum import is_health_check_req
 
 from ...records import WorkerRecord
 from ...views.inputs import RequestBlocks
+from . import hooked
 from .carried import (
     MALFORMED,
     MAX_GROUPS,
@@ -30,8 +31,7 @@ from .carried import (
     split_group_row,
     split_layer_word,
 )
-from .describe import NotDescribable
-from .inline_state import STATS, log_fault, rank_checksummer
+from .inline_state import rank_checksummer
 from .inline_verdicts import (
     COARSE,
     COMPARED,
@@ -42,15 +42,31 @@ from .inline_verdicts import (
     record_unverified,
     record_verdict,
 )
+from .pools import NotDescribable
 from .ranks import CONSUMER, RankChecksummer, block_sums, gather_ranks
+from .state import SchedulerState, state_of
 
-ATTRIBUTE = "kvaudit_carried"
-"""The attribute of a decode ``Req`` that holds what its checksum row carried."""
+if TYPE_CHECKING:
+    from sglang.srt.disaggregation.decode import DecodeRequest, DecodeTransferQueue
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.managers.scheduler import Scheduler
 
 
-def commit_carried(queue: Any, decode_req: Any) -> None:
-    """On the decode, when a transfer is committed: keep what the row carries on the
-    request (before SGLang's ``clear_slot`` zeroes it)."""
+def commit_carried(queue: DecodeTransferQueue, decode_req: DecodeRequest) -> None:
+    """On the decode, when a transfer is committed: keep what the row carries in the
+    scheduler's state, by request id (before SGLang's ``clear_slot`` zeroes the row).
+
+    Args:
+        queue: The decode's transfer queue (its ``scheduler`` holds kvaudit's state).
+        decode_req: The request whose transfer is committed.
+
+    """
+    try:
+        state = state_of(hooked.read(queue, hooked.QUEUE_SCHEDULER))
+    except hooked.NotInThisSglang as missing:
+        # Without the scheduler's state there is nowhere to keep the row: none is checked.
+        hooked.report(missing, "kvaudit's inline check does not run on this decode")
+        return
     try:
         carried = read_carried(queue.metadata_buffers, decode_req.metadata_buffer_index)
         if isinstance(carried, Carried):
@@ -59,9 +75,9 @@ def commit_carried(queue: Any, decode_req: Any) -> None:
     except Exception as error:
         carried = Unverified("checksum row unreadable", str(error))
     try:
-        setattr(decode_req.req, ATTRIBUTE, carried)
-    except Exception:  # a request that takes no attribute arrives without a checksum
-        log_fault("keeping the checksum row")
+        state.keep(str(decode_req.req.rid), carried)
+    except Exception:  # the request arrives without a checksum
+        state.log_fault("keeping the checksum row")
 
 
 NOTHING, CARRIED, UNREADABLE = 0, 1, 2
@@ -76,7 +92,7 @@ signature, layers, *group words]`` (a seed-lane row: unit 0, its sum in ``sum_0`
 group words ``group_row``'s, zeros for a pool of one group)."""
 
 
-def _carried_row(req: Any) -> tuple[list[int], Unverified | None]:
+def _carried_row(state: SchedulerState, req: Req) -> tuple[list[int], Unverified | None]:
     """This rank's ``ROW`` words for ``req`` in the first gather and why it is
     ``UNREADABLE``; the request's carried value is taken (verified once: a retraction
     re-enters the batch).
@@ -86,12 +102,11 @@ def _carried_row(req: Any) -> tuple[list[int], Unverified | None]:
             no kvaudit prefill writes).
 
     """
-    carried = getattr(req, ATTRIBUTE, None)
-    setattr(req, ATTRIBUTE, None)
+    carried = state.take(str(req.rid))
     if carried is None:
         return [NOTHING] * ROW, None
     if is_health_check_req(req):
-        STATS.skipped += 1
+        state.counts.skipped += 1
         return [NOTHING] * ROW, None
     if isinstance(carried, Unverified):
         return [UNREADABLE] + [0] * (ROW - 1), carried
@@ -108,7 +123,9 @@ def _carried_row(req: Any) -> tuple[list[int], Unverified | None]:
     return row, None
 
 
-def _carried_rows(reqs: list[Any]) -> tuple[list[list[int]], dict[int, Unverified]]:
+def _carried_rows(
+    state: SchedulerState, reqs: list[Req]
+) -> tuple[list[list[int]], dict[int, Unverified]]:
     """This rank's words per request for the first gather (``_carried_row``), and why
     each ``UNREADABLE`` one is. Never raises: a request whose row cannot be read is
     unverified on its own, so every rank sends one row per request whatever it holds."""
@@ -116,7 +133,7 @@ def _carried_rows(reqs: list[Any]) -> tuple[list[list[int]], dict[int, Unverifie
     reasons: dict[int, Unverified] = {}
     for i, req in enumerate(reqs):
         try:
-            row, why = _carried_row(req)
+            row, why = _carried_row(state, req)
         except Exception as error:  # this request only: the batch's others go on
             row, why = [UNREADABLE] + [0] * (ROW - 1), Unverified(MALFORMED, str(error))
         if why is not None:
@@ -186,7 +203,7 @@ def _groups_apart(summer: RankChecksummer, carried: Carried) -> str | None:
 
 
 def _consumer_part(
-    scheduler: Any, req: Any, carried: Carried
+    scheduler: Scheduler, req: Req, carried: Carried
 ) -> tuple[list[int], RequestBlocks, WorkerRecord | None]:
     """This decode rank's part of the checksum of what ``carried`` covers: its row of the
     second gather (``[COMPARED or COARSE, moments (3), residual moments (2), group sums
@@ -230,7 +247,7 @@ def _consumer_part(
         raise NotDescribable(
             f"range {carried.first}..{carried.end} does not end at the request's {tokens} tokens"
         )
-    held = getattr(req.kv, "cache_protected_len", None)
+    held = hooked.read_or_none(req.kv, hooked.CACHE_PROTECTED, "its requests are unverified")
     if held is None or carried.first != int(held):
         # The prefill rounds the decode's prefix down to its own page: tokens before
         # cache_protected_len are the decode's own cached prefix, never sent.
@@ -258,7 +275,9 @@ def _consumer_part(
     return [COMPARED, *moments, *residuals, *tail], blocks, kept
 
 
-def abort_mismatched(scheduler: Any, batch: Any, mismatched: list[tuple[int, str]]) -> list[int]:
+def abort_mismatched(
+    scheduler: Scheduler, batch: ScheduleBatch, mismatched: list[tuple[int, str]]
+) -> list[int]:
     """Abort each mismatched request through SGLang's ``_handle_kv_checksum_mismatch``
     (which raises in SGLang's CI, as for its own check) and filter them from the batch.
 
@@ -275,9 +294,15 @@ def abort_mismatched(scheduler: Any, batch: Any, mismatched: list[tuple[int, str
     if not aborted:
         return []
     reqs = list(batch.reqs)
+    handle = hooked.read_or_none(
+        scheduler,
+        hooked.HANDLE_MISMATCH,
+        "a mismatched request is filtered from the batch without SGLang's abort",
+    )
     try:
         for i, msg in mismatched:
-            scheduler._handle_kv_checksum_mismatch(reqs[i], msg)
+            if handle is not None:
+                handle(reqs[i], msg)
     finally:  # the KV of an aborted request is released: never computed on
         batch.filter_batch(keep_indices=[i for i in range(len(reqs)) if i not in aborted])
     return aborted
@@ -286,7 +311,7 @@ def abort_mismatched(scheduler: Any, batch: Any, mismatched: list[tuple[int, str
 PEER_UNREADABLE = "checksum row unreadable on a peer rank"
 
 
-def _held_row(scheduler: Any) -> list[int]:
+def _held_row(scheduler: Scheduler) -> list[int]:
     """This rank's layers for the second gather: ``[1, first, end]``, or zeros where its
     pool cannot be described."""
     try:
@@ -296,7 +321,7 @@ def _held_row(scheduler: Any) -> list[int]:
         return [0, 0, 0]
 
 
-def decode_checks(scheduler: Any, batch: Any) -> list[tuple[int, str]]:
+def decode_checks(scheduler: Scheduler, batch: ScheduleBatch) -> list[tuple[int, str]]:
     """On every decode attention TP rank (two collectives over ``attn_tp_cpu_group``, made
     whenever the batch has requests, so the ranks stay in step): verify each request of
     the batch that carries a kvaudit checksum, once; count, log and write the verdicts.
@@ -308,6 +333,10 @@ def decode_checks(scheduler: Any, batch: Any) -> list[tuple[int, str]]:
     mismatch on any rank aborts it on all; a row unreadable on any rank leaves it
     unverified on all (never verified), the batch's other requests checked as usual.
 
+    Args:
+        scheduler: The decode scheduler.
+        batch: The prebuilt batch, after SGLang's own check.
+
     Returns:
         ``(index into the batch, message)`` per mismatched request.
 
@@ -315,8 +344,9 @@ def decode_checks(scheduler: Any, batch: Any) -> list[tuple[int, str]]:
     reqs = list(batch.reqs)
     if not reqs:
         return []
-    group = getattr(scheduler, "attn_tp_cpu_group", None)
-    local, reasons = _carried_rows(reqs)
+    state = state_of(scheduler)
+    group = hooked.read(scheduler, hooked.ATTN_TP_CPU_GROUP)
+    local, reasons = _carried_rows(state, reqs)
     parts = gather_ranks(local, group)  # what every rank's row carried
     plans: dict[int, list[Carried]] = {}
     unreadable: dict[int, Unverified] = {}
@@ -328,7 +358,7 @@ def decode_checks(scheduler: Any, batch: Any) -> list[tuple[int, str]]:
     alone = [(reqs[i], unreadable[i]) for i in unreadable if not plans[i]]
     checks = [(i, carried) for i in range(len(reqs)) for carried in plans[i]]
     if not checks:
-        record_unverified(alone)
+        record_unverified(state, alone)
         return []
     mine: list[list[int]] = []
     errors: dict[int, str] = {}
@@ -361,10 +391,10 @@ def decode_checks(scheduler: Any, batch: Any) -> list[tuple[int, str]]:
         i: judge(reqs[i].rid, checks, numbers, sums, errors) for i, numbers in numbered.items()
     }
     mismatched = [(i, "; ".join(v.failed)) for i, v in verdicts.items() if v.failed]
-    record_unverified(alone)
+    record_unverified(state, alone)
     for i, verdict in verdicts.items():
         try:
             record_verdict(scheduler, reqs[i], verdict, kept.get(i), unreadable.get(i), held)
         except Exception:  # counting and logging only: the verdict stands
-            log_fault("recording the decode's verdicts")
+            state.log_fault("recording the decode's verdicts")
     return mismatched

@@ -8,13 +8,14 @@ request's checksum row and, for a hybrid pool, its ``bootstrap_room`` row
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from sglang.srt.disaggregation.checksum import is_health_check_req
 
 from ...core.scheme import STRONG_PRIME
 from ...records import WorkerRecord
 from ...views.inputs import RequestBlocks
+from . import hooked
 from .carried import (
     MASK32,
     MAX_GROUPS,
@@ -25,32 +26,56 @@ from .carried import (
     write_carried,
     write_groups,
 )
-from .inline_state import STATS, log_once, rank_checksummer, write_output
+from .inline_state import rank_checksummer, write_output
 from .ranks import PRODUCER, group_sums
+from .state import state_of
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.scheduler import Scheduler
 
 
-def prefill_range(req: Any, page_size: int, end_idx: int | None) -> tuple[int, int]:
+def prefill_range(req: Req, page_size: int, end_idx: int | None) -> tuple[int, int]:
     """The tokens a prefill checksums: from the decode's prefix rounded down to a page,
-    to the end SGLang's own digest uses."""
+    to the end SGLang's own digest uses.
+
+    Args:
+        req: The request being sent.
+        page_size: The prefill's page size.
+        end_idx: The end ``send_kv_chunk`` was given (None: the request's extend end).
+
+    Returns:
+        ``(first, end)``: tokens ``first .. end - 1``.
+
+    """
     end = end_idx if end_idx is not None else min(req.extend_end, len(req.origin_input_ids))
     first = (int(req.disagg_decode_prefix_len) // page_size) * page_size
     return first, int(end)
 
 
-def prefill_checksum(scheduler: Any, req: Any, end_idx: int | None = None) -> Carried | None:
+def prefill_checksum(scheduler: Scheduler, req: Req, end_idx: int | None = None) -> Carried | None:
     """On every attention TP rank of a prefill stage (a collective over
     ``attn_tp_cpu_group``): checksum this rank's part of the request's range over the
     stage's layers, sum over the ranks, and write the result into the request's checksum
     row (zeros where nothing can be carried); with an output folder, append this rank's
     checksums (and, with rotating dumps, dump the request).
 
+    Args:
+        scheduler: The prefill scheduler.
+        req: The request whose last chunk is sent.
+        end_idx: The end ``send_kv_chunk`` was given.
+
     Returns:
         What was written, or None for an empty row.
 
     """
+    state = state_of(scheduler)
     buffers = scheduler.disagg_metadata_buffers
-    if getattr(buffers, "kv_checksum", None) is None:
-        log_once("no checksum row: start both engines with --disaggregation-enable-kv-checksum")
+    rows = hooked.read_or_none(buffers, hooked.KV_CHECKSUM, "no kvaudit checksum is carried")
+    if rows is None:
+        state.log_once(
+            "no checksum row: start both engines with --disaggregation-enable-kv-checksum"
+        )
         return None
     index = req.metadata_buffer_index
     if is_health_check_req(req):
@@ -73,15 +98,15 @@ def prefill_checksum(scheduler: Any, req: Any, end_idx: int | None = None) -> Ca
         signature, layers = summer.signature & MASK32, summer.layers
     except Exception as error:  # the request is sent, unverified
         status = 1
-        log_once(f"prefill checksum not carried: {error}")
-    group = getattr(scheduler, "attn_tp_cpu_group", None)
+        state.log_once(f"prefill checksum not carried: {error}")
+    group = hooked.read(scheduler, hooked.ATTN_TP_CPU_GROUP)
     # Summed modulo the strong lane's prime (the status, a count of failed ranks, too),
     # with each group's strong-lane sum.
     sums = [total for _, _, total in words] + [0] * (MAX_GROUPS - len(words))
     ((status, *summed),) = group_sums([[status, *moments, *sums]], group, STRONG_PRIME)
     moments, sums = summed[:MOMENTS], summed[MOMENTS:]
     if status:
-        STATS.not_written += 1
+        state.counts.not_written += 1
         write_carried(buffers, index, None)
         write_groups(buffers, index, ())
         return None
@@ -92,7 +117,7 @@ def prefill_checksum(scheduler: Any, req: Any, end_idx: int | None = None) -> Ca
     carried = Carried(tuple(moments), first, end, signature, layers, room, page, groups)
     write_carried(buffers, index, carried)
     write_groups(buffers, index, carried.groups)
-    STATS.written += 1
+    state.counts.written += 1
     assert blocks is not None
     write_output(scheduler, PRODUCER, req.rid, record, blocks, dump=True)
     return carried

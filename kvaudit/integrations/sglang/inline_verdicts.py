@@ -5,14 +5,19 @@ rank's parts of its checks, then counted, logged and written to the output folde
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ...core.scheme import STRONG_PRIME
 from ...records import WorkerRecord
 from ...views.inputs import RequestBlocks
 from .carried import MAX_GROUPS, MOD64, MOMENTS, STRONG, Carried, Unverified, locate
-from .inline_state import STATS, count_unverified, first_time, log_fault, logger, write_output
+from .inline_state import write_output
 from .ranks import CONSUMER, LayerSpan
+from .state import SchedulerState, logger, state_of
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.scheduler import Scheduler
 
 
 def _layers_text(layers: LayerSpan) -> str:
@@ -20,18 +25,19 @@ def _layers_text(layers: LayerSpan) -> str:
     return f"{layers[0]}..{layers[1] - 1}"
 
 
-def record_unverified(requests: list[tuple[Any, Unverified]]) -> None:
+def record_unverified(state: SchedulerState, requests: list[tuple[Req, Unverified]]) -> None:
     """Count the requests no rank carried a usable value for, each with its reason.
 
     Args:
+        state: The decode scheduler's state (its counts).
         requests: ``(request, why it is unverified)`` pairs.
 
     """
     try:
         for req, why in requests:
-            count_unverified(req, why.reason, why.detail)
+            state.count_unverified(req.rid, why.reason, why.detail)
     except Exception:  # counting and logging only
-        log_fault("recording the decode's verdicts")
+        state.log_fault("recording the decode's verdicts")
 
 
 COMPARED, NOT_COMPARED, COARSE, DESCRIBED_APART = 1, 2, 3, 4
@@ -205,8 +211,8 @@ def _failed_groups(carried: Carried, parts: list[list[int]]) -> str:
 
 
 def record_verdict(
-    scheduler: Any,
-    req: Any,
+    scheduler: Scheduler,
+    req: Req,
     verdict: Verdict,
     kept: tuple[RequestBlocks, WorkerRecord | None] | None,
     unreadable: Unverified | None,
@@ -225,26 +231,27 @@ def record_verdict(
         held: The layers every rank holds (None where the ranks differ).
 
     """
+    state = state_of(scheduler)
     if kept is not None:
         blocks, record = kept
         write_output(scheduler, CONSUMER, req.rid, record, blocks, dump=bool(verdict.failed))
     for note in verdict.notes:
-        if first_time(note):  # keyed by the note: the set stays bounded
+        if state.first_time(note):  # keyed by the note: the set stays bounded
             logger.warning("kvaudit: request %s %s (logged once)", req.rid, note)
     if verdict.failed:
         logger.error("; ".join(verdict.failed))
-        STATS.mismatched += 1
+        state.counts.mismatched += 1
         return
     if unreadable is not None:  # compared equal where readable: still never verified
-        count_unverified(req, unreadable.reason, unreadable.detail)
+        state.count_unverified(req.rid, unreadable.reason, unreadable.detail)
         return
     problem = verdict.problem
     if not verdict.verified:
-        count_unverified(req, problem or "not comparable")
+        state.count_unverified(req.rid, problem or "not comparable")
         return
     covered = {layer for first, end in verdict.verified for layer in range(first, end)}
     if held is not None and covered == set(range(*held)) and problem is None:
-        STATS.verified += 1
+        state.counts.verified += 1
         return
     spans = ", ".join(_layers_text(span) for span in verdict.verified)
     reason = f"verified on layers {spans} of {_layers_text(held) if held else '?'} only" + (
@@ -253,7 +260,7 @@ def record_verdict(
         else ": the prefill's PP stages each send "
         "their own row and this decode kept the last to arrive"
     )
-    STATS.partial += 1
-    STATS.reasons[reason] += 1
-    if first_time(reason):  # keyed by the reason: the set stays bounded
+    state.counts.partial += 1
+    state.counts.reasons[reason] += 1
+    if state.first_time(reason):  # keyed by the reason: the set stays bounded
         logger.warning("kvaudit: request %s %s (logged once per reason)", req.rid, reason)

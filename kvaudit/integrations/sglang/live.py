@@ -15,20 +15,16 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from sglang.srt.mem_cache.memory_pool import KVCache, ReqToTokenPool
 
 from ...core.validation import Role
 from ...description import parse_description
 from ...live import Agent
 from ...views.inputs import RequestBlocks
-from .describe import (
-    DEFAULT_LAYER_NAME,
-    STATE_LAYER_NAME,
-    LayerNames,
-    describe_sglang_cache,
-    sglang_layer_caches,
-)
+from .describe import describe_sglang_cache, sglang_layer_caches
 from .pages import pool_request_blocks
+from .pools import DEFAULT_LAYER_NAME, STATE_LAYER_NAME, LayerNames
 
 HeldRequests = Callable[[], Mapping[str, tuple[int, int]]]
 """Returns the requests a worker's pool holds now: request id to ``(req_pool_idx, tokens
@@ -53,7 +49,7 @@ def sglang_agent(
     sliding_window: int | None = None,
     state_names: str = STATE_LAYER_NAME,
     lock: threading.Lock | threading.RLock | None = None,
-    attention: Mapping[int, Any] | None = None,
+    attention: Mapping[int, torch.nn.Module] | None = None,
     **options: Any,
 ) -> Agent:
     """An agent serving one SGLang worker's pool on ``path``.

@@ -5,13 +5,16 @@ own index mapping, a ``HybridLinearKVPool``'s state slot (docs/sglang.md)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from sglang.srt.mem_cache.memory_pool import KVCache
 
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
 from ...views.inputs import RequestBlocks
-from .describe import HYBRID_GROUP, STATE_BLOCK_TOKENS, NotDescribable, pool_kind
+from .pools import HYBRID_GROUP, STATE_BLOCK_TOKENS, NotDescribable, pool_kind
 
 
 def request_blocks(
@@ -82,7 +85,7 @@ def window_start(first: int, end: int, sliding_window: int, page_size: int) -> i
 
 def pool_request_blocks(
     pool: KVCache,
-    req_to_token_pool: Any,
+    req_to_token_pool: ReqToTokenPool,
     req_pool_idx: int,
     first: int,
     end: int,

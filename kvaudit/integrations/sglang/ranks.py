@@ -6,7 +6,7 @@ a transfer. Imports SGLang (through ``describe``).
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,15 +16,15 @@ from ...core.scheme import STRONG_PRIME
 from ...description import parse_description
 from ...records import WorkerInfo, WorkerRecord
 from ...views.inputs import RequestBlocks
+from . import hooked
 from .carried import MOD64, MOMENTS, GroupWord, content_signature, group_signature
-from .describe import (
-    DEFAULT_LAYER_NAME,
-    NotDescribable,
-    describe_sglang_cache,
-    hybrid_layer_ids,
-    sglang_layer_caches,
-)
+from .describe import describe_sglang_cache, sglang_layer_caches
 from .pages import pool_request_blocks, request_blocks
+from .pools import DEFAULT_LAYER_NAME, LayerNames, NotDescribable, hybrid_layer_ids
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.mem_cache.memory_pool import KVCache, ReqToTokenPool
 
 PRODUCER, CONSUMER = "producer", "consumer"
 ENGINES = {PRODUCER: "SGLang prefill", CONSUMER: "SGLang decode"}
@@ -38,7 +38,7 @@ class RankChecksummer:
 
     def __init__(
         self,
-        pool: Any,
+        pool: KVCache,
         *,
         tp_rank: int,
         tp_size: int,
@@ -46,10 +46,10 @@ class RankChecksummer:
         pp_size: int = 1,
         total_kv_heads: int | None,
         role: str,
-        names: Any = DEFAULT_LAYER_NAME,
+        names: LayerNames = DEFAULT_LAYER_NAME,
         layers: LayerSpan | None = None,
         sliding_window: int | None = None,
-        attention: Mapping[int, Any] | None = None,
+        attention: Mapping[int, torch.nn.Module] | None = None,
         layer_sums: bool = False,
     ) -> None:
         from ...checksum.checksummer import Checksummer
@@ -135,7 +135,7 @@ class RankChecksummer:
         return RequestBlocks(num_tokens=end, groups={0: (first // page, part.groups[0][1])})
 
     def request_range(
-        self, req_to_token_pool: Any, req_pool_idx: int, first: int, end: int
+        self, req_to_token_pool: ReqToTokenPool, req_pool_idx: int, first: int, end: int
     ) -> RequestBlocks:
         """The blocks of tokens ``first .. end - 1`` of the request in row
         ``req_pool_idx``, in every group of the pool (``pool_request_blocks``).
@@ -299,7 +299,7 @@ def exact_dot(values: np.ndarray, weights: np.ndarray) -> int:
     return total
 
 
-def gather_ranks(rows: list[list[int]], group: Any) -> list[list[list[int]]]:
+def gather_ranks(rows: list[list[int]], group: dist.ProcessGroup | None) -> list[list[list[int]]]:
     """Every rank's ``rows`` (all ranks pass the same shape, values in ``0 .. 2**64 -
     1``), by one all-gather of int64 (two's complement) over a CPU (gloo) group.
 
@@ -321,7 +321,9 @@ def gather_ranks(rows: list[list[int]], group: Any) -> list[list[list[int]]]:
     return [[[v % MOD64 for v in row] for row in part.tolist()] for part in gathered]
 
 
-def group_sums(rows: list[list[int]], group: Any, modulus: int = MOD64) -> list[list[int]]:
+def group_sums(
+    rows: list[list[int]], group: dist.ProcessGroup | None, modulus: int = MOD64
+) -> list[list[int]]:
     """Per entry, the sum modulo ``modulus`` over the group's ranks of every rank's
     ``rows`` (``gather_ranks``): 2**64 for the seed lane, ``2**64 - 59`` for the strong
     lane's residues (gathered whole and added as Python integers, never wrapped)."""
@@ -332,9 +334,20 @@ def group_sums(rows: list[list[int]], group: Any, modulus: int = MOD64) -> list[
     ]
 
 
-def attention_tp(scheduler: Any) -> tuple[Any, int, int]:
-    """A scheduler's attention TP CPU group, its rank in it and the group's size."""
-    group = scheduler.attn_tp_cpu_group
+def attention_tp(scheduler: Scheduler) -> tuple[dist.ProcessGroup, int, int]:
+    """A scheduler's attention TP CPU group, its rank in it and the group's size.
+
+    Args:
+        scheduler: The SGLang scheduler.
+
+    Returns:
+        ``(group, rank, size)``.
+
+    Raises:
+        NotInThisSglang: A scheduler without ``attn_tp_cpu_group``.
+
+    """
+    group = hooked.read(scheduler, hooked.ATTN_TP_CPU_GROUP)
     return group, dist.get_rank(group), dist.get_world_size(group)
 
 

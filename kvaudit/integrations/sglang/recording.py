@@ -19,7 +19,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...core.errors import KvauditError
 from ...description import CacheDescription
@@ -28,6 +28,9 @@ from ...dumps.writing import dump_bytes
 from ...records import WorkerInfo, WorkerRecord
 from ...views.inputs import RequestBlocks
 from .. import output
+
+if TYPE_CHECKING:
+    from .describe import LayerCaches
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +110,7 @@ class Recorder:
         worker: WorkerInfo,
         description: CacheDescription,
         raw: Mapping[str, Any],
-        tensors: Mapping[str, Any],
+        tensors: LayerCaches,
     ) -> None:
         assert settings.output is not None
         self.settings = settings

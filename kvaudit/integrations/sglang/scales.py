@@ -4,18 +4,32 @@ layers (what ``describe_sglang_cache`` records; docs/sglang.md)."""
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
+from . import hooked
 
-def layer_scales(layer: Any, mla: bool) -> dict[str, float]:
+
+def layer_scales(layer: torch.nn.Module | None, mla: bool) -> dict[str, float]:
     """A ``RadixAttention``'s loaded K and V scales (``k_scale_float``, ``v_scale_float``;
     None until SGLang's ``BaseKVCacheMethod`` loads them, and where the model has no KV
-    cache quantization); an MLA layer (one latent row) its K scale only."""
+    cache quantization); an MLA layer (one latent row) its K scale only.
+
+    Args:
+        layer: The layer, or None (a layer id the model has no attention layer of).
+        mla: Whether the pool is MLA (its K scale only).
+
+    Returns:
+        ``k_scale`` and ``v_scale`` where loaded (finite, positive); empty otherwise.
+
+    """
     found: dict[str, float] = {}
+    if layer is None:
+        return found
     for key in ("k_scale", "v_scale")[: 1 if mla else 2]:
-        value = getattr(layer, f"{key}_float", None)
+        value = hooked.read_or_none(
+            layer, hooked.SCALES, "no KV scale recorded for its layers", f"{key}_float"
+        )
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             value = float(value)
             if math.isfinite(value) and value > 0:
@@ -23,7 +37,7 @@ def layer_scales(layer: Any, mla: bool) -> dict[str, float]:
     return found
 
 
-def sglang_attention_layers(model: Any) -> dict[int, Any]:
+def sglang_attention_layers(model: torch.nn.Module | None) -> dict[int, torch.nn.Module]:
     """The ``RadixAttention`` layers of an SGLang model by their global layer id (what
     ``describe_sglang_cache`` reads the scales of).
 
