@@ -31,7 +31,7 @@ def is_output_folder(name: str) -> bool:
     """An in-engine audit's output folder (``kvaudit.integrations.output``)."""
     if not os.path.isdir(name):  # a dump file, the usual argument, needs no more
         return False
-    from ..integrations.output import is_output_folder as marked
+    from ..output_folders import is_output_folder as marked
 
     return marked(name)
 

@@ -26,7 +26,8 @@ from kvaudit import Checksummer, RequestBlocks
 from kvaudit.core.errors import KvauditError
 from kvaudit.description import parse_description
 from kvaudit.live import Agent, call
-from kvaudit.live.messages import listing_to_json, worker_record_to_json
+from kvaudit.live.messages import listing_to_json
+from kvaudit.records.encoding import worker_record_to_json
 from kvaudit.views.inputs import plain_requests
 
 BLOCK, HEADS, HEAD_SIZE = 16, 2, 64

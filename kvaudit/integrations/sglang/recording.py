@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ... import output_folders as output
 from ...core.errors import KvauditError
 from ...description import CacheDescription
 from ...dumps import write_dump
 from ...dumps.writing import dump_bytes
 from ...records import WorkerInfo, WorkerRecord
 from ...views.inputs import RequestBlocks
-from .. import output
 
 logger = logging.getLogger(__name__)
 
