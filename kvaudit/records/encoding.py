@@ -223,15 +223,13 @@ def layer_sums_to_json(sums: LayerSums) -> dict[str, Any]:
     }
 
 
+_LINE_WORKER = ("tp_rank", "tp_size", "pp_rank", "pp_size", "engine")
+"""What a checksum line's ``worker`` holds of the worker, in order."""
+
+
 def _line_worker(worker: WorkerInfo) -> dict[str, Any]:
     """A checksum line's ``worker``: its ranks, sizes and engine."""
-    return {
-        "tp_rank": worker.tp_rank,
-        "tp_size": worker.tp_size,
-        "pp_rank": worker.pp_rank,
-        "pp_size": worker.pp_size,
-        "engine": worker.engine,
-    }
+    return {key: getattr(worker, key) for key in _LINE_WORKER}
 
 
 def request_line_to_json(
