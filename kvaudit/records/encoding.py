@@ -76,10 +76,10 @@ def _group_entry(group: GroupChecksums, line: bool) -> dict[str, Any]:
     entry["values"] = hex_rows(group.values)
     if not line:
         entry["totals"] = hex_list(group.totals())
-    strong_totals = group.strong_totals()
-    if group.strong is not None and strong_totals is not None:
+    if group.strong is not None:
         entry["strong"] = hex_rows(group.strong)
-        if not line:
+        strong_totals = None if line else group.strong_totals()  # a line holds no totals
+        if strong_totals is not None:
             entry["strong_totals"] = hex_list(strong_totals)
     if line and group.layer_sums is not None:
         entry["layer_sums"] = layer_sums_to_json(group.layer_sums)
