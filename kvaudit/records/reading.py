@@ -195,13 +195,13 @@ def _group_from_json(reader: RecordReader, value: object, path: str) -> GroupChe
     """One group of a request, validated: unique replica keys, rows one value per key,
     totals that are the sums of the replica-0 values."""
     data = reader.keys(value, path, _GROUP_KEYS, ("partial", "strong", "strong_totals"))
-    block_size, start = group_span(reader, data, path)
+    block_size, start = _group_span(reader, data, path)
     fingerprint = reader.hex64(data["fingerprint"], join(path, "fingerprint"))
-    keys, values = group_values(reader, data, path)
+    keys, values = _group_values(reader, data, path)
     partial = None
     if "partial" in data:
         partial = reader.string(data["partial"], join(path, "partial"))
-    strong = group_strong(reader, data, path, values.shape)
+    strong = _group_strong(reader, data, path, values.shape)
     group = GroupChecksums(block_size, start, keys, values, fingerprint, partial, strong)
     if ("strong" in data) != ("strong_totals" in data):
         given, lacking = (
@@ -233,7 +233,7 @@ def _check_totals(reader: RecordReader, value: object, path: str, sums: np.ndarr
             )
 
 
-def group_strong(
+def _group_strong(
     reader: RecordReader, data: Mapping, path: str, shape: tuple[int, ...]
 ) -> np.ndarray | None:
     """A group's optional ``strong`` rows (docs/checksum.md, "The strong lane"), as a
@@ -272,7 +272,7 @@ def group_strong(
     return strong
 
 
-def group_span(reader: RecordReader, data: Mapping, path: str) -> tuple[int, int]:
+def _group_span(reader: RecordReader, data: Mapping, path: str) -> tuple[int, int]:
     """A group's ``block_size`` (from 1) and ``start`` (from 0), as a record and an output
     folder's checksum line hold them."""
     block_size = reader.integer(data["block_size"], join(path, "block_size"), 1, MAX_BLOCK_SIZE)
@@ -280,7 +280,7 @@ def group_span(reader: RecordReader, data: Mapping, path: str) -> tuple[int, int
     return block_size, start
 
 
-def group_values(
+def _group_values(
     reader: RecordReader, data: Mapping, path: str
 ) -> tuple[list[ReplicaKey], np.ndarray]:
     """A group's ``replica_keys`` and ``values``, as a record and an output folder's
@@ -428,9 +428,9 @@ def _line_group(reader: RecordReader, value: object, path: str, fingerprint: int
     """One group of a checksum line: its span, values and strong rows checked as a
     record's, and its layer sums' labels and size."""
     data = reader.keys(value, path, _LINE_GROUP_KEYS, _LINE_OPTIONAL_GROUP_KEYS)
-    block_size, start = group_span(reader, data, path)
-    keys, values = group_values(reader, data, path)
-    strong = group_strong(reader, data, path, values.shape)
+    block_size, start = _group_span(reader, data, path)
+    keys, values = _group_values(reader, data, path)
+    strong = _group_strong(reader, data, path, values.shape)
     group = GroupChecksums(block_size, start, keys, values, fingerprint, strong=strong)
     if "layer_sums" in data:
         sums_path = join(path, "layer_sums")
