@@ -11,7 +11,7 @@ C loop, and torch; on CUDA Triton), it times, alternating, medians of ``--repeat
 
 - the request's checksums (``Checksummer.checksum``: what a step of the vLLM connector or
   a SGLang hook computes for it), per block;
-- its checksum line (``kvaudit.integrations.output.checksum_line``: what the worker writes
+- its checksum line (``kvaudit.output_folders.checksum_line``: what the worker writes
   once per request), and the line's bytes;
 
 each with layer sums off and on, and the ratios (on / off).
@@ -28,7 +28,7 @@ import torch
 
 from kvaudit.checksum.checksummer import Checksummer, RequestBlocks
 from kvaudit.description import parse_description
-from kvaudit.integrations.output import checksum_line
+from kvaudit.output_folders import checksum_line
 
 HEADS, HEAD_SIZE, BLOCK = 8, 128, 16
 

@@ -3,7 +3,7 @@
 vLLM's offline P/D (two ``LLM`` instances sharing a connector's storage, no proxy) gives
 one prompt's request a different id on each engine (``0-8162a3ba`` on the prefill,
 ``0-a67d174a`` on the decode). Where both sides know their requests' prompt digests
-(``kvaudit.integrations.output.prompt_digest``, which output folders' lines carry), a
+(``kvaudit.output_folders.prompt_digest``, which output folders' lines carry), a
 request held on one side only is paired with the other side's unpaired request of the
 same prompt, and the consumer's request takes the producer's id for the comparison.
 

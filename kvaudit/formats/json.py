@@ -12,8 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..core.scheme import to_hex
-from ..records import RECORD_FORMAT, GroupChecksums, Record, WorkerSummary
-from ..records.layers import facts_to_json
+from ..records.encoding import record_to_json as record_to_json
 
 # The results are only read here: writing a record imports no comparison.
 if TYPE_CHECKING:
@@ -76,73 +75,7 @@ def json_text(value: object, level: int = 0) -> str:
     return flat
 
 
-# Records.
-
-
-def record_to_json(record: Record) -> dict[str, Any]:
-    """The record as ``checksum --format json`` writes it (``Record.from_json`` reads it).
-
-    Args:
-        record: The record written.
-
-    Returns:
-        Plain data for ``json_text``.
-
-    """
-    return {
-        "format": RECORD_FORMAT,
-        "positions": record.positions,
-        "workers": [_worker_to_json(summary) for summary in record.workers],
-        "complete": record.complete,
-        "requests": {
-            request_id: {
-                "num_tokens": int(request.num_tokens),
-                "groups": {
-                    str(gid): _group_to_json(request.groups[gid]) for gid in sorted(request.groups)
-                },
-            }
-            for request_id, request in record.requests.items()
-        },
-    }
-
-
-def _worker_to_json(summary: WorkerSummary) -> dict[str, Any]:
-    """A worker's entry of a record's JSON ``workers``."""
-    worker = summary.worker
-    data: dict[str, Any] = {
-        "source": worker.source,
-        "tp_rank": worker.tp_rank,
-        "tp_size": worker.tp_size,
-        "pp_rank": worker.pp_rank,
-        "pp_size": worker.pp_size,
-        "role": worker.role,
-        "fingerprints": {str(gid): to_hex(fp) for gid, fp in sorted(summary.fingerprints.items())},
-        "not_covered": {str(gid): reason for gid, reason in sorted(summary.not_covered.items())},
-    }
-    if summary.layers:  # where the worker's description is known
-        data["layers"] = facts_to_json(summary.layers)
-    return data
-
-
-def _group_to_json(group: GroupChecksums) -> dict[str, Any]:
-    """A group's entry of a record's JSON: its values and totals as hex, the strong lane's
-    (``strong``, ``strong_totals``) where the record carries it, and why they are partial
-    sums where they are."""
-    entry = {
-        "block_size": int(group.block_size),
-        "start": int(group.start),
-        "fingerprint": to_hex(group.fingerprint),
-        "replica_keys": [[int(replicas), int(index)] for replicas, index in group.replica_keys],
-        "values": [[to_hex(value) for value in row] for row in group.values.tolist()],
-        "totals": [to_hex(value) for value in group.totals().tolist()],
-    }
-    strong_totals = group.strong_totals()
-    if group.strong is not None and strong_totals is not None:
-        entry["strong"] = [[to_hex(value) for value in row] for row in group.strong.tolist()]
-        entry["strong_totals"] = [to_hex(value) for value in strong_totals.tolist()]
-    if group.partial is not None:
-        entry["partial"] = group.partial
-    return entry
+# Records: their one encoder is ``records.encoding`` (re-exported here as ``record_to_json``).
 
 
 # Diff reports.

@@ -1,7 +1,8 @@
 """What the agent sends about its cache, as plain JSON: the requests' block tables, its
-groups for ``inspect``, and a worker's checksums in the record format
-(``kvaudit checksum --format json``, one worker) so that the client reads them with the
-record's strict reader.
+groups for ``inspect``; a worker's checksums go in the record format
+(``kvaudit checksum --format json``, one worker), written by the record's one encoder
+(``kvaudit.records.encoding``) so that the client reads them with the record's strict
+reader.
 """
 
 from __future__ import annotations
@@ -10,11 +11,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from ..core.scheme import to_hex
-from ..core.validation import worker_layout
-from ..records import RECORD_FORMAT, GroupChecksums, RequestChecksums, WorkerRecord
 from ..views import GroupViews, LayerTensor
 from ..views.inputs import RequestBlocks
 
@@ -69,17 +66,6 @@ def object_with_members(
     return pieces
 
 
-def hex_rows(values: np.ndarray) -> list[list[str]]:
-    """Each row of a 2-D array of uint64 as 16 lowercase hex digits per value, as
-    ``to_hex`` writes one (all at once: a request's values, without a call per value)."""
-    rows, width = values.shape
-    if not width:
-        return [[] for _ in range(rows)]
-    digits = np.ascontiguousarray(values, dtype=">u8").tobytes().hex()
-    words = [digits[i : i + 16] for i in range(0, len(digits), 16)]
-    return [words[i : i + width] for i in range(0, len(words), width)]
-
-
 def group_infos(
     groups: Mapping[int, GroupViews], tensors: Mapping[str, LayerTensor]
 ) -> list[dict[str, Any]]:
@@ -109,64 +95,3 @@ def group_infos(
             }
         )
     return result
-
-
-def worker_record_to_json(record: WorkerRecord) -> dict[str, Any]:
-    """One worker's checksums as a record of that worker alone."""
-    return {
-        **worker_record_head(record),
-        "requests": {
-            rid: request_checksums_to_json(request) for rid, request in record.requests.items()
-        },
-    }
-
-
-def worker_record_head(record: WorkerRecord) -> dict[str, Any]:
-    """A worker record's JSON without its ``requests`` (which come last)."""
-    worker = record.worker
-    return {
-        "format": RECORD_FORMAT,
-        "positions": record.positions,
-        "workers": [
-            {
-                "source": worker.source,
-                "tp_rank": worker.tp_rank,
-                "tp_size": worker.tp_size,
-                "pp_rank": worker.pp_rank,
-                "pp_size": worker.pp_size,
-                "role": worker.role,
-                "fingerprints": {
-                    str(gid): to_hex(fp) for gid, fp in sorted(record.fingerprints.items())
-                },
-                "not_covered": {
-                    str(gid): reason for gid, reason in sorted(record.not_covered.items())
-                },
-            }
-        ],
-        "complete": not worker_layout([worker]),
-    }
-
-
-def request_checksums_to_json(request: RequestChecksums) -> dict[str, Any]:
-    """One request of a worker record: its token count and each group's checksums."""
-    return {
-        "num_tokens": int(request.num_tokens),
-        "groups": {str(gid): _group_json(group) for gid, group in sorted(request.groups.items())},
-    }
-
-
-def _group_json(group: GroupChecksums) -> dict[str, Any]:
-    """One group of a worker record's request, the strong lane where it carries it."""
-    entry: dict[str, Any] = {
-        "block_size": int(group.block_size),
-        "start": int(group.start),
-        "fingerprint": to_hex(group.fingerprint),
-        "replica_keys": [[int(n), int(i)] for n, i in group.replica_keys],
-        "values": hex_rows(group.values),
-        "totals": [row[0] for row in hex_rows(group.totals()[:, None])],
-    }
-    strong_totals = group.strong_totals()
-    if group.strong is not None and strong_totals is not None:
-        entry["strong"] = hex_rows(group.strong)
-        entry["strong_totals"] = [row[0] for row in hex_rows(strong_totals[:, None])]
-    return entry

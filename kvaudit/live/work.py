@@ -26,13 +26,12 @@ import numpy as np
 from ..core.errors import KvauditError
 from ..core.validation import MAX_TOKENS, short
 from ..records import GroupChecksums, RequestChecksums
+from ..records.encoding import request_to_json, worker_record_head
 from ..views.inputs import RequestBlocks, block_id_list, plain_requests
 from .messages import (
     json_member,
     listing_entry,
     object_with_members,
-    request_checksums_to_json,
-    worker_record_head,
 )
 from .protocol import request_id_list, token_limits
 from .server import Reply
@@ -278,7 +277,7 @@ class ChecksumJob(Job):
         if batch:
             record = self._summer.checksum(batch, self._positions)
             for rid, checksums in record.requests.items():
-                self._add(json_member(rid, request_checksums_to_json(checksums)))
+                self._add(json_member(rid, request_to_json(checksums)))
 
     def _slice(self, tables: Mapping[str, RequestBlocks], budget: int) -> None:
         """The next slice of the large request; its JSON once its last slice is done."""
@@ -291,7 +290,7 @@ class ChecksumJob(Job):
         self.blocks += large.step(current, budget)
         if large.done:
             self._large = None
-            self._add(json_member(large.rid, request_checksums_to_json(large.result())))
+            self._add(json_member(large.rid, request_to_json(large.result())))
 
 
 class _Slices:

@@ -2,12 +2,13 @@
 
 A ``WorkerRecord`` is what one worker computed; ``Record`` sums the workers of one
 engine (a dump set) and is what ``kvaudit checksum --format json`` writes (docs/cli.md;
-``kvaudit.formats`` writes it, ``Record.from_json`` reads it back).
+``records.encoding`` writes it, ``Record.from_json`` reads it back).
 
 Modules, each using only those above it: ``model`` (the per-request and per-worker
 dataclasses), ``layers`` (a description's layer facts, and what two records' facts
-say differs), ``reading`` (the checks of a record's JSON entries), ``record`` (``Record``),
-``combining`` (``combine_workers``).
+say differs), ``reading`` (the one strict decoder of a record's data shape: a record's
+entries and an output folder's checksum lines), ``record`` (``Record``), ``encoding``
+(the one encoder of the same shapes), ``combining`` (``combine_workers``).
 """
 
 from .combining import combine_workers, layer_sums_sum

@@ -1,13 +1,18 @@
-"""What reads a record's JSON form strictly: typed access whose errors name the source and
-key path, and each worker, request and group entry checked (keys, types, hex values, row
-widths, totals).
+"""The one strict decoder of a record's data shape (``records.encoding`` writes it): typed
+access whose errors name the source and key path, and each worker, request and group entry
+checked (keys, types, hex values, row widths, totals), in a record's shape and in an
+output folder's checksum line's (``request_line_from_json``; the folder's reader adds
+only what the folder itself says: the worker folder a line is in, its earlier lines).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -17,12 +22,22 @@ from ..core.validation import (
     MAX_COUNT,
     MAX_TOKENS,
     MAX_WORKERS,
+    POSITION_NUMBERINGS,
     Checker,
+    Positions,
     check_positions,
     join,
     short,
 )
-from .model import GroupChecksums, RequestChecksums, WorkerInfo, WorkerSummary
+from .model import (
+    PLANES,
+    GroupChecksums,
+    LayerPart,
+    LayerSums,
+    RequestChecksums,
+    WorkerInfo,
+    WorkerSummary,
+)
 
 _HEX = re.compile(r"[0-9a-f]{16}")
 _WORKER_KEYS = (
@@ -36,6 +51,22 @@ _WORKER_KEYS = (
     "not_covered",
 )
 _GROUP_KEYS = ("block_size", "start", "fingerprint", "replica_keys", "values", "totals")
+_LINE_KEYS = (
+    "format",
+    "request",
+    "role",
+    "num_tokens",
+    "positions",
+    "worker",
+    "fingerprints",
+    "not_covered",
+    "groups",
+)
+_LINE_ROLES = ("producer", "consumer")
+_LINE_WORKER_KEYS = ("tp_rank", "tp_size", "pp_rank", "pp_size", "engine")
+_LINE_GROUP_KEYS = ("block_size", "start", "replica_keys", "values")
+_LINE_OPTIONAL_GROUP_KEYS = ("strong", "layer_sums")
+"""The strong lane's rows: lines of the seed engine or an older kvaudit have none."""
 
 
 def item_path(path: str, key: str | int) -> str:
@@ -117,22 +148,30 @@ def worker_from_json(reader: RecordReader, value: object, path: str) -> WorkerSu
         engine=reader.string(data.get("engine", ""), join(path, "engine")),
         source=reader.string(data["source"], join(path, "source")),
     )
-    fp_path = join(path, "fingerprints")
-    fingerprints = {
-        reader.group_id(key, fp_path): reader.hex64(fp, item_path(fp_path, key))
-        for key, fp in reader.obj(data["fingerprints"], fp_path).items()
-    }
-    nc_path = join(path, "not_covered")
-    not_covered = {
-        reader.group_id(key, nc_path): reader.string(reason, item_path(nc_path, key))
-        for key, reason in reader.obj(data["not_covered"], nc_path).items()
-    }
+    fingerprints = fingerprints_from_json(reader, data["fingerprints"], join(path, "fingerprints"))
+    not_covered = not_covered_from_json(reader, data["not_covered"], join(path, "not_covered"))
     layers = {}
     if "layers" in data:  # optional: records written before layer facts were kept lack it
         from .layers import facts_from_json
 
         layers = facts_from_json(reader, data["layers"], join(path, "layers"))
     return WorkerSummary(info, fingerprints, not_covered, layers)
+
+
+def fingerprints_from_json(reader: RecordReader, value: object, path: str) -> dict[int, int]:
+    """A worker's (or a checksum line's) ``fingerprints``: group id to 16 hex digits."""
+    return {
+        reader.group_id(key, path): reader.hex64(fp, item_path(path, key))
+        for key, fp in reader.obj(value, path).items()
+    }
+
+
+def not_covered_from_json(reader: RecordReader, value: object, path: str) -> dict[int, str]:
+    """A worker's (or a checksum line's) ``not_covered``: group id to why."""
+    return {
+        reader.group_id(key, path): reader.string(reason, item_path(path, key))
+        for key, reason in reader.obj(value, path).items()
+    }
 
 
 def request_from_json(reader: RecordReader, value: object, path: str) -> RequestChecksums:
@@ -156,13 +195,13 @@ def _group_from_json(reader: RecordReader, value: object, path: str) -> GroupChe
     """One group of a request, validated: unique replica keys, rows one value per key,
     totals that are the sums of the replica-0 values."""
     data = reader.keys(value, path, _GROUP_KEYS, ("partial", "strong", "strong_totals"))
-    block_size, start = group_span(reader, data, path)
+    block_size, start = _group_span(reader, data, path)
     fingerprint = reader.hex64(data["fingerprint"], join(path, "fingerprint"))
-    keys, values = group_values(reader, data, path)
+    keys, values = _group_values(reader, data, path)
     partial = None
     if "partial" in data:
         partial = reader.string(data["partial"], join(path, "partial"))
-    strong = group_strong(reader, data, path, values.shape)
+    strong = _group_strong(reader, data, path, values.shape)
     group = GroupChecksums(block_size, start, keys, values, fingerprint, partial, strong)
     if ("strong" in data) != ("strong_totals" in data):
         given, lacking = (
@@ -194,7 +233,7 @@ def _check_totals(reader: RecordReader, value: object, path: str, sums: np.ndarr
             )
 
 
-def group_strong(
+def _group_strong(
     reader: RecordReader, data: Mapping, path: str, shape: tuple[int, ...]
 ) -> np.ndarray | None:
     """A group's optional ``strong`` rows (docs/checksum.md, "The strong lane"), as a
@@ -233,7 +272,7 @@ def group_strong(
     return strong
 
 
-def group_span(reader: RecordReader, data: Mapping, path: str) -> tuple[int, int]:
+def _group_span(reader: RecordReader, data: Mapping, path: str) -> tuple[int, int]:
     """A group's ``block_size`` (from 1) and ``start`` (from 0), as a record and an output
     folder's checksum line hold them."""
     block_size = reader.integer(data["block_size"], join(path, "block_size"), 1, MAX_BLOCK_SIZE)
@@ -241,7 +280,7 @@ def group_span(reader: RecordReader, data: Mapping, path: str) -> tuple[int, int
     return block_size, start
 
 
-def group_values(
+def _group_values(
     reader: RecordReader, data: Mapping, path: str
 ) -> tuple[list[ReplicaKey], np.ndarray]:
     """A group's ``replica_keys`` and ``values``, as a record and an output folder's
@@ -276,3 +315,169 @@ def group_values(
             )
         values[i] = [reader.hex64(item, item_path(row_path, k)) for k, item in enumerate(row)]
     return keys, values
+
+
+# An output folder's checksum lines: one request of one worker's record each.
+
+
+@dataclass
+class RequestLine:
+    """One checksum line of an output folder, decoded: one request's checksums of one
+    worker (its ranks, sizes and engine in ``worker``, whose ``source`` is empty), with
+    the worker's fingerprints and uncovered groups, and the request's prompt digest where
+    the line gives one."""
+
+    format: str
+    request: str
+    role: str
+    num_tokens: int
+    positions: Positions
+    worker: WorkerInfo
+    fingerprints: dict[int, int]
+    not_covered: dict[int, str]
+    groups: dict[int, GroupChecksums]
+    prompt: str | None = None
+
+
+def request_line_from_json(
+    reader: RecordReader, value: object, formats: Sequence[str]
+) -> RequestLine:
+    """A checksum line, every key checked as a record's are: the format, the role, the
+    position numbering, the worker's ranks and sizes, counts and ranges, each group's
+    keys, values, strong rows and layer sums, its fingerprint among the line's, and its
+    positions against the tokens.
+
+    Args:
+        reader: The reader naming the file and line in its errors.
+        value: The line's parsed JSON.
+        formats: The format tags accepted (the first is named in errors).
+
+    Returns:
+        The decoded line.
+
+    Raises:
+        KvauditError: A key missing, unknown, of the wrong type or out of range, or a
+            group whose fingerprint the line lacks.
+
+    """
+    line = reader.keys(value, "", _LINE_KEYS, ("prompt",))
+    if line["format"] not in formats:
+        reader.fail("format", f"expected {formats[0]!r}, {reader.got(line['format'])}")
+    request = reader.string(line["request"], "request")
+    role = line["role"]
+    if role not in _LINE_ROLES:
+        reader.fail("role", f"expected producer or consumer, {reader.got(role)}")
+    num_tokens = reader.integer(line["num_tokens"], "num_tokens", 0, MAX_TOKENS)
+    positions = line["positions"]
+    if positions not in POSITION_NUMBERINGS:
+        reader.fail(
+            "positions",
+            f"expected one of {', '.join(POSITION_NUMBERINGS)}, {reader.got(positions)}",
+        )
+    worker = _line_worker(reader, line["worker"], role)
+    fingerprints = fingerprints_from_json(reader, line["fingerprints"], "fingerprints")
+    not_covered = not_covered_from_json(reader, line["not_covered"], "not_covered")
+    groups: dict[int, GroupChecksums] = {}
+    for key, item in reader.obj(line["groups"], "groups").items():
+        gid = reader.group_id(key, "groups")
+        path = item_path("groups", key)
+        if gid not in fingerprints:
+            reader.fail(path, f"the line's fingerprints lack group {gid}")
+        group = _line_group(reader, item, path, fingerprints[gid])
+        check_positions(reader.source, path, num_tokens, group.block_size, group.start, group.count)
+        groups[gid] = group
+    prompt = None
+    if "prompt" in line:
+        reader.hex64(line["prompt"], "prompt")
+        prompt = str(line["prompt"])
+    return RequestLine(
+        line["format"],
+        request,
+        role,
+        num_tokens,
+        positions,
+        worker,
+        fingerprints,
+        not_covered,
+        groups,
+        prompt,
+    )
+
+
+def _line_worker(reader: RecordReader, value: object, role: str) -> WorkerInfo:
+    """A line's ``worker``: sizes from 1 to ``MAX_WORKERS`` (their product too), ranks
+    below them, and the engine."""
+    data = reader.keys(value, "worker", _LINE_WORKER_KEYS)
+    tp_size = reader.integer(data["tp_size"], "worker.tp_size", 1, MAX_WORKERS)
+    pp_size = reader.integer(data["pp_size"], "worker.pp_size", 1, MAX_WORKERS)
+    tp_rank = reader.integer(data["tp_rank"], "worker.tp_rank", 0, MAX_WORKERS)
+    pp_rank = reader.integer(data["pp_rank"], "worker.pp_rank", 0, MAX_WORKERS)
+    engine = reader.string(data["engine"], "worker.engine")
+    if tp_size * pp_size > MAX_WORKERS:
+        reader.fail(
+            "worker",
+            f"tp_size {tp_size} x pp_size {pp_size} is more than the {MAX_WORKERS} workers "
+            "kvaudit reads",
+        )
+    reader.rank(tp_rank, tp_size, "worker.tp_rank")
+    reader.rank(pp_rank, pp_size, "worker.pp_rank")
+    return WorkerInfo(tp_rank, tp_size, pp_rank, pp_size, reader.role(role, "role"), engine)
+
+
+def _line_group(reader: RecordReader, value: object, path: str, fingerprint: int) -> GroupChecksums:
+    """One group of a checksum line: its span, values and strong rows checked as a
+    record's, and its layer sums' labels and size."""
+    data = reader.keys(value, path, _LINE_GROUP_KEYS, _LINE_OPTIONAL_GROUP_KEYS)
+    block_size, start = _group_span(reader, data, path)
+    keys, values = _group_values(reader, data, path)
+    strong = _group_strong(reader, data, path, values.shape)
+    group = GroupChecksums(block_size, start, keys, values, fingerprint, strong=strong)
+    if "layer_sums" in data:
+        sums_path = join(path, "layer_sums")
+        group.layer_sums = layer_sums_from_json(reader, data["layer_sums"], sums_path, group.count)
+    return group
+
+
+def layer_sums_from_json(reader: RecordReader, value: object, path: str, count: int) -> LayerSums:
+    """A group's ``layer_sums``: distinct ``[layer, plane]`` labels and base64 of
+    ``count`` rows of one little-endian uint64 per label.
+
+    Args:
+        reader: The reader naming the source and key path in its errors.
+        value: The parsed ``layer_sums`` object.
+        path: Its key path.
+        count: The group's positions.
+
+    Returns:
+        The layer sums.
+
+    Raises:
+        KvauditError: A key missing or unknown, a label that is not ``[layer, plane]`` or
+            is listed twice, text that is not base64 or not ``count`` rows of sums.
+
+    """
+    data = reader.keys(value, path, ("parts", "sums"))
+    parts_path = join(path, "parts")
+    parts: list[LayerPart] = []
+    for i, item in enumerate(reader.array(data["parts"], parts_path)):
+        item_at = item_path(parts_path, i)
+        pair = reader.array(item, item_at)
+        if len(pair) != 2 or pair[1] not in PLANES:
+            planes = ", ".join(PLANES)
+            reader.fail(item_at, f"expected [layer, one of {planes}], {reader.got(item)}")
+        parts.append((reader.integer(pair[0], item_path(item_at, 0)), pair[1]))
+    if len(set(parts)) != len(parts):
+        reader.fail(parts_path, "a [layer, plane] is listed twice")
+    sums_path = join(path, "sums")
+    try:
+        raw = base64.b64decode(reader.string(data["sums"], sums_path), validate=True)
+    except binascii.Error as error:
+        reader.fail(sums_path, f"not base64 ({error})")
+    expected = count * len(parts) * 8
+    if len(raw) != expected:
+        reader.fail(
+            sums_path,
+            f"{len(raw)} bytes, expected {expected} ({count} positions x {len(parts)} parts x 8)",
+        )
+    values = np.frombuffer(raw, dtype="<u8").astype(np.uint64).reshape(count, len(parts))
+    return LayerSums(parts, values)

@@ -1,5 +1,5 @@
 """``Record``: one engine's checksums, summed over its workers, as ``kvaudit checksum
---format json`` writes them (``kvaudit.formats``) and ``Record.from_json`` reads them back.
+--format json`` writes them (``records.encoding``) and ``Record.from_json`` reads them back.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class Record:
         """A record read back from its JSON form, validated strictly.
 
         Args:
-            data: The parsed JSON, as ``kvaudit.formats.record_to_json`` makes it.
+            data: The parsed JSON, as ``records.encoding.record_to_json`` makes it.
             source: What names the record in errors (its file).
 
         Returns:

@@ -149,7 +149,7 @@ class Source(ABC):
         return None
 
     def prompt_digests(self) -> Mapping[str, str] | None:
-        """Each request's prompt digest (``kvaudit.integrations.output.prompt_digest``)
+        """Each request's prompt digest (``kvaudit.output_folders.prompt_digest``)
         where the source knows it, in order of appearance; None when it knows none."""
         return None
 

@@ -1,5 +1,5 @@
 """Output folders of kvaudit's in-engine audits (the vLLM connector, the SGLang hooks) as
-sources: the checksums the engine's workers appended (``kvaudit.integrations.output``), as
+sources: the checksums the engine's workers appended (``kvaudit.output_folders``), as
 one record, with the dumps the folder holds (``OUTPUT/dumps/{request}/``) for locating
 the differences of the requests dumped, and each request's prompt digest for pairing
 requests two engines name differently. A folder stands alone among a command's SOURCE
@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 from ..core.errors import KvauditError
-from ..integrations.output import OutputFolder, read_output
+from ..output_folders import OutputFolder, read_output
 from ..records import Record
 from .raw import RawWorker
 from .record_source import RecordSource

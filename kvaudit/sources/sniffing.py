@@ -130,9 +130,9 @@ def is_output_folder(name: str) -> bool:
     holds a marker (whatever the marker holds: its reader says what is wrong with it)."""
     if not os.path.isdir(name):  # a dump file, the usual argument, needs no more
         return False
-    from ..integrations.output.layout import LEGACY_MARKER, MARKER
+    from ..output_folders.layout import is_output_folder as marked
 
-    return any(os.path.lexists(os.path.join(name, marker)) for marker in (MARKER, LEGACY_MARKER))
+    return marked(name)
 
 
 def is_example_connector(folder: str) -> bool:

@@ -1,5 +1,5 @@
 """Output folders written by kvaudit's own writers, as an engine's workers write them
-(``kvaudit.integrations.output``: the description, the marker, checksum lines; dumps by
+(``kvaudit.output_folders``: the description, the marker, checksum lines; dumps by
 ``kvaudit.dumps.write_dump`` at ``output.dump_path``), from engines of known KV: what the
 output-folder, source and command-line tests share. A byte may be flipped in a worker's
 cache before it is checksummed and dumped, at a place the test knows (``Flip``).
@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 
 from helpers import kvbuild as kb
+from kvaudit import output_folders as output
 from kvaudit.checksum.checksummer import Checksummer, RequestBlocks
 from kvaudit.description import parse_description
 from kvaudit.dumps import write_dump
-from kvaudit.integrations import output
 from kvaudit.records import WorkerInfo
 
 LAYERS = tuple(f"model.layers.{i}.self_attn.attn" for i in range(2))

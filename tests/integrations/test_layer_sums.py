@@ -19,7 +19,7 @@ from helpers.output_folders import BLOCK, HEADS, LAYERS, TOKENS, Flip, write_fol
 from kvaudit.checksum.checksummer import Checksummer, RequestBlocks
 from kvaudit.cli import main
 from kvaudit.description import parse_description
-from kvaudit.integrations.output import read_output
+from kvaudit.output_folders import read_output
 
 MASK = (1 << 64) - 1
 H = 65536

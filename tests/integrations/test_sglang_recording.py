@@ -16,12 +16,12 @@ from kvaudit.checksum.checksummer import Checksummer, RequestBlocks
 from kvaudit.core.errors import KvauditError
 from kvaudit.description import parse_description
 from kvaudit.dumps import open_dump
-from kvaudit.integrations.output import read_output_folder
 from kvaudit.integrations.sglang.recording import (
     InlineSettings,
     Recorder,
     settings_from_environment,
 )
+from kvaudit.output_folders import read_output_folder
 from kvaudit.records import WorkerInfo
 
 MODEL = kb.Model(

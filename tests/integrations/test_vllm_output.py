@@ -17,11 +17,11 @@ from kvaudit.checksum.checksummer import Checksummer, RequestBlocks
 from kvaudit.cli import main
 from kvaudit.core.errors import KvauditError
 from kvaudit.description import parse_description
-from kvaudit.integrations.output import read_output_folder
 from kvaudit.integrations.vllm.config import AuditConfig, parse_config
 from kvaudit.integrations.vllm.jobs import AuditJob, AuditStep
 from kvaudit.integrations.vllm.scheduler import SchedulerAudit
 from kvaudit.integrations.vllm.worker import WorkerAudit
+from kvaudit.output_folders import read_output_folder
 from kvaudit.records import WorkerInfo
 
 MODEL = kb.Model(

@@ -26,7 +26,8 @@ from kvaudit import Checksummer, RequestBlocks
 from kvaudit.core.errors import KvauditError
 from kvaudit.description import parse_description
 from kvaudit.live import Agent, call
-from kvaudit.live.messages import listing_to_json, worker_record_to_json
+from kvaudit.live.messages import listing_to_json
+from kvaudit.records.encoding import worker_record_to_json
 from kvaudit.views.inputs import plain_requests
 
 BLOCK, HEADS, HEAD_SIZE = 16, 2, 64
@@ -320,3 +321,28 @@ def test_hello_needs_no_safe_point(folder: str) -> None:
 def test_a_share_or_time_that_is_not_positive_is_refused(folder: str, value: object) -> None:
     with pytest.raises(KvauditError, match="poll_share: expected a positive number"):
         Engine(4, {}, folder, poll_share=value)
+
+
+def test_the_replys_record_is_the_record_codecs_bytes(folder: str) -> None:
+    """The record the agent sends, assembled piece by piece, is byte for byte the compact
+    JSON of the record codec's encoding of the same checksums (``records.encoding``)."""
+    requests = {f"r{i}": blocks_of(2 * i, 2) for i in range(3)}
+    engine = Engine(20, requests, folder, poll_share=0.5)
+    with engine.agent:
+        client = engine.ask({"op": "checksum", "requests": ["r2", "r0", "r1"]})
+        engine.arrived(1)
+        assert any(engine.poll(100 * TICK) for _ in range(50))
+        data = b""
+        while chunk := client.recv(1 << 20):
+            data += chunk
+        client.close()
+    size, _ = struct.unpack(">IQ", data[:12])
+    text = data[12 : 12 + size]
+    reply = json.loads(text)
+    named = {rid: requests[rid] for rid in ("r2", "r0", "r1")}
+    summer = Checksummer(
+        engine.description, {LAYER: engine.tensor}, role="consumer", source=engine.agent.path
+    )
+    expected = {"ok": True, "polls": reply["polls"], "record": worker_record_to_json(
+        summer.checksum(named, "request"))}  # fmt: skip
+    assert text == json.dumps(expected, separators=(",", ":"), allow_nan=False).encode()

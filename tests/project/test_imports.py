@@ -27,6 +27,7 @@ LAYERS: list[list[str]] = [
     ["records"],
     ["checksum.checksummer"],
     ["dumps"],
+    ["output_folders"],
     ["integrations", "live"],
     ["sources.base", "sources.raw", "sources.inventory"],
     ["checksum.dump_batches", "checksum.dump_staging", "checksum.dump_set", "checksum"],

@@ -24,9 +24,9 @@ from kvaudit.compare import compare_records
 from kvaudit.core.errors import WireFormatError
 from kvaudit.core.scheme import STRONG_PRIME, to_hex
 from kvaudit.formats import json_text, record_to_json
-from kvaudit.integrations.output import read_output
-from kvaudit.live.messages import worker_record_to_json
+from kvaudit.output_folders import read_output
 from kvaudit.records import Record
+from kvaudit.records.encoding import worker_record_to_json
 from kvaudit.records.wire import WireChecksums, decode_wire, encode_wire
 
 SEED_NOTE = "compared by the seed lane only"

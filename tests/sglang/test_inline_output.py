@@ -30,8 +30,8 @@ from pd_world import (
 
 from kvaudit.cli import main
 from kvaudit.core.errors import KvauditError
-from kvaudit.integrations.output import read_output_folder
 from kvaudit.integrations.sglang import inline, plugin
+from kvaudit.output_folders import read_output_folder
 
 SENT = ("req-ok", "req-bad", "req-prefix")  # sent with kvaudit's hooks installed
 

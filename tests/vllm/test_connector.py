@@ -25,7 +25,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvaudit import RequestBlocks
 from kvaudit.description import load_description
-from kvaudit.integrations.output import read_output_folder
+from kvaudit.output_folders import read_output_folder
 from kvaudit.records.wire import (
     WireChecksums,
     WireGroup,

@@ -17,7 +17,7 @@ import pytest
 from expected import cells
 from helpers import reference as ref
 
-from kvaudit.integrations.output import read_output_folder
+from kvaudit.output_folders import read_output_folder
 from kvaudit.records.wire import decode_wire_base64
 
 PROMPT = r.prompt(100, 80)  # five 16-token blocks; the window (32) covers positions 3-4

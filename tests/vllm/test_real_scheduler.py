@@ -22,8 +22,8 @@ import torch
 from expected import totals
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
-from kvaudit.integrations.output import read_output_folder
 from kvaudit.integrations.vllm import plugin
+from kvaudit.output_folders import read_output_folder
 from kvaudit.records.wire import decode_wire_base64
 
 ROOT = Path(__file__).parent.parent.parent

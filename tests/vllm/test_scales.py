@@ -28,7 +28,7 @@ import kvaudit.integrations.vllm.connector as connector_module
 from kvaudit import RequestBlocks
 from kvaudit.description import load_description
 from kvaudit.dumps import write_dump
-from kvaudit.integrations.output import read_output_folder
+from kvaudit.output_folders import read_output_folder
 from kvaudit.records import WorkerInfo
 
 HEADS, HEAD_SIZE, BLOCKS = 4, 16, 8

@@ -1,7 +1,7 @@
 """What kvaudit's SGLang hooks write to disk: their settings (environment variables, since
 SGLang's plug-ins take no arguments; the switches' names too) and, per scheduler process,
 the output folder's description, checksum lines and bounded dumps
-(``kvaudit.integrations.output``; docs/sglang.md, "The output folder").
+(``kvaudit.output_folders``; docs/sglang.md, "The output folder").
 
 A prefill writes each sent request's per-block checksums and, with rotating dumps, a dump
 of its blocks (the latest within the budget kept); a decode writes each checked request's
@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ... import output_folders as output
 from ...core.errors import KvauditError
 from ...description import CacheDescription
 from ...dumps import write_dump
 from ...dumps.writing import dump_bytes
 from ...records import WorkerInfo, WorkerRecord
 from ...views.inputs import RequestBlocks
-from .. import output
 
 if TYPE_CHECKING:
     from .describe import LayerCaches

@@ -3,7 +3,7 @@ a producer sends and a consumer receives (docs/vllm.md).
 
 Loaded by vLLM as ``"kv_connector": "KVAuditConnector", "kv_connector_module_path":
 "kvaudit.integrations.vllm"``. The connector classes import vLLM when first asked for, so
-that the output-folder reader (``kvaudit.integrations.output``) works without it.
+that the output-folder reader (``kvaudit.output_folders``) works without it.
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 
 from ...core.errors import KvauditError
+from ...output_folders import prompt_digest
 from ...records import RequestChecksums, WorkerRecord, combine_workers
 from ...records.wire import decode_wire, decode_wire_base64, encode_wire_base64
-from ..output import prompt_digest
 from .checks import (
     SEED_ONLY,
     AuditCounters,

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ... import output_folders as output
 from ...checksum.checksummer import Checksummer, RequestBlocks
 from ...core.errors import KvauditError
 from ...description import CacheDescription
@@ -23,7 +24,6 @@ from ...dumps.writing import dump_bytes
 from ...live import Agent
 from ...records import WorkerInfo
 from ...views import LayerTensor
-from .. import output
 from .config import AuditConfig
 from .jobs import CONSUMER, PRODUCER, AuditJob, AuditStep, WorkerPartials
 

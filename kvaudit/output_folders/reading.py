@@ -1,5 +1,6 @@
-"""Reading an output folder back as one record, as strictly as a record file; a torn
-line skipped and counted."""
+"""Reading an output folder back as one record: each line decoded by the record's strict
+decoder (``records.reading``), as strictly as a record file; a torn line skipped and
+counted."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...core.errors import KvauditError
-from ...core.files import check_input
-from ...core.validation import (
+from ..core.errors import KvauditError
+from ..core.files import check_input
+from ..core.validation import (
     MAX_DEPTH,
     DuplicateKeyError,
     check_plain,
@@ -22,8 +23,8 @@ from ...core.validation import (
     short_text,
     unique_keys,
 )
-from ...records import Record, WorkerRecord, combine_workers
-from ...records.reading import RecordReader
+from ..records import Record, WorkerRecord, combine_workers
+from ..records.reading import RecordReader
 from .layout import (
     CHECKSUMS,
     DESCRIPTION,
@@ -238,9 +239,9 @@ def _read_worker(
                 torn.append(place)
                 continue
             line = check_line(RecordReader(place), data, ranks, record)
-            prompt = line.get("prompt")
+            prompt = line.prompt
             if prompt is not None:
-                request = line["request"]
+                request = line.request
                 seen = prompts.setdefault(request, prompt)
                 if seen != prompt:
                     raise KvauditError(
@@ -249,15 +250,15 @@ def _read_worker(
                         place,
                     )
                 where.setdefault(request, place)
-            if role is not None and line["role"] != role:
+            if role is not None and line.role != role:
                 continue
             record = merge_line(record, line, source)
     described = worker / DESCRIPTION
     if record is not None and described.exists():
         # The worker's description (written before its first line): its layers' facts,
         # scales included, which the checksum lines do not repeat.
-        from ...description import load_description
-        from ...records.layers import layer_facts
+        from ..description import load_description
+        from ..records.layers import layer_facts
 
         record.layers = layer_facts(load_description(described))
     return record

@@ -11,16 +11,18 @@ Layout (docs/vllm.md, docs/sglang.md)::
     OUTPUT/workers/pp{P}-tp{T}/checksums.{N}.jsonl   the same, rotated (N = 1 the newest)
     OUTPUT/dumps/{request}/pp{P}-tp{T}.safetensors   a dump set per dumped request
 
-This package imports no engine: ``kvaudit`` reads the folder anywhere (``read_output``,
-as strictly as a record file; a torn line skipped and counted). Folders written before
+This package imports no engine and no integration: ``kvaudit``'s sources read the folder
+anywhere (``read_output``: each line decoded by the record's strict decoder,
+``records.reading``; a torn line skipped and counted), and the lines are encoded by the
+record's encoder (``records.encoding``). Folders written before
 the format was shared (marked ``kvaudit-vllm.json``, lines ``kvaudit.vllm-checksums/1``)
 are read as well.
 
 Its modules, one job each: ``layout`` (the folder's names), ``writing`` (the marker,
 descriptions and checksum lines, rotated), ``budget`` (``DumpBudget``), ``reading`` (the
-folder read back, torn lines skipped) and ``lines`` (one line checked and merged). The
-modules import one another, never this package (which imports them all): the names
-below are theirs.
+folder read back, torn lines skipped) and ``lines`` (one line decoded, checked against its
+folder and merged). The modules import one another, never this package (which imports
+them all): the names below are theirs.
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ import torch
 from click.testing import CliRunner
 from helpers.output_folders import LAYERS, TOKENS, Flip, token_ids, write_folder
 
+from kvaudit import output_folders as output
 from kvaudit.cli import main
-from kvaudit.integrations import output
-from kvaudit.integrations.output import read_output
+from kvaudit.output_folders import read_output
 
 FLIP = Flip("r1", LAYERS[1], head=3, token=21, byte=5)
 

@@ -4,7 +4,6 @@ appended to the worker's file, which is rotated past a size."""
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import hashlib
 import json
@@ -16,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from ...core.files import atomic_path
-from ...core.scheme import to_hex
-from ...records import GroupChecksums, LayerSums, RequestChecksums, WorkerInfo, WorkerRecord
+from ..core.files import atomic_path
+from ..records import RequestChecksums, WorkerInfo, WorkerRecord
+from ..records.encoding import request_line_to_json
 from .layout import (
     CHECKSUMS,
     DESCRIPTION,
@@ -96,7 +95,8 @@ def checksum_line(
     role: str,
     prompt: str | None = None,
 ) -> str:
-    """One request's checksums of a worker's record, as one JSON line under ``request``.
+    """One request's checksums of a worker's record, as one JSON line under ``request``
+    (the record's encoder, ``records.encoding``, gives its data).
 
     Args:
         record: The worker's record (its ranks, numbering, fingerprints).
@@ -110,63 +110,8 @@ def checksum_line(
         The line, without a newline (ASCII: JSON escapes the rest).
 
     """
-    worker = record.worker
-    groups = {str(gid): _group_entry(group) for gid, group in sorted(checksums.groups.items())}
-    line: dict[str, Any] = {
-        "format": LINE_FORMAT,
-        "request": request,
-        "role": role,
-        "num_tokens": checksums.num_tokens,
-        "positions": record.positions,
-        "worker": {
-            "tp_rank": worker.tp_rank,
-            "tp_size": worker.tp_size,
-            "pp_rank": worker.pp_rank,
-            "pp_size": worker.pp_size,
-            "engine": worker.engine,
-        },
-        "fingerprints": {str(g): to_hex(f) for g, f in sorted(record.fingerprints.items())},
-        "not_covered": {str(g): r for g, r in sorted(record.not_covered.items())},
-        "groups": groups,
-    }
-    if prompt is not None:
-        line["prompt"] = prompt
-    return json.dumps(line, separators=(",", ":"))
-
-
-def layer_sums_entry(sums: LayerSums) -> dict[str, Any]:
-    """A group's layer sums as a checksum line holds them: the labels, and the values as
-    base64 of little-endian uint64, row by row (a third of hex strings' bytes, and no
-    Python loop over the values in the engine's thread).
-
-    Args:
-        sums: The layer sums (``[positions, parts]``).
-
-    Returns:
-        ``{"parts": [[layer, plane], ...], "sums": base64}``.
-
-    """
-    data = np.ascontiguousarray(sums.values, dtype="<u8").tobytes()
-    return {
-        "parts": [[number, plane] for number, plane in sums.parts],
-        "sums": base64.b64encode(data).decode("ascii"),
-    }
-
-
-def _group_entry(group: GroupChecksums) -> dict[str, Any]:
-    """One group of a checksum line: its values, the strong lane's and the layer sums
-    where it has them."""
-    entry: dict[str, Any] = {
-        "block_size": group.block_size,
-        "start": group.start,
-        "replica_keys": [list(key) for key in group.replica_keys],
-        "values": [[to_hex(v) for v in row] for row in group.values.tolist()],
-    }
-    if group.strong is not None:
-        entry["strong"] = [[to_hex(v) for v in row] for row in group.strong.tolist()]
-    if group.layer_sums is not None:
-        entry["layer_sums"] = layer_sums_entry(group.layer_sums)
-    return entry
+    data = request_line_to_json(LINE_FORMAT, record, checksums, request, role, prompt)
+    return json.dumps(data, separators=(",", ":"))
 
 
 def append_checksums(

@@ -1,4 +1,4 @@
-"""Output folders read as strictly as record files (``kvaudit.integrations.output``):
+"""Output folders read as strictly as record files (``kvaudit.output_folders``):
 every bad line, marker or file is one line naming the file and line with exit status 2,
 never a traceback, a hang or exit 3; a torn line (a write cut short by a crash or a full
 disk) is skipped with a warning and the rest of the folder read; the writer starts a new
@@ -23,10 +23,10 @@ from helpers import kvbuild as kb
 from helpers import reference as ref
 from helpers.output_folders import MODEL, TOKENS, write_folder
 
+from kvaudit import output_folders as output
 from kvaudit.cli import main
 from kvaudit.core.errors import KvauditError
-from kvaudit.integrations import output
-from kvaudit.integrations.output import read_output
+from kvaudit.output_folders import read_output
 from kvaudit.records import WorkerInfo
 
 WORKER = WorkerInfo(0, 1, 0, 1, "producer", "test producer")
