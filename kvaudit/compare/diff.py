@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from ..core.errors import KvauditError
 from ..locate import locate_differences
 from ..sources import Source
-from ..sources.raw import FetchingWorker, RawWorker, fetched, fetches
+from ..workers import FetchingWorker, RawWorker, fetched, fetches
 from .model import DiffReport
 from .options import DEFAULT_OPTIONS, CompareOptions
 from .pairing import pair_by_prompt

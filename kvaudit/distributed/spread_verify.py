@@ -17,7 +17,8 @@ from ..compare import (
 )
 from ..compare.options import DEFAULT_OPTIONS, CompareOptions
 from ..records.wire import WireChecksums
-from ..sources import Progress, Runtime, Source
+from ..sources import Runtime, Source
+from ..workers import Progress
 from .spread_source import SpreadSource
 
 
