@@ -10,37 +10,32 @@ say differs), ``reading`` (the checks of a record's JSON entries), ``record`` (`
 ``combining`` (``combine_workers``).
 """
 
-from .combining import combine_workers, layer_sums_sum
-from .model import (
-    PLANES,
-    RECORD_FORMAT,
-    GroupChecksums,
-    LayerFacts,
-    LayerPart,
-    LayerSums,
-    RequestChecksums,
-    WorkerInfo,
-    WorkerRecord,
-    WorkerSummary,
-    replica_zero_totals,
-    strong_replica_zero_totals,
-)
-from .record import Record
+from __future__ import annotations
 
-__all__ = [
-    "PLANES",
-    "RECORD_FORMAT",
-    "GroupChecksums",
-    "LayerFacts",
-    "LayerPart",
-    "LayerSums",
-    "Record",
-    "RequestChecksums",
-    "WorkerInfo",
-    "WorkerRecord",
-    "WorkerSummary",
-    "combine_workers",
-    "layer_sums_sum",
-    "replica_zero_totals",
-    "strong_replica_zero_totals",
-]
+from ..core.lazy import lazy_exports
+
+_EXPORTS = {
+    **dict.fromkeys(("combine_workers", "layer_sums_sum"), ".combining"),
+    **dict.fromkeys(
+        (
+            "PLANES",
+            "RECORD_FORMAT",
+            "GroupChecksums",
+            "LayerFacts",
+            "LayerPart",
+            "LayerSums",
+            "RequestChecksums",
+            "WorkerInfo",
+            "WorkerRecord",
+            "WorkerSummary",
+            "replica_zero_totals",
+            "strong_replica_zero_totals",
+        ),
+        ".model",
+    ),
+    "Record": ".record",
+}
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)
+
+__all__ = sorted(_EXPORTS)
