@@ -12,10 +12,8 @@ from __future__ import annotations
 from ..core.lazy import lazy_exports
 
 _EXPORTS = {
-    "BATCH_BYTES": ".dump_set",
     "Checksummer": ".checksummer",
-    "checksum_dump_set": ".dump_set",
-    "total_bytes": ".dump_set",
+    **dict.fromkeys(("BATCH_BYTES", "checksum_dump_set", "total_bytes"), ".dump_set"),
 }
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)

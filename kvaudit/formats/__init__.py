@@ -9,6 +9,7 @@ from ..core.lazy import lazy_exports
 # Each format's module is imported when first asked for: `checksum --format json` imports
 # neither CSV nor XML.
 _EXPORTS = {
+    "diff_junit": ".junit",
     **dict.fromkeys(("CSV_HEADER", "record_csv", "record_csv_rows"), ".csv"),
     **dict.fromkeys(
         (
@@ -23,7 +24,6 @@ _EXPORTS = {
         ),
         ".json",
     ),
-    "diff_junit": ".junit",
 }
 __getattr__ = lazy_exports(__name__, _EXPORTS)
 

@@ -12,11 +12,8 @@ from __future__ import annotations
 from ..core.lazy import lazy_exports
 
 _EXPORTS = {
-    "Agent": ".agent",
-    "BlockTables": ".agent",
-    "socket_path": ".agent",
-    "call": ".client",
-    "sockets_of": ".client",
+    **dict.fromkeys(("Agent", "BlockTables", "socket_path"), ".agent"),
+    **dict.fromkeys(("call", "sockets_of"), ".client"),
 }
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)

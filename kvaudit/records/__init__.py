@@ -15,6 +15,7 @@ from __future__ import annotations
 from ..core.lazy import lazy_exports
 
 _EXPORTS = {
+    "Record": ".record",
     **dict.fromkeys(("combine_workers", "layer_sums_sum"), ".combining"),
     **dict.fromkeys(
         (
@@ -33,7 +34,6 @@ _EXPORTS = {
         ),
         ".model",
     ),
-    "Record": ".record",
 }
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)

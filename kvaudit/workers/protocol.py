@@ -35,17 +35,12 @@ class Listing(Protocol):
     groups: Mapping[int, tuple[int, Sequence[int]]]
 
 
-class RawWorker(Protocol):
-    """One worker's raw KV: ``num_rows`` block rows of every layer tensor of its
-    description, the requests it lists (engine block ids) and where each block's row is.
-
-    Implementations are dataclasses with a ``requests`` field (a source trims requests by
-    replacing it).
-    """
+class KnownWorker(Protocol):
+    """What every worker says of itself, whether its raw KV is at hand or fetched."""
 
     @property
     def name(self) -> str:
-        """The worker in messages: a dump's path, a live handle."""
+        """The worker in messages: a dump's path, a live handle, an agent's socket."""
 
     @property
     def worker(self) -> WorkerInfo:
@@ -53,7 +48,16 @@ class RawWorker(Protocol):
 
     @property
     def description(self) -> CacheDescription:
-        """The cache its tensors hold."""
+        """The cache it holds."""
+
+
+class RawWorker(KnownWorker, Protocol):
+    """One worker's raw KV: ``num_rows`` block rows of every layer tensor of its
+    description, the requests it lists (engine block ids) and where each block's row is.
+
+    Implementations are dataclasses with a ``requests`` field (a source trims requests by
+    replacing it).
+    """
 
     @property
     def tensors(self) -> Mapping[str, LayerTensor]:
@@ -90,21 +94,9 @@ class RawWorker(Protocol):
 
 
 @runtime_checkable
-class FetchingWorker(Protocol):
+class FetchingWorker(KnownWorker, Protocol):
     """A worker whose raw KV lives elsewhere (an engine's agent): it lists its requests
     and fetches the blocks of given request positions on demand, as ``RawWorker``s."""
-
-    @property
-    def name(self) -> str:
-        """The worker in messages."""
-
-    @property
-    def worker(self) -> WorkerInfo:
-        """Its ranks and role."""
-
-    @property
-    def description(self) -> CacheDescription:
-        """The cache it holds."""
 
     def fetch(
         self, request_id: str, group_id: int, spans: Sequence[tuple[int, int]]
