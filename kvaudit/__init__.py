@@ -8,15 +8,7 @@ description), ``Checksummer`` (a worker's checksums of live tensors), ``combine_
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .core.lazy import lazy_exports
-
-if TYPE_CHECKING:
-    from .checksum.checksummer import Checksummer, RequestBlocks
-    from .core.errors import KvauditError
-    from .description import CacheDescription, load_description, parse_description
-    from .records import Record, WorkerInfo, WorkerRecord, combine_workers
 
 _EXPORTS = {
     "Checksummer": ".checksum.checksummer",
@@ -36,16 +28,4 @@ __getattr__ = lazy_exports(__name__, _EXPORTS)
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CacheDescription",
-    "Checksummer",
-    "KvauditError",
-    "Record",
-    "RequestBlocks",
-    "WorkerInfo",
-    "WorkerRecord",
-    "__version__",
-    "combine_workers",
-    "load_description",
-    "parse_description",
-]
+__all__ = ["__version__", *sorted(_EXPORTS)]

@@ -9,21 +9,13 @@ files' mappings) and ``dump_staging`` (rows staged into pinned buffers for a GPU
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..core.lazy import lazy_exports
 
-if TYPE_CHECKING:
-    from .checksummer import Checksummer
-    from .dump_set import BATCH_BYTES, checksum_dump_set, total_bytes
-
 _EXPORTS = {
-    "BATCH_BYTES": ".dump_set",
     "Checksummer": ".checksummer",
-    "checksum_dump_set": ".dump_set",
-    "total_bytes": ".dump_set",
+    **dict.fromkeys(("BATCH_BYTES", "checksum_dump_set", "total_bytes"), ".dump_set"),
 }
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)
 
-__all__ = ["BATCH_BYTES", "Checksummer", "checksum_dump_set", "total_bytes"]
+__all__ = sorted(_EXPORTS)

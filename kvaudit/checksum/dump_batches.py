@@ -22,8 +22,7 @@ from ..dumps import Dump
 from ..dumps.layers import kernel_blocks_per_block, layer_groups, layer_parts
 from ..dumps.safetensors_io import tensor_nbytes
 from ..records import GroupChecksums, RequestChecksums, WorkerRecord
-from ..sources.base import Progress
-from ..sources.raw import request_rows
+from ..workers.protocol import Progress, request_rows
 from .checksummer import Checksummer
 
 if TYPE_CHECKING:

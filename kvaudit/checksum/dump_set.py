@@ -19,7 +19,7 @@ from ..core.errors import KvauditError
 from ..core.validation import POSITION_NUMBERINGS, Positions
 from ..dumps import Dump, DumpSet
 from ..records import Record, WorkerRecord, combine_workers
-from ..sources.base import Progress
+from ..workers.protocol import Progress
 from .dump_batches import DumpBatches, MappedBatches
 from .kernels import resolve_backend
 

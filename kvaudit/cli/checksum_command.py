@@ -48,7 +48,7 @@ def checksum(
 ) -> int:
     """Per-block checksums summed over the workers: per request, group and position, per
     replica key, and the total."""
-    from ..sources import resolve_device
+    from ..sources import RecordQuery, resolve_device
     from .progress import progress_bar
 
     check_outputs({"-o": output}, [*sources, config_path])
@@ -59,7 +59,7 @@ def checksum(
     if wanted is not None:
         source.check_request_ids(wanted)
     with progress_bar(source.work(wanted), "checksum", enabled=not quiet) as advance:
-        record = source.checksum(wanted, positions, runtime, progress=advance)
+        record = source.checksum(RecordQuery(runtime, wanted, positions, advance))
     # Each format's writer imported only for its output.
     if output_format == "json":
         from ..formats import json_text, record_to_json

@@ -12,7 +12,7 @@ from ..core.errors import KvauditError
 from ..locate import locate_differences
 from ..records import Record
 from ..sources import Source
-from ..sources.raw import FetchingWorker, RawWorker, fetched, fetches
+from ..workers import FetchingWorker, RawWorker, fetched, fetches
 from .groups import AttentionWindow
 from .model import DiffReport
 from .options import DEFAULT_OPTIONS, CompareOptions

@@ -5,13 +5,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from ..sources.base import Progress, Runtime, resolve_device
+from ..sources.base import Runtime, resolve_device
+from ..workers import Progress
 
-if TYPE_CHECKING:
-    from ..numeric.model import NumericReport
-    from .model import DiffReport
+
+class Judged(Protocol):
+    """A report a verdict is asked of (``DiffReport``, ``kvaudit.numeric.NumericReport``):
+    what it may accept is set on it."""
+
+    allow_missing: bool
+    allow_empty: bool
 
 
 @dataclass(frozen=True)
@@ -39,7 +44,7 @@ class CompareOptions:
         """The runtime checksums are computed on: the one given, else the best at hand."""
         return self.runtime or resolve_device("auto")
 
-    def judge(self, report: DiffReport | NumericReport) -> None:
+    def judge(self, report: Judged) -> None:
         """Tell the report what its verdict may accept: missing positions, nothing compared.
 
         Args:

@@ -18,7 +18,8 @@ from ..core.errors import KvauditError
 from ..dumps import DumpSet
 from ..records import GroupChecksums, Record, RequestChecksums, WorkerInfo, WorkerSummary
 from ..records.wire import WireChecksums, decode_wire
-from ..sources import Progress, Runtime, Source
+from ..sources import RecordQuery, Runtime, Source
+from ..workers import Progress
 from .groups import Window
 from .model import NO_RECEIVED, DiffReport, GroupComparison
 from .records import compare
@@ -211,7 +212,7 @@ def verify_wire(
     sent = {
         rid: min(int(wire.num_tokens), counts[rid]) for rid, wire in wires.items() if rid in counts
     }
-    record = trim_to(source, sent).checksum(ids, numbering, runtime, progress)
+    record = trim_to(source, sent).checksum(RecordQuery(runtime, ids, numbering, progress))
     return verify_received(
         record,
         wires,

@@ -13,8 +13,9 @@ from collections.abc import Mapping, Sequence
 from ..core.errors import KvauditError
 from ..description.model import SLIDING_TYPES, LayerSpec
 from ..records import Record
-from ..sources import Progress, Runtime, Source
+from ..sources import RecordQuery, Runtime, Source
 from ..sources.record_source import RecordSource
+from ..workers import Progress
 from .groups import AttentionWindow
 
 
@@ -79,7 +80,7 @@ def checksum_held(
     progress: Progress | None,
 ) -> Record:
     """The source's record of those requested ids it holds (all when None)."""
-    return source.checksum(held_ids(source, request_ids), positions, runtime, progress)
+    return source.checksum(RecordQuery(runtime, held_ids(source, request_ids), positions, progress))
 
 
 def _roles(source: Source) -> set[str]:

@@ -21,7 +21,8 @@ from ..description import LEFT_OUT_BY_DESCRIPTION
 from ..description.fingerprint import block_checksum_tags
 from ..dumps import Dump, DumpSet
 from ..records import Record
-from ..sources import Progress, Runtime, resolve_device
+from ..sources import Runtime, resolve_device
+from ..workers import Progress
 from .model import DiffReport, GroupComparison, seed_lane_notes
 
 STORED_SEED_LANE = "stored checksums carry the seed lane alone"

@@ -52,7 +52,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..sources.raw import RawWorker
+from ..workers import RawWorker
 from .model import MAX_SOURCES, DiffReport, StaleSource
 from .trace_blocks import (
     ZEROS,

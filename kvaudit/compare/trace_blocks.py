@@ -24,7 +24,7 @@ from ..core.scheme import valid_tokens
 from ..description import CacheDescription
 from ..locate import SliceReader
 from ..locate.slices import SliceCells, SliceId
-from ..sources.raw import RawWorker
+from ..workers import RawWorker
 from .model import DiffReport
 
 Slice = tuple[str, int]

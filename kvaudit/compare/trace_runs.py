@@ -16,8 +16,9 @@ from dataclasses import replace
 import numpy as np
 
 from ..locate import SliceReader
-from ..sources.raw import RawWorker
-from .model import MAX_SOURCES, GroupComparison, LocatedDifference, TokenRun
+from ..locate.model import LocatedDifference
+from ..workers import RawWorker
+from .model import MAX_SOURCES, GroupComparison, TokenRun
 from .trace_blocks import Slice
 
 

@@ -22,8 +22,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..locate import SliceReader
-from ..sources.raw import RawWorker
-from .model import GroupComparison, LocatedDifference, TokenShift
+from ..locate.model import LocatedDifference
+from ..workers import RawWorker
+from .model import GroupComparison, TokenShift
 
 MAX_SHIFT = 16
 """The largest shift looked for, in slots, either way."""

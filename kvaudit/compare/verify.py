@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..core.errors import KvauditError
-from ..sources import Progress, Runtime, Source
+from ..sources import Runtime, Source
+from ..workers import Progress
 from .diff import diff_work
 from .model import DiffReport
 from .options import DEFAULT_OPTIONS, CompareOptions

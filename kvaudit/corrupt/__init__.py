@@ -8,22 +8,7 @@ fault in one block, and a typed account of what changed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..core.lazy import lazy_exports
-
-if TYPE_CHECKING:
-    from .planting import corrupt_dump
-    from .result import (
-        MODES,
-        ChangedSlice,
-        CorruptMode,
-        FlippedBit,
-        PlantedFault,
-        StaleOrigin,
-        SwappedHeads,
-        SwappedTokens,
-    )
 
 _EXPORTS = {
     "corrupt_dump": ".planting",
@@ -45,14 +30,4 @@ _EXPORTS = {
 __getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
-__all__ = [
-    "MODES",
-    "ChangedSlice",
-    "CorruptMode",
-    "FlippedBit",
-    "PlantedFault",
-    "StaleOrigin",
-    "SwappedHeads",
-    "SwappedTokens",
-    "corrupt_dump",
-]
+__all__ = sorted(_EXPORTS)

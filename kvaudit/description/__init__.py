@@ -10,52 +10,35 @@ checks, key by key), ``loader`` (YAML) and ``serializer`` (the dict form).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..core.lazy import lazy_exports
-from .model import (
-    ATTENTION_TYPES,
-    FORMAT_VERSION,
-    HOST_RESIDENT,
-    LAYOUT_AXES,
-    LEFT_OUT_BY_DESCRIPTION,
-    MLA_TYPES,
-    NOT_TRANSFERRED,
-    SLIDING_TYPES,
-    SPEC_CLASSES,
-    SPEC_TYPES,
-    CacheDescription,
-    GroupDescription,
-    LayerEntry,
-    LayerSpec,
-    StateSplit,
-)
-from .serializer import description_to_dict
-from .validator import parse_description
 
-if TYPE_CHECKING:
-    from .loader import load_description
+# Imported on first use: YAML is read only by commands given a description file.
+_EXPORTS = {
+    **dict.fromkeys(
+        (
+            "ATTENTION_TYPES",
+            "FORMAT_VERSION",
+            "HOST_RESIDENT",
+            "LAYOUT_AXES",
+            "LEFT_OUT_BY_DESCRIPTION",
+            "MLA_TYPES",
+            "NOT_TRANSFERRED",
+            "SLIDING_TYPES",
+            "SPEC_CLASSES",
+            "SPEC_TYPES",
+            "CacheDescription",
+            "GroupDescription",
+            "LayerEntry",
+            "LayerSpec",
+            "StateSplit",
+        ),
+        ".model",
+    ),
+    "description_to_dict": ".serializer",
+    "load_description": ".loader",
+    "parse_description": ".validator",
+}
 
-# YAML is read only by commands given a description file.
-__getattr__ = lazy_exports(__name__, {"load_description": ".loader"})
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
-__all__ = [
-    "ATTENTION_TYPES",
-    "FORMAT_VERSION",
-    "HOST_RESIDENT",
-    "LAYOUT_AXES",
-    "LEFT_OUT_BY_DESCRIPTION",
-    "MLA_TYPES",
-    "NOT_TRANSFERRED",
-    "SLIDING_TYPES",
-    "SPEC_CLASSES",
-    "SPEC_TYPES",
-    "CacheDescription",
-    "GroupDescription",
-    "LayerEntry",
-    "LayerSpec",
-    "StateSplit",
-    "description_to_dict",
-    "load_description",
-    "parse_description",
-]
+__all__ = sorted(_EXPORTS)

@@ -6,19 +6,17 @@ Modules: ``model`` (``Finding``, the fault kinds), ``findings`` (``diagnose``: a
 diff's), ``numeric`` (``diagnose_numeric``: a comparison by value's).
 """
 
-from .findings import diagnose, diagnose_group
-from .model import FAULT_KINDS, KIND_TITLES, FaultKind, Finding
-from .numeric import diagnose_numeric, diagnose_numeric_group
-from .words import layer_text
+from __future__ import annotations
 
-__all__ = [
-    "FAULT_KINDS",
-    "KIND_TITLES",
-    "FaultKind",
-    "Finding",
-    "diagnose",
-    "diagnose_group",
-    "diagnose_numeric",
-    "diagnose_numeric_group",
-    "layer_text",
-]
+from ..core.lazy import lazy_exports
+
+_EXPORTS = {
+    **dict.fromkeys(("diagnose", "diagnose_group"), ".findings"),
+    **dict.fromkeys(("FAULT_KINDS", "KIND_TITLES", "FaultKind", "Finding"), ".model"),
+    **dict.fromkeys(("diagnose_numeric", "diagnose_numeric_group"), ".numeric"),
+    "layer_text": ".words",
+}
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)
+
+__all__ = sorted(_EXPORTS)

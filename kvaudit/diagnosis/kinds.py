@@ -11,8 +11,9 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
-from ..compare.model import ElementChange, GroupComparison, LocatedDifference
+from ..compare.model import GroupComparison
 from ..core.ranges import ranges
+from ..locate.model import ElementChange, LocatedDifference
 from .model import FaultKind, Finding
 from .words import at, heads_of, layer_text, listed, make_finding, positions_of, span, tokens_of
 

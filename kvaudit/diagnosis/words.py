@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
-from ..compare.model import LocatedDifference
 from ..core.ranges import ranges
+from ..locate.model import LocatedDifference
 from .model import FaultKind, Finding
 
 SHOWN = 4

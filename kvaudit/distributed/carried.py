@@ -20,7 +20,8 @@ from ..compare import (
 )
 from ..compare.options import CompareOptions
 from ..records.wire import WireChecksums
-from ..sources import Progress, Runtime
+from ..sources import Runtime
+from ..workers import Progress
 from .spread_source import SpreadSource
 
 

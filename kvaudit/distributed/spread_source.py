@@ -23,18 +23,18 @@ from ..description import CacheDescription, description_to_dict, parse_descripti
 from ..dumps import Dump, DumpSet, open_dump
 from ..formats import record_to_json
 from ..records import Record, WorkerInfo, WorkerRecord, combine_workers
-from ..sources import Progress, Runtime, Source, open_source
-from ..sources.base import request_ids_of, token_counts_of, trim
-from ..sources.inventory import (
+from ..sources import Source, open_source
+from ..sources.base import RecordQuery, request_ids_of, token_counts_of, trim
+from ..sources.registry import source_kind
+from ..sources.sniffing import with_hint
+from ..views.inputs import RequestBlocks
+from ..workers.inventory import (
     GroupInfo,
     Inventory,
     WorkerInventory,
     raw_inventory,
     request_inventory,
 )
-from ..sources.registry import source_kind
-from ..sources.sniffing import with_hint
-from ..views.inputs import RequestBlocks
 from .comm import Comm
 from .placement import Unit, assign, fill, units
 
@@ -195,16 +195,10 @@ class SpreadSource(Source):
                 raise KvauditError(f"no dump of the set holds request {request_id!r}", where)
         return ids
 
-    def checksum(
-        self,
-        request_ids: Sequence[str] | None,
-        positions: str | None,
-        runtime: Runtime,
-        progress: Progress | None = None,
-    ) -> Record:
+    def checksum(self, query: RecordQuery) -> Record:
         """Each process checksums its own dumps; the workers' records, gathered to every
         process, are summed as one process sums them."""
-        ids = self._selected(request_ids)
+        ids, runtime = self._selected(query.request_ids), query.runtime
 
         def own() -> dict[str, Any]:
             result = {}
@@ -212,10 +206,10 @@ class SpreadSource(Source):
                 record = checksum_dump_set(
                     DumpSet([dump], True),
                     request_ids=[rid for rid in ids if rid in dump.requests],
-                    positions=positions or "request",
+                    positions=query.numbering(),
                     backend=runtime.backend,
                     device=runtime.device,
-                    progress=progress,
+                    progress=query.progress,
                 )
                 result[dump.path] = record_to_json(record)
             return result

@@ -16,46 +16,20 @@ say: nothing here recognises inputs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..core.lazy import lazy_exports
 
-if TYPE_CHECKING:
-    from .dump import COPY_BYTES, FORMAT, STORED_CHECKSUMS, Dump, DumpRequest, DumpSet
-    from .dump_sets import open_dump_set
-    from .example_connector import EXAMPLE_CONNECTOR_TENSOR
-    from .reading import open_dump
-    from .safetensors_io import ALIGNMENT, PAD_PREFIX
-    from .writing import write_dump
-
 # Imported on first use: the command line's start-up imports ``dumps.mapping`` alone.
-__getattr__ = lazy_exports(
-    __name__,
-    {
-        **dict.fromkeys(
-            ("COPY_BYTES", "FORMAT", "STORED_CHECKSUMS", "Dump", "DumpRequest", "DumpSet"),
-            ".dump",
-        ),
-        "open_dump_set": ".dump_sets",
-        "EXAMPLE_CONNECTOR_TENSOR": ".example_connector",
-        "open_dump": ".reading",
-        "ALIGNMENT": ".safetensors_io",
-        "PAD_PREFIX": ".safetensors_io",
-        "write_dump": ".writing",
-    },
-)
+_EXPORTS = {
+    **dict.fromkeys(
+        ("COPY_BYTES", "FORMAT", "STORED_CHECKSUMS", "Dump", "DumpRequest", "DumpSet"), ".dump"
+    ),
+    "open_dump_set": ".dump_sets",
+    "EXAMPLE_CONNECTOR_TENSOR": ".example_connector",
+    "open_dump": ".reading",
+    **dict.fromkeys(("ALIGNMENT", "PAD_PREFIX"), ".safetensors_io"),
+    "write_dump": ".writing",
+}
 
-__all__ = [
-    "ALIGNMENT",
-    "COPY_BYTES",
-    "EXAMPLE_CONNECTOR_TENSOR",
-    "FORMAT",
-    "PAD_PREFIX",
-    "STORED_CHECKSUMS",
-    "Dump",
-    "DumpRequest",
-    "DumpSet",
-    "open_dump",
-    "open_dump_set",
-    "write_dump",
-]
+__getattr__ = lazy_exports(__name__, _EXPORTS)
+
+__all__ = sorted(_EXPORTS)

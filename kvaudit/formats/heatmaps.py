@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..compare import DiffReport
-from ..compare.model import GroupComparison, LocatedDifference
+from ..compare.model import GroupComparison
+from ..locate.model import LocatedDifference
 from ..numeric.model import GroupNumeric
 
 MAX_TOKEN_BINS = 256

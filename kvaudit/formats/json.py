@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     )
     from ..corrupt.result import PlantedFault
     from ..diagnosis import Finding
-    from ..sources import Inventory
+    from ..workers import Inventory
 
 DIFF_FORMAT = "kvaudit.diff/1"
 INVENTORY_FORMAT = "kvaudit.inventory/1"

@@ -9,22 +9,13 @@ Names are imported on first use, so that the command line's client loads no torc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..core.lazy import lazy_exports
 
-if TYPE_CHECKING:
-    from .agent import Agent, BlockTables, socket_path
-    from .client import call, sockets_of
-
 _EXPORTS = {
-    "Agent": ".agent",
-    "BlockTables": ".agent",
-    "socket_path": ".agent",
-    "call": ".client",
-    "sockets_of": ".client",
+    **dict.fromkeys(("Agent", "BlockTables", "socket_path"), ".agent"),
+    **dict.fromkeys(("call", "sockets_of"), ".client"),
 }
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)
 
-__all__ = ["Agent", "BlockTables", "call", "socket_path", "sockets_of"]
+__all__ = sorted(_EXPORTS)

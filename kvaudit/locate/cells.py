@@ -17,8 +17,8 @@ from ..core.dtypes import DType, dtype_size
 from ..core.errors import KvauditError
 from ..core.scheme import valid_tokens
 from ..description import CacheDescription, LayerSpec
-from ..sources.raw import RawWorker
 from ..views import GroupViews, LayerView
+from ..workers import RawWorker
 
 if TYPE_CHECKING:
     import torch

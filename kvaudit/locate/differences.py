@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..compare.model import ElementChange, LocatedDifference
 from ..core.dtypes import DType, dtype_name, dtype_size
 from ..core.elements import decode
 from ..core.errors import KvauditError
 from ..core.scheme import valid_tokens
-from ..sources.raw import RawWorker
+from ..workers import RawWorker
 from .cells import CellSegment
+from .model import ElementChange, LocatedDifference
 from .slices import SliceCells, SliceId, SliceReader
 
 if TYPE_CHECKING:

@@ -12,8 +12,8 @@ import numpy as np
 
 from ..core.dtypes import dtype_size
 from ..description import LayerSpec
-from ..sources.raw import RawWorker
 from ..views import GroupViews, LayerView
+from ..workers import RawWorker
 from .cells import CellSegment, cell_bytes, cell_segments, layer_specs, read_block
 
 

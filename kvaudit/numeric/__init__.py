@@ -11,15 +11,7 @@ in the C extension) and ``budget`` (``NumericBudget``: what it reads and holds a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..core.lazy import lazy_exports
-
-if TYPE_CHECKING:
-    from .budget import DEFAULT_BUDGET, NumericBudget
-    from .driver import numeric_sources
-    from .model import NumericReport
-    from .scheduling import numeric_diff
 
 _EXPORTS = {
     **dict.fromkeys(("DEFAULT_BUDGET", "NumericBudget"), ".budget"),
@@ -30,4 +22,4 @@ _EXPORTS = {
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)
 
-__all__ = ["DEFAULT_BUDGET", "NumericBudget", "NumericReport", "numeric_diff", "numeric_sources"]
+__all__ = sorted(_EXPORTS)

@@ -16,7 +16,7 @@ from ..compare.sides import check_wanted, shared_tokens, unique_ids
 from ..core.errors import KvauditError
 from ..core.validation import worker_layout
 from ..sources import Source
-from ..sources.raw import RawWorker
+from ..workers import RawWorker
 from .budget import DEFAULT_BUDGET, NumericBudget
 from .model import NumericReport
 from .scheduling import numeric_diff

@@ -14,8 +14,8 @@ import numpy as np
 
 from ..core.arrays import is_numpy
 from ..core.mapping import FileMap
-from ..sources.raw import RawWorker
 from ..views import LayerView
+from ..workers import RawWorker
 from .model import Tolerance
 from .native import add_mapped_batch
 from .reads import LayerValues, WorkerRows

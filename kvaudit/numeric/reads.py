@@ -21,8 +21,8 @@ from ..core.errors import KvauditError
 from ..core.mapping import CHANGED, FileMap
 from ..description import LayerSpec
 from ..locate import layer_specs
-from ..sources.raw import RawWorker
 from ..views import GroupViews, LayerView
+from ..workers import RawWorker
 
 if TYPE_CHECKING:
     import torch

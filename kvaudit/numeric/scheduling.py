@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..core.errors import KvauditError
-from ..sources.raw import RawWorker
+from ..workers import RawWorker
 from .budget import DEFAULT_BUDGET, NumericBudget
 from .layers import (
     ThreadFiles,

@@ -11,37 +11,32 @@ entries and an output folder's checksum lines), ``record`` (``Record``), ``encod
 (the one encoder of the same shapes), ``combining`` (``combine_workers``).
 """
 
-from .combining import combine_workers, layer_sums_sum
-from .model import (
-    PLANES,
-    RECORD_FORMAT,
-    GroupChecksums,
-    LayerFacts,
-    LayerPart,
-    LayerSums,
-    RequestChecksums,
-    WorkerInfo,
-    WorkerRecord,
-    WorkerSummary,
-    replica_zero_totals,
-    strong_replica_zero_totals,
-)
-from .record import Record
+from __future__ import annotations
 
-__all__ = [
-    "PLANES",
-    "RECORD_FORMAT",
-    "GroupChecksums",
-    "LayerFacts",
-    "LayerPart",
-    "LayerSums",
-    "Record",
-    "RequestChecksums",
-    "WorkerInfo",
-    "WorkerRecord",
-    "WorkerSummary",
-    "combine_workers",
-    "layer_sums_sum",
-    "replica_zero_totals",
-    "strong_replica_zero_totals",
-]
+from ..core.lazy import lazy_exports
+
+_EXPORTS = {
+    "Record": ".record",
+    **dict.fromkeys(("combine_workers", "layer_sums_sum"), ".combining"),
+    **dict.fromkeys(
+        (
+            "PLANES",
+            "RECORD_FORMAT",
+            "GroupChecksums",
+            "LayerFacts",
+            "LayerPart",
+            "LayerSums",
+            "RequestChecksums",
+            "WorkerInfo",
+            "WorkerRecord",
+            "WorkerSummary",
+            "replica_zero_totals",
+            "strong_replica_zero_totals",
+        ),
+        ".model",
+    ),
+}
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)
+
+__all__ = sorted(_EXPORTS)

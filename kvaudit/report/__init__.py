@@ -6,25 +6,7 @@ use: rich only for a table."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..core.lazy import lazy_exports
-
-if TYPE_CHECKING:
-    from .diff import LOCATED_ROWS, diff_verdict, print_diff
-    from .inventory import print_inventory
-    from .planted import print_corrupted
-    from .record import print_record
-    from .side_names import DIFF_SIDE_NAMES, SideNames
-    from .text import (
-        PLAIN_WIDTH,
-        error_text,
-        human_bytes,
-        make_console,
-        missing_workers_text,
-        ranges,
-        render_text,
-    )
 
 _EXPORTS = {
     **dict.fromkeys(("LOCATED_ROWS", "diff_verdict", "print_diff"), ".diff"),
@@ -47,20 +29,4 @@ _EXPORTS = {
 }
 __getattr__ = lazy_exports(__name__, _EXPORTS)
 
-__all__ = [
-    "DIFF_SIDE_NAMES",
-    "LOCATED_ROWS",
-    "PLAIN_WIDTH",
-    "SideNames",
-    "diff_verdict",
-    "error_text",
-    "human_bytes",
-    "make_console",
-    "missing_workers_text",
-    "print_corrupted",
-    "print_diff",
-    "print_inventory",
-    "print_record",
-    "ranges",
-    "render_text",
-]
+__all__ = sorted(_EXPORTS)

@@ -20,7 +20,7 @@ from .text import (
 )
 
 if TYPE_CHECKING:
-    from ..sources import Inventory
+    from ..workers import Inventory
 
 
 def print_inventory(console: Console, inventory: Inventory) -> None:

@@ -18,30 +18,18 @@ from __future__ import annotations
 import dataclasses
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from ..core.errors import KvauditError
+from ..workers.protocol import Listing, Progress
 
 if TYPE_CHECKING:
     from ..description import CacheDescription
     from ..dumps import DumpSet
     from ..records import Record, WorkerInfo
-    from .inventory import Inventory
-    from .raw import FetchingWorker, RawWorker
-
-Progress = Callable[[int], None]
-"""Called with the bytes checksummed since its last call."""
-
-
-class Listing(Protocol):
-    """A request as a worker lists it: its token count and, per group, the position of the
-    first listed block and the engine block ids of consecutive positions."""
-
-    num_tokens: int
-    groups: Mapping[int, tuple[int, Sequence[int]]]
-
+    from ..workers import FetchingWorker, Inventory, RawWorker
 
 _Listed = TypeVar("_Listed")
 """A request as a worker lists it (``DumpRequest``, ``RequestBlocks``): a ``Listing``."""
@@ -53,6 +41,30 @@ class Runtime:
 
     backend: str
     device: str
+
+
+@dataclass(frozen=True)
+class RecordQuery:
+    """What a source's checksum is asked, as every ``Source.checksum`` takes it.
+
+    ``request_ids``: the requests (None: every request the source holds); ``positions``:
+    the position numbering (None: the source's own, else ``request``); ``runtime``: where
+    the checksums are computed; ``progress``: called with the bytes checksummed since its
+    last call.
+    """
+
+    runtime: Runtime
+    request_ids: Sequence[str] | None = None
+    positions: str | None = None
+    progress: Progress | None = None
+
+    def ids(self) -> list[str] | None:
+        """The requests asked for, as a list; None for every request."""
+        return None if self.request_ids is None else list(self.request_ids)
+
+    def numbering(self) -> str:
+        """The position numbering a source without one of its own uses."""
+        return self.positions or "request"
 
 
 def resolve_device(choice: str) -> Runtime:
@@ -105,15 +117,8 @@ class Source(ABC):
         """What the source holds."""
 
     @abstractmethod
-    def checksum(
-        self,
-        request_ids: Sequence[str] | None,
-        positions: str | None,
-        runtime: Runtime,
-        progress: Progress | None = None,
-    ) -> Record:
-        """The record of the requests (all when ``request_ids`` is None), summed over the
-        source's workers; ``positions`` None means the source's own or ``request``."""
+    def checksum(self, query: RecordQuery) -> Record:
+        """The record of the requests ``query`` asks for, summed over the source's workers."""
 
     @abstractmethod
     def token_counts(self) -> dict[str, int]:
@@ -137,7 +142,7 @@ class Source(ABC):
 
     def raw_kv(self) -> list[RawWorker | FetchingWorker] | None:
         """Each worker's raw KV for locating differences: its rows at hand
-        (``kvaudit.sources.raw.RawWorker``: dumps, live tensors) or fetched on demand
+        (``kvaudit.workers.RawWorker``: dumps, live tensors) or fetched on demand
         (``FetchingWorker``: a running engine's agent); None when the source holds only
         checksums."""
         return None

@@ -14,9 +14,16 @@ from ..core.errors import KvauditError
 from ..core.validation import worker_layout
 from ..records import Record
 from ..views.inputs import RequestBlocks, tensors_by_name
-from .base import Progress, Runtime, Source, request_ids_of, token_counts_of, trim
-from .inventory import Inventory, WorkerInventory, group_info, request_inventory, uniform_rows
-from .raw import FetchingWorker, RawWorker, TensorWorker, checksum_each
+from ..workers import FetchingWorker, RawWorker
+from ..workers.inventory import (
+    Inventory,
+    WorkerInventory,
+    group_info,
+    request_inventory,
+    uniform_rows,
+)
+from .base import RecordQuery, Source, request_ids_of, token_counts_of, trim
+from .raw import TensorWorker, checksum_each
 
 if TYPE_CHECKING:
     from ..views.inputs import LayerTensors
@@ -73,15 +80,8 @@ class ChecksummerSource(Source):
             request_inventory(self.requests),
         )
 
-    def checksum(
-        self,
-        request_ids: Sequence[str] | None,
-        positions: str | None,
-        runtime: Runtime,
-        progress: Progress | None = None,
-    ) -> Record:
-        workers = zip(self.checksummers, self.requests, strict=True)
-        return checksum_each(workers, request_ids, positions)
+    def checksum(self, query: RecordQuery) -> Record:
+        return checksum_each(zip(self.checksummers, self.requests, strict=True), query)
 
     def token_counts(self) -> dict[str, int]:
         return token_counts_of(self.requests)

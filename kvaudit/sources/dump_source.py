@@ -10,7 +10,7 @@ not exist is reported as a missing dump.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ..checksum.dump_set import checksum_dump_set, checksum_dump_sets, total_bytes
 from ..core.errors import KvauditError
@@ -18,8 +18,9 @@ from ..description import CacheDescription
 from ..dumps import DumpSet, open_dump_set
 from ..dumps.dump_sets import is_dump_folders, open_dump_folders
 from ..records import Record, WorkerInfo
-from .base import Progress, Runtime, trim
-from .raw import FetchingWorker, RawKVSource, RawWorker
+from ..workers import FetchingWorker, RawWorker
+from .base import RecordQuery, trim
+from .raw import RawKVSource
 from .registry import OpenOptions
 from .sniffing import with_hint
 
@@ -55,21 +56,8 @@ class DumpSource(RawKVSource):
     def _stated_worker(self) -> WorkerInfo | None:
         return self.dump_set.dumps[0].worker if self.dump_set.dumps else None
 
-    def checksum(
-        self,
-        request_ids: Sequence[str] | None,
-        positions: str | None,
-        runtime: Runtime,
-        progress: Progress | None = None,
-    ) -> Record:
-        return checksum_dump_set(
-            self.dump_set,
-            request_ids=None if request_ids is None else list(request_ids),
-            positions=positions or "request",
-            backend=runtime.backend,
-            device=runtime.device,
-            progress=progress,
-        )
+    def checksum(self, query: RecordQuery) -> Record:
+        return _checksum_with(checksum_dump_set, self.dump_set, query)
 
 
 class DumpFoldersSource(RawKVSource):
@@ -134,21 +122,21 @@ class DumpFoldersSource(RawKVSource):
     def _stated_worker(self) -> WorkerInfo | None:
         return self.workers[0].worker if self.workers else None
 
-    def checksum(
-        self,
-        request_ids: Sequence[str] | None,
-        positions: str | None,
-        runtime: Runtime,
-        progress: Progress | None = None,
-    ) -> Record:
-        return checksum_dump_sets(
-            self.dump_sets,
-            request_ids=None if request_ids is None else list(request_ids),
-            positions=positions or "request",
-            backend=runtime.backend,
-            device=runtime.device,
-            progress=progress,
-        )
+    def checksum(self, query: RecordQuery) -> Record:
+        return _checksum_with(checksum_dump_sets, self.dump_sets, query)
+
+
+def _checksum_with(function: Callable[..., Record], dumps: object, query: RecordQuery) -> Record:
+    """``checksum_dump_set`` or ``checksum_dump_sets`` of ``dumps`` as ``query`` asks."""
+    runtime = query.runtime
+    return function(
+        dumps,
+        request_ids=query.ids(),
+        positions=query.numbering(),
+        backend=runtime.backend,
+        device=runtime.device,
+        progress=query.progress,
+    )
 
 
 def open_dumps(

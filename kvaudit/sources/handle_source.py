@@ -40,7 +40,7 @@ from ..core.validation import (
 from ..description import CacheDescription, parse_description
 from ..records import Record, WorkerInfo
 from ..views.inputs import RequestBlocks, is_tensor, plain_requests
-from .base import Progress, Runtime
+from .base import RecordQuery
 from .raw import RawKVSource, TensorWorker, checksum_each, one_line, one_line_errors
 from .registry import OpenOptions
 from .sniffing import PY_PREFIX
@@ -59,16 +59,10 @@ class HandleSource(RawKVSource):
         super().__init__([worker.name for worker in workers], workers)
         self.device_given = device_given
 
-    def checksum(
-        self,
-        request_ids: Sequence[str] | None,
-        positions: str | None,
-        runtime: Runtime,
-        progress: Progress | None = None,
-    ) -> Record:
-        placement = runtime if self.device_given else None
+    def checksum(self, query: RecordQuery) -> Record:
+        placement = query.runtime if self.device_given else None
         workers = ((live.checksummer(placement), live.requests) for live in self.workers)
-        return checksum_each(workers, request_ids, positions)
+        return checksum_each(workers, query)
 
     def trimmed(self, num_tokens: Mapping[str, int]) -> HandleSource:
         return HandleSource(self.trimmed_workers(num_tokens), self.device_given)

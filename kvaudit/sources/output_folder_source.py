@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from ..core.errors import KvauditError
 from ..output_folders import OutputFolder, read_output
 from ..records import Record
-from .raw import RawWorker
+from ..workers import RawWorker
 from .record_source import RecordSource
 from .registry import OpenOptions
 

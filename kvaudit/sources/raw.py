@@ -1,5 +1,5 @@
-"""The raw-KV protocol: one worker's KV cache rows, however it is held, read the same way
-for checksumming and for locating differences.
+"""Sources of raw KV: workers read through the raw-KV protocol (``kvaudit.workers``), the
+same way for checksumming and for locating differences.
 
 A ``RawWorker`` is a dump (``kvaudit.dumps.Dump``: memory-mapped rows of a file) or a
 ``TensorWorker`` (a whole cache in memory, on the CPU or a GPU). A source that holds raw KV
@@ -15,130 +15,21 @@ import functools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 from ..checksum.checksummer import Checksummer
 from ..core.errors import KvauditError
-from ..core.scheme import valid_tokens
 from ..core.validation import worker_layout
 from ..description import CacheDescription
 from ..records import Record, WorkerInfo, WorkerRecord, combine_workers
 from ..views import GroupViews, build_group_views
 from ..views.inputs import RequestBlocks
-from .base import Listing, Runtime, Source, request_ids_of, token_counts_of, trim
+from ..workers.protocol import FetchingWorker, RawWorker
+from .base import RecordQuery, Runtime, Source, request_ids_of, token_counts_of, trim
 
 if TYPE_CHECKING:
     from ..views import LayerTensor
-    from .inventory import Inventory
-
-
-class RawWorker(Protocol):
-    """One worker's raw KV: ``num_rows`` block rows of every layer tensor of its
-    description, the requests it lists (engine block ids) and where each block's row is.
-
-    Implementations are dataclasses with a ``requests`` field (a source trims requests by
-    replacing it).
-    """
-
-    @property
-    def name(self) -> str:
-        """The worker in messages: a dump's path, a live handle."""
-
-    @property
-    def worker(self) -> WorkerInfo:
-        """Its ranks and role."""
-
-    @property
-    def description(self) -> CacheDescription:
-        """The cache its tensors hold."""
-
-    @property
-    def tensors(self) -> Mapping[str, LayerTensor]:
-        """Layer name to its rows (``N`` axis: the rows' kernel blocks; states: first axis)."""
-
-    @property
-    def layer_arrays(self) -> Mapping[str, LayerTensor]:
-        """The same rows as the worker holds them without importing torch where it can (a
-        dump's numpy arrays; a live worker's tensors)."""
-
-    @property
-    def array_views(self) -> dict[int, GroupViews]:
-        """Every group's views of ``layer_arrays``, built once (inventories, locating and
-        planting read these)."""
-
-    @property
-    def num_rows(self) -> int | dict[int, int]:
-        """The block rows each tensor holds: one count, or per group id where groups hold
-        rows of their own block spaces."""
-
-    @property
-    def requests(self) -> Mapping[str, Listing]:
-        """Request id to its listed blocks (engine block ids)."""
-
-    @property
-    def group_views(self) -> dict[int, GroupViews]:
-        """Every group's views of the rows, built once."""
-
-    def row_of(self, block_id: int, group_id: int | None = None) -> int:
-        """The row of the group's layers that holds an engine block."""
-
-    def drop_pages(self) -> None:
-        """Release the memory its rows hold resident, if they are file pages."""
-
-
-@runtime_checkable
-class FetchingWorker(Protocol):
-    """A worker whose raw KV lives elsewhere (an engine's agent): it lists its requests
-    and fetches the blocks of given request positions on demand, as ``RawWorker``s."""
-
-    @property
-    def name(self) -> str:
-        """The worker in messages."""
-
-    @property
-    def worker(self) -> WorkerInfo:
-        """Its ranks and role."""
-
-    @property
-    def description(self) -> CacheDescription:
-        """The cache it holds."""
-
-    def fetch(
-        self, request_id: str, group_id: int, spans: Sequence[tuple[int, int]]
-    ) -> list[RawWorker]:
-        """Workers holding the request's blocks of the group that cover the token spans
-        ``(lo, hi)`` (none where it holds none)."""
-
-
-def fetches(workers: Sequence[RawWorker | FetchingWorker]) -> bool:
-    """Whether some worker fetches its blocks from elsewhere (locating reads only the
-    differing positions of such a side; nothing reads all its blocks)."""
-    return any(isinstance(worker, FetchingWorker) for worker in workers)
-
-
-def fetched(
-    workers: Sequence[RawWorker | FetchingWorker],
-    request_id: str,
-    group_id: int,
-    positions: Iterable[int],
-    block_size: int,
-    num_tokens: int,
-) -> list[RawWorker]:
-    """The workers as locating reads them at ``positions`` (in blocks of ``block_size``):
-    a ``FetchingWorker`` replaced by the blocks it fetches of those positions only."""
-    spans = []
-    for position in sorted(set(positions)):
-        lo = position * block_size
-        hi = lo + int(valid_tokens(num_tokens, block_size, position))
-        if hi > lo:
-            spans.append((lo, hi))
-    result: list[RawWorker] = []
-    for worker in workers:
-        if isinstance(worker, FetchingWorker):
-            result.extend(worker.fetch(request_id, group_id, spans) if spans else [])
-        else:
-            result.append(worker)
-    return result
+    from ..workers.inventory import Inventory
 
 
 @dataclass
@@ -202,44 +93,17 @@ class TensorWorker:
             )
 
 
-def request_rows(
-    worker: RawWorker, request_ids: Iterable[str] | None = None
-) -> dict[str, RequestBlocks]:
-    """The requests' blocks as rows of the worker (all requests by default), for a
-    ``Checksummer`` over its tensors.
-
-    Raises:
-        KvauditError: A request the worker does not list, or a block it does not hold.
-
-    """
-    ids = list(worker.requests) if request_ids is None else list(dict.fromkeys(request_ids))
-    result = {}
-    for request_id in ids:
-        request = worker.requests.get(request_id)
-        if request is None:
-            raise KvauditError(f"no request {request_id!r} in this dump", source=worker.name)
-        result[request_id] = RequestBlocks(
-            request.num_tokens,
-            {
-                group_id: (start, [worker.row_of(block_id, group_id) for block_id in block_ids])
-                for group_id, (start, block_ids) in request.groups.items()
-            },
-        )
-    return result
-
-
 def checksum_each(
     workers: Iterable[tuple[Checksummer, Mapping[str, RequestBlocks]]],
-    request_ids: Sequence[str] | None,
-    positions: str | None,
+    query: RecordQuery,
 ) -> Record:
-    """Each worker's checksums of those of its requests asked for (all when
-    ``request_ids`` is None), summed into one record."""
+    """Each worker's checksums of those of its requests ``query`` asks for, summed into
+    one record."""
     records: list[WorkerRecord] = []
     for summer, requests in workers:
-        if request_ids is not None:
-            requests = {rid: requests[rid] for rid in request_ids if rid in requests}
-        records.append(summer.checksum(requests, positions or "request"))
+        if query.request_ids is not None:
+            requests = {rid: requests[rid] for rid in query.request_ids if rid in requests}
+        records.append(summer.checksum(requests, query.numbering()))
     return combine_workers(records)
 
 
@@ -270,7 +134,7 @@ class RawKVSource(Source):
 
     def inventory(self) -> Inventory:
         # Imported here: only inspect lists a source, a checksum never does.
-        from .inventory import Inventory, raw_inventory, request_inventory
+        from ..workers.inventory import Inventory, raw_inventory, request_inventory
 
         workers = [raw_inventory(worker) for worker in self.workers]
         complete, missing = self.layout()

@@ -16,8 +16,8 @@ from ..core.files import check_input
 from ..core.validation import MAX_DEPTH, DuplicateKeyError, short, short_text, unique_keys
 from ..description import CacheDescription
 from ..records import Record, WorkerInfo
-from .base import Progress, Runtime, Source
-from .inventory import GroupInfo, Inventory, RequestInventory, WorkerInventory, add_request
+from ..workers.inventory import GroupInfo, Inventory, RequestInventory, WorkerInventory, add_request
+from .base import RecordQuery, Source
 from .registry import OpenOptions
 from .sniffing import DESCRIPTION_HINT, is_description_data, looks_like_description
 
@@ -83,14 +83,8 @@ class RecordSource(Source):
     def _stated_worker(self) -> WorkerInfo | None:
         return self.record.workers[0].worker if self.record.workers else None
 
-    def checksum(
-        self,
-        request_ids: Sequence[str] | None,
-        positions: str | None,
-        runtime: Runtime,
-        progress: Progress | None = None,
-    ) -> Record:
-        record = self.record
+    def checksum(self, query: RecordQuery) -> Record:
+        record, positions, request_ids = self.record, query.positions, query.request_ids
         if positions is not None and positions != record.positions:
             raise KvauditError(
                 f"the record numbers positions by {record.positions}, not {positions}; "

@@ -130,9 +130,9 @@ def is_output_folder(name: str) -> bool:
     holds a marker (whatever the marker holds: its reader says what is wrong with it)."""
     if not os.path.isdir(name):  # a dump file, the usual argument, needs no more
         return False
-    from ..output_folders.layout import is_output_folder as marked
+    from ..output_folders.layout import LEGACY_MARKER, MARKER
 
-    return marked(name)
+    return any(os.path.lexists(os.path.join(name, marker)) for marker in (MARKER, LEGACY_MARKER))
 
 
 def is_example_connector(folder: str) -> bool:

@@ -26,9 +26,9 @@ from ..live.client import call, sockets_of
 from ..live.protocol import MAX_IDS, PROTOCOL
 from ..records import Record, WorkerInfo, WorkerRecord, combine_workers
 from ..views.inputs import RequestBlocks
-from .base import Progress, Runtime, Source, request_ids_of, token_counts_of, trim
-from .inventory import GroupInfo, Inventory, WorkerInventory, request_inventory
-from .raw import FetchingWorker, RawWorker
+from ..workers import FetchingWorker, RawWorker
+from ..workers.inventory import GroupInfo, Inventory, WorkerInventory, request_inventory
+from .base import RecordQuery, Source, request_ids_of, token_counts_of, trim
 from .registry import OpenOptions
 from .sniffing import LIVE_PREFIX as PREFIX
 from .sniffing import live_target_error
@@ -151,13 +151,8 @@ class SocketSource(Source):
         requests = request_inventory(worker.requests for worker in self.workers)
         return Inventory(self.kind, self.names, workers, not missing, missing, requests)
 
-    def checksum(
-        self,
-        request_ids: Sequence[str] | None,
-        positions: str | None,
-        runtime: Runtime,
-        progress: Progress | None = None,
-    ) -> Record:
+    def checksum(self, query: RecordQuery) -> Record:
+        request_ids, positions = query.request_ids, query.positions
         records = []
         for remote in self.workers:
             ids = None if request_ids is None else [r for r in request_ids if r in remote.requests]

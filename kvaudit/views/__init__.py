@@ -11,15 +11,16 @@ Modules, each using only those above it: ``model`` (the dataclasses), ``attentio
 ``groups`` (``build_group_views``: aliases, global heads, replica keys, reasons).
 """
 
-from .groups import build_group_views
-from .model import GroupViews, LayerTensor, LayerView, PieceView
-from .replicas import check_model_kv_heads
+from __future__ import annotations
 
-__all__ = [
-    "GroupViews",
-    "LayerTensor",
-    "LayerView",
-    "PieceView",
-    "build_group_views",
-    "check_model_kv_heads",
-]
+from ..core.lazy import lazy_exports
+
+_EXPORTS = {
+    "build_group_views": ".groups",
+    **dict.fromkeys(("GroupViews", "LayerTensor", "LayerView", "PieceView"), ".model"),
+    "check_model_kv_heads": ".replicas",
+}
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)
+
+__all__ = sorted(_EXPORTS)

@@ -39,7 +39,7 @@ ELSEWHERE = (
     "kvaudit.dumps.example_connector",
     "kvaudit.corrupt.result",
     "kvaudit.checksum.dump_staging",
-    "kvaudit.sources.inventory",
+    "kvaudit.workers.inventory",
     "kvaudit.records.reading",
     "numpy.ma",
     "concurrent.futures",

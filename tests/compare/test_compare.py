@@ -17,7 +17,6 @@ from helpers.report_keys import DIFF_KEYS, GROUP_KEYS, OPTIONAL_GROUP_KEYS
 from kvaudit.compare import (
     DiffReport,
     GroupComparison,
-    LocatedDifference,
     StoredCheck,
     compare_records,
     stored_report,
@@ -27,6 +26,7 @@ from kvaudit.compare import (
 )
 from kvaudit.core.errors import KvauditError, WireFormatError
 from kvaudit.formats import diff_junit, diff_to_json
+from kvaudit.locate import LocatedDifference
 from kvaudit.records import (
     GroupChecksums,
     Record,

@@ -9,15 +9,9 @@ import dataclasses
 
 import pytest
 
-from kvaudit.compare import (
-    ElementChange,
-    GroupComparison,
-    LocatedDifference,
-    StaleSource,
-    TokenRun,
-    TokenShift,
-)
+from kvaudit.compare import GroupComparison, StaleSource, TokenRun, TokenShift
 from kvaudit.diagnosis import diagnose_group, layer_text
+from kvaudit.locate import ElementChange, LocatedDifference
 
 L = "model.layers.{}.self_attn.attn"
 

@@ -49,7 +49,7 @@ from kvaudit.dumps import open_dump
 from kvaudit.formats import diff_to_json, inventory_to_json, record_to_json
 from kvaudit.formats.json import located_to_json
 from kvaudit.records.wire import encode_wire
-from kvaudit.sources import Runtime, open_source
+from kvaudit.sources import RecordQuery, Runtime, open_source
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = Runtime("torch", "cpu")
@@ -249,7 +249,7 @@ def test_checksum_split_equals_one_process(split: tuple[Sets, Path, list[str]]) 
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
     assert data.pop("processes") == 2
-    whole = open_source(sets.producer.paths).checksum(None, None, CPU)
+    whole = open_source(sets.producer.paths).checksum(RecordQuery(CPU))
     assert _sources_by_name(data) == _sources_by_name(record_to_json(whole))
 
 
@@ -270,7 +270,7 @@ def test_verify_received_split_equals_one_process(
     split: tuple[Sets, Path, list[str]], tmp_path: Path
 ) -> None:
     sets, _, _ = split
-    sent = open_source(sets.producer.paths).checksum(None, "request", CPU)
+    sent = open_source(sets.producer.paths).checksum(RecordQuery(CPU, positions="request"))
     wires = {rid: encode_wire(request.to_wire("request")) for rid, request in sent.requests.items()}
     wrong = dict(wires)
     totals = sent.requests["req-a"].to_wire("request")
@@ -342,7 +342,7 @@ def test_diff_against_a_record_is_traced_by_checksums_only(
     sets, root, _ = split
     record = tmp_path / "producer.json"
     record.write_text(
-        json.dumps(record_to_json(open_source(sets.producer.paths).checksum(None, None, CPU)))
+        json.dumps(record_to_json(open_source(sets.producer.paths).checksum(RecordQuery(CPU))))
     )
     done = torchrun(
         "diff", record, root / "n{rank}" / "consumer", "--format", "json", "--device", "cpu"

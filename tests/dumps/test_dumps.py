@@ -27,7 +27,7 @@ from kvaudit.dumps.safetensors_io import read_header
 from kvaudit.formats import record_to_json
 from kvaudit.records import WorkerInfo, combine_workers
 from kvaudit.sources import DumpSource, open_source
-from kvaudit.sources.raw import request_rows
+from kvaudit.workers import request_rows
 
 NUM_BLOCKS = 16
 ATTN = "model.layers.0.attn"

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvaudit.compare import DiffReport, GroupComparison, LocatedDifference, StaleSource
+from kvaudit.compare import DiffReport, GroupComparison, StaleSource
 from kvaudit.corrupt import (
     ChangedSlice,
     CorruptMode,
@@ -42,6 +42,7 @@ from kvaudit.formats import (
     record_csv,
     record_to_json,
 )
+from kvaudit.locate import LocatedDifference
 from kvaudit.numeric.model import GroupNumeric, NumericReport, RequestNumeric, SliceErrors
 from kvaudit.records import (
     GroupChecksums,
@@ -60,7 +61,7 @@ from kvaudit.report import (
     render_text,
 )
 from kvaudit.report.numeric import print_numeric
-from kvaudit.sources import GroupInfo, Inventory, RequestInventory, WorkerInventory
+from kvaudit.workers import GroupInfo, Inventory, RequestInventory, WorkerInventory
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "formats"
 LAYER = "model.layers.3.self_attn.attn"

@@ -21,9 +21,9 @@ from safetensors import safe_open
 from helpers import kvbuild as kb
 from helpers import reference as ref
 from kvaudit.checksum.checksummer import RequestBlocks
-from kvaudit.compare import ElementChange, LocatedDifference
 from kvaudit.description import parse_description
 from kvaudit.dumps import write_dump
+from kvaudit.locate import ElementChange, LocatedDifference
 from kvaudit.records import WorkerInfo
 
 ATTN = "model.layers.{}.self_attn.attn"

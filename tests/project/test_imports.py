@@ -1,9 +1,11 @@
-"""The package's imports flow one way: no module imports a module of a higher layer, and
-no import cycle exists (docs/architecture.md).
+"""The package's imports flow one way: no package imports a package of a higher layer,
+and no import cycle exists (docs/architecture.md).
 
-Every module under ``kvaudit/`` is parsed (not imported); its ``import`` and ``from``
-statements anywhere in the file, type-only ones (``if TYPE_CHECKING:``) included, are
-resolved to kvaudit modules. A new module must be placed in ``LAYERS``.
+The layers are the picture under docs/architecture.md's ``## Layers``, read from the
+document itself, so that the two cannot disagree. Every module under ``kvaudit/`` is
+parsed (not imported); its ``import`` and ``from`` statements anywhere in the file,
+type-only ones (``if TYPE_CHECKING:``) included, are resolved to kvaudit modules. A new
+package must be drawn in the picture.
 """
 
 from __future__ import annotations
@@ -16,46 +18,23 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "kvaudit"
 
-LAYERS: list[list[str]] = [
-    ["core", "_native", "checksum.kernels.triton_tiling"],
-    ["description", "live.protocol", "live.client"],
-    ["description.fingerprint", "records.wire", "views.model"],
-    ["views.attention", "views.state", "views.replicas"],
-    ["views"],
-    ["views.inputs", "checksum.kernels", "checksum.strong", "checksum.plans"],
-    ["records.model", "records.layers", "records.reading"],
-    ["records"],
-    ["checksum.checksummer"],
-    ["dumps"],
-    ["output_folders"],
-    ["integrations", "live"],
-    ["sources.base", "sources.raw", "sources.inventory"],
-    ["checksum.dump_batches", "checksum.dump_staging", "checksum.dump_set", "checksum"],
-    ["sources"],
-    ["locate.cells", "locate.slices"],
-    ["compare.model", "compare.groups", "compare.records", "locate", "numeric.model"],
-    [
-        "compare.trace_blocks",
-        "compare.trace_runs",
-        "compare.trace_shifts",
-        "compare.trace_checksums",
-        "compare.trace",
-    ],
-    ["numeric.budget", "numeric.value_errors", "numeric.native", "numeric.reads"],
-    ["numeric.mapped_rows"],
-    ["numeric.layers", "numeric.scheduling"],
-    ["corrupt", "compare.sides", "compare.options", "compare.pairing"],
-    ["compare.diff", "compare.received", "compare.stored"],
-    ["compare.verify", "compare", "numeric"],
-    ["diagnosis"],
-    ["formats", "report", "cli.progress"],
-    ["distributed"],
-    ["cli.exits", "cli.options", "cli.arguments", "cli.output"],
-    ["testing", "cli", "__main__", ""],
-]
+DOC = PACKAGE.parent / "docs" / "architecture.md"
+
+
+def doc_layers() -> list[list[str]]:
+    """The package layers docs/architecture.md draws under ``## Layers``, from the bottom
+    up: the first fenced block there, one line per layer, the top line first; ``kvaudit``
+    is the package itself (its ``__init__``), written ``""`` here."""
+    text = DOC.read_text(encoding="utf-8").split("\n## Layers\n", 1)[1]
+    picture = text.split("```", 2)[1].splitlines()[1:]
+    layers = [[entry if entry != "kvaudit" else "" for entry in line.split()] for line in picture]
+    return [layer for layer in reversed(layers) if layer]
+
+
+LAYERS = doc_layers()
 """From the bottom up; a module may import modules of its own layer or below. An entry
-names a module or a package (with every module in it unless a longer entry names it);
-``""`` is the ``kvaudit`` package itself."""
+names a package (with every module in it unless a longer entry names it) or a module at
+the package's root; ``""`` is the ``kvaudit`` package itself."""
 
 
 def module_names() -> dict[str, Path]:
@@ -170,15 +149,35 @@ def test_no_import_cycle() -> None:
 def test_the_checks_see_the_imports() -> None:
     # The parser resolves relative, package and absolute imports (else the tests above
     # would pass vacuously).
-    assert ("sources.raw", False) in imports("locate.cells")
-    assert ("sources.record_source", True) in imports("sources")
+    assert ("workers", False) in imports("locate.cells")
+    assert ("workers.protocol", False) in imports("sources.raw")
+    assert ("workers", True) in imports("report.inventory")
     assert ("cli.checksum_command", False) in imports("cli")
     assert ("compare.model", False) in imports("formats.junit")
-    assert ("sources", True) in imports("report.inventory")
-    assert layer_of("dumps.dump") < layer_of("sources.raw") < layer_of("locate")
-    assert layer_of("checksum.kernels.triton_tiling") < layer_of("checksum.kernels.triton_kernel")
-    assert layer_of("cli.output") < layer_of("cli.checksum_command") == layer_of("cli")
     assert ("cli.group", False) in imports("cli.diff_command")
+    assert layer_of("dumps.dump") < layer_of("workers.protocol") < layer_of("checksum")
+    assert layer_of("checksum.kernels.triton_kernel") == layer_of("checksum")
+    assert layer_of("integrations.vllm.worker") > layer_of("live")
+    assert layer_of("") == layer_of("cli") > layer_of("distributed")
+
+
+def test_every_package_is_on_the_picture() -> None:
+    # Each package (the engine integrations each one) is drawn by name, not only
+    # reached through a longer or shorter entry: the picture shows where it stands.
+    drawn = {entry for layer in LAYERS for entry in layer}
+    packages = {name.split(".")[0] for name in MODULES if name} | {
+        name for name in MODULES if name.startswith("integrations.") and _is_package(name)
+    }
+    assert sorted(packages - drawn) == [], "packages missing from the picture"
+    assert "" in drawn
+
+
+def test_the_picture_is_about_ten_layers() -> None:
+    # Package-level layers, each package once: a module-by-module table would be no
+    # picture a reader holds in mind.
+    entries = [entry for layer in LAYERS for entry in layer]
+    assert len(entries) == len(set(entries)), "a package is drawn twice"
+    assert 8 <= len(LAYERS) <= 16
 
 
 def test_dumps_are_file_io() -> None:
@@ -198,14 +197,34 @@ def test_core_imports_no_other_package() -> None:
             assert not outside, f"kvaudit.{name} imports {sorted(outside)}"
 
 
+def map_bullets() -> dict[str, str]:
+    """The text of each bullet of docs/architecture.md's module list, by its package's
+    path (``checksum``, ``integrations/vllm``; ``""`` for the ``kvaudit/`` bullet)."""
+    text = DOC.read_text(encoding="utf-8")
+    listing = text.split("\nEvery module, by package:\n", 1)[1].split("\n## ", 1)[0]
+    bullets = {}
+    for item in re.split(r"\n(?=- `)", listing.strip()):
+        label = re.match(r"- `([\w/]+)/`:", item)
+        assert label is not None, f"a bullet names no package: {item[:60]!r}"
+        path = label.group(1)
+        bullets["" if path == "kvaudit" else path] = item
+    return bullets
+
+
 def test_every_module_is_on_the_map() -> None:
-    # docs/architecture.md names every module and C file: a newcomer finds each there.
-    text = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
-    named = set(re.findall(r"`([\w./]+)`", text))
-    words = {part for item in named for part in re.split(r"[./]", item)} | named
-    absent = sorted(
-        str(path.relative_to(PACKAGE))
-        for path in [*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.c"), *PACKAGE.rglob("*.h")]
-        if path.name != "__init__.py" and path.stem not in words and path.name not in words
-    )
-    assert absent == [], f"not named in docs/architecture.md: {absent}"
+    # docs/architecture.md names every module and C file under its own package's bullet
+    # (a subpackage's under the nearest bullet above it): a newcomer finds each there.
+    bullets = map_bullets()
+    absent = []
+    for path in [*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.c"), *PACKAGE.rglob("*.h")]:
+        relative = path.relative_to(PACKAGE)
+        if path.name == "__init__.py":
+            continue
+        folder = relative.parent.as_posix().removeprefix(".")
+        while folder not in bullets:
+            folder = folder.rpartition("/")[0]
+        named = set(re.findall(r"`([\w./]+)`", bullets[folder]))
+        words = {part for item in named for part in re.split(r"[./]", item)} | named
+        if path.stem not in words and path.name not in words:
+            absent.append(f"{relative} (bullet `{folder or 'kvaudit'}/`)")
+    assert absent == [], f"not named under their package in docs/architecture.md: {absent}"

@@ -33,10 +33,9 @@ from kvaudit.locate import locate_differences
 from kvaudit.records import Record, WorkerInfo
 from kvaudit.sources import (
     DumpSource,
-    Progress,
     RawKVSource,
+    RecordQuery,
     RecordSource,
-    Runtime,
     SourceKind,
     TensorWorker,
     open_source,
@@ -95,15 +94,9 @@ class MemorySource(RawKVSource):
 
     kind = "memory"
 
-    def checksum(
-        self,
-        request_ids: Sequence[str] | None,
-        positions: str | None,
-        runtime: Runtime,
-        progress: Progress | None = None,
-    ) -> Record:
+    def checksum(self, query: RecordQuery) -> Record:
         workers = ((worker.checksummer(), worker.requests) for worker in self.workers)
-        return checksum_each(workers, request_ids, positions)
+        return checksum_each(workers, query)
 
     def trimmed(self, num_tokens: Mapping[str, int]) -> MemorySource:
         return MemorySource(self.names, self.trimmed_workers(num_tokens))
@@ -153,7 +146,7 @@ def test_a_registered_kind_is_opened_checksummed_and_located(memory_kind: None, 
         (1, LAYERS[1], 1, [5])
     ]
     # The same checksums as the dump path reads from a dump of the same cache.
-    assert clean.checksum(None, None, runtime).requests["r"].groups[0].totals().tolist() == (
+    assert clean.checksum(RecordQuery(runtime)).requests["r"].groups[0].totals().tolist() == (
         checksum_dump_set(open_dump_set([dump])).requests["r"].groups[0].totals().tolist()
     )
 

@@ -12,8 +12,7 @@ from ..records import WorkerInfo
 
 if TYPE_CHECKING:
     from ..views import GroupViews, LayerTensor
-    from .base import Listing
-    from .raw import RawWorker
+    from .protocol import Listing, RawWorker
 
 
 @dataclass(frozen=True)
