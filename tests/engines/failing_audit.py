@@ -1,4 +1,4 @@
-"""kvaudit's audited NixlConnector whose own audit fails in every hook: every method of its
+"""kvaudit's connector wrapping NIXL, whose own audit fails in every hook: every method of its
 scheduler and worker audits raises (``PD_FAILING=hooks``), or its worker audit fails to
 start (``PD_FAILING=start``). The engine must serve as without kvaudit."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kvaudit.integrations.vllm import audited
+from kvaudit.integrations.vllm import KVAuditHMAConnector
 
 
 class _Failing:
@@ -27,8 +27,8 @@ class _Failing:
         return fail
 
 
-class NixlConnector(audited.NixlConnector):
-    """NIXL audited by kvaudit, kvaudit's part failing."""
+class FailingConnector(KVAuditHMAConnector):
+    """NIXL wrapped by kvaudit's connector, kvaudit's part failing."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
