@@ -716,8 +716,10 @@ def test_kvaudit_behind_a_child_that_hands_back_params_leaves_loads_unverified(
     the load unverified: never a "match"."""
 
     def multi(first: dict) -> h.KVTransferConfig:
-        children = [{**first, "kv_role": "kv_producer"},
-                    kvaudit_child(tmp_path, "prefill", "kv_producer")]  # fmt: skip
+        # The store's own engine id: it numbers its workers' ranks by engine id.
+        store = kvaudit_child(tmp_path, "prefill", "kv_producer")
+        store["kv_connector_extra_config"]["wrapped"] = {**STORE, "engine_id": "store"}
+        children = [{**first, "kv_role": "kv_producer"}, store]
         return h.KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_producer",
                                   engine_id="prefill",
                                   kv_connector_extra_config={"connectors": children})  # fmt: skip
@@ -734,7 +736,7 @@ def test_kvaudit_behind_a_child_that_hands_back_params_leaves_loads_unverified(
         decode.run()
     assert messages(caplog, "kvaudit: request req-a: no producer checksums received")
     assert not messages(caplog, ": match") and not messages(caplog, "MISMATCH")
-    counts = [s.data["kvaudit"] for s in decode.stats if s is not None]
+    counts = [s["kvaudit"] for s in decode.stats if s]
     assert sum(c["unverified_requests"] for c in counts) == 1
     assert sum(c["checked_blocks"] for c in counts) == 0
 
