@@ -216,6 +216,23 @@ def test_the_decisions_that_miss_the_wrapped_connector_are_logged(
     assert "not done: set num_cpu_blocks in the wrapped connector's settings" in line
 
 
+def test_the_class_that_keeps_vllms_hybrid_allocator_on_is_named(
+    model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM turns its hybrid memory allocator off for ``KVAuditConnector`` (it decides
+    from the class alone); wrapping NIXL, which supports it, kvaudit's log names the
+    class that keeps it on."""
+    transfer = {**audited(DEPLOYMENTS["nixl"]), "kv_connector": "KVAuditConnector"}
+    built = config(model, transfer)
+    assert built.scheduler_config.disable_hybrid_kv_cache_manager
+    with caplog.at_level(logging.INFO, logger="kvaudit.vllm"):
+        scheduler_connector(built)
+    assert [m.getMessage() for m in caplog.records if "hybrid memory" in m.getMessage()] == [
+        "kvaudit: vLLM's hybrid memory allocator is off; NixlConnector supports it: "
+        '"kv_connector": "KVAuditHMAConnector" keeps it on (docs/vllm.md)'
+    ]
+
+
 def test_kvaudits_class_loads_by_module_path_and_by_name(model: Path) -> None:
     """``kvaudit.integrations.vllm`` holds the classes; kvaudit's plugin also names
     them in vLLM's registry, so ``"kv_connector": "KVAuditConnector"`` alone loads it."""

@@ -122,8 +122,7 @@ class KVAuditConnector(ClassQueries, SchedulerHooks, WorkerHooks):
         """Say which class keeps vLLM's hybrid memory allocator on, where vLLM turned it
         off for this class although the wrapped connector supports it (vLLM decides it
         from the configured class alone)."""
-        scheduler = vllm_config.scheduler_config
-        if inner is None or not getattr(scheduler, "disable_hybrid_kv_cache_manager", False):
+        if inner is None or not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
             return
         if not isinstance(self, SupportsHMA) and KVConnectorFactory.supports_hma_config(inner):
             logger.info(
