@@ -216,6 +216,21 @@ def test_the_decisions_that_miss_the_wrapped_connector_are_logged(
     assert "not done: set num_cpu_blocks in the wrapped connector's settings" in line
 
 
+def test_hisparse_without_its_attention_config_is_refused(model: Path) -> None:
+    """vLLM turns HiSparse's attention config on for a connector named HiSparseConnector;
+    behind kvaudit it does not, and kvaudit refuses the wrapped HiSparse without it."""
+    from kvaudit.integrations.vllm.name_checks import check_named_decisions
+
+    built = config(model, audited(DEPLOYMENTS["nixl"]))
+    assert built.attention_config.hisparse_config is None
+    hisparse = KVTransferConfig(kv_connector="HiSparseConnector", kv_role="kv_both")
+    with pytest.raises(ValueError, match=r"set attention_config\.hisparse_config"):
+        check_named_decisions(built, hisparse, kv_cache())
+    nixl = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both")
+    missed = check_named_decisions(built, nixl, kv_cache())
+    assert [d.names[0] for d in missed][:2] == ["NixlConnector", "NixlConnector"]
+
+
 def test_the_class_that_keeps_vllms_hybrid_allocator_on_is_named(
     model: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
