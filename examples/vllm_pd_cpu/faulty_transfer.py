@@ -19,14 +19,16 @@ import logging
 
 import torch
 
-from kvaudit.integrations.vllm import KVAuditHMAConnector
+# The package, not its class: a config pairing this module with kvaudit's own class
+# name then fails to load instead of loading kvaudit's connector without the change.
+import kvaudit.integrations.vllm as kvaudit_vllm
 
 logger = logging.getLogger("kvaudit.vllm")
 
 HEAD, TOKEN_IN_BLOCK, ELEMENT = 1, 3, 5
 
 
-class FaultyConnector(KVAuditHMAConnector):
+class FaultyConnector(kvaudit_vllm.KVAuditHMAConnector):
     """kvaudit's connector (wrapping NIXL), whose decode workers damage some received KV."""
 
     def _audited_results(

@@ -7,7 +7,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kvaudit.integrations.vllm import KVAuditHMAConnector
+# The package, not its class: a config pairing this module with kvaudit's own class
+# name then fails to load instead of loading kvaudit's connector without the change.
+import kvaudit.integrations.vllm as kvaudit_vllm
 
 
 class _Failing:
@@ -27,7 +29,7 @@ class _Failing:
         return fail
 
 
-class FailingConnector(KVAuditHMAConnector):
+class FailingConnector(kvaudit_vllm.KVAuditHMAConnector):
     """NIXL wrapped by kvaudit's connector, kvaudit's part failing."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
