@@ -59,10 +59,9 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
-import kvaudit.integrations.vllm.connector as connector_module
+import kvaudit.integrations.vllm.worker_hooks as worker_hooks
 
 MODULE = "kvaudit.integrations.vllm"
-AUDITED = "kvaudit.integrations.vllm.audited"
 LAYER = "model.layers.{}.self_attn.attn"
 SAMPLED = 7000  # the model's output token at position p is SAMPLED + p
 LAYERS, HEADS, HEAD_SIZE = 2, 4, 8
@@ -137,24 +136,19 @@ def engine_config(
 
 def transfer_config(
     kvaudit: dict[str, Any], wrapped: dict[str, Any] | None, role: str = "kv_both",
-    engine_id: str = "engine",
+    engine_id: str = "engine", connector: str = "KVAuditConnector",
 ) -> KVTransferConfig:  # fmt: skip
-    """kvaudit's connector, configured as docs/vllm.md says: one of vLLM's connectors
-    under its own name from ``kvaudit.integrations.vllm.audited``, a connector loaded by
-    module path under ``"wrapped"``, or kvaudit on its own (``wrapped`` None)."""
-    common = {"kv_role": role, "engine_id": engine_id}
-    if wrapped is not None and not wrapped.get("kv_connector_module_path"):
-        extra = {**wrapped.get("kv_connector_extra_config", {}), "kvaudit": kvaudit}
-        return KVTransferConfig(
-            kv_connector=wrapped["kv_connector"], kv_connector_module_path=AUDITED,
-            kv_connector_extra_config=extra, **common,
-        )  # fmt: skip
+    """kvaudit's connector, configured as docs/vllm.md says: ``connector``
+    (``KVAuditHMAConnector`` keeps vLLM's hybrid memory allocator on for a wrapped
+    connector that supports it) from ``kvaudit.integrations.vllm``, wrapping the
+    connector ``wrapped`` names (by vLLM's registry or a module path; None: kvaudit on
+    its own)."""
     extra: dict[str, Any] = {"kvaudit": kvaudit}
     if wrapped is not None:
         extra["wrapped"] = wrapped
     return KVTransferConfig(
-        kv_connector="KVAuditConnector", kv_connector_module_path=MODULE,
-        kv_connector_extra_config=extra, **common,
+        kv_connector=connector, kv_connector_module_path=MODULE,
+        kv_connector_extra_config=extra, kv_role=role, engine_id=engine_id,
     )  # fmt: skip
 
 
@@ -571,9 +565,7 @@ def make_engine(
         worker_config.kv_transfer_config = worker_transfer
     workers = []
     for rank in range(tp_size):
-        with mock.patch.object(
-            connector_module, "worker_ranks", return_value=(rank, tp_size, 0, 1)
-        ):
+        with mock.patch.object(worker_hooks, "worker_ranks", return_value=(rank, tp_size, 0, 1)):
             conn = KVConnectorFactory.create_connector(
                 worker_config, KVConnectorRole.WORKER, kv_cache_config
             )

@@ -4,8 +4,9 @@
 
 Two engines run vLLM 0.33.0's own scheduler (``cpu_engine.py``; the model is a stand-in
 whose forward writes known KV) with kvaudit's connector around vLLM's ExampleConnector,
-configured as in production: ``"kv_connector": "ExampleConnector",
-"kv_connector_module_path": "kvaudit.integrations.vllm.audited"``. The prefill engine
+configured as in production: ``"kv_connector": "KVAuditConnector",
+"kv_connector_module_path": "kvaudit.integrations.vllm"``, ``"wrapped":
+{"kv_connector": "ExampleConnector", ...}``. The prefill engine
 computes ``req-7`` (80 tokens, five 16-token blocks) and stores its KV; one bit of the
 stored KV is flipped (the broken transfer); the decode engine, which already holds the
 request's first 48 tokens in its prefix cache, loads the rest. kvaudit compares the

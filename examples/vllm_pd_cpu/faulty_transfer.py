@@ -1,9 +1,10 @@
-"""A transfer that goes wrong: NIXL, audited by kvaudit, with one bit of the received KV
+"""A transfer that goes wrong: NIXL, wrapped by kvaudit's connector, with one bit of the received KV
 flipped in every load of an odd number of tokens (the decode loads every token of a
 prompt: prompts of an odd length arrive damaged, even ones intact).
 
-    "kv_connector": "NixlConnector",
-    "kv_connector_module_path": "faulty_transfer"      # this folder on PYTHONPATH
+    "kv_connector": "FaultyConnector",
+    "kv_connector_module_path": "faulty_transfer",     # this folder on PYTHONPATH
+    "kv_connector_extra_config": {"kvaudit": {...}, "wrapped": {"kv_connector": "NixlConnector"}}
 
 The bit is flipped after NIXL reports the receive finished and before kvaudit checksums
 the loaded blocks, as a late write into a reused slot would leave it: element 5 of token 3
@@ -18,15 +19,17 @@ import logging
 
 import torch
 
-from kvaudit.integrations.vllm import audited
+# The package, not its class: a config pairing this module with kvaudit's own class
+# name then fails to load instead of loading kvaudit's connector without the change.
+import kvaudit.integrations.vllm as kvaudit_vllm
 
 logger = logging.getLogger("kvaudit.vllm")
 
 HEAD, TOKEN_IN_BLOCK, ELEMENT = 1, 3, 5
 
 
-class NixlConnector(audited.NixlConnector):
-    """kvaudit's audited NixlConnector, whose decode workers damage some received KV."""
+class FaultyConnector(kvaudit_vllm.KVAuditHMAConnector):
+    """kvaudit's connector (wrapping NIXL), whose decode workers damage some received KV."""
 
     def _audited_results(
         self, finished_recving: set[str], failed_recving: set[str], ended: set[str]

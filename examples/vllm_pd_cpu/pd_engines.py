@@ -32,7 +32,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-AUDITED = "kvaudit.integrations.vllm.audited"
+MODULE = "kvaudit.integrations.vllm"
 
 
 @dataclass(frozen=True)
@@ -40,15 +40,17 @@ class EngineSettings:
     """How one engine of the pair is started.
 
     ``kvaudit``: the connector's settings (``kv_connector_extra_config.kvaudit``), None
-    for NIXL alone (no kvaudit: the baseline); ``module``: the connector's module path
-    (kvaudit's audited connectors, or a test's subclass of them); ``args``: more
+    for NIXL alone (no kvaudit: the baseline); ``connector`` and ``module``: kvaudit's
+    connector class and its module path (``KVAuditHMAConnector``, since NIXL supports
+    vLLM's hybrid memory allocator; or a test's subclass of it); ``args``: more
     ``vllm serve`` arguments; ``env``: more environment variables; ``nixl_threads``:
     NIXL's UCX worker threads (``num_threads``, vLLM's default 4), each of which polls;
     ``transfer``: more fields of ``--kv-transfer-config`` (``kv_load_failure_policy``).
     """
 
     kvaudit: Mapping[str, Any] | None = None
-    module: str = AUDITED
+    connector: str = "KVAuditHMAConnector"
+    module: str = MODULE
     args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     nixl_threads: int = 1
@@ -56,8 +58,8 @@ class EngineSettings:
 
 
 def transfer_config(role: str, settings: EngineSettings) -> dict[str, Any]:
-    """The engine's ``--kv-transfer-config``: NIXL, audited by kvaudit unless
-    ``settings.kvaudit`` is None.
+    """The engine's ``--kv-transfer-config``: NIXL wrapped by kvaudit's connector, or NIXL
+    alone when ``settings.kvaudit`` is None.
 
     Args:
         role: ``kv_producer`` or ``kv_consumer``.
@@ -66,17 +68,16 @@ def transfer_config(role: str, settings: EngineSettings) -> dict[str, Any]:
     Returns:
         The config as a dict (JSON on the command line).
     """
-    config: dict[str, Any] = {
+    nixl: dict[str, Any] = {
         "kv_connector": "NixlConnector",
-        "kv_role": role,
-        "kv_buffer_device": "cpu",
         "kv_connector_extra_config": {"num_threads": settings.nixl_threads},
-        **settings.transfer,
     }
+    config: dict[str, Any] = {"kv_role": role, "kv_buffer_device": "cpu", **nixl}
     if settings.kvaudit is not None:
+        config["kv_connector"] = settings.connector
         config["kv_connector_module_path"] = settings.module
-        config["kv_connector_extra_config"]["kvaudit"] = dict(settings.kvaudit)
-    return config
+        config["kv_connector_extra_config"] = {"kvaudit": dict(settings.kvaudit), "wrapped": nixl}
+    return {**config, **settings.transfer}
 
 
 def engine_env(side_channel_port: int, extra: Mapping[str, str] = ()) -> dict[str, str]:

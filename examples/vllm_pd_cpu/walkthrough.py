@@ -37,7 +37,7 @@ def main() -> int:
         return {"output": str(out / side), "dump_sample_rate": 1.0, "max_dump_bytes": 1 << 28}
 
     prefill = EngineSettings(audit("prefill"))
-    decode = EngineSettings(audit("decode"), module="faulty_transfer")
+    decode = EngineSettings(audit("decode"), connector="FaultyConnector", module="faulty_transfer")
     with start_pd(model, out, prefill, decode, base_port=args.base_port,
                   max_model_len=512) as pair:  # fmt: skip
         start = len((out / "decode.log").read_bytes())  # after the pair's warm-up request

@@ -1,4 +1,4 @@
-"""kvaudit's audited NixlConnector whose own audit fails in every hook: every method of its
+"""kvaudit's connector wrapping NIXL, whose own audit fails in every hook: every method of its
 scheduler and worker audits raises (``PD_FAILING=hooks``), or its worker audit fails to
 start (``PD_FAILING=start``). The engine must serve as without kvaudit."""
 
@@ -7,7 +7,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kvaudit.integrations.vllm import audited
+# The package, not its class: a config pairing this module with kvaudit's own class
+# name then fails to load instead of loading kvaudit's connector without the change.
+import kvaudit.integrations.vllm as kvaudit_vllm
 
 
 class _Failing:
@@ -27,8 +29,8 @@ class _Failing:
         return fail
 
 
-class NixlConnector(audited.NixlConnector):
-    """NIXL audited by kvaudit, kvaudit's part failing."""
+class FailingConnector(kvaudit_vllm.KVAuditHMAConnector):
+    """NIXL wrapped by kvaudit's connector, kvaudit's part failing."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)

@@ -22,13 +22,14 @@ def main(role: str, model: str, out: Path) -> None:
 
     side = "prefill" if role == "producer" else "decode"
     config = KVTransferConfig(
-        kv_connector="ExampleConnector",
-        kv_connector_module_path="kvaudit.integrations.vllm.audited",
+        kv_connector="KVAuditConnector",
+        kv_connector_module_path="kvaudit.integrations.vllm",
         kv_role=f"kv_{role}",
         kv_connector_extra_config={
-            "shared_storage_path": str(out / "store"),
             "kvaudit": {"output": str(out / side), "dump_sample_rate": 1.0,
                         "max_dump_bytes": 1 << 28},
+            "wrapped": {"kv_connector": "ExampleConnector",
+                        "kv_connector_extra_config": {"shared_storage_path": str(out / "store")}},
         },
     )  # fmt: skip
     llm = LLM(model=model, enforce_eager=True, dtype="float32", block_size=32,

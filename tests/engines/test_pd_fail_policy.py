@@ -26,6 +26,7 @@ def fail_pair(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     out = tmp_path_factory.mktemp("fail-pair")
     decode = EngineSettings(
         audit(out, "decode", policy="fail"),
+        connector="FaultyConnector",
         module="faulty_transfer",
         transfer={"kv_load_failure_policy": "recompute"},
     )

@@ -27,7 +27,11 @@ HERE = Path(__file__).resolve().parent
 @pytest.fixture(scope="module")
 def failing_pair(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDPair]:
     out = tmp_path_factory.mktemp("failing-pair")
-    settings = {"module": "failing_audit", "env": {"PYTHONPATH": f"{ROOT}:{HERE}"}}
+    settings = {
+        "connector": "FailingConnector",
+        "module": "failing_audit",
+        "env": {"PYTHONPATH": f"{ROOT}:{HERE}"},
+    }
     prefill = EngineSettings(audit(out, "prefill"), **settings)
     decode = EngineSettings(audit(out, "decode", policy="fail"), **settings)
     with start_pd(model, out, prefill, decode, base_port=8120) as pair:

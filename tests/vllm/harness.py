@@ -39,8 +39,7 @@ from unittest import mock
 
 import torch
 from cpu_engine import (  # the pieces this stand-in shares with the real-scheduler engine
-    AUDITED,  # noqa: F401 - re-exported for the tests
-    LAYER,  # noqa: F401
+    LAYER,  # noqa: F401 - re-exported for the tests
     MODULE,  # noqa: F401
     attention_spec,
     cache_config,
@@ -66,7 +65,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.worker.utils import allocate_kv_cache
 
-import kvaudit.integrations.vllm.connector as connector_module
+import kvaudit.integrations.vllm.worker_hooks as worker_hooks
 
 
 def vllm_config(
@@ -255,7 +254,7 @@ def make_engine(
         stage = [i for i in range(layers) if i * pp_size // layers == pp_rank]
         stage_config = cache_config(spec, stage, num_blocks, layout)
         with mock.patch.object(
-            connector_module, "worker_ranks", return_value=(rank, tp_size, pp_rank, pp_size)
+            worker_hooks, "worker_ranks", return_value=(rank, tp_size, pp_rank, pp_size)
         ):
             conn = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, stage_config)
             caches = allocate_kv_cache(stage_config, torch.device("cpu"), layout)

@@ -44,7 +44,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
-import kvaudit.integrations.vllm.connector as connector_module
+import kvaudit.integrations.vllm.worker_hooks as worker_hooks
 
 WINDOW = 32  # layer 0's sliding window, in tokens
 HYBRID_STORE = {"kv_connector": "HybridStoreConnector", "kv_connector_module_path": "hybrid_engine"}
@@ -64,11 +64,9 @@ def transfer_config(
 
 
 def nixl_transfer_config(kvaudit: dict[str, Any], role: str, engine_id: str) -> KVTransferConfig:
-    """vLLM's ``NixlConnector`` audited under its own name (docs/vllm.md)."""
-    return KVTransferConfig(
-        kv_connector="NixlConnector", kv_connector_module_path=r.AUDITED,
-        kv_connector_extra_config={"kvaudit": kvaudit}, kv_role=role, engine_id=engine_id,
-    )  # fmt: skip
+    """vLLM's ``NixlConnector`` wrapped by kvaudit's HMA connector (docs/vllm.md)."""
+    nixl = {"kv_connector": "NixlConnector"}
+    return r.transfer_config(kvaudit, nixl, role, engine_id, connector="KVAuditHMAConnector")
 
 
 # The groups HybridStoreConnector's next consumer says its load restores (empty: all).
@@ -142,7 +140,7 @@ def make_hybrid_engine(
     if worker_transfer is not None:
         worker_config = copy.copy(config)
         worker_config.kv_transfer_config = worker_transfer
-    with mock.patch.object(connector_module, "worker_ranks", return_value=(0, 1, 0, 1)):
+    with mock.patch.object(worker_hooks, "worker_ranks", return_value=(0, 1, 0, 1)):
         conn = KVConnectorFactory.create_connector(
             worker_config, KVConnectorRole.WORKER, kv_cache_config
         )

@@ -339,7 +339,7 @@ def test_a_group_it_cannot_describe_is_not_covered_with_its_reason(
     )
     config = h.vllm_config(h.transfer_config({"output": str(tmp_path)}, None), 16)
     with (
-        mock.patch.object(h.connector_module, "worker_ranks", return_value=(0, 1, 0, 1)),
+        mock.patch.object(h.worker_hooks, "worker_ranks", return_value=(0, 1, 0, 1)),
         caplog.at_level(logging.WARNING, logger="kvaudit.vllm"),
     ):
         connector = KVConnectorFactory.create_connector(

@@ -28,13 +28,15 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from kvaudit.integrations.vllm import KVAuditConnector, KVAuditHMAConnector
+from kvaudit.integrations.vllm.class_queries import ClassQueries
 from kvaudit.integrations.vllm.messages import (
     KVAuditMetadata,
     KVAuditPromMetrics,
     KVAuditStats,
     KVAuditWorkerMetadata,
 )
-from kvaudit.integrations.vllm.wrapped_class import WrappedClassQueries
+from kvaudit.integrations.vllm.scheduler_hooks import SchedulerHooks
+from kvaudit.integrations.vllm.worker_hooks import WorkerHooks
 
 WRAPPED = {"kv_connector": "RecordingConnector", "kv_connector_module_path": "recording"}
 PLUMBING = {"role", "has_connector_metadata", "_get_connector_metadata"}
@@ -84,7 +86,8 @@ def test_every_base_method_is_overridden() -> None:
     )
     assert names <= tested
     own = set(vars(KVAuditConnector)) | set(vars(KVAuditHMAConnector))
-    own |= set(vars(WrappedClassQueries))  # the class methods, asked of the wrapped class
+    own |= set(vars(ClassQueries))  # the class methods, asked of the wrapped class
+    own |= set(vars(SchedulerHooks)) | set(vars(WorkerHooks))  # the hooks of each side
     assert names | {"request_finished_all_groups"} <= own
     assert issubclass(KVAuditHMAConnector, SupportsHMA)
     assert not issubclass(KVAuditConnector, SupportsHMA)

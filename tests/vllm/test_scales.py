@@ -24,7 +24,7 @@ from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
-import kvaudit.integrations.vllm.connector as connector_module
+import kvaudit.integrations.vllm.worker_hooks as worker_hooks
 from kvaudit import RequestBlocks
 from kvaudit.description import load_description
 from kvaudit.dumps import write_dump
@@ -67,7 +67,7 @@ def engine(tmp_path: Path, cache_dtype: str) -> tuple[VllmConfig, dict[str, torc
             layers.append(layer)
         spec = layers[0].get_kv_cache_spec(config)
     kv_cache_config = cache_config(spec, len(layers), BLOCKS, KVCacheLayout.LBHNC)
-    with mock.patch.object(connector_module, "worker_ranks", return_value=(0, 1, 0, 1)):
+    with mock.patch.object(worker_hooks, "worker_ranks", return_value=(0, 1, 0, 1)):
         connector = KVConnectorFactory.create_connector(
             config, KVConnectorRole.WORKER, kv_cache_config
         )

@@ -8,22 +8,10 @@ that the output-folder reader (``kvaudit.output_folders``) works without it.
 
 from __future__ import annotations
 
-from typing import Any
+from ...core.lazy import lazy_exports
 
-_CONNECTORS = ("KVAuditConnector", "KVAuditHMAConnector")
+_EXPORTS = {"KVAuditConnector": ".connector", "KVAuditHMAConnector": ".hma"}
 
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
-def __getattr__(name: str) -> Any:
-    """The connector classes, imported (with vLLM) on first use."""
-    if name == "KVAuditConnector":
-        from .connector import KVAuditConnector
-
-        return KVAuditConnector
-    if name == "KVAuditHMAConnector":
-        from .hma import KVAuditHMAConnector
-
-        return KVAuditHMAConnector
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = list(_CONNECTORS)
+__all__ = sorted(_EXPORTS)

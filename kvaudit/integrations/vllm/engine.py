@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
-from typing import Any
 
 from vllm.config import KVTransferConfig, VllmConfig
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -22,33 +19,30 @@ from .checks import GroupLayout
 
 AUDIT_KEY = "kvaudit"
 WRAPPED_KEY = "wrapped"
-AUDITED_MODULE = "kvaudit.integrations.vllm.audited"
 
 
-def wrapped_transfer_config(
-    config: KVTransferConfig, audited: str | None = None
-) -> KVTransferConfig | None:
+def wrapped_transfer_config(config: KVTransferConfig) -> KVTransferConfig | None:
     """The wrapped connector's ``KVTransferConfig`` (None: nothing wrapped).
 
-    ``audited``: the name of the vLLM connector this class audits under its own name
-    (``kvaudit.integrations.vllm.audited``): the same config, without kvaudit's module
-    path and settings. Otherwise ``"wrapped"`` laid over this connector's fields.
+    Args:
+        config: kvaudit's connector's transfer config; ``"wrapped"`` in its
+            ``kv_connector_extra_config`` names the wrapped connector (any connector
+            vLLM's factory loads, by registry name or module path, ``MultiConnector``
+            included) and its settings.
+
+    Returns:
+        ``"wrapped"``'s fields laid over this connector's other fields (role, engine id,
+        ports, ...), so that the wrapped connector sees the config it would see alone.
 
     Raises:
-        ValueError: ``"wrapped"`` is not a mapping with ``kv_connector``, or names one of
-            vLLM's own connectors (whose checks see only a connector configured by its
-            name: ``audited`` is the way).
+        ValueError: ``"wrapped"`` is not a mapping with ``kv_connector``.
 
+    Example:
+        >>> outer = KVTransferConfig(kv_connector="KVAuditConnector", kv_role="kv_consumer",
+        ...     kv_connector_extra_config={"wrapped": {"kv_connector": "NixlConnector"}})
+        >>> wrapped_transfer_config(outer).kv_connector  # doctest: +SKIP
+        'NixlConnector'
     """
-    own = ("kv_connector", "kv_connector_module_path", "kv_connector_extra_config")
-    base = {
-        f.name: getattr(config, f.name)
-        for f in dataclasses.fields(config)
-        if f.init and f.name not in own
-    }
-    if audited is not None:
-        extra = {k: v for k, v in config.kv_connector_extra_config.items() if k != AUDIT_KEY}
-        return KVTransferConfig(**base, kv_connector=audited, kv_connector_extra_config=extra)
     wrapped = config.kv_connector_extra_config.get(WRAPPED_KEY)
     if wrapped is None:
         return None
@@ -57,14 +51,12 @@ def wrapped_transfer_config(
             "kv_connector_extra_config.wrapped: expected a mapping with kv_connector, "
             f"got {wrapped!r}"
         )
-    name = wrapped["kv_connector"]
-    if not wrapped.get("kv_connector_module_path") and is_vllm_connector(name):
-        raise ValueError(
-            f"kv_connector_extra_config.wrapped: {name} is one of vLLM's connectors: "
-            f'configure "kv_connector": "{name}", "kv_connector_module_path": '
-            f'"{AUDITED_MODULE}" (its settings beside "kvaudit" in '
-            "kv_connector_extra_config), so that vLLM's checks of it still apply"
-        )
+    own = ("kv_connector", "kv_connector_module_path", "kv_connector_extra_config")
+    base = {
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(config)
+        if f.init and f.name not in own
+    }
     return KVTransferConfig(**{**base, **wrapped})
 
 
@@ -95,35 +87,8 @@ def refuse_sync_loading(config: KVTransferConfig) -> None:
             )
 
 
-def multiconnector_siblings() -> list[Any] | None:
-    """The children a vLLM ``MultiConnector`` built before the connector being built,
-    when it is being built as one of its children (None: it is not a child).
-
-    A child's connector stats are rebuilt with the class its name has in vLLM's
-    registry, and a child's ``kv_transfer_params`` are merged into an earlier child's
-    when its ``request_finished`` returns: what kvaudit must know of such a place.
-    """
-    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
-
-    code = MultiConnector.__init__.__code__
-    frame = inspect.currentframe()
-    while frame is not None:
-        if frame.f_code is code:
-            return list(getattr(frame.f_locals.get("self"), "_connectors", []))
-        frame = frame.f_back
-    return None
-
-
-def is_vllm_connector(name: str) -> bool:
-    """Whether ``name`` is a connector in vLLM's own registry."""
-    try:
-        KVConnectorFactory.get_connector_class_by_name(name)
-    except ValueError:
-        return False
-    return True
-
-
 def with_transfer_config(vllm_config: VllmConfig, config: KVTransferConfig) -> VllmConfig:
+    """A shallow copy of ``vllm_config`` with ``config`` as its transfer config."""
     out = copy.copy(vllm_config)
     out.kv_transfer_config = config
     return out

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 class KVAuditHMAConnector(KVAuditConnector, SupportsHMA):
     """``KVAuditConnector`` for a wrapped connector that supports vLLM's hybrid memory
-    allocator (several KV cache groups), so that vLLM keeps HMA on."""
+    allocator (several KV cache groups), so that vLLM keeps HMA on: vLLM decides it
+    from the configured class alone (``supports_hma``), before any instance exists."""
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -36,6 +37,8 @@ class KVAuditHMAConnector(KVAuditConnector, SupportsHMA):
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM calls it in place of ``request_finished`` for an HMA connector, exactly
+        once when a request ends, with its blocks of every KV cache group."""
         if self.wrapped is not None:
             assert isinstance(self.wrapped, SupportsHMA)
             delay_free, params = self.wrapped.request_finished_all_groups(request, block_ids)

@@ -147,8 +147,8 @@ class KVAuditPromMetrics(KVConnectorPromMetrics):
 
     def _counter(self, key: str) -> Any:
         """One counter per stat logger, shared by the kvaudit connectors it builds metrics
-        for (two audited children of a MultiConnector add to one): vLLM hands them all
-        the same ``per_engine_labelvalues``, and a new logger, new ones."""
+        for (prometheus refuses a second metric of one name): vLLM hands them all the
+        same ``per_engine_labelvalues``, and a new logger, new ones."""
         shared = (self._counter_cls, key)
         built = _COUNTERS.get(shared)
         if built is None or built[0] is not self.per_engine_labelvalues:
@@ -161,11 +161,6 @@ class KVAuditPromMetrics(KVConnectorPromMetrics):
         return built[1]
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        if STATS_KEY not in transfer_stats_data:
-            # A MultiConnector's audited child: the wrapped connector's stats only.
-            if self.inner is not None:
-                self.inner.observe(transfer_stats_data, engine_idx)
-            return
         for key, value in transfer_stats_data[STATS_KEY].items():
             if key in self.counters and value:
                 self.counters[key][engine_idx].inc(value)

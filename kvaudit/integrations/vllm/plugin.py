@@ -1,7 +1,7 @@
 """kvaudit's vLLM plugin (entry point ``vllm.general_plugins``): names kvaudit's connector
 classes in vLLM's connector registry, in every vLLM process, so that vLLM finds them by
-name where it has only the name (``MultiConnector`` rebuilding a child's connector
-stats in the API server; ``"kv_connector": "KVAuditConnector"`` without a module path).
+name where it has only the name (``"kv_connector": "KVAuditConnector"`` without a module
+path; a ``MultiConnector`` rebuilding a child's connector stats in the API server).
 """
 
 from __future__ import annotations
